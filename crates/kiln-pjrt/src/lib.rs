@@ -1,1 +1,20 @@
-//! kiln-pjrt
+//! Safe Rust over the PJRT C API: plugins, clients, devices, memories, buffers, executables.
+//!
+//! This is the only crate of kiln with `unsafe` code. Every raw pointer stays inside it; every
+//! PJRT error becomes an [`Error`] carrying the plugin's message and code.
+
+mod buffer;
+mod client;
+pub mod discovery;
+mod error;
+mod event;
+mod executable;
+mod plugin;
+pub mod sys;
+
+pub use buffer::Buffer;
+pub use client::{Client, Device, Memory, MemoryStats};
+pub use discovery::{DeviceSpec, Platform, PluginLocation, PluginSource, SearchPaths};
+pub use error::{Error, ErrorCode, Result};
+pub use executable::{CompileOptions, CompiledMemoryStats, ExecuteOptions, LoadedExecutable, OptionOverride};
+pub use plugin::{check_api_version, NamedValue, Plugin, MIN_API_MINOR, REQUIRED_API_MAJOR};
