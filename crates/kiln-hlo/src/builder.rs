@@ -1,0 +1,206 @@
+//! The program under construction.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use kiln_types::{DType, Shape};
+
+use crate::error::HloError;
+use crate::Result;
+
+static NEXT_BUILDER: AtomicU32 = AtomicU32::new(1);
+
+/// A typed SSA value of one [`Builder`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Value {
+    pub(crate) builder: u32,
+    pub(crate) id: usize,
+    pub(crate) shape: Shape,
+    pub(crate) dtype: DType,
+}
+
+impl Value {
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+    pub fn dims(&self) -> &[usize] {
+        self.shape.dims()
+    }
+    pub fn rank(&self) -> usize {
+        self.shape.rank()
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub(crate) fn name(&self) -> String {
+        format!("%v{}", self.id)
+    }
+}
+
+/// The MLIR type of a tensor: `tensor<2x3xf32>`, `tensor<f32>`.
+pub fn tensor_type(shape: &Shape, dtype: DType) -> String {
+    let mut s = String::with_capacity(24);
+    s.push_str("tensor<");
+    for d in shape.dims() {
+        let _ = write!(s, "{d}x");
+    }
+    s.push_str(dtype.mlir_name());
+    s.push('>');
+    s
+}
+
+/// Attributes of a function argument (sharding, donation, memory kind).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ArgAttrs {
+    /// Raw MLIR attribute entries, e.g. `sdy.sharding = #sdy.sharding<@mesh, [{"x"}, {}]>`.
+    pub entries: Vec<String>,
+}
+
+impl ArgAttrs {
+    /// Lets the runtime reuse this argument's buffer for output `output`.
+    pub fn donate_to(output: usize) -> Self {
+        ArgAttrs {
+            entries: vec![format!("tf.aliasing_output = {output} : i32")],
+        }
+    }
+}
+
+/// Builds one `func.func @main` and prints it as a StableHLO module.
+#[derive(Debug)]
+pub struct Builder {
+    pub(crate) uid: u32,
+    next_id: usize,
+    args: Vec<(Value, ArgAttrs)>,
+    pub(crate) body: String,
+    module_attrs: Vec<String>,
+    module_prelude: Vec<String>,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Builder {
+    pub fn new() -> Self {
+        Builder {
+            uid: NEXT_BUILDER.fetch_add(1, Ordering::Relaxed),
+            next_id: 0,
+            args: Vec::new(),
+            body: String::with_capacity(256),
+            module_attrs: Vec::new(),
+            module_prelude: Vec::new(),
+        }
+    }
+
+    /// Adds a function argument.
+    pub fn parameter(&mut self, shape: impl Into<Shape>, dtype: DType) -> Value {
+        self.parameter_with(shape, dtype, ArgAttrs::default())
+    }
+
+    pub fn parameter_with(&mut self, shape: impl Into<Shape>, dtype: DType, attrs: ArgAttrs) -> Value {
+        let v = self.new_value(shape.into(), dtype);
+        self.args.push((v.clone(), attrs));
+        v
+    }
+
+    pub fn num_parameters(&self) -> usize {
+        self.args.len()
+    }
+
+    /// A module attribute such as `mhlo.num_partitions = 2 : i32`.
+    pub fn add_module_attr(&mut self, attr: impl Into<String>) {
+        self.module_attrs.push(attr.into());
+    }
+
+    /// A line placed in the module before `@main`, such as `sdy.mesh @mesh = <["x"=2]>`.
+    pub fn add_module_prelude(&mut self, line: impl Into<String>) {
+        self.module_prelude.push(line.into());
+    }
+
+    pub(crate) fn new_value(&mut self, shape: Shape, dtype: DType) -> Value {
+        let v = Value {
+            builder: self.uid,
+            id: self.next_id,
+            shape,
+            dtype,
+        };
+        self.next_id += 1;
+        v
+    }
+
+    pub(crate) fn check(&self, op: &'static str, v: &Value) -> Result<()> {
+        if v.builder != self.uid {
+            return Err(HloError::ForeignValue { op, id: v.id });
+        }
+        Ok(())
+    }
+
+    /// Emits `%r = <text> : <signature>` for a new value of the given type and returns it.
+    pub(crate) fn emit(&mut self, shape: Shape, dtype: DType, op_text: std::fmt::Arguments<'_>) -> Value {
+        let v = self.new_value(shape, dtype);
+        let _ = writeln!(self.body, "    {} = {}", v.name(), op_text);
+        v
+    }
+
+    /// Prints the module with `outputs` as the results of `@main` (each with optional attributes).
+    pub fn finish(&self, outputs: &[Value]) -> Result<String> {
+        self.finish_with(outputs, &[])
+    }
+
+    pub fn finish_with(&self, outputs: &[Value], output_attrs: &[ArgAttrs]) -> Result<String> {
+        for o in outputs {
+            self.check("return", o)?;
+        }
+        let mut s = String::with_capacity(self.body.len() + 256);
+        s.push_str("module @kiln");
+        if !self.module_attrs.is_empty() {
+            let _ = write!(s, " attributes {{{}}}", self.module_attrs.join(", "));
+        }
+        s.push_str(" {\n");
+        for line in &self.module_prelude {
+            let _ = writeln!(s, "  {line}");
+        }
+        s.push_str("  func.func @main(");
+        for (i, (v, attrs)) in self.args.iter().enumerate() {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            let _ = write!(s, "{}: {}", v.name(), tensor_type(&v.shape, v.dtype));
+            if !attrs.entries.is_empty() {
+                let _ = write!(s, " {{{}}}", attrs.entries.join(", "));
+            }
+        }
+        s.push_str(") -> (");
+        for (i, v) in outputs.iter().enumerate() {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            s.push_str(&tensor_type(&v.shape, v.dtype));
+            if let Some(a) = output_attrs.get(i).filter(|a| !a.entries.is_empty()) {
+                let _ = write!(s, " {{{}}}", a.entries.join(", "));
+            }
+        }
+        s.push_str(") {\n");
+        s.push_str(&self.body);
+        s.push_str("    return ");
+        for (i, v) in outputs.iter().enumerate() {
+            if i > 0 {
+                s.push_str(", ");
+            }
+            s.push_str(&v.name());
+        }
+        if !outputs.is_empty() {
+            s.push_str(" : ");
+            for (i, v) in outputs.iter().enumerate() {
+                if i > 0 {
+                    s.push_str(", ");
+                }
+                s.push_str(&tensor_type(&v.shape, v.dtype));
+            }
+        }
+        s.push_str("\n  }\n}\n");
+        Ok(s)
+    }
+}
