@@ -1,1 +1,15 @@
-//! kiln-image
+//! Image output for kiln: diffusers' post-processing of the VAE output and PNG files that carry
+//! the generation parameters.
+#![forbid(unsafe_code)]
+
+mod error;
+mod png_file;
+mod postprocess;
+
+pub use error::ImageError;
+pub use image::RgbImage;
+pub use png_file::{
+    encode_png, read_png, read_png_parameters, save_png, GenerationParams, PngFile, PngText, KILN_PARAMETERS_KEYWORD,
+    PARAMETERS_KEYWORD,
+};
+pub use postprocess::{postprocess, postprocess_bytes, DecodedPixels};
