@@ -1,1 +1,23 @@
-//! kiln-tokenizers
+//! Prompt tokenizers that give the same ids as transformers 5.
+//!
+//! * [`ClipTokenizer`]: CLIP byte-level BPE (FLUX.1 / SD3 `tokenizer/`, SD3 CLIP-G
+//!   `tokenizer_2/` with pad `!`).
+//! * [`T5Tokenizer`]: SentencePiece unigram (FLUX.1 `tokenizer_2/`, SD3 `tokenizer_3/`).
+//!
+//! Both are built on [`TextTokenizer`] (a `tokenizers` pipeline plus transformers' padding,
+//! truncation and decoding) and implement [`PromptTokenizer`], the call shape the pipelines
+//! use: `encode` (no padding/truncation) and `encode_batch` (`padding="max_length",
+//! truncation=True`).
+#![forbid(unsafe_code)]
+
+mod clip;
+mod config;
+mod error;
+mod sentencepiece;
+mod t5;
+mod text;
+
+pub use clip::ClipTokenizer;
+pub use error::{Result, TokenizerError};
+pub use t5::T5Tokenizer;
+pub use text::{Encoded, PaddingSide, PromptTokenizer, TextTokenizer, Truncation, TruncationNotice};
