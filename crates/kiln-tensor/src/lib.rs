@@ -1,1 +1,21 @@
-//! kiln-tensor
+//! Tensors on PJRT devices with strict eager execution.
+//!
+//! Every op is written once, as code that emits StableHLO into a [`kiln_hlo::Builder`]. In eager
+//! mode (the default) an op call builds a one-op program, looks it up in the op cache (keyed by
+//! the program text and the device), compiles it on a miss, enqueues it and returns; nothing waits
+//! until a value is read on the host.
+#![forbid(unsafe_code)]
+
+mod device;
+mod dispatch;
+mod error;
+mod ops;
+mod tensor;
+
+pub use device::{client_for, Device};
+pub use dispatch::{op_cache_stats, thread_op_cache_stats, OpCacheStats};
+pub use error::{Error, Result};
+pub use kiln_pjrt::{DeviceSpec, Platform};
+pub use kiln_types::{bf16, f16, DType, Element, Shape};
+pub use ops::{AttentionMask, Conv2dParams, RopeLayout};
+pub use tensor::Tensor;

@@ -1,0 +1,181 @@
+//! Strict eager dispatch: each op is a one-op program, compiled once per (program, device) and
+//! cached; execution is asynchronous.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use kiln_hlo::{Builder, Value};
+use kiln_pjrt::{CompileOptions, ExecuteOptions, LoadedExecutable};
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Counts of op-cache events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpCacheStats {
+    /// Programs compiled (cache misses).
+    pub compiles: u64,
+    /// Ops served from the cache.
+    pub hits: u64,
+}
+
+static COMPILES: AtomicU64 = AtomicU64::new(0);
+static HITS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static THREAD_COMPILES: Cell<u64> = const { Cell::new(0) };
+    static THREAD_HITS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Op-cache counts for the whole process.
+pub fn op_cache_stats() -> OpCacheStats {
+    OpCacheStats {
+        compiles: COMPILES.load(Ordering::Relaxed),
+        hits: HITS.load(Ordering::Relaxed),
+    }
+}
+
+/// Op-cache counts of ops dispatched from the calling thread (eager ops run on the caller's
+/// thread, so this isolates one test or one pipeline from others running concurrently).
+pub fn thread_op_cache_stats() -> OpCacheStats {
+    OpCacheStats {
+        compiles: THREAD_COMPILES.with(Cell::get),
+        hits: THREAD_HITS.with(Cell::get),
+    }
+}
+
+#[derive(PartialEq, Eq, Hash)]
+struct CacheKey {
+    client: usize,
+    device: usize,
+    program: String,
+}
+
+type Cache = Mutex<HashMap<CacheKey, Arc<LoadedExecutable>>>;
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn dump_dir() -> Option<&'static std::path::Path> {
+    static DIR: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
+    DIR.get_or_init(|| std::env::var_os("KILN_DUMP_HLO").map(std::path::PathBuf::from))
+        .as_deref()
+}
+
+/// Returns the executable for `program` on `device`, compiling it on a miss.
+pub(crate) fn executable(op: &'static str, device: &Device, program: String) -> Result<Arc<LoadedExecutable>> {
+    let key = CacheKey {
+        client: Arc::as_ptr(device.client()) as usize,
+        device: device.index(),
+        program,
+    };
+    if let Some(exe) = cache().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        HITS.fetch_add(1, Ordering::Relaxed);
+        THREAD_HITS.with(|c| c.set(c.get() + 1));
+        return Ok(exe.clone());
+    }
+    // Compile outside the lock so that other threads keep dispatching cached ops.
+    if let Some(dir) = dump_dir() {
+        let n = COMPILES.load(Ordering::Relaxed);
+        let _ = std::fs::create_dir_all(dir);
+        let _ = std::fs::write(dir.join(format!("{n:05}_{op}.mlir")), &key.program);
+    }
+    let options = CompileOptions {
+        device_assignment: Some(vec![vec![device.pjrt().id() as i64]]),
+        ..Default::default()
+    };
+    let exe = device
+        .client()
+        .compile(&key.program, &options)
+        .map_err(|source| Error::Compile { op, source })?;
+    COMPILES.fetch_add(1, Ordering::Relaxed);
+    THREAD_COMPILES.with(|c| c.set(c.get() + 1));
+    let exe = Arc::new(exe);
+    cache()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(key)
+        .or_insert(exe.clone());
+    Ok(exe)
+}
+
+/// The device all `inputs` live on (an error names both devices when they differ).
+pub(crate) fn common_device(op: &'static str, inputs: &[&Tensor]) -> Result<Device> {
+    let first = inputs
+        .first()
+        .ok_or_else(|| Error::invalid(op, "needs at least one input tensor"))?
+        .device()
+        .clone();
+    for t in &inputs[1..] {
+        if *t.device() != first {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: first.to_string(),
+                rhs: t.device().to_string(),
+            });
+        }
+    }
+    Ok(first)
+}
+
+/// Runs an op: `build` emits it into a fresh program whose parameters are `inputs`; the program
+/// is compiled once and cached, then executed on the inputs' device. Returns without waiting.
+pub(crate) fn apply(
+    op: &'static str,
+    inputs: &[&Tensor],
+    build: impl FnOnce(&mut Builder, &[Value]) -> kiln_hlo::Result<Vec<Value>>,
+) -> Result<Vec<Tensor>> {
+    let device = common_device(op, inputs)?;
+    apply_on(op, &device, inputs, build)
+}
+
+/// [`apply`] for ops that may have no inputs (creation ops): runs on `device`.
+pub(crate) fn apply_on(
+    op: &'static str,
+    device: &Device,
+    inputs: &[&Tensor],
+    build: impl FnOnce(&mut Builder, &[Value]) -> kiln_hlo::Result<Vec<Value>>,
+) -> Result<Vec<Tensor>> {
+    let mut b = Builder::new();
+    let params: Vec<Value> = inputs
+        .iter()
+        .map(|t| b.parameter(t.shape().clone(), t.dtype()))
+        .collect();
+    let outputs = build(&mut b, &params)?;
+    let program = b.finish(&outputs)?;
+    let exe = executable(op, device, program)?;
+    for t in inputs {
+        if t.device() != device {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: device.to_string(),
+                rhs: t.device().to_string(),
+            });
+        }
+    }
+    let buffers: Vec<&kiln_pjrt::Buffer> = inputs.iter().map(|t| t.buffer()).collect();
+    let mut results = exe
+        .execute(&[&buffers], &ExecuteOptions::default())
+        .map_err(|source| Error::Execute { op, source })?;
+    let per_device = results.pop().unwrap_or_default();
+    Ok(per_device
+        .into_iter()
+        .zip(outputs)
+        .map(|(buf, v)| Tensor::from_buffer(buf, v.shape().clone(), v.dtype(), device.clone()))
+        .collect())
+}
+
+/// [`apply`] for single-output ops.
+pub(crate) fn apply1(
+    op: &'static str,
+    inputs: &[&Tensor],
+    build: impl FnOnce(&mut Builder, &[Value]) -> kiln_hlo::Result<Value>,
+) -> Result<Tensor> {
+    let mut out = apply(op, inputs, |b, p| Ok(vec![build(b, p)?]))?;
+    Ok(out.remove(0))
+}

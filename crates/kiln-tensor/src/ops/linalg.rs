@@ -1,0 +1,181 @@
+//! Matrix products and convolution.
+
+use kiln_hlo::{ConvDims, DotDims};
+use kiln_types::DType;
+
+use super::emit::{broadcast_shapes, broadcast_to};
+use crate::dispatch::apply1;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// The dtype a dot/convolution accumulates in: f32 for 16-bit floats, else the input dtype.
+fn accumulation_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    }
+}
+
+impl Tensor {
+    /// `torch.matmul` for rank ≥ 2 operands: `[..., m, k] @ [..., k, n]` with broadcast batch
+    /// dimensions. 16-bit inputs accumulate in f32; the result has the input dtype.
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        let op = "matmul";
+        if self.dtype() != rhs.dtype() {
+            return Err(Error::DType {
+                op,
+                lhs: self.dtype(),
+                rhs: rhs.dtype(),
+            });
+        }
+        let bad = || Error::invalid(op, format!("cannot multiply {} by {}", self.shape(), rhs.shape()));
+        if self.rank() < 2 || rhs.rank() < 2 {
+            return Err(bad());
+        }
+        let (m, k) = (self.dims()[self.rank() - 2], self.dims()[self.rank() - 1]);
+        let (k2, n) = (rhs.dims()[rhs.rank() - 2], rhs.dims()[rhs.rank() - 1]);
+        if k != k2 {
+            return Err(bad());
+        }
+        let batch = broadcast_shapes(&self.dims()[..self.rank() - 2], &rhs.dims()[..rhs.rank() - 2]).ok_or_else(bad)?;
+        let nb = batch.len();
+        let mut ls = batch.clone();
+        ls.extend([m, k]);
+        let mut rs = batch.clone();
+        rs.extend([k, n]);
+        let dtype = self.dtype();
+        apply1(op, &[self, rhs], |b, p| {
+            let x = broadcast_to(b, &p[0], &ls)?;
+            let y = broadcast_to(b, &p[1], &rs)?;
+            let dims = DotDims {
+                lhs_batch: (0..nb).collect(),
+                rhs_batch: (0..nb).collect(),
+                lhs_contract: vec![nb + 1],
+                rhs_contract: vec![nb],
+            };
+            let out = b.dot_general(&x, &y, &dims, accumulation_dtype(dtype))?;
+            b.convert(&out, dtype)
+        })
+    }
+
+    /// `x @ weight.T + bias` (torch `nn.Linear`; `weight` is `[out, in]`), in one program.
+    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let op = "linear";
+        if weight.rank() != 2 || self.rank() == 0 || self.dims()[self.rank() - 1] != weight.dims()[1] {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "input {} does not match weight {} ([out, in])",
+                    self.shape(),
+                    weight.shape()
+                ),
+            ));
+        }
+        if self.dtype() != weight.dtype() {
+            return Err(Error::DType {
+                op,
+                lhs: self.dtype(),
+                rhs: weight.dtype(),
+            });
+        }
+        if let Some(bias) = bias {
+            if bias.dims() != [weight.dims()[0]] || bias.dtype() != self.dtype() {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "bias {} {} does not match weight {}",
+                        bias.shape(),
+                        bias.dtype(),
+                        weight.shape()
+                    ),
+                ));
+            }
+        }
+        let dtype = self.dtype();
+        let last = self.rank() - 1;
+        let mut inputs = vec![self, weight];
+        inputs.extend(bias);
+        apply1(op, &inputs, |b, p| {
+            let dims = DotDims {
+                lhs_contract: vec![last],
+                rhs_contract: vec![1],
+                ..Default::default()
+            };
+            let acc = accumulation_dtype(dtype);
+            let mut y = b.dot_general(&p[0], &p[1], &dims, acc)?;
+            if let Some(bias) = p.get(2) {
+                // The bias is added before the final rounding, as oneDNN/cuBLAS epilogues do.
+                let bias = b.convert(bias, acc)?;
+                let bias = broadcast_to(b, &bias, &y.dims().to_vec())?;
+                y = b.add(&y, &bias)?;
+            }
+            b.convert(&y, dtype)
+        })
+    }
+
+    /// 2-D convolution (NCHW input, OIHW weight), torch `F.conv2d` semantics.
+    pub fn conv2d(&self, weight: &Tensor, bias: Option<&Tensor>, params: Conv2dParams) -> Result<Tensor> {
+        let op = "conv2d";
+        if self.dtype() != weight.dtype() {
+            return Err(Error::DType {
+                op,
+                lhs: self.dtype(),
+                rhs: weight.dtype(),
+            });
+        }
+        if let Some(bias) = bias {
+            if weight.rank() != 4 || bias.dims() != [weight.dims()[0]] || bias.dtype() != self.dtype() {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "bias {} {} does not match weight {}",
+                        bias.shape(),
+                        bias.dtype(),
+                        weight.shape()
+                    ),
+                ));
+            }
+        }
+        let dims = ConvDims {
+            stride: [params.stride; 2],
+            padding: [(params.padding as i64, params.padding as i64); 2],
+            lhs_dilation: [1, 1],
+            rhs_dilation: [params.dilation; 2],
+            feature_group_count: params.groups,
+        };
+        let dtype = self.dtype();
+        let mut inputs = vec![self, weight];
+        inputs.extend(bias);
+        apply1(op, &inputs, |b, p| {
+            let acc = accumulation_dtype(dtype);
+            let mut y = b.convolution(&p[0], &p[1], &dims, acc)?;
+            if let Some(bias) = p.get(2) {
+                let bias = b.convert(bias, acc)?;
+                let shape = y.dims().to_vec();
+                let bias = b.broadcast_in_dim(&bias, shape, &[1])?;
+                y = b.add(&y, &bias)?;
+            }
+            b.convert(&y, dtype)
+        })
+    }
+}
+
+/// Stride, symmetric zero padding, dilation and groups of [`Tensor::conv2d`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dParams {
+    pub stride: usize,
+    pub padding: usize,
+    pub dilation: usize,
+    pub groups: usize,
+}
+
+impl Default for Conv2dParams {
+    fn default() -> Self {
+        Conv2dParams {
+            stride: 1,
+            padding: 0,
+            dilation: 1,
+            groups: 1,
+        }
+    }
+}

@@ -1,0 +1,11 @@
+//! Tensor ops. Each is written once as builder code (see `emit`), run eagerly through dispatch.
+
+mod elementwise;
+pub(crate) mod emit;
+mod linalg;
+mod nn;
+mod reduce;
+mod shape;
+
+pub use linalg::Conv2dParams;
+pub use nn::{AttentionMask, RopeLayout};

@@ -1,0 +1,372 @@
+//! Neural-network ops: softmax, norms, attention, rotary embeddings. Each computes in f32 and
+//! rounds once to the input dtype, as torch's CPU kernels do for 16-bit floats.
+
+use kiln_hlo::{CompareDirection, DotDims, ReduceKind};
+use kiln_types::DType;
+
+use super::emit::{broadcast_shapes, broadcast_to, full_like, normalize, reduce_keep, upcast};
+use crate::dispatch::apply1;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// The mask of [`Tensor::scaled_dot_product_attention`].
+#[derive(Clone, Debug, Default)]
+pub enum AttentionMask {
+    /// Every query attends to every key.
+    #[default]
+    None,
+    /// Query i attends to keys 0..=i.
+    Causal,
+    /// Added to the scores (broadcast to `[batch, heads, q_len, k_len]`), e.g. a position bias or
+    /// `-inf` at masked positions.
+    Additive(Tensor),
+}
+
+/// Which elements a rotary embedding rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Pairs (2i, 2i+1) — FLUX.
+    Interleaved,
+    /// Pairs (i, i + d/2) — `rotate_half` in Llama/Mistral.
+    HalfSplit,
+}
+
+fn check_float(op: &'static str, t: &Tensor) -> Result<()> {
+    if !t.dtype().is_float() {
+        return Err(Error::invalid(
+            op,
+            format!("needs a floating-point tensor, got {}", t.dtype()),
+        ));
+    }
+    Ok(())
+}
+
+fn check_param(op: &'static str, name: &str, p: Option<&Tensor>, len: usize, dtype: DType) -> Result<()> {
+    if let Some(p) = p {
+        if p.dims() != [len] || p.dtype() != dtype {
+            return Err(Error::invalid(
+                op,
+                format!("{name} is {} {}, expected [{len}] {dtype}", p.shape(), p.dtype()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl Tensor {
+    /// Softmax over `dim`.
+    pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        check_float("softmax", self)?;
+        let d = self.resolve_dim("softmax", dim)?;
+        let dtype = self.dtype();
+        apply1("softmax", &[self], |b, p| {
+            let x = upcast(b, &p[0])?;
+            let shape = x.dims().to_vec();
+            let m = reduce_keep(b, &x, &[d], ReduceKind::Max, true)?;
+            let m = broadcast_to(b, &m, &shape)?;
+            let e = b.subtract(&x, &m)?;
+            let e = b.exp(&e)?;
+            let s = reduce_keep(b, &e, &[d], ReduceKind::Sum, true)?;
+            let s = broadcast_to(b, &s, &shape)?;
+            let y = b.divide(&e, &s)?;
+            b.convert(&y, dtype)
+        })
+    }
+
+    /// Layer normalization over the last dimension, with optional affine weight and bias.
+    pub fn layer_norm(&self, weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        let op = "layer_norm";
+        check_float(op, self)?;
+        let n = *self
+            .dims()
+            .last()
+            .ok_or_else(|| Error::invalid(op, "needs at least one dimension"))?;
+        check_param(op, "weight", weight, n, self.dtype())?;
+        check_param(op, "bias", bias, n, self.dtype())?;
+        let dtype = self.dtype();
+        let last = self.rank() - 1;
+        let mut inputs = vec![self];
+        inputs.extend(weight);
+        inputs.extend(bias);
+        let (has_w, has_b) = (weight.is_some(), bias.is_some());
+        apply1(op, &inputs, |b, p| {
+            let x = upcast(b, &p[0])?;
+            let shape = x.dims().to_vec();
+            let mut y = normalize(b, &x, &[last], eps)?;
+            let mut next = 1;
+            if has_w {
+                let w = upcast(b, &p[next])?;
+                let w = broadcast_to(b, &w, &shape)?;
+                y = b.multiply(&y, &w)?;
+                next += 1;
+            }
+            if has_b {
+                let bb = upcast(b, &p[next])?;
+                let bb = broadcast_to(b, &bb, &shape)?;
+                y = b.add(&y, &bb)?;
+            }
+            b.convert(&y, dtype)
+        })
+    }
+
+    /// RMS normalization over the last dimension: `x / sqrt(mean(x²) + eps) * weight`, one
+    /// rounding (torch `nn.RMSNorm`).
+    pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        let op = "rms_norm";
+        check_float(op, self)?;
+        let n = *self
+            .dims()
+            .last()
+            .ok_or_else(|| Error::invalid(op, "needs at least one dimension"))?;
+        check_param(op, "weight", weight, n, self.dtype())?;
+        let dtype = self.dtype();
+        let last = self.rank() - 1;
+        let mut inputs = vec![self];
+        inputs.extend(weight);
+        apply1(op, &inputs, |b, p| {
+            let x = upcast(b, &p[0])?;
+            let shape = x.dims().to_vec();
+            let sq = b.multiply(&x, &x)?;
+            let ms = super::emit::mean_keep(b, &sq, &[last])?;
+            let e = full_like(b, &ms, eps);
+            let ms = b.add(&ms, &e)?;
+            let inv = b.rsqrt(&ms)?;
+            let inv = broadcast_to(b, &inv, &shape)?;
+            let mut y = b.multiply(&x, &inv)?;
+            if let Some(w) = p.get(1) {
+                let w = upcast(b, w)?;
+                let w = broadcast_to(b, &w, &shape)?;
+                y = b.multiply(&y, &w)?;
+            }
+            b.convert(&y, dtype)
+        })
+    }
+
+    /// Group normalization of `[N, C, ...]` over `groups` channel groups, with per-channel affine.
+    pub fn group_norm(
+        &self,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let op = "group_norm";
+        check_float(op, self)?;
+        if self.rank() < 2 || groups == 0 || self.dims()[1] % groups != 0 {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{} channels of {} cannot form {groups} groups",
+                    self.dims().get(1).unwrap_or(&0),
+                    self.shape()
+                ),
+            ));
+        }
+        let c = self.dims()[1];
+        check_param(op, "weight", weight, c, self.dtype())?;
+        check_param(op, "bias", bias, c, self.dtype())?;
+        let dtype = self.dtype();
+        let dims = self.dims().to_vec();
+        let n = dims[0];
+        let per_group = self.numel() / n / groups;
+        let mut inputs = vec![self];
+        inputs.extend(weight);
+        inputs.extend(bias);
+        let (has_w, has_b) = (weight.is_some(), bias.is_some());
+        apply1(op, &inputs, |b, p| {
+            let x = upcast(b, &p[0])?;
+            let g = b.reshape(&x, [n, groups, per_group])?;
+            let g = normalize(b, &g, &[2], eps)?;
+            let mut y = b.reshape(&g, dims.clone())?;
+            let mut next = 1;
+            if has_w {
+                let w = upcast(b, &p[next])?;
+                let w = b.broadcast_in_dim(&w, dims.clone(), &[1])?;
+                y = b.multiply(&y, &w)?;
+                next += 1;
+            }
+            if has_b {
+                let bb = upcast(b, &p[next])?;
+                let bb = b.broadcast_in_dim(&bb, dims.clone(), &[1])?;
+                y = b.add(&y, &bb)?;
+            }
+            b.convert(&y, dtype)
+        })
+    }
+
+    /// Attention over heads-first inputs: `q` `[B, H, Sq, D]`, `k` and `v` `[B, H, Sk, D]`
+    /// (`v` may have another last dim). `scale` defaults to `1/sqrt(D)` and is applied to `q`
+    /// before the product. Scores and softmax are f32; 16-bit inputs use f32-accumulating dots.
+    pub fn scaled_dot_product_attention(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &AttentionMask,
+        scale: Option<f64>,
+    ) -> Result<Tensor> {
+        let op = "attention";
+        for t in [q, k, v] {
+            check_float(op, t)?;
+            if t.rank() != 4 || t.dtype() != q.dtype() {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "q, k, v must be [batch, heads, seq, dim] of one dtype; got {} {}, {} {}, {} {}",
+                        q.shape(),
+                        q.dtype(),
+                        k.shape(),
+                        k.dtype(),
+                        v.shape(),
+                        v.dtype()
+                    ),
+                ));
+            }
+        }
+        let (bq, hq, sq, d) = (q.dims()[0], q.dims()[1], q.dims()[2], q.dims()[3]);
+        let sk = k.dims()[2];
+        if k.dims() != [bq, hq, sk, d] || v.dims()[..3] != [bq, hq, sk] {
+            return Err(Error::invalid(
+                op,
+                format!("shapes do not agree: q {}, k {}, v {}", q.shape(), k.shape(), v.shape()),
+            ));
+        }
+        let scores_shape = [bq, hq, sq, sk];
+        let extra = match mask {
+            AttentionMask::Additive(m) => {
+                if broadcast_shapes(m.dims(), &scores_shape).as_deref() != Some(&scores_shape[..]) {
+                    return Err(Error::Broadcast {
+                        op,
+                        lhs: m.shape().clone(),
+                        rhs: scores_shape.to_vec().into(),
+                    });
+                }
+                if !m.dtype().is_float() {
+                    return Err(Error::invalid(
+                        op,
+                        format!("an additive mask must be float, got {}", m.dtype()),
+                    ));
+                }
+                Some(m)
+            }
+            _ => None,
+        };
+        let causal = matches!(mask, AttentionMask::Causal);
+        let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+        let dtype = q.dtype();
+        let mut inputs = vec![q, k, v];
+        inputs.extend(extra);
+        apply1(op, &inputs, |b, p| {
+            let acc = DType::F32;
+            let q = if scale == 1.0 {
+                p[0].clone()
+            } else {
+                let qf = upcast(b, &p[0])?;
+                let s = full_like(b, &qf, scale);
+                let qs = b.multiply(&qf, &s)?;
+                b.convert(&qs, dtype)?
+            };
+            let qk = DotDims {
+                lhs_batch: vec![0, 1],
+                rhs_batch: vec![0, 1],
+                lhs_contract: vec![3],
+                rhs_contract: vec![3],
+            };
+            let mut scores = b.dot_general(&q, &p[1], &qk, acc)?;
+            if let Some(m) = p.get(3) {
+                let m = b.convert(m, acc)?;
+                let m = broadcast_to(b, &m, &scores_shape)?;
+                scores = b.add(&scores, &m)?;
+            }
+            if causal {
+                let rows = b.iota(scores_shape, 2, DType::I64)?;
+                let cols = b.iota(scores_shape, 3, DType::I64)?;
+                let keep = b.compare(CompareDirection::Ge, &rows, &cols)?;
+                let neg = b.splat(f64::NEG_INFINITY, scores_shape, acc);
+                scores = b.select(&keep, &scores, &neg)?;
+            }
+            let m = reduce_keep(b, &scores, &[3], ReduceKind::Max, true)?;
+            let m = broadcast_to(b, &m, &scores_shape)?;
+            let e = b.subtract(&scores, &m)?;
+            let e = b.exp(&e)?;
+            let s = reduce_keep(b, &e, &[3], ReduceKind::Sum, true)?;
+            let s = broadcast_to(b, &s, &scores_shape)?;
+            let probs = b.divide(&e, &s)?;
+            let probs = b.convert(&probs, dtype)?;
+            let pv = DotDims {
+                lhs_batch: vec![0, 1],
+                rhs_batch: vec![0, 1],
+                lhs_contract: vec![3],
+                rhs_contract: vec![2],
+            };
+            let out = b.dot_general(&probs, &p[2], &pv, acc)?;
+            b.convert(&out, dtype)
+        })
+    }
+
+    /// Applies a rotary position embedding to `[..., S, D]` with tables `cos`, `sin` of shape
+    /// `[S, D]` (f32, each frequency repeated for the two elements of its pair):
+    /// `y = x * cos + rotate(x) * sin`, computed in f32 and rounded once.
+    pub fn apply_rotary_emb(&self, cos: &Tensor, sin: &Tensor, layout: RopeLayout) -> Result<Tensor> {
+        let op = "rotary_emb";
+        check_float(op, self)?;
+        let r = self.rank();
+        if r < 2 || self.dims()[r - 1] % 2 != 0 {
+            return Err(Error::invalid(
+                op,
+                format!("needs [..., seq, even dim], got {}", self.shape()),
+            ));
+        }
+        let (s, d) = (self.dims()[r - 2], self.dims()[r - 1]);
+        for t in [cos, sin] {
+            if t.dims() != [s, d] || t.dtype() != DType::F32 {
+                return Err(Error::invalid(
+                    op,
+                    format!("tables must be [{s}, {d}] f32, got {} {}", t.shape(), t.dtype()),
+                ));
+            }
+        }
+        let dtype = self.dtype();
+        let shape = self.dims().to_vec();
+        apply1(op, &[self, cos, sin], |b, p| {
+            let x = upcast(b, &p[0])?;
+            let lead = shape[..r - 1].to_vec();
+            let rotated = match layout {
+                RopeLayout::Interleaved => {
+                    let mut pairs = lead.clone();
+                    pairs.extend([d / 2, 2]);
+                    let xp = b.reshape(&x, pairs.clone())?;
+                    let rank = pairs.len();
+                    let mut lo = vec![0; rank];
+                    let mut hi = pairs.clone();
+                    let strides = vec![1; rank];
+                    hi[rank - 1] = 1;
+                    let even = b.slice(&xp, &lo, &hi, &strides)?;
+                    lo[rank - 1] = 1;
+                    hi[rank - 1] = 2;
+                    let odd = b.slice(&xp, &lo, &hi, &strides)?;
+                    let neg_odd = b.negate(&odd)?;
+                    let rot = b.concatenate(&[neg_odd, even], rank - 1)?;
+                    b.reshape(&rot, shape.clone())?
+                }
+                RopeLayout::HalfSplit => {
+                    let strides = vec![1; r];
+                    let mut lo = vec![0; r];
+                    let mut hi = shape.clone();
+                    hi[r - 1] = d / 2;
+                    let first = b.slice(&x, &lo, &hi, &strides)?;
+                    lo[r - 1] = d / 2;
+                    hi[r - 1] = d;
+                    let second = b.slice(&x, &lo, &hi, &strides)?;
+                    let neg_second = b.negate(&second)?;
+                    b.concatenate(&[neg_second, first], r - 1)?
+                }
+            };
+            let c = broadcast_to(b, &p[1], &shape)?;
+            let sn = broadcast_to(b, &p[2], &shape)?;
+            let xc = b.multiply(&x, &c)?;
+            let rs = b.multiply(&rotated, &sn)?;
+            let y = b.add(&xc, &rs)?;
+            b.convert(&y, dtype)
+        })
+    }
+}

@@ -1,0 +1,265 @@
+//! The `Tensor` type: shape, dtype and a device buffer.
+
+use std::fmt;
+use std::sync::Arc;
+
+use kiln_types::{bytes_to_f32, DType, Element, Shape};
+
+use crate::device::Device;
+use crate::dispatch::{apply1, apply_on};
+use crate::error::{Error, Result};
+
+enum Storage {
+    /// One buffer on one device.
+    Device { device: Device, buffer: kiln_pjrt::Buffer },
+}
+
+struct Inner {
+    shape: Shape,
+    dtype: DType,
+    storage: Storage,
+}
+
+/// An n-dimensional array on a device. Cloning is cheap (the buffer is shared); ops return new
+/// tensors and never modify their inputs. Ops run asynchronously: a call returns once the work is
+/// enqueued, and reading the data on the host waits for it.
+#[derive(Clone)]
+pub struct Tensor(Arc<Inner>);
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor({} {} on {})", self.shape(), self.dtype(), self.device())
+    }
+}
+
+impl Tensor {
+    pub(crate) fn from_buffer(buffer: kiln_pjrt::Buffer, shape: Shape, dtype: DType, device: Device) -> Tensor {
+        Tensor(Arc::new(Inner {
+            shape,
+            dtype,
+            storage: Storage::Device { device, buffer },
+        }))
+    }
+
+    pub fn shape(&self) -> &Shape {
+        &self.0.shape
+    }
+    pub fn dims(&self) -> &[usize] {
+        self.0.shape.dims()
+    }
+    pub fn rank(&self) -> usize {
+        self.0.shape.rank()
+    }
+    pub fn numel(&self) -> usize {
+        self.0.shape.numel()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    pub fn device(&self) -> &Device {
+        match &self.0.storage {
+            Storage::Device { device, .. } => device,
+        }
+    }
+    /// Size of dimension `dim` (negative counts from the end).
+    pub fn dim(&self, dim: isize) -> Result<usize> {
+        Ok(self.dims()[self.resolve_dim("dim", dim)?])
+    }
+    pub(crate) fn buffer(&self) -> &kiln_pjrt::Buffer {
+        match &self.0.storage {
+            Storage::Device { buffer, .. } => buffer,
+        }
+    }
+    /// Bytes of device memory the data takes.
+    pub fn size_in_bytes(&self) -> usize {
+        self.numel() * self.dtype().size_in_bytes()
+    }
+
+    /// Turns a possibly negative dimension index into a position.
+    pub(crate) fn resolve_dim(&self, op: &'static str, dim: isize) -> Result<usize> {
+        let r = self.rank() as isize;
+        let d = if dim < 0 { dim + r } else { dim };
+        if d < 0 || d >= r {
+            return Err(Error::invalid(
+                op,
+                format!("dimension {dim} is out of range for shape {}", self.shape()),
+            ));
+        }
+        Ok(d as usize)
+    }
+
+    // ---- creation ----
+
+    /// Copies little-endian host bytes of `dtype` to a new tensor on `device`.
+    pub fn from_bytes(bytes: &[u8], dtype: DType, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+        let shape = shape.into();
+        let expected = shape.numel() * dtype.size_in_bytes();
+        if bytes.len() != expected {
+            return Err(Error::invalid(
+                "from_bytes",
+                format!(
+                    "{} bytes given for {shape} {dtype}, which needs {expected}",
+                    bytes.len()
+                ),
+            ));
+        }
+        let buffer = device
+            .client()
+            .buffer_from_host(bytes, dtype, shape.dims(), device.pjrt(), None)?;
+        Ok(Tensor::from_buffer(buffer, shape, dtype, device.clone()))
+    }
+
+    /// Copies a host slice to a new tensor on `device`.
+    pub fn from_slice<T: Element>(data: &[T], shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+        let shape = shape.into();
+        if data.len() != shape.numel() {
+            return Err(Error::invalid(
+                "from_slice",
+                format!(
+                    "{} values given for shape {shape} ({} elements)",
+                    data.len(),
+                    shape.numel()
+                ),
+            ));
+        }
+        Tensor::from_bytes(bytemuck::cast_slice(data), T::DTYPE, shape, device)
+    }
+
+    /// Host f32 values converted to `dtype` (round to nearest even for floats).
+    pub fn from_f32(data: &[f32], dtype: DType, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+        Tensor::from_bytes(&kiln_types::f32_to_bytes(data, dtype), dtype, shape, device)
+    }
+
+    /// A rank-0 tensor.
+    pub fn scalar(value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+        let bytes = kiln_types::f32_to_bytes(&[value as f32], dtype);
+        let bytes = if dtype == DType::F64 {
+            value.to_le_bytes().to_vec()
+        } else {
+            bytes
+        };
+        Tensor::from_bytes(&bytes, dtype, Shape::scalar(), device)
+    }
+
+    /// A tensor filled with `value`, created on the device.
+    pub fn full(value: f64, shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+        let shape = shape.into();
+        let mut out = apply_on("full", device, &[], |b, _| Ok(vec![b.splat(value, shape, dtype)]))?;
+        Ok(out.remove(0))
+    }
+
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::full(0.0, shape, dtype, device)
+    }
+
+    pub fn ones(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::full(1.0, shape, dtype, device)
+    }
+
+    /// `0, 1, ..., n-1`.
+    pub fn arange(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        let mut out = apply_on("arange", device, &[], |b, _| Ok(vec![b.iota([n], 0, dtype)?]))?;
+        Ok(out.remove(0))
+    }
+
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Tensor::zeros(self.shape().clone(), self.dtype(), self.device())
+    }
+
+    // ---- reading back ----
+
+    /// Waits for the data and copies it to the host as raw little-endian bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.size_in_bytes()];
+        self.buffer().copy_to_host(&mut out)?;
+        Ok(out)
+    }
+
+    /// The values as `T`, which must be the tensor's dtype.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::invalid(
+                "to_vec",
+                format!(
+                    "the tensor is {} but {} was requested; cast it first or use to_f32_vec",
+                    self.dtype(),
+                    T::DTYPE
+                ),
+            ));
+        }
+        let bytes = self.to_bytes()?;
+        let mut out = vec![T::zeroed(); self.numel()];
+        bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(&bytes);
+        Ok(out)
+    }
+
+    /// The values converted to f32 on the host, whatever the dtype.
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        Ok(bytes_to_f32(&self.to_bytes()?, self.dtype()))
+    }
+
+    /// The single value of a one-element tensor, as f64.
+    pub fn to_scalar(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            return Err(Error::invalid(
+                "to_scalar",
+                format!("the tensor has shape {}", self.shape()),
+            ));
+        }
+        Ok(self.to_f32_vec()?[0] as f64)
+    }
+
+    /// Blocks until the tensor's value is computed (reports a failed computation).
+    pub fn wait(&self) -> Result<()> {
+        Ok(self.buffer().wait_ready()?)
+    }
+
+    // ---- placement ----
+
+    /// Copies the tensor to another device of the same plugin (or through the host otherwise).
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
+        if std::sync::Arc::ptr_eq(device.client(), self.device().client()) {
+            let buffer = self.buffer().copy_to_device(device.pjrt())?;
+            return Ok(Tensor::from_buffer(
+                buffer,
+                self.shape().clone(),
+                self.dtype(),
+                device.clone(),
+            ));
+        }
+        Tensor::from_bytes(&self.to_bytes()?, self.dtype(), self.shape().clone(), device)
+    }
+
+    /// Copies the tensor into another memory space of its device (`"pinned_host"`, `"device"`).
+    pub fn to_memory_kind(&self, kind: &str) -> Result<Tensor> {
+        let memory = self.device().pjrt().memory(kind).ok_or_else(|| {
+            Error::invalid(
+                "to_memory_kind",
+                format!("device {} has no `{kind}` memory space", self.device()),
+            )
+        })?;
+        let buffer = self.buffer().copy_to_memory(memory)?;
+        Ok(Tensor::from_buffer(
+            buffer,
+            self.shape().clone(),
+            self.dtype(),
+            self.device().clone(),
+        ))
+    }
+
+    /// The memory space the data lives in.
+    pub fn memory_kind(&self) -> Result<String> {
+        Ok(self.buffer().memory_kind()?)
+    }
+
+    /// Converts to another dtype (floats round to nearest even).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        apply1("cast", &[self], |b, p| b.convert(&p[0], dtype))
+    }
+}
