@@ -106,7 +106,7 @@ impl Tensor {
             if let Some(bias) = p.get(2) {
                 // The bias is added before the final rounding, as oneDNN/cuBLAS epilogues do.
                 let bias = b.convert(bias, acc)?;
-                let bias = broadcast_to(b, &bias, &y.dims().to_vec())?;
+                let bias = broadcast_to(b, &bias, y.dims())?;
                 y = b.add(&y, &bias)?;
             }
             b.convert(&y, dtype)
