@@ -1,1 +1,10 @@
-//! kiln-models
+//! Model forward code: plain structs loaded from a config and named weights, with a `forward`.
+//! Models do no I/O of their own and do not know whether they run eagerly, offloaded or sharded.
+#![forbid(unsafe_code)]
+
+pub mod autoencoder_kl;
+pub mod clip;
+pub mod t5;
+pub mod transformer_flux;
+
+pub use kiln_nn::{Error, Result};

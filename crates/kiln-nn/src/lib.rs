@@ -1,1 +1,16 @@
-//! kiln-nn
+//! Layers and weight loading by diffusers/transformers names.
+//!
+//! [`Weights`] reads tensors from a safetensors checkpoint by their real names (with a prefix
+//! per module, like candle's `VarBuilder`), checks each shape against what the config implies,
+//! and uploads them to the device in the requested dtype.
+#![forbid(unsafe_code)]
+
+mod error;
+mod layers;
+mod rope;
+mod weights;
+
+pub use error::{Error, Result};
+pub use layers::{Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm};
+pub use rope::{rope_tables, RopeTables};
+pub use weights::{Weights, WeightsReport};

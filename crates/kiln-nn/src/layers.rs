@@ -1,0 +1,151 @@
+//! Leaf layers, each loaded from its diffusers/transformers weight names.
+
+use kiln_tensor::{Conv2dParams, Tensor};
+
+use crate::error::Result;
+use crate::weights::Weights;
+
+/// `nn.Linear`: `weight [out, in]`, optional `bias [out]`.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn load(w: &Weights, in_features: usize, out_features: usize, bias: bool) -> Result<Self> {
+        Ok(Linear {
+            weight: w.get("weight", [out_features, in_features])?,
+            bias: if bias { Some(w.get("bias", [out_features])?) } else { None },
+        })
+    }
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.linear(&self.weight, self.bias.as_ref())?)
+    }
+    pub fn out_features(&self) -> usize {
+        self.weight.dims()[0]
+    }
+}
+
+/// `nn.Conv2d` with square kernel, stride and padding.
+#[derive(Clone, Debug)]
+pub struct Conv2d {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    pub params: Conv2dParams,
+}
+
+impl Conv2d {
+    pub fn load(
+        w: &Weights,
+        in_channels: usize,
+        out_channels: usize,
+        kernel: usize,
+        params: Conv2dParams,
+        bias: bool,
+    ) -> Result<Self> {
+        let groups = params.groups.max(1);
+        Ok(Conv2d {
+            weight: w.get("weight", [out_channels, in_channels / groups, kernel, kernel])?,
+            bias: if bias { Some(w.get("bias", [out_channels])?) } else { None },
+            params,
+        })
+    }
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.conv2d(&self.weight, self.bias.as_ref(), self.params)?)
+    }
+}
+
+/// `nn.LayerNorm` over the last dimension (affine optional).
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    pub weight: Option<Tensor>,
+    pub bias: Option<Tensor>,
+    pub eps: f64,
+}
+
+impl LayerNorm {
+    pub fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
+        Ok(LayerNorm {
+            weight: Some(w.get("weight", [dim])?),
+            bias: Some(w.get("bias", [dim])?),
+            eps,
+        })
+    }
+    /// Without learnable parameters (`elementwise_affine=False`).
+    pub fn plain(eps: f64) -> Self {
+        LayerNorm {
+            weight: None,
+            bias: None,
+            eps,
+        }
+    }
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.layer_norm(self.weight.as_ref(), self.bias.as_ref(), self.eps)?)
+    }
+}
+
+/// `nn.RMSNorm` (one rounding at the end).
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    pub weight: Tensor,
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
+        Ok(RmsNorm {
+            weight: w.get("weight", [dim])?,
+            eps,
+        })
+    }
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.rms_norm(Some(&self.weight), self.eps)?)
+    }
+}
+
+/// `nn.GroupNorm` with affine parameters.
+#[derive(Clone, Debug)]
+pub struct GroupNorm {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub groups: usize,
+    pub eps: f64,
+}
+
+impl GroupNorm {
+    pub fn load(w: &Weights, groups: usize, channels: usize, eps: f64) -> Result<Self> {
+        Ok(GroupNorm {
+            weight: w.get("weight", [channels])?,
+            bias: w.get("bias", [channels])?,
+            groups,
+            eps,
+        })
+    }
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.group_norm(self.groups, Some(&self.weight), Some(&self.bias), self.eps)?)
+    }
+}
+
+/// `nn.Embedding`: looks up rows of `weight [num, dim]`.
+#[derive(Clone, Debug)]
+pub struct Embedding {
+    pub weight: Tensor,
+}
+
+impl Embedding {
+    pub fn load(w: &Weights, num: usize, dim: usize) -> Result<Self> {
+        Ok(Embedding {
+            weight: w.get("weight", [num, dim])?,
+        })
+    }
+    /// `ids` of any shape (integer) → `[..ids.shape, dim]`.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let dim = self.weight.dims()[1];
+        let flat = ids.reshape([ids.numel()])?;
+        let rows = self.weight.index_select(0, &flat)?;
+        let mut shape = ids.dims().to_vec();
+        shape.push(dim);
+        Ok(rows.reshape(shape)?)
+    }
+}

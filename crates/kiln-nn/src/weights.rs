@@ -1,0 +1,168 @@
+//! Loading named weights from a checkpoint onto a device.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use kiln_io::Checkpoint;
+use kiln_tensor::{DType, Device, Shape, Tensor};
+
+use crate::error::{Error, Result};
+
+struct Shared {
+    checkpoint: Checkpoint,
+    device: Device,
+    dtype: DType,
+    component: String,
+    used: Mutex<BTreeSet<String>>,
+}
+
+/// A view of a checkpoint under a name prefix, loading onto one device in one dtype.
+#[derive(Clone)]
+pub struct Weights {
+    shared: Arc<Shared>,
+    prefix: String,
+}
+
+/// What a model did not use of its checkpoint.
+#[derive(Clone, Debug, Default)]
+pub struct WeightsReport {
+    pub unused: Vec<String>,
+}
+
+impl Weights {
+    /// `component` names the model in error messages (`transformer`, `text_encoder`, ...).
+    pub fn new(checkpoint: Checkpoint, device: &Device, dtype: DType, component: impl Into<String>) -> Self {
+        Weights {
+            shared: Arc::new(Shared {
+                checkpoint,
+                device: device.clone(),
+                dtype,
+                component: component.into(),
+                used: Mutex::new(BTreeSet::new()),
+            }),
+            prefix: String::new(),
+        }
+    }
+
+    /// The weights under `prefix.segment`.
+    pub fn pp(&self, segment: impl std::fmt::Display) -> Weights {
+        let prefix = if self.prefix.is_empty() {
+            segment.to_string()
+        } else {
+            format!("{}.{segment}", self.prefix)
+        };
+        Weights {
+            shared: self.shared.clone(),
+            prefix,
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.shared.device
+    }
+    pub fn dtype(&self) -> DType {
+        self.shared.dtype
+    }
+    pub fn component(&self) -> &str {
+        &self.shared.component
+    }
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.shared.checkpoint
+    }
+
+    fn full_name(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    /// Whether `name` (under the prefix) exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.shared.checkpoint.contains(&self.full_name(name))
+    }
+
+    /// Loads `name` with the expected shape, converted to the model dtype.
+    pub fn get(&self, name: &str, shape: impl Into<Shape>) -> Result<Tensor> {
+        self.get_as(name, shape, self.shared.dtype)
+    }
+
+    /// Loads `name` with the expected shape, converted to `dtype`.
+    pub fn get_as(&self, name: &str, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        let full = self.full_name(name);
+        let expected = shape.into();
+        let ckpt = &self.shared.checkpoint;
+        let file = ckpt
+            .file_of(&full)
+            .map(|f| f.path().to_path_buf())
+            .unwrap_or_else(|| ckpt.source().to_path_buf());
+        if !ckpt.contains(&full) {
+            return Err(Error::MissingWeight {
+                component: self.shared.component.clone(),
+                name: full,
+                file,
+            });
+        }
+        let view = ckpt.tensor(&full)?;
+        if !view.dtype.is_float() || view.dtype == DType::F64 {
+            return Err(Error::WeightDType {
+                component: self.shared.component.clone(),
+                name: full,
+                file,
+                found: view.dtype,
+            });
+        }
+        if view.shape != expected {
+            return Err(Error::WeightShape {
+                component: self.shared.component.clone(),
+                name: full,
+                file,
+                found: view.shape.clone(),
+                expected,
+            });
+        }
+        // Straight from the memory map to the device; the cast happens on the device.
+        let t = Tensor::from_bytes(view.data, view.dtype, view.shape.clone(), &self.shared.device)?;
+        let t = t.to_dtype(dtype)?;
+        self.shared
+            .used
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(full);
+        Ok(t)
+    }
+
+    /// Loads `name` if present.
+    pub fn get_opt(&self, name: &str, shape: impl Into<Shape>) -> Result<Option<Tensor>> {
+        if self.contains(name) {
+            self.get(name, shape).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Marks names as deliberately unused (e.g. legacy buffers such as `position_ids`).
+    pub fn mark_used(&self, name: &str) {
+        let full = self.full_name(name);
+        self.shared
+            .used
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(full);
+    }
+
+    /// The checkpoint tensors no module loaded.
+    pub fn report(&self) -> WeightsReport {
+        let used = self.shared.used.lock().unwrap_or_else(|e| e.into_inner());
+        WeightsReport {
+            unused: self
+                .shared
+                .checkpoint
+                .names()
+                .filter(|n| !used.contains(*n))
+                .map(str::to_string)
+                .collect(),
+        }
+    }
+}
