@@ -1,1 +1,390 @@
-//! (in progress)
+//! FLUX.1 transformer: diffusers' `FluxTransformer2DModel`
+//! (`diffusers/models/transformers/transformer_flux.py`, diffusers 0.42.1), the 12B rectified-flow
+//! MMDiT of black-forest-labs/FLUX.1-{schnell,dev}. Weight names are diffusers'.
+//!
+//! Layout inside attention is heads-first `[batch, heads, seq, head_dim]`, text tokens first.
+
+use kiln_io::FluxTransformer2DConfig;
+use kiln_nn::{rope_tables, Error, LayerNorm, Linear, Result, RmsNorm, RopeTables, Weights};
+use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
+
+/// `get_timestep_embedding` frequencies for a 256-d sinusoid (`flip_sin_to_cos=True`,
+/// `downscale_freq_shift=0`), computed in f32 op by op as torch does.
+fn timestep_frequencies(half: usize) -> Vec<f32> {
+    let neg_log_period = -(10000f64.ln()) as f32;
+    (0..half)
+        .map(|k| {
+            let exponent = (neg_log_period * k as f32) / (half as f32);
+            (exponent as f64).exp() as f32
+        })
+        .collect()
+}
+
+/// diffusers `TimestepEmbedding` / `PixArtAlphaTextProjection` with SiLU: `linear_2(silu(linear_1(x)))`.
+#[derive(Clone, Debug)]
+struct Mlp {
+    linear_1: Linear,
+    linear_2: Linear,
+}
+
+impl Mlp {
+    fn load(w: &Weights, input: usize, dim: usize) -> Result<Self> {
+        Ok(Mlp {
+            linear_1: Linear::load(&w.pp("linear_1"), input, dim, true)?,
+            linear_2: Linear::load(&w.pp("linear_2"), dim, dim, true)?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.linear_2.forward(&self.linear_1.forward(x)?.silu()?)
+    }
+}
+
+/// `CombinedTimestep(Guidance)TextProjEmbeddings`.
+#[derive(Clone, Debug)]
+struct TimeTextEmbed {
+    frequencies: Tensor,
+    timestep_embedder: Mlp,
+    guidance_embedder: Option<Mlp>,
+    text_embedder: Mlp,
+}
+
+impl TimeTextEmbed {
+    /// The sinusoidal projection of `t` (`[B]` f32): `[cos(t·f), sin(t·f)]`, f32.
+    fn time_proj(&self, t: &Tensor) -> Result<Tensor> {
+        let args = t.unsqueeze(1)?.mul(&self.frequencies.unsqueeze(0)?)?;
+        Ok(Tensor::cat(&[&args.cos()?, &args.sin()?], 1)?)
+    }
+
+    fn forward(&self, timestep: &Tensor, guidance: Option<&Tensor>, pooled: &Tensor) -> Result<Tensor> {
+        let dtype = pooled.dtype();
+        let t = self.time_proj(timestep)?.to_dtype(dtype)?;
+        let mut emb = self.timestep_embedder.forward(&t)?;
+        if let (Some(embedder), Some(g)) = (&self.guidance_embedder, guidance) {
+            let g = self.time_proj(g)?.to_dtype(dtype)?;
+            emb = emb.add(&embedder.forward(&g)?)?;
+        }
+        Ok(emb.add(&self.text_embedder.forward(pooled)?)?)
+    }
+}
+
+/// `x·(1 + scale) + shift` with `[B, D]` scale/shift broadcast over the sequence.
+fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    let scale = scale.add_scalar(1.0)?.unsqueeze(1)?;
+    Ok(x.mul(&scale)?.add(&shift.unsqueeze(1)?)?)
+}
+
+/// `x + gate·y` with a `[B, D]` gate.
+fn gated_residual(x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
+    Ok(x.add(&gate.unsqueeze(1)?.mul(y)?)?)
+}
+
+/// Query/key/value projections of one stream, with per-head RMSNorm on q and k.
+#[derive(Clone, Debug)]
+struct QkvProjection {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    norm_q: RmsNorm,
+    norm_k: RmsNorm,
+}
+
+impl QkvProjection {
+    fn load(w: &Weights, names: [&str; 5], dim: usize, head_dim: usize) -> Result<Self> {
+        Ok(QkvProjection {
+            q: Linear::load(&w.pp(names[0]), dim, dim, true)?,
+            k: Linear::load(&w.pp(names[1]), dim, dim, true)?,
+            v: Linear::load(&w.pp(names[2]), dim, dim, true)?,
+            norm_q: RmsNorm::load(&w.pp(names[3]), head_dim, 1e-6)?,
+            norm_k: RmsNorm::load(&w.pp(names[4]), head_dim, 1e-6)?,
+        })
+    }
+
+    /// `[B, S, D]` → q, k, v each `[B, H, S, head_dim]`.
+    fn forward(&self, x: &Tensor, heads: usize) -> Result<[Tensor; 3]> {
+        let (b, s) = (x.dims()[0], x.dims()[1]);
+        let split =
+            |t: Tensor| -> Result<Tensor> { Ok(t.reshape_infer(&[b as isize, s as isize, heads as isize, -1])?) };
+        let q = self.norm_q.forward(&split(self.q.forward(x)?)?)?.transpose(1, 2)?;
+        let k = self.norm_k.forward(&split(self.k.forward(x)?)?)?.transpose(1, 2)?;
+        let v = split(self.v.forward(x)?)?.transpose(1, 2)?;
+        Ok([q, k, v])
+    }
+}
+
+/// Rotary embedding then attention; returns `[B, S, H·head_dim]`.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+    let q = q.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
+    let k = k.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
+    let o = Tensor::scaled_dot_product_attention(&q, &k, v, &AttentionMask::None, None)?;
+    Ok(o.transpose(1, 2)?.flatten(2, 3)?)
+}
+
+/// `FeedForward(dim, dim_out=dim, activation_fn="gelu-tanh")`: `net.2(gelu_tanh(net.0.proj(x)))`.
+#[derive(Clone, Debug)]
+struct FeedForward {
+    proj_in: Linear,
+    proj_out: Linear,
+}
+
+impl FeedForward {
+    fn load(w: &Weights, dim: usize) -> Result<Self> {
+        Ok(FeedForward {
+            proj_in: Linear::load(&w.pp("net.0.proj"), dim, 4 * dim, true)?,
+            proj_out: Linear::load(&w.pp("net.2"), 4 * dim, dim, true)?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.proj_out.forward(&self.proj_in.forward(x)?.gelu_tanh()?)
+    }
+}
+
+/// `FluxTransformerBlock`: the double-stream block.
+#[derive(Clone, Debug)]
+struct FluxTransformerBlock {
+    norm1: Linear,
+    norm1_context: Linear,
+    image: QkvProjection,
+    text: QkvProjection,
+    to_out: Linear,
+    to_add_out: Linear,
+    ff: FeedForward,
+    ff_context: FeedForward,
+    heads: usize,
+}
+
+impl FluxTransformerBlock {
+    fn load(w: &Weights, dim: usize, heads: usize, head_dim: usize) -> Result<Self> {
+        let attn = w.pp("attn");
+        Ok(FluxTransformerBlock {
+            norm1: Linear::load(&w.pp("norm1.linear"), dim, 6 * dim, true)?,
+            norm1_context: Linear::load(&w.pp("norm1_context.linear"), dim, 6 * dim, true)?,
+            image: QkvProjection::load(&attn, ["to_q", "to_k", "to_v", "norm_q", "norm_k"], dim, head_dim)?,
+            text: QkvProjection::load(
+                &attn,
+                ["add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k"],
+                dim,
+                head_dim,
+            )?,
+            to_out: Linear::load(&attn.pp("to_out.0"), dim, dim, true)?,
+            to_add_out: Linear::load(&attn.pp("to_add_out"), dim, dim, true)?,
+            ff: FeedForward::load(&w.pp("ff"), dim)?,
+            ff_context: FeedForward::load(&w.pp("ff_context"), dim)?,
+            heads,
+        })
+    }
+
+    /// Returns the new (text, image) streams.
+    fn forward(&self, x: &Tensor, ctx: &Tensor, temb_silu: &Tensor, rope: &RopeTables) -> Result<(Tensor, Tensor)> {
+        let ln = LayerNorm::plain(1e-6);
+        // AdaLayerNormZero: shift, scale, gate (attention), shift, scale, gate (MLP).
+        let m = self.norm1.forward(temb_silu)?.chunk(6, 1)?;
+        let c = self.norm1_context.forward(temb_silu)?.chunk(6, 1)?;
+        let nx = modulate(&ln.forward(x)?, &m[0], &m[1])?;
+        let nc = modulate(&ln.forward(ctx)?, &c[0], &c[1])?;
+
+        let [q, k, v] = self.image.forward(&nx, self.heads)?;
+        let [cq, ck, cv] = self.text.forward(&nc, self.heads)?;
+        let q = Tensor::cat(&[&cq, &q], 2)?;
+        let k = Tensor::cat(&[&ck, &k], 2)?;
+        let v = Tensor::cat(&[&cv, &v], 2)?;
+        let o = attention(&q, &k, &v, rope)?;
+        let text_len = ctx.dims()[1];
+        let parts = o.split_sizes(&[text_len, x.dims()[1]], 1)?;
+        let (o_ctx, o_x) = (&parts[0], &parts[1]);
+
+        let x = gated_residual(x, &m[2], &self.to_out.forward(o_x)?)?;
+        let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
+        let x = gated_residual(&x, &m[5], &self.ff.forward(&ff_in)?)?;
+
+        let ctx = gated_residual(ctx, &c[2], &self.to_add_out.forward(o_ctx)?)?;
+        let ff_in = modulate(&ln.forward(&ctx)?, &c[3], &c[4])?;
+        let mut ctx = gated_residual(&ctx, &c[5], &self.ff_context.forward(&ff_in)?)?;
+        if ctx.dtype() == DType::F16 {
+            // diffusers clips only the text stream of the double block in fp16.
+            ctx = ctx.clamp(-65504.0, 65504.0)?;
+        }
+        Ok((ctx, x))
+    }
+}
+
+/// `FluxSingleTransformerBlock`: parallel attention + MLP on the joint sequence.
+#[derive(Clone, Debug)]
+struct FluxSingleTransformerBlock {
+    norm: Linear,
+    qkv: QkvProjection,
+    proj_mlp: Linear,
+    proj_out: Linear,
+    heads: usize,
+}
+
+impl FluxSingleTransformerBlock {
+    fn load(w: &Weights, dim: usize, heads: usize, head_dim: usize) -> Result<Self> {
+        let mlp = 4 * dim;
+        Ok(FluxSingleTransformerBlock {
+            norm: Linear::load(&w.pp("norm.linear"), dim, 3 * dim, true)?,
+            qkv: QkvProjection::load(
+                &w.pp("attn"),
+                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
+                dim,
+                head_dim,
+            )?,
+            proj_mlp: Linear::load(&w.pp("proj_mlp"), dim, mlp, true)?,
+            proj_out: Linear::load(&w.pp("proj_out"), dim + mlp, dim, true)?,
+            heads,
+        })
+    }
+
+    fn forward(&self, h: &Tensor, temb_silu: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+        // AdaLayerNormZeroSingle: shift, scale, gate.
+        let m = self.norm.forward(temb_silu)?.chunk(3, 1)?;
+        let n = modulate(&LayerNorm::plain(1e-6).forward(h)?, &m[0], &m[1])?;
+        let mlp = self.proj_mlp.forward(&n)?.gelu_tanh()?;
+        let [q, k, v] = self.qkv.forward(&n, self.heads)?;
+        let a = attention(&q, &k, &v, rope)?;
+        let joined = Tensor::cat(&[&a, &mlp], 2)?;
+        let mut h = gated_residual(h, &m[2], &self.proj_out.forward(&joined)?)?;
+        if h.dtype() == DType::F16 {
+            h = h.clamp(-65504.0, 65504.0)?;
+        }
+        Ok(h)
+    }
+}
+
+/// The inputs of one transformer call, as `FluxPipeline` passes them.
+#[derive(Clone, Copy, Debug)]
+pub struct FluxTransformerInputs<'a> {
+    /// Packed latents `[B, S_img, in_channels]`.
+    pub hidden_states: &'a Tensor,
+    /// T5 output `[B, S_txt, joint_attention_dim]`.
+    pub encoder_hidden_states: &'a Tensor,
+    /// CLIP pooled output `[B, pooled_projection_dim]`.
+    pub pooled_projections: &'a Tensor,
+    /// `[B]` timesteps already divided by 1000, in the model dtype.
+    pub timestep: &'a Tensor,
+    /// `[B]` guidance scale (f32); required when `guidance_embeds` is set, ignored otherwise.
+    pub guidance: Option<&'a Tensor>,
+    /// Rotary tables for `cat(txt_ids, img_ids)`, from [`FluxTransformer2DModel::rope`].
+    pub rope: &'a RopeTables,
+}
+
+/// diffusers `FluxTransformer2DModel`.
+#[derive(Clone, Debug)]
+pub struct FluxTransformer2DModel {
+    config: FluxTransformer2DConfig,
+    x_embedder: Linear,
+    context_embedder: Linear,
+    time_text_embed: TimeTextEmbed,
+    transformer_blocks: Vec<FluxTransformerBlock>,
+    single_transformer_blocks: Vec<FluxSingleTransformerBlock>,
+    norm_out: Linear,
+    proj_out: Linear,
+}
+
+impl FluxTransformer2DModel {
+    pub fn load(config: &FluxTransformer2DConfig, w: &Weights) -> Result<Self> {
+        let dim = config.inner_dim();
+        let heads = config.num_attention_heads;
+        let head_dim = config.attention_head_dim;
+        let config_error = |message: String| Error::Config {
+            component: w.component().to_string(),
+            message,
+        };
+        if dim == 0 || head_dim % 2 != 0 {
+            return Err(config_error(format!(
+                "num_attention_heads {heads} × attention_head_dim {head_dim} must be positive with an even head_dim"
+            )));
+        }
+        if config.axes_dims_rope.iter().sum::<usize>() != head_dim || config.axes_dims_rope.iter().any(|d| d % 2 != 0) {
+            return Err(config_error(format!(
+                "axes_dims_rope {:?} must be even and add up to attention_head_dim {head_dim}",
+                config.axes_dims_rope
+            )));
+        }
+        let tte = w.pp("time_text_embed");
+        let frequencies = Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?;
+        let time_text_embed = TimeTextEmbed {
+            frequencies,
+            timestep_embedder: Mlp::load(&tte.pp("timestep_embedder"), 256, dim)?,
+            guidance_embedder: if config.guidance_embeds {
+                Some(Mlp::load(&tte.pp("guidance_embedder"), 256, dim)?)
+            } else {
+                None
+            },
+            text_embedder: Mlp::load(&tte.pp("text_embedder"), config.pooled_projection_dim, dim)?,
+        };
+        let transformer_blocks = (0..config.num_layers)
+            .map(|i| FluxTransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), dim, heads, head_dim))
+            .collect::<Result<_>>()?;
+        let single_transformer_blocks = (0..config.num_single_layers)
+            .map(|i| {
+                FluxSingleTransformerBlock::load(&w.pp(format!("single_transformer_blocks.{i}")), dim, heads, head_dim)
+            })
+            .collect::<Result<_>>()?;
+        Ok(FluxTransformer2DModel {
+            config: config.clone(),
+            x_embedder: Linear::load(&w.pp("x_embedder"), config.in_channels, dim, true)?,
+            context_embedder: Linear::load(&w.pp("context_embedder"), config.joint_attention_dim, dim, true)?,
+            time_text_embed,
+            transformer_blocks,
+            single_transformer_blocks,
+            norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, true)?,
+            proj_out: Linear::load(&w.pp("proj_out"), dim, config.out_channels(), true)?,
+        })
+    }
+
+    pub fn config(&self) -> &FluxTransformer2DConfig {
+        &self.config
+    }
+
+    /// The rotary tables for text ids `[S_txt, 3]` and image ids `[S_img, 3]` (row-major, f64),
+    /// θ = 10000 (`FluxPosEmbed`).
+    pub fn rope(&self, txt_ids: &[f64], img_ids: &[f64], device: &Device) -> Result<RopeTables> {
+        let ids: Vec<f64> = txt_ids.iter().chain(img_ids).copied().collect();
+        rope_tables(&ids, &self.config.axes_dims_rope, 10000.0, device)
+    }
+
+    /// Predicts the flow velocity `[B, S_img, out_channels]`.
+    pub fn forward(&self, inputs: &FluxTransformerInputs<'_>) -> Result<Tensor> {
+        let x = inputs.hidden_states;
+        let dtype = x.dtype();
+        let guidance = match (self.config.guidance_embeds, inputs.guidance) {
+            (true, None) => {
+                return Err(Error::Config {
+                    component: "transformer".into(),
+                    message: "this model has guidance_embeds=true and needs a guidance value".into(),
+                })
+            }
+            (true, Some(g)) => Some(g),
+            (false, _) => None,
+        };
+        // diffusers: `timestep.to(dtype) * 1000` and `guidance.to(dtype) * 1000` in the model dtype.
+        let t = inputs
+            .timestep
+            .to_dtype(dtype)?
+            .mul_scalar_f32(1000.0)?
+            .to_dtype(DType::F32)?;
+        let g = guidance
+            .map(|g| -> Result<Tensor> { Ok(g.to_dtype(dtype)?.mul_scalar_f32(1000.0)?.to_dtype(DType::F32)?) })
+            .transpose()?;
+        let temb = self
+            .time_text_embed
+            .forward(&t, g.as_ref(), inputs.pooled_projections)?;
+        let temb_silu = temb.silu()?;
+
+        let mut x = self.x_embedder.forward(x)?;
+        let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?;
+        for block in &self.transformer_blocks {
+            (ctx, x) = block.forward(&x, &ctx, &temb_silu, inputs.rope)?;
+        }
+        let text_len = ctx.dims()[1];
+        let mut h = Tensor::cat(&[&ctx, &x], 1)?;
+        for block in &self.single_transformer_blocks {
+            h = block.forward(&h, &temb_silu, inputs.rope)?;
+        }
+        let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;
+        // AdaLayerNormContinuous: scale first, then shift.
+        let e = self.norm_out.forward(&temb_silu)?.chunk(2, 1)?;
+        let x = modulate(&LayerNorm::plain(1e-6).forward(&x)?, &e[1], &e[0])?;
+        self.proj_out.forward(&x)
+    }
+}
