@@ -1,1 +1,27 @@
-//! kiln-io
+//! kiln's file layer: everything read from a diffusers model folder except tokenizers.
+//!
+//! - [`safetensors`]: memory-mapped safetensors files and sharded checkpoints
+//!   ([`Checkpoint`]), borrowed [`TensorView`]s and slice reads for tensor-parallel loading.
+//! - [`config`]: `config.json` structs with diffusers'/transformers' field names and defaults.
+//! - [`model_index`]: `model_index.json` and the supported-class checks.
+//! - [`hub`]: turning a folder or an `ORG/NAME` repo id into a folder, offline, through the
+//!   Hugging Face cache.
+//!
+//! The only `unsafe` is the one memory-map call in [`SafetensorsFile::open`].
+#![deny(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod config;
+mod error;
+pub mod hub;
+mod json;
+pub mod model_index;
+pub mod safetensors;
+
+pub use config::{
+    load_config, parse_config, Activation, AutoencoderKLConfig, ClipTextConfig, FluxTransformer2DConfig, T5Config,
+};
+pub use error::{IoError, Result};
+pub use hub::{resolve_model, resolve_model_with, HfCacheEnv};
+pub use model_index::{ComponentSpec, ModelIndex};
+pub use safetensors::{Checkpoint, SafetensorsFile, ShardIndex, StoredDType, TensorInfo, TensorView};
