@@ -84,6 +84,23 @@ fn join(v: &[usize]) -> String {
     s
 }
 
+/// `array<i64: a, b>`, or `array<i64>` when empty (the parser rejects `array<i64: >`).
+fn arr(v: &[usize]) -> String {
+    if v.is_empty() {
+        "array<i64>".to_string()
+    } else {
+        format!("array<i64: {}>", join(v))
+    }
+}
+
+fn arr_i64(v: &[i64]) -> String {
+    if v.is_empty() {
+        "array<i64>".to_string()
+    } else {
+        format!("array<i64: {}>", join_i64(v))
+    }
+}
+
 fn join_i64(v: &[i64]) -> String {
     v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")
 }
@@ -395,9 +412,9 @@ impl Builder {
             shape,
             x.dtype,
             format_args!(
-                "\"stablehlo.broadcast_in_dim\"({}) {{broadcast_dimensions = array<i64: {}>}} : ({t}) -> {out}",
+                "\"stablehlo.broadcast_in_dim\"({}) {{broadcast_dimensions = {}}} : ({t}) -> {out}",
                 x.name(),
-                join(dims)
+                arr(dims)
             ),
         ))
     }
@@ -452,9 +469,9 @@ impl Builder {
             shape,
             x.dtype,
             format_args!(
-                "\"stablehlo.transpose\"({}) {{permutation = array<i64: {}>}} : ({t}) -> {out}",
+                "\"stablehlo.transpose\"({}) {{permutation = {}}} : ({t}) -> {out}",
                 x.name(),
-                join(perm)
+                arr(perm)
             ),
         ))
     }
@@ -492,11 +509,11 @@ impl Builder {
             shape,
             x.dtype,
             format_args!(
-                "\"stablehlo.slice\"({}) {{start_indices = array<i64: {}>, limit_indices = array<i64: {}>, strides = array<i64: {}>}} : ({t}) -> {out}",
+                "\"stablehlo.slice\"({}) {{start_indices = {}, limit_indices = {}, strides = {}}} : ({t}) -> {out}",
                 x.name(),
-                join(start),
-                join(limit),
-                join(strides)
+                arr(start),
+                arr(limit),
+                arr(strides)
             ),
         ))
     }
@@ -587,12 +604,12 @@ impl Builder {
             shape,
             x.dtype,
             format_args!(
-                "\"stablehlo.pad\"({}, {}) {{edge_padding_low = array<i64: {}>, edge_padding_high = array<i64: {}>, interior_padding = array<i64: {}>}} : ({}, {}) -> {out}",
+                "\"stablehlo.pad\"({}, {}) {{edge_padding_low = {}, edge_padding_high = {}, interior_padding = {}}} : ({}, {}) -> {out}",
                 x.name(),
                 value.name(),
-                join_i64(low),
-                join_i64(high),
-                join_i64(&interior_i64),
+                arr_i64(low),
+                arr_i64(high),
+                arr_i64(&interior_i64),
                 ty(x),
                 ty(value)
             ),
@@ -756,11 +773,11 @@ impl Builder {
             shape,
             x.dtype,
             format_args!(
-                "\"stablehlo.gather\"({}, {}) {{dimension_numbers = #stablehlo.gather<offset_dims = [{}], collapsed_slice_dims = [{dim}], start_index_map = [{dim}], index_vector_dim = 1>, slice_sizes = array<i64: {}>, indices_are_sorted = false}} : ({}, {}) -> {out_t}",
+                "\"stablehlo.gather\"({}, {}) {{dimension_numbers = #stablehlo.gather<offset_dims = [{}], collapsed_slice_dims = [{dim}], start_index_map = [{dim}], index_vector_dim = 1>, slice_sizes = {}, indices_are_sorted = false}} : ({}, {}) -> {out_t}",
                 x.name(),
                 idx.name(),
                 join(&offset_dims),
-                join(&slice_sizes),
+                arr(&slice_sizes),
                 ty(x),
                 ty(&idx)
             ),
@@ -807,16 +824,16 @@ impl Builder {
             shape,
             out_dtype,
             format_args!(
-                "\"stablehlo.convolution\"({}, {}) {{dimension_numbers = #stablehlo.conv<[b, f, 0, 1]x[o, i, 0, 1]->[b, f, 0, 1]>, window_strides = array<i64: {}>, padding = dense<[[{}, {}], [{}, {}]]> : tensor<2x2xi64>, lhs_dilation = array<i64: {}>, rhs_dilation = array<i64: {}>, feature_group_count = {g} : i64, batch_group_count = 1 : i64}} : ({}, {}) -> {out_t}",
+                "\"stablehlo.convolution\"({}, {}) {{dimension_numbers = #stablehlo.conv<[b, f, 0, 1]x[o, i, 0, 1]->[b, f, 0, 1]>, window_strides = {}, padding = dense<[[{}, {}], [{}, {}]]> : tensor<2x2xi64>, lhs_dilation = {}, rhs_dilation = {}, feature_group_count = {g} : i64, batch_group_count = 1 : i64}} : ({}, {}) -> {out_t}",
                 x.name(),
                 w.name(),
-                join(&dims.stride),
+                arr(&dims.stride),
                 dims.padding[0].0,
                 dims.padding[0].1,
                 dims.padding[1].0,
                 dims.padding[1].1,
-                join(&dims.lhs_dilation),
-                join(&dims.rhs_dilation),
+                arr(&dims.lhs_dilation),
+                arr(&dims.rhs_dilation),
                 ty(x),
                 ty(w)
             ),

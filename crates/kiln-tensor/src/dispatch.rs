@@ -16,14 +16,17 @@ use crate::tensor::Tensor;
 /// Counts of op-cache events.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OpCacheStats {
-    /// Programs compiled (cache misses).
+    /// In-memory cache misses: programs compiled, or loaded from the on-disk cache.
     pub compiles: u64,
     /// Ops served from the cache.
     pub hits: u64,
+    /// Programs loaded from the on-disk cache instead of compiled (process-wide only).
+    pub disk_loads: u64,
 }
 
 static COMPILES: AtomicU64 = AtomicU64::new(0);
 static HITS: AtomicU64 = AtomicU64::new(0);
+static DISK_LOADS: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static THREAD_COMPILES: Cell<u64> = const { Cell::new(0) };
@@ -35,6 +38,7 @@ pub fn op_cache_stats() -> OpCacheStats {
     OpCacheStats {
         compiles: COMPILES.load(Ordering::Relaxed),
         hits: HITS.load(Ordering::Relaxed),
+        disk_loads: DISK_LOADS.load(Ordering::Relaxed),
     }
 }
 
@@ -44,6 +48,7 @@ pub fn thread_op_cache_stats() -> OpCacheStats {
     OpCacheStats {
         compiles: THREAD_COMPILES.with(Cell::get),
         hits: THREAD_HITS.with(Cell::get),
+        disk_loads: 0,
     }
 }
 
@@ -89,10 +94,26 @@ pub(crate) fn executable(op: &'static str, device: &Device, program: String) -> 
         device_assignment: Some(vec![vec![device.pjrt().id() as i64]]),
         ..Default::default()
     };
-    let exe = device
-        .client()
-        .compile(&key.program, &options)
-        .map_err(|source| Error::Compile { op, source })?;
+    let disk_entry = crate::disk_cache::entry_path(device.client(), &key.program, &options.encode());
+    let cached = disk_entry
+        .as_deref()
+        .and_then(|path| crate::disk_cache::load(device.client(), path));
+    let exe = match cached {
+        Some(exe) => {
+            DISK_LOADS.fetch_add(1, Ordering::Relaxed);
+            exe
+        }
+        None => {
+            let exe = device
+                .client()
+                .compile(&key.program, &options)
+                .map_err(|source| Error::Compile { op, source })?;
+            if let Some(path) = &disk_entry {
+                crate::disk_cache::store(&exe, path);
+            }
+            exe
+        }
+    };
     COMPILES.fetch_add(1, Ordering::Relaxed);
     THREAD_COMPILES.with(|c| c.set(c.get() + 1));
     let exe = Arc::new(exe);

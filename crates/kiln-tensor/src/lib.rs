@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 mod device;
+mod disk_cache;
 mod dispatch;
 mod error;
 mod ops;

@@ -26,6 +26,12 @@ pub(crate) fn broadcast_to(b: &mut Builder, v: &Value, shape: &[usize]) -> Resul
     if v.dims() == shape {
         return Ok(v.clone());
     }
+    if v.rank() == 0 {
+        // kiln-hlo prints an empty `broadcast_dimensions` as `array<i64: >`, which the StableHLO
+        // parser rejects; broadcast from `[1, ..., 1]` instead.
+        let ones = b.reshape(v, vec![1; shape.len()])?;
+        return b.broadcast_in_dim(&ones, Shape::from(shape), &(0..shape.len()).collect::<Vec<_>>());
+    }
     let offset = shape.len() - v.rank();
     let dims: Vec<usize> = (offset..shape.len()).collect();
     b.broadcast_in_dim(v, Shape::from(shape), &dims)

@@ -123,8 +123,9 @@ impl Tensor {
                 rhs: weight.dtype(),
             });
         }
+        check_conv2d(self, weight, params)?;
         if let Some(bias) = bias {
-            if weight.rank() != 4 || bias.dims() != [weight.dims()[0]] || bias.dtype() != self.dtype() {
+            if bias.dims() != [weight.dims()[0]] || bias.dtype() != self.dtype() {
                 return Err(Error::invalid(
                     op,
                     format!(
@@ -158,6 +159,58 @@ impl Tensor {
             b.convert(&y, dtype)
         })
     }
+}
+
+/// Shape and parameter checks of [`Tensor::conv2d`], so that errors name `conv2d`.
+fn check_conv2d(x: &Tensor, w: &Tensor, p: Conv2dParams) -> Result<()> {
+    let op = "conv2d";
+    if x.rank() != 4 || w.rank() != 4 {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "needs an NCHW input and an OIHW weight, got {} and {}",
+                x.shape(),
+                w.shape()
+            ),
+        ));
+    }
+    if p.stride == 0 || p.dilation == 0 || p.groups == 0 {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "stride, dilation and groups must be positive, got {}, {} and {}",
+                p.stride, p.dilation, p.groups
+            ),
+        ));
+    }
+    let (c, o, i) = (x.dims()[1], w.dims()[0], w.dims()[1]);
+    if c != i * p.groups || o % p.groups != 0 {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "input {} does not fit weight {} with {} groups ({c} input channels, {i} per group)",
+                x.shape(),
+                w.shape(),
+                p.groups
+            ),
+        ));
+    }
+    for s in 0..2 {
+        let (size, k) = (x.dims()[2 + s], w.dims()[2 + s]);
+        if k == 0 || size.saturating_add(p.padding.saturating_mul(2)) < (k - 1).saturating_mul(p.dilation) + 1 {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "the kernel of weight {} (dilation {}) does not fit input {} padded by {}",
+                    w.shape(),
+                    p.dilation,
+                    x.shape(),
+                    p.padding
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Stride, symmetric zero padding, dilation and groups of [`Tensor::conv2d`].

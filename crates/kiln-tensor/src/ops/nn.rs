@@ -168,7 +168,7 @@ impl Tensor {
         let dtype = self.dtype();
         let dims = self.dims().to_vec();
         let n = dims[0];
-        let per_group = self.numel() / n / groups;
+        let per_group = dims[1..].iter().product::<usize>() / groups;
         let mut inputs = vec![self];
         inputs.extend(weight);
         inputs.extend(bias);

@@ -41,6 +41,17 @@ impl Tensor {
 
     /// Reorders dimensions: result dimension i is input dimension `perm[i]`.
     pub fn permute(&self, perm: &[usize]) -> Result<Tensor> {
+        let mut seen = vec![false; self.rank()];
+        let is_permutation = perm.len() == self.rank()
+            && perm
+                .iter()
+                .all(|&p| p < self.rank() && !std::mem::replace(&mut seen[p], true));
+        if !is_permutation {
+            return Err(Error::invalid(
+                "permute",
+                format!("{perm:?} is not a permutation of the dimensions of {}", self.shape()),
+            ));
+        }
         apply1("permute", &[self], |b, p| b.transpose(&p[0], perm))
     }
 
@@ -98,12 +109,12 @@ impl Tensor {
     /// `self[.., start..start+len, ..]` along `dim`.
     pub fn narrow(&self, dim: isize, start: usize, len: usize) -> Result<Tensor> {
         let d = self.resolve_dim("narrow", dim)?;
-        if start + len > self.dims()[d] {
+        if start.checked_add(len).is_none_or(|end| end > self.dims()[d]) {
             return Err(Error::invalid(
                 "narrow",
                 format!(
                     "range {start}..{} is outside dimension {dim} of {}",
-                    start + len,
+                    start.saturating_add(len),
                     self.shape()
                 ),
             ));
@@ -168,6 +179,27 @@ impl Tensor {
             .first()
             .ok_or_else(|| Error::invalid("cat", "no tensors given"))?;
         let d = first.resolve_dim("cat", dim)?;
+        for t in &tensors[1..] {
+            if t.dtype() != first.dtype() {
+                return Err(Error::DType {
+                    op: "cat",
+                    lhs: first.dtype(),
+                    rhs: t.dtype(),
+                });
+            }
+            let fits = t.rank() == first.rank()
+                && t.dims()
+                    .iter()
+                    .zip(first.dims())
+                    .enumerate()
+                    .all(|(i, (a, b))| i == d || a == b);
+            if !fits {
+                return Err(Error::invalid(
+                    "cat",
+                    format!("cannot join {} and {} along dimension {dim}", first.shape(), t.shape()),
+                ));
+            }
+        }
         if tensors.len() == 1 {
             return Ok((*first).clone());
         }
@@ -176,6 +208,37 @@ impl Tensor {
 
     /// Stacks tensors of one shape along a new dimension `dim`.
     pub fn stack(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
+        let first = tensors
+            .first()
+            .ok_or_else(|| Error::invalid("stack", "no tensors given"))?;
+        let r = first.rank() as isize + 1;
+        if !(-r..r).contains(&dim) {
+            return Err(Error::invalid(
+                "stack",
+                format!("dimension {dim} is out of range for stacking {}", first.shape()),
+            ));
+        }
+        for t in &tensors[1..] {
+            if t.device() != first.device() {
+                return Err(Error::DeviceMismatch {
+                    op: "stack",
+                    lhs: first.device().to_string(),
+                    rhs: t.device().to_string(),
+                });
+            }
+            if t.shape() != first.shape() || t.dtype() != first.dtype() {
+                return Err(Error::invalid(
+                    "stack",
+                    format!(
+                        "all tensors must have one shape and dtype, got {} {} and {} {}",
+                        first.shape(),
+                        first.dtype(),
+                        t.shape(),
+                        t.dtype()
+                    ),
+                ));
+            }
+        }
         let unsqueezed = tensors.iter().map(|t| t.unsqueeze(dim)).collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Tensor> = unsqueezed.iter().collect();
         Tensor::cat(&refs, dim)
@@ -266,6 +329,12 @@ impl Tensor {
             ));
         }
         let [n, c, h, w] = [self.dims()[0], self.dims()[1], self.dims()[2], self.dims()[3]];
+        if h.checked_mul(scale).zip(w.checked_mul(scale)).is_none() {
+            return Err(Error::invalid(
+                "upsample_nearest2d",
+                format!("scale {scale} is too large for {}", self.shape()),
+            ));
+        }
         apply1("upsample_nearest2d", &[self], |b, p| {
             let e = b.broadcast_in_dim(&p[0], [n, c, h, scale, w, scale], &[0, 1, 2, 4])?;
             b.reshape(&e, [n, c, h * scale, w * scale])

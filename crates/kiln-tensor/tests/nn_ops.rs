@@ -1,0 +1,344 @@
+//! softmax, norms, attention and rotary embeddings against f64 references.
+
+mod common;
+
+use common::*;
+use kiln_tensor::{AttentionMask, DType, RopeLayout, Tensor};
+
+/// Softmax of `x` over `dim` (stable form).
+fn softmax_ref(x: &Arr, dim: usize) -> Arr {
+    let m = x.reduce(&[dim], true, f64::NEG_INFINITY, f64::max);
+    let e = x.zip(&m, |a, b| (a - b).exp());
+    let s = e.sum(&[dim], true);
+    e.zip(&s, |a, b| a / b)
+}
+
+/// Normalizes over the trailing dims from `from` (biased variance).
+fn normalize_ref(x: &Arr, dims: &[usize], eps: f64) -> Arr {
+    let mean = x.mean(dims, true);
+    let c = x.zip(&mean, |a, m| a - m);
+    let var = c.map(|v| v * v).mean(dims, true);
+    c.zip(&var, |a, v| a / (v + eps).sqrt())
+}
+
+#[test]
+fn softmax_over_any_dim() {
+    let mut r = rng(200);
+    for dtype in FLOATS {
+        let mut x = Arr::rand(&mut r, &[2, 3, 5], -3.0, 3.0, dtype);
+        // Large logits: a naive exp would overflow.
+        x.data[0] = 80.0;
+        x.data[7] = -90.0;
+        let t = x.tensor(dtype);
+        for (dim, pos) in [(-1isize, 2usize), (1, 1), (0, 0)] {
+            let got = t.softmax(dim).unwrap();
+            assert_close(
+                &format!("softmax {dim} {dtype}"),
+                &got,
+                &softmax_ref(&x, pos).round(dtype),
+                dtype,
+                tol(dtype),
+            );
+        }
+    }
+    // -inf entries get probability 0; a size-1 dim gives 1.
+    let x = Arr::new(&[2, 3], vec![0.0, f64::NEG_INFINITY, 1.0, 2.0, 2.0, f64::NEG_INFINITY]);
+    let got = x.tensor(DType::F32).softmax(-1).unwrap();
+    assert_close("softmax -inf", &got, &softmax_ref(&x, 1), DType::F32, tol(DType::F32));
+    let one = Arr::rand(&mut r, &[4, 1], -1.0, 1.0, DType::F32);
+    assert_exact(
+        "softmax size-1",
+        &one.tensor(DType::F32).softmax(1).unwrap(),
+        &Arr::filled(&[4, 1], 1.0),
+        DType::F32,
+    );
+}
+
+#[test]
+fn layer_norm_with_and_without_affine() {
+    let mut r = rng(210);
+    let eps = 1e-5;
+    for dtype in FLOATS {
+        let x = Arr::rand(&mut r, &[2, 3, 8], -2.0, 3.0, dtype);
+        let w = Arr::rand(&mut r, &[8], 0.5, 1.5, dtype);
+        let b = Arr::rand(&mut r, &[8], -0.5, 0.5, dtype);
+        let (t, tw, tb) = (x.tensor(dtype), w.tensor(dtype), b.tensor(dtype));
+        let n = normalize_ref(&x, &[2], eps);
+        let t_ = tol(dtype);
+        let check = |what: &str, got: Tensor, want: Arr| assert_close(what, &got, &want.round(dtype), dtype, t_);
+        check(
+            &format!("layer_norm {dtype}"),
+            t.layer_norm(None, None, eps).unwrap(),
+            n.clone(),
+        );
+        check(
+            &format!("layer_norm w {dtype}"),
+            t.layer_norm(Some(&tw), None, eps).unwrap(),
+            n.zip(&w, |a, c| a * c),
+        );
+        check(
+            &format!("layer_norm w+b {dtype}"),
+            t.layer_norm(Some(&tw), Some(&tb), eps).unwrap(),
+            n.zip(&w, |a, c| a * c).zip(&b, |a, c| a + c),
+        );
+        check(
+            &format!("layer_norm b {dtype}"),
+            t.layer_norm(None, Some(&tb), eps).unwrap(),
+            n.zip(&b, |a, c| a + c),
+        );
+    }
+    // A constant row normalizes to zero (variance 0, eps keeps it finite); 1-D input.
+    let x = Arr::new(&[4], vec![2.0; 4]);
+    assert_exact(
+        "layer_norm constant",
+        &x.tensor(DType::F32).layer_norm(None, None, 1e-6).unwrap(),
+        &Arr::filled(&[4], 0.0),
+        DType::F32,
+    );
+}
+
+#[test]
+fn rms_norm_with_and_without_weight() {
+    let mut r = rng(220);
+    let eps = 1e-6;
+    for dtype in FLOATS {
+        let x = Arr::rand(&mut r, &[3, 16], -2.0, 2.0, dtype);
+        let w = Arr::rand(&mut r, &[16], 0.5, 1.5, dtype);
+        let ms = x.map(|v| v * v).mean(&[1], true);
+        let n = x.zip(&ms, |a, m| a / (m + eps).sqrt());
+        let t = x.tensor(dtype);
+        assert_close(
+            &format!("rms_norm {dtype}"),
+            &t.rms_norm(None, eps).unwrap(),
+            &n.round(dtype),
+            dtype,
+            tol(dtype),
+        );
+        let got = t.rms_norm(Some(&w.tensor(dtype)), eps).unwrap();
+        assert_close(
+            &format!("rms_norm w {dtype}"),
+            &got,
+            &n.zip(&w, |a, c| a * c).round(dtype),
+            dtype,
+            tol(dtype),
+        );
+    }
+}
+
+#[test]
+fn group_norm_matches_the_reference() {
+    let mut r = rng(230);
+    let eps = 1e-5;
+    for dtype in FLOATS {
+        for (groups, affine) in [(3usize, true), (1, false), (6, true)] {
+            let shape = [2usize, 6, 3, 4];
+            let x = Arr::rand(&mut r, &shape, -2.0, 3.0, dtype);
+            let w = Arr::rand(&mut r, &[6], 0.5, 1.5, dtype);
+            let b = Arr::rand(&mut r, &[6], -0.5, 0.5, dtype);
+            let g = x.reshape(&[2, groups, 6 / groups * 12]);
+            let mut want = normalize_ref(&g, &[2], eps).reshape(&shape);
+            if affine {
+                let w4 = w.reshape(&[6, 1, 1]);
+                let b4 = b.reshape(&[6, 1, 1]);
+                want = want.zip(&w4, |a, c| a * c).zip(&b4, |a, c| a + c);
+            }
+            let (tw, tb) = (w.tensor(dtype), b.tensor(dtype));
+            let got = if affine {
+                x.tensor(dtype).group_norm(groups, Some(&tw), Some(&tb), eps).unwrap()
+            } else {
+                x.tensor(dtype).group_norm(groups, None, None, eps).unwrap()
+            };
+            assert_close(
+                &format!("group_norm g={groups} affine={affine} {dtype}"),
+                &got,
+                &want.round(dtype),
+                dtype,
+                tol(dtype),
+            );
+        }
+    }
+    // [N, C] input (no spatial dims) and an empty batch.
+    let x = Arr::rand(&mut r, &[3, 4], -1.0, 1.0, DType::F32);
+    let want = normalize_ref(&x.reshape(&[3, 2, 2]), &[2], eps).reshape(&[3, 4]);
+    let got = x.tensor(DType::F32).group_norm(2, None, None, eps).unwrap();
+    assert_close("group_norm 2-D", &got, &want, DType::F32, tol(DType::F32));
+    let empty = Tensor::zeros([0, 4, 2, 2], DType::F32, &dev()).unwrap();
+    assert_eq!(empty.group_norm(2, None, None, eps).unwrap().dims(), &[0, 4, 2, 2]);
+}
+
+/// Attention reference over [B, H, S, D] in f64.
+fn attention_ref(q: &Arr, k: &Arr, v: &Arr, mask: Option<&Arr>, causal: bool, scale: f64) -> Arr {
+    let mut scores = q.matmul(&k.permute(&[0, 1, 3, 2])).map(|s| s * scale);
+    if let Some(m) = mask {
+        scores = scores.zip(m, |s, a| s + a);
+    }
+    if causal {
+        let shape = scores.shape.clone();
+        for i in 0..scores.data.len() {
+            let idx = unravel(i, &shape);
+            if idx[3] > idx[2] {
+                scores.data[i] = f64::NEG_INFINITY;
+            }
+        }
+    }
+    softmax_ref(&scores, 3).matmul(v)
+}
+
+#[test]
+fn attention_matches_the_reference() {
+    let mut r = rng(240);
+    for dtype in FLOATS {
+        let q = Arr::rand(&mut r, &[2, 2, 4, 8], -1.0, 1.0, dtype);
+        let k = Arr::rand(&mut r, &[2, 2, 6, 8], -1.0, 1.0, dtype);
+        let v = Arr::rand(&mut r, &[2, 2, 6, 8], -1.0, 1.0, dtype);
+        let v3 = Arr::rand(&mut r, &[2, 2, 6, 3], -1.0, 1.0, dtype);
+        let (tq, tk, tv, tv3) = (q.tensor(dtype), k.tensor(dtype), v.tensor(dtype), v3.tensor(dtype));
+        let scale = 1.0 / 8f64.sqrt();
+        // bf16 rounds the scaled q and the probabilities to bf16 before the products.
+        let t = if dtype == DType::BF16 {
+            Tol { rtol: 2e-2, atol: 1e-2 }
+        } else {
+            Tol { rtol: 1e-5, atol: 2e-6 }
+        };
+        let check = |what: &str, got: Tensor, want: Arr| {
+            assert_close(&format!("attention {what} {dtype}"), &got, &want.round(dtype), dtype, t)
+        };
+        let sdpa = Tensor::scaled_dot_product_attention;
+
+        check(
+            "no mask Sq!=Sk",
+            sdpa(&tq, &tk, &tv, &AttentionMask::None, None).unwrap(),
+            attention_ref(&q, &k, &v, None, false, scale),
+        );
+        check(
+            "causal Sq!=Sk",
+            sdpa(&tq, &tk, &tv, &AttentionMask::Causal, None).unwrap(),
+            attention_ref(&q, &k, &v, None, true, scale),
+        );
+        check(
+            "custom scale",
+            sdpa(&tq, &tk, &tv, &AttentionMask::None, Some(0.3)).unwrap(),
+            attention_ref(&q, &k, &v, None, false, 0.3),
+        );
+        check(
+            "scale 1",
+            sdpa(&tq, &tk, &tv, &AttentionMask::None, Some(1.0)).unwrap(),
+            attention_ref(&q, &k, &v, None, false, 1.0),
+        );
+        check(
+            "v dim 3",
+            sdpa(&tq, &tk, &tv3, &AttentionMask::None, None).unwrap(),
+            attention_ref(&q, &k, &v3, None, false, scale),
+        );
+
+        // Additive mask broadcast from [B, 1, 1, Sk] with -inf at padded keys, and a full
+        // [B, H, Sq, Sk] bias in f32 (mask dtype may differ from q).
+        let mut pad = Arr::filled(&[2, 1, 1, 6], 0.0);
+        pad.data[5] = f64::NEG_INFINITY;
+        pad.data[10] = f64::NEG_INFINITY;
+        pad.data[11] = f64::NEG_INFINITY;
+        let got = sdpa(&tq, &tk, &tv, &AttentionMask::Additive(pad.tensor(dtype)), None).unwrap();
+        check("padding mask", got, attention_ref(&q, &k, &v, Some(&pad), false, scale));
+        let bias = Arr::rand(&mut r, &[2, 2, 4, 6], -1.0, 1.0, DType::F32);
+        let got = sdpa(&tq, &tk, &tv, &AttentionMask::Additive(bias.tensor(DType::F32)), None).unwrap();
+        check("bias mask", got, attention_ref(&q, &k, &v, Some(&bias), false, scale));
+    }
+    // Causal with Sq == Sk and a single query.
+    let q = Arr::rand(&mut r, &[1, 1, 5, 4], -1.0, 1.0, DType::F32);
+    let k = Arr::rand(&mut r, &[1, 1, 5, 4], -1.0, 1.0, DType::F32);
+    let got = Tensor::scaled_dot_product_attention(
+        &q.tensor(DType::F32),
+        &k.tensor(DType::F32),
+        &k.tensor(DType::F32),
+        &AttentionMask::Causal,
+        None,
+    )
+    .unwrap();
+    assert_close(
+        "causal square",
+        &got,
+        &attention_ref(&q, &k, &k, None, true, 0.5),
+        DType::F32,
+        Tol { rtol: 1e-5, atol: 2e-6 },
+    );
+    let q1 = Arr::rand(&mut r, &[1, 1, 1, 4], -1.0, 1.0, DType::F32);
+    let got = Tensor::scaled_dot_product_attention(
+        &q1.tensor(DType::F32),
+        &k.tensor(DType::F32),
+        &k.tensor(DType::F32),
+        &AttentionMask::None,
+        None,
+    )
+    .unwrap();
+    assert_close(
+        "one query",
+        &got,
+        &attention_ref(&q1, &k, &k, None, false, 0.5),
+        DType::F32,
+        Tol { rtol: 1e-5, atol: 2e-6 },
+    );
+}
+
+/// Rotary reference: pairs (2i, 2i+1) or (i, i + d/2) rotated by the table angles.
+fn rope_ref(x: &Arr, cos: &Arr, sin: &Arr, layout: RopeLayout) -> Arr {
+    let d = *x.shape.last().unwrap();
+    let s = x.shape[x.shape.len() - 2];
+    let mut out = x.clone();
+    for i in 0..x.data.len() {
+        let (pos, j) = ((i / d) % s, i % d);
+        let row = i - j;
+        let rotated = match layout {
+            RopeLayout::Interleaved if j % 2 == 0 => -x.data[row + j + 1],
+            RopeLayout::Interleaved => x.data[row + j - 1],
+            RopeLayout::HalfSplit if j < d / 2 => -x.data[row + j + d / 2],
+            RopeLayout::HalfSplit => x.data[row + j - d / 2],
+        };
+        out.data[i] = x.data[i] * cos.data[pos * d + j] + rotated * sin.data[pos * d + j];
+    }
+    out
+}
+
+#[test]
+fn rotary_embedding_both_layouts() {
+    let mut r = rng(250);
+    for dtype in FLOATS {
+        let x = Arr::rand(&mut r, &[1, 2, 4, 8], -2.0, 2.0, dtype);
+        // Angles from position * frequency, each repeated for its pair in the layout.
+        for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
+            let angle = |p: usize, j: usize| {
+                let f = match layout {
+                    RopeLayout::Interleaved => j / 2,
+                    RopeLayout::HalfSplit => j % 4,
+                };
+                p as f64 * 10000f64.powf(-(f as f64) / 4.0)
+            };
+            let table = |f: fn(f64) -> f64| {
+                Arr::new(&[4, 8], (0..32).map(|i| f(angle(i / 8, i % 8))).collect()).round(DType::F32)
+            };
+            let (cos, sin) = (table(f64::cos), table(f64::sin));
+            let got = x
+                .tensor(dtype)
+                .apply_rotary_emb(&cos.tensor(DType::F32), &sin.tensor(DType::F32), layout)
+                .unwrap();
+            let want = rope_ref(&x, &cos, &sin, layout).round(dtype);
+            assert_close(&format!("rope {layout:?} {dtype}"), &got, &want, dtype, tol(dtype));
+        }
+    }
+    // Arbitrary (not rotation) tables check the formula term by term; 2-D input.
+    let x = Arr::rand(&mut r, &[3, 4], -2.0, 2.0, DType::F32);
+    let c = Arr::rand(&mut r, &[3, 4], -1.0, 1.0, DType::F32);
+    let s = Arr::rand(&mut r, &[3, 4], -1.0, 1.0, DType::F32);
+    for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
+        let got = x
+            .tensor(DType::F32)
+            .apply_rotary_emb(&c.tensor(DType::F32), &s.tensor(DType::F32), layout)
+            .unwrap();
+        assert_close(
+            &format!("rope random tables {layout:?}"),
+            &got,
+            &rope_ref(&x, &c, &s, layout),
+            DType::F32,
+            tol(DType::F32),
+        );
+    }
+}

@@ -1,0 +1,286 @@
+//! Reductions, matmul, linear and conv2d against f64 references.
+
+mod common;
+
+use common::*;
+use kiln_tensor::{Conv2dParams, DType, Tensor};
+
+/// Resolves possibly negative dims for the reference.
+fn pos(dims: &[isize], rank: usize) -> Vec<usize> {
+    dims.iter()
+        .map(|&d| {
+            if d < 0 {
+                (d + rank as isize) as usize
+            } else {
+                d as usize
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn reductions_match_the_reference() {
+    let mut r = rng(50);
+    let dim_sets: [(&[isize], bool); 5] = [
+        (&[1], false),
+        (&[0, 2], false),
+        (&[-1], true),
+        (&[-3, -2], true),
+        (&[0, 1, 2], false),
+    ];
+    for dtype in FLOATS {
+        let x = Arr::rand(&mut r, &[2, 3, 4], -2.0, 2.0, dtype);
+        let t = x.tensor(dtype);
+        for (dims, keepdim) in dim_sets {
+            let p = pos(dims, 3);
+            let what = |op: &str| format!("{op} {dims:?} keepdim={keepdim} {dtype}");
+            // Sums cancel, so the bf16 tolerance is relative to the summed magnitudes.
+            let cancel_tol = |mag: Arr| Tol {
+                rtol: 0.0,
+                atol: tol(dtype).rtol * mag.data.iter().cloned().fold(0.0, f64::max) + 1e-6,
+            };
+            let sum_tol = cancel_tol(x.map(f64::abs).sum(&p, keepdim));
+            let mean_tol = cancel_tol(x.map(f64::abs).mean(&p, keepdim));
+            assert_close(
+                &what("sum"),
+                &t.sum(dims, keepdim).unwrap(),
+                &x.sum(&p, keepdim).round(dtype),
+                dtype,
+                sum_tol,
+            );
+            assert_close(
+                &what("mean"),
+                &t.mean(dims, keepdim).unwrap(),
+                &x.mean(&p, keepdim).round(dtype),
+                dtype,
+                mean_tol,
+            );
+            let max = x.reduce(&p, keepdim, f64::NEG_INFINITY, f64::max);
+            assert_exact(&what("max"), &t.max(dims, keepdim).unwrap(), &max, dtype);
+            let min = x.reduce(&p, keepdim, f64::INFINITY, f64::min);
+            assert_exact(&what("min"), &t.min(dims, keepdim).unwrap(), &min, dtype);
+        }
+    }
+    // Integer sums and max are exact; a rank-0 result from a full reduction.
+    let x = Arr::rand_int(&mut r, &[3, 5], -100, 100);
+    let t = x.tensor(DType::I32);
+    assert_exact("sum i32", &t.sum(&[0], false).unwrap(), &x.sum(&[0], false), DType::I32);
+    let m = t.max(&[0, 1], false).unwrap();
+    assert_eq!(m.rank(), 0);
+    assert_exact(
+        "max i32",
+        &m,
+        &x.reduce(&[0, 1], false, f64::NEG_INFINITY, f64::max),
+        DType::I32,
+    );
+    // A zero-size reduced dimension sums to zero.
+    let z = Tensor::zeros([0, 3], DType::F32, &dev()).unwrap();
+    assert_exact(
+        "sum over empty",
+        &z.sum(&[0], false).unwrap(),
+        &Arr::filled(&[3], 0.0),
+        DType::F32,
+    );
+    // Size-1 dims and reducing a dim of size 1.
+    let x = Arr::rand(&mut r, &[1, 4, 1], -1.0, 1.0, DType::F32);
+    let got = x.tensor(DType::F32).mean(&[-1], false).unwrap();
+    assert_close("mean size-1", &got, &x.mean(&[2], false), DType::F32, tol(DType::F32));
+}
+
+#[test]
+fn bf16_sums_accumulate_in_f32() {
+    // 256 ones plus 0.5s: bf16 accumulation would stall at 256 (its spacing there is 2).
+    let x = Arr::new(&[512], (0..512).map(|i| if i % 2 == 0 { 1.0 } else { 0.5 }).collect());
+    let got = x.tensor(DType::BF16).sum(&[0], false).unwrap();
+    assert_exact("sum bf16", &got, &Arr::new(&[], vec![384.0]), DType::BF16);
+}
+
+/// Matmul error grows with the contraction length: use |a| |b| as the scale.
+fn dot_tol(a: &Arr, b: &Arr, dtype: DType) -> Tol {
+    let scale = a.map(f64::abs).matmul(&b.map(f64::abs));
+    let max = scale.data.iter().cloned().fold(0.0, f64::max);
+    let t = tol(dtype);
+    Tol {
+        rtol: t.rtol,
+        atol: t.rtol * max * 0.5 + t.atol,
+    }
+}
+
+#[test]
+fn matmul_matches_the_reference() {
+    let mut r = rng(60);
+    let cases: [(&[usize], &[usize]); 6] = [
+        (&[3, 5], &[5, 4]),          // 2-D, non-square
+        (&[2, 3, 5], &[2, 5, 4]),    // batched
+        (&[2, 1, 3, 5], &[3, 5, 2]), // broadcast batch on both sides
+        (&[3, 5], &[2, 5, 4]),       // rank mismatch: lhs broadcast over rhs batch
+        (&[1, 5], &[5, 1]),          // size-1 m and n
+        (&[4, 16], &[16, 3]),        // longer contraction
+    ];
+    for dtype in FLOATS {
+        for (ls, rs) in cases {
+            let a = Arr::rand(&mut r, ls, -1.0, 1.0, dtype);
+            let b = Arr::rand(&mut r, rs, -1.0, 1.0, dtype);
+            let got = a.tensor(dtype).matmul(&b.tensor(dtype)).unwrap();
+            let want = a.matmul(&b);
+            assert_close(
+                &format!("matmul {ls:?} @ {rs:?} {dtype}"),
+                &got,
+                &want,
+                dtype,
+                dot_tol(&a, &b, dtype),
+            );
+        }
+    }
+    // Zero-size m.
+    let a = Tensor::zeros([0, 3], DType::F32, &dev()).unwrap();
+    let b = Tensor::ones([3, 2], DType::F32, &dev()).unwrap();
+    assert_eq!(a.matmul(&b).unwrap().dims(), &[0, 2]);
+}
+
+fn linear_ref(x: &Arr, w: &Arr, bias: Option<&Arr>) -> Arr {
+    let y = x.matmul(&w.permute(&[1, 0]));
+    match bias {
+        Some(b) => y.zip(b, |a, c| a + c),
+        None => y,
+    }
+}
+
+#[test]
+fn linear_matches_the_reference() {
+    let mut r = rng(70);
+    for dtype in FLOATS {
+        for (xs, with_bias) in [(&[4, 8][..], false), (&[2, 3, 8][..], true), (&[8][..], true)] {
+            let x = Arr::rand(&mut r, xs, -1.0, 1.0, dtype);
+            let w = Arr::rand(&mut r, &[5, 8], -1.0, 1.0, dtype);
+            let b = Arr::rand(&mut r, &[5], -1.0, 1.0, dtype);
+            let bias = with_bias.then(|| b.tensor(dtype));
+            let got = x.tensor(dtype).linear(&w.tensor(dtype), bias.as_ref()).unwrap();
+            let want = if xs.len() == 1 {
+                // 1-D input: torch returns a 1-D output.
+                linear_ref(&x.reshape(&[1, 8]), &w, with_bias.then_some(&b)).reshape(&[5])
+            } else {
+                linear_ref(&x, &w, with_bias.then_some(&b))
+            };
+            let t = dot_tol(&x.reshape(&[numel(xs) / 8, 8]), &w.permute(&[1, 0]), dtype);
+            assert_close(
+                &format!("linear {xs:?} bias={with_bias} {dtype}"),
+                &got,
+                &want,
+                dtype,
+                t,
+            );
+        }
+    }
+}
+
+struct ConvCase {
+    x: [usize; 4],
+    w: [usize; 4],
+    p: Conv2dParams,
+    bias: bool,
+}
+
+fn conv_ref(x: &Arr, w: &Arr, bias: Option<&Arr>, p: Conv2dParams) -> Arr {
+    let [n, c, h, wd] = [x.shape[0], x.shape[1], x.shape[2], x.shape[3]];
+    let [o, ipg, kh, kw] = [w.shape[0], w.shape[1], w.shape[2], w.shape[3]];
+    let opg = o / p.groups;
+    assert_eq!(c, ipg * p.groups);
+    let out_size = |size: usize, k: usize| (size + 2 * p.padding - p.dilation * (k - 1) - 1) / p.stride + 1;
+    let (oh, ow) = (out_size(h, kh), out_size(wd, kw));
+    let mut out = Arr::filled(&[n, o, oh, ow], 0.0);
+    for b in 0..n {
+        for oc in 0..o {
+            let g = oc / opg;
+            for y in 0..oh {
+                for xx in 0..ow {
+                    let mut acc = bias.map_or(0.0, |bb| bb.data[oc]);
+                    for ic in 0..ipg {
+                        for ky in 0..kh {
+                            for kx in 0..kw {
+                                let iy = (y * p.stride + ky * p.dilation) as isize - p.padding as isize;
+                                let ix = (xx * p.stride + kx * p.dilation) as isize - p.padding as isize;
+                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= wd as isize {
+                                    continue;
+                                }
+                                let xv = x.at(&[b, g * ipg + ic, iy as usize, ix as usize]);
+                                acc += xv * w.at(&[oc, ic, ky, kx]);
+                            }
+                        }
+                    }
+                    out.data[ravel(&[b, oc, y, xx], &out.shape)] = acc;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn conv2d_matches_the_reference() {
+    let params = |stride, padding, dilation, groups| Conv2dParams {
+        stride,
+        padding,
+        dilation,
+        groups,
+    };
+    let cases = [
+        ConvCase {
+            x: [2, 4, 7, 6],
+            w: [6, 4, 3, 3],
+            p: params(1, 0, 1, 1),
+            bias: false,
+        },
+        ConvCase {
+            x: [2, 4, 7, 6],
+            w: [6, 4, 3, 3],
+            p: params(2, 1, 1, 1),
+            bias: true,
+        },
+        ConvCase {
+            x: [1, 4, 7, 6],
+            w: [3, 4, 3, 2],
+            p: params(1, 2, 2, 1),
+            bias: true,
+        },
+        ConvCase {
+            x: [1, 4, 5, 5],
+            w: [6, 2, 3, 3],
+            p: params(1, 1, 1, 2),
+            bias: true,
+        },
+        ConvCase {
+            x: [1, 4, 5, 5],
+            w: [4, 1, 3, 3],
+            p: params(1, 1, 1, 4),
+            bias: false,
+        },
+        ConvCase {
+            x: [2, 3, 1, 4],
+            w: [5, 3, 1, 1],
+            p: params(1, 0, 1, 1),
+            bias: true,
+        },
+    ];
+    let mut r = rng(80);
+    for (i, case) in cases.iter().enumerate() {
+        for dtype in FLOATS {
+            if dtype == DType::BF16 && i > 1 {
+                continue; // bf16 uses the same program shape; two cases are enough.
+            }
+            let x = Arr::rand(&mut r, &case.x, -1.0, 1.0, dtype);
+            let w = Arr::rand(&mut r, &case.w, -1.0, 1.0, dtype);
+            let b = Arr::rand(&mut r, &[case.w[0]], -1.0, 1.0, dtype);
+            let bias = case.bias.then(|| b.tensor(dtype));
+            let got = x.tensor(dtype).conv2d(&w.tensor(dtype), bias.as_ref(), case.p).unwrap();
+            let want = conv_ref(&x, &w, case.bias.then_some(&b), case.p);
+            let mag = conv_ref(&x.map(f64::abs), &w.map(f64::abs), None, case.p);
+            let max = mag.data.iter().cloned().fold(0.0, f64::max);
+            let t = Tol {
+                rtol: tol(dtype).rtol,
+                atol: tol(dtype).rtol * max * 0.5 + tol(dtype).atol,
+            };
+            assert_close(&format!("conv2d case {i} {dtype}"), &got, &want, dtype, t);
+        }
+    }
+}
