@@ -1,1 +1,626 @@
-//! (in progress)
+//! diffusers' `AutoencoderKL`: the VAE of FLUX.1 and SD3/3.5 (same class, other config values).
+//!
+//! Follows diffusers `58eb52c`: `models/autoencoders/autoencoder_kl.py` (`AutoencoderKL`),
+//! `models/autoencoders/vae.py` (`Encoder`, `Decoder`, `DiagonalGaussianDistribution`),
+//! `models/resnet.py` (`ResnetBlock2D`), `models/upsampling.py`, `models/downsampling.py`,
+//! `models/unets/unet_2d_blocks.py` (`UNetMidBlock2D`, `DownEncoderBlock2D`, `UpDecoderBlock2D`)
+//! and `models/attention_processor.py` (`AttnProcessor2_0`). HF repos:
+//! `black-forest-labs/FLUX.1-dev` (`vae/`), `stabilityai/stable-diffusion-3.5-large` (`vae/`).
+//! Paper: Rombach et al., "High-Resolution Image Synthesis with Latent Diffusion Models".
+//!
+//! Everything is driven by the config: the channel plan follows `block_out_channels`, the
+//! encoder has `layers_per_block` ResNets per block and the decoder one more.
+
+use kiln_io::{Activation, AutoencoderKLConfig};
+use kiln_nn::{Conv2d, Error, GroupNorm, Linear, Result, Weights};
+use kiln_rng::Generators;
+use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
+
+/// diffusers' `Encoder`/`Decoder` pass `resnet_eps=1e-6` to every block; `conv_norm_out` and the
+/// mid-block attention's GroupNorm use the same value.
+const NORM_EPS: f64 = 1e-6;
+
+/// diffusers' `DiagonalGaussianDistribution` clamps `logvar` to this range.
+const LOGVAR_RANGE: (f64, f64) = (-30.0, 20.0);
+
+const CONV_3X3_SAME: Conv2dParams = Conv2dParams {
+    stride: 1,
+    padding: 1,
+    dilation: 1,
+    groups: 1,
+};
+
+const DOWN_BLOCK: &str = "DownEncoderBlock2D";
+const UP_BLOCK: &str = "UpDecoderBlock2D";
+
+/// The ResNet nonlinearity (`act_fn`, through diffusers' `get_activation`).
+#[derive(Clone, Copy, Debug)]
+enum Nonlinearity {
+    Silu,
+    Gelu,
+    Relu,
+}
+
+impl Nonlinearity {
+    fn from_config(act: Activation, w: &Weights) -> Result<Self> {
+        match act {
+            Activation::Silu => Ok(Nonlinearity::Silu),
+            Activation::Gelu => Ok(Nonlinearity::Gelu),
+            Activation::Relu => Ok(Nonlinearity::Relu),
+            other => Err(config_error(
+                w,
+                format!("act_fn `{other}` is not one diffusers' AutoencoderKL accepts; use silu, gelu or relu"),
+            )),
+        }
+    }
+
+    fn forward(self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Nonlinearity::Silu => x.silu()?,
+            Nonlinearity::Gelu => x.gelu()?,
+            Nonlinearity::Relu => x.maximum_scalar(0.0)?,
+        })
+    }
+}
+
+fn config_error(w: &Weights, message: String) -> Error {
+    Error::Config {
+        component: w.component().to_string(),
+        message,
+    }
+}
+
+fn input_error(op: &'static str, message: String) -> Error {
+    Error::Tensor(kiln_tensor::Error::Invalid { op, message })
+}
+
+/// `ResnetBlock2D` without a time embedding (dropout 0, output_scale_factor 1).
+#[derive(Clone, Debug)]
+struct ResnetBlock2D {
+    norm1: GroupNorm,
+    conv1: Conv2d,
+    norm2: GroupNorm,
+    conv2: Conv2d,
+    conv_shortcut: Option<Conv2d>,
+    nonlinearity: Nonlinearity,
+}
+
+impl ResnetBlock2D {
+    fn load(
+        w: &Weights,
+        in_channels: usize,
+        out_channels: usize,
+        groups: usize,
+        nonlinearity: Nonlinearity,
+    ) -> Result<Self> {
+        Ok(ResnetBlock2D {
+            norm1: GroupNorm::load(&w.pp("norm1"), groups, in_channels, NORM_EPS)?,
+            conv1: Conv2d::load(&w.pp("conv1"), in_channels, out_channels, 3, CONV_3X3_SAME, true)?,
+            norm2: GroupNorm::load(&w.pp("norm2"), groups, out_channels, NORM_EPS)?,
+            conv2: Conv2d::load(&w.pp("conv2"), out_channels, out_channels, 3, CONV_3X3_SAME, true)?,
+            conv_shortcut: if in_channels != out_channels {
+                Some(Conv2d::load(
+                    &w.pp("conv_shortcut"),
+                    in_channels,
+                    out_channels,
+                    1,
+                    Conv2dParams::default(),
+                    true,
+                )?)
+            } else {
+                None
+            },
+            nonlinearity,
+        })
+    }
+
+    fn forward(&self, input_tensor: &Tensor) -> Result<Tensor> {
+        let hidden_states = self.norm1.forward(input_tensor)?;
+        let hidden_states = self.nonlinearity.forward(&hidden_states)?;
+        let hidden_states = self.conv1.forward(&hidden_states)?;
+        let hidden_states = self.norm2.forward(&hidden_states)?;
+        let hidden_states = self.nonlinearity.forward(&hidden_states)?;
+        let hidden_states = self.conv2.forward(&hidden_states)?;
+        let input_tensor = match &self.conv_shortcut {
+            Some(conv) => conv.forward(input_tensor)?,
+            None => input_tensor.clone(),
+        };
+        Ok(input_tensor.add(&hidden_states)?)
+    }
+}
+
+/// The mid block's `Attention`: GroupNorm, one head with head_dim = channels over the H·W
+/// pixels, output projection, residual.
+#[derive(Clone, Debug)]
+struct SpatialSelfAttention {
+    group_norm: GroupNorm,
+    /// `to_q`, `to_k`, `to_v` stacked into one `[3C, C]` projection.
+    to_qkv: Linear,
+    to_out: Linear,
+}
+
+impl SpatialSelfAttention {
+    fn load(w: &Weights, channels: usize, groups: usize) -> Result<Self> {
+        let weight = |name: &str| w.pp(name).get("weight", [channels, channels]);
+        let bias = |name: &str| w.pp(name).get("bias", [channels]);
+        let to_qkv = Linear {
+            weight: Tensor::cat(&[&weight("to_q")?, &weight("to_k")?, &weight("to_v")?], 0)?,
+            bias: Some(Tensor::cat(&[&bias("to_q")?, &bias("to_k")?, &bias("to_v")?], 0)?),
+        };
+        Ok(SpatialSelfAttention {
+            group_norm: GroupNorm::load(&w.pp("group_norm"), groups, channels, NORM_EPS)?,
+            to_qkv,
+            to_out: Linear::load(&w.pp("to_out").pp(0), channels, channels, true)?,
+        })
+    }
+
+    fn forward(&self, hidden_states: &Tensor) -> Result<Tensor> {
+        let residual = hidden_states;
+        let &[batch, channels, height, width] = hidden_states.dims() else {
+            return Err(input_error(
+                "AutoencoderKL attention",
+                format!("needs [B, C, H, W], got {}", hidden_states.shape()),
+            ));
+        };
+        let tokens = height * width;
+        let normed = self.group_norm.forward(hidden_states)?;
+        // Heads-first from the start: [B, 1, C, HW] -> [B, 1, HW, C] (one head).
+        let normed = normed.reshape([batch, 1, channels, tokens])?.transpose(2, 3)?;
+        let qkv = self.to_qkv.forward(&normed)?; // [B, 1, HW, 3C]
+        let qkv = qkv.split_sizes(&[channels; 3], 3)?;
+        let attn = Tensor::scaled_dot_product_attention(&qkv[0], &qkv[1], &qkv[2], &AttentionMask::None, None)?;
+        let out = self.to_out.forward(&attn)?; // [B, 1, HW, C]
+        let out = out.transpose(2, 3)?.reshape([batch, channels, height, width])?;
+        // residual_connection=True, rescale_output_factor=1.
+        Ok(out.add(residual)?)
+    }
+}
+
+/// `UNetMidBlock2D` with one layer: ResNet, optional attention, ResNet.
+#[derive(Clone, Debug)]
+struct UNetMidBlock2D {
+    resnets: [ResnetBlock2D; 2],
+    attention: Option<SpatialSelfAttention>,
+}
+
+impl UNetMidBlock2D {
+    fn load(
+        w: &Weights,
+        channels: usize,
+        groups: usize,
+        add_attention: bool,
+        nonlinearity: Nonlinearity,
+    ) -> Result<Self> {
+        let resnet = |i: usize| ResnetBlock2D::load(&w.pp("resnets").pp(i), channels, channels, groups, nonlinearity);
+        let first = resnet(0)?;
+        let attention = if add_attention {
+            Some(SpatialSelfAttention::load(&w.pp("attentions").pp(0), channels, groups)?)
+        } else {
+            None
+        };
+        Ok(UNetMidBlock2D {
+            resnets: [first, resnet(1)?],
+            attention,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut x = self.resnets[0].forward(x)?;
+        if let Some(attention) = &self.attention {
+            x = attention.forward(&x)?;
+        }
+        self.resnets[1].forward(&x)
+    }
+}
+
+/// `DownEncoderBlock2D`: ResNets, then (except in the last block) `Downsample2D`: pad right
+/// and bottom by one zero, 3×3 conv with stride 2 and no padding.
+#[derive(Clone, Debug)]
+struct DownEncoderBlock2D {
+    resnets: Vec<ResnetBlock2D>,
+    downsampler: Option<Conv2d>,
+}
+
+impl DownEncoderBlock2D {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut x = x.clone();
+        for resnet in &self.resnets {
+            x = resnet.forward(&x)?;
+        }
+        if let Some(conv) = &self.downsampler {
+            // diffusers' Downsample2D with padding=0 pads (0, 1, 0, 1) itself.
+            x = conv.forward(&x.pad(&[(0, 0), (0, 0), (0, 1), (0, 1)], 0.0)?)?;
+        }
+        Ok(x)
+    }
+}
+
+/// `UpDecoderBlock2D`: ResNets, then (except in the last block) `Upsample2D`: nearest ×2 and a
+/// 3×3 conv.
+#[derive(Clone, Debug)]
+struct UpDecoderBlock2D {
+    resnets: Vec<ResnetBlock2D>,
+    upsampler: Option<Conv2d>,
+}
+
+impl UpDecoderBlock2D {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut x = x.clone();
+        for resnet in &self.resnets {
+            x = resnet.forward(&x)?;
+        }
+        if let Some(conv) = &self.upsampler {
+            x = conv.forward(&x.upsample_nearest2d(2)?)?;
+        }
+        Ok(x)
+    }
+}
+
+/// The channel plan and block settings shared by encoder and decoder.
+struct Plan<'a> {
+    blocks: &'a [usize],
+    first: usize,
+    last: usize,
+    groups: usize,
+    layers_per_block: usize,
+    add_attention: bool,
+    nonlinearity: Nonlinearity,
+}
+
+/// diffusers' `Encoder` with `double_z=True`: image → `[B, 2·latent_channels, H/f, W/f]`.
+#[derive(Clone, Debug)]
+struct Encoder {
+    conv_in: Conv2d,
+    down_blocks: Vec<DownEncoderBlock2D>,
+    mid_block: UNetMidBlock2D,
+    conv_norm_out: GroupNorm,
+    conv_out: Conv2d,
+}
+
+impl Encoder {
+    fn load(w: &Weights, plan: &Plan, in_channels: usize, latent_channels: usize) -> Result<Self> {
+        let (first, last) = (plan.first, plan.last);
+        let mut down_blocks = Vec::with_capacity(plan.blocks.len());
+        let mut block_in = first;
+        for (i, &block_out) in plan.blocks.iter().enumerate() {
+            let wb = w.pp("down_blocks").pp(i);
+            let resnets = (0..plan.layers_per_block)
+                .map(|r| {
+                    let c_in = if r == 0 { block_in } else { block_out };
+                    ResnetBlock2D::load(&wb.pp("resnets").pp(r), c_in, block_out, plan.groups, plan.nonlinearity)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let is_final_block = i + 1 == plan.blocks.len();
+            let downsampler = if is_final_block {
+                None
+            } else {
+                let params = Conv2dParams {
+                    stride: 2,
+                    padding: 0,
+                    ..Conv2dParams::default()
+                };
+                Some(Conv2d::load(
+                    &wb.pp("downsamplers").pp(0).pp("conv"),
+                    block_out,
+                    block_out,
+                    3,
+                    params,
+                    true,
+                )?)
+            };
+            down_blocks.push(DownEncoderBlock2D { resnets, downsampler });
+            block_in = block_out;
+        }
+        Ok(Encoder {
+            conv_in: Conv2d::load(&w.pp("conv_in"), in_channels, first, 3, CONV_3X3_SAME, true)?,
+            down_blocks,
+            mid_block: UNetMidBlock2D::load(
+                &w.pp("mid_block"),
+                last,
+                plan.groups,
+                plan.add_attention,
+                plan.nonlinearity,
+            )?,
+            conv_norm_out: GroupNorm::load(&w.pp("conv_norm_out"), plan.groups, last, NORM_EPS)?,
+            conv_out: Conv2d::load(&w.pp("conv_out"), last, 2 * latent_channels, 3, CONV_3X3_SAME, true)?,
+        })
+    }
+
+    fn forward(&self, sample: &Tensor) -> Result<Tensor> {
+        let mut sample = self.conv_in.forward(sample)?;
+        for down_block in &self.down_blocks {
+            sample = down_block.forward(&sample)?;
+        }
+        let sample = self.mid_block.forward(&sample)?;
+        let sample = self.conv_norm_out.forward(&sample)?;
+        // diffusers' Encoder/Decoder use nn.SiLU here whatever act_fn says.
+        let sample = sample.silu()?;
+        self.conv_out.forward(&sample)
+    }
+}
+
+/// diffusers' `Decoder`: latent → image, `layers_per_block + 1` ResNets per up block.
+#[derive(Clone, Debug)]
+struct Decoder {
+    conv_in: Conv2d,
+    mid_block: UNetMidBlock2D,
+    up_blocks: Vec<UpDecoderBlock2D>,
+    conv_norm_out: GroupNorm,
+    conv_out: Conv2d,
+}
+
+impl Decoder {
+    fn load(w: &Weights, plan: &Plan, latent_channels: usize, out_channels: usize) -> Result<Self> {
+        let (first, last) = (plan.first, plan.last);
+        let mut up_blocks = Vec::with_capacity(plan.blocks.len());
+        let mut block_in = last;
+        for (i, &block_out) in plan.blocks.iter().rev().enumerate() {
+            let wb = w.pp("up_blocks").pp(i);
+            let resnets = (0..plan.layers_per_block + 1)
+                .map(|r| {
+                    let c_in = if r == 0 { block_in } else { block_out };
+                    ResnetBlock2D::load(&wb.pp("resnets").pp(r), c_in, block_out, plan.groups, plan.nonlinearity)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let is_final_block = i + 1 == plan.blocks.len();
+            let upsampler = if is_final_block {
+                None
+            } else {
+                let wu = wb.pp("upsamplers").pp(0).pp("conv");
+                Some(Conv2d::load(&wu, block_out, block_out, 3, CONV_3X3_SAME, true)?)
+            };
+            up_blocks.push(UpDecoderBlock2D { resnets, upsampler });
+            block_in = block_out;
+        }
+        Ok(Decoder {
+            conv_in: Conv2d::load(&w.pp("conv_in"), latent_channels, last, 3, CONV_3X3_SAME, true)?,
+            mid_block: UNetMidBlock2D::load(
+                &w.pp("mid_block"),
+                last,
+                plan.groups,
+                plan.add_attention,
+                plan.nonlinearity,
+            )?,
+            up_blocks,
+            conv_norm_out: GroupNorm::load(&w.pp("conv_norm_out"), plan.groups, first, NORM_EPS)?,
+            conv_out: Conv2d::load(&w.pp("conv_out"), first, out_channels, 3, CONV_3X3_SAME, true)?,
+        })
+    }
+
+    fn forward(&self, z: &Tensor) -> Result<Tensor> {
+        let sample = self.conv_in.forward(z)?;
+        let mut sample = self.mid_block.forward(&sample)?;
+        for up_block in &self.up_blocks {
+            sample = up_block.forward(&sample)?;
+        }
+        let sample = self.conv_norm_out.forward(&sample)?;
+        let sample = sample.silu()?;
+        self.conv_out.forward(&sample)
+    }
+}
+
+/// The posterior `q(z | x)`: a Gaussian with diagonal covariance per latent element.
+#[derive(Clone, Debug)]
+pub struct DiagonalGaussianDistribution {
+    /// `[B, latent_channels, h, w]`.
+    pub mean: Tensor,
+    /// Clamped to [-30, 20].
+    pub logvar: Tensor,
+    /// `exp(logvar / 2)`.
+    pub std: Tensor,
+}
+
+impl DiagonalGaussianDistribution {
+    /// Splits `parameters` `[B, 2·C, h, w]` into mean (first C channels) and log-variance.
+    pub fn new(parameters: &Tensor) -> Result<Self> {
+        let halves = parameters.chunk(2, 1)?;
+        let [mean, logvar]: [Tensor; 2] = halves.try_into().map_err(|halves: Vec<Tensor>| {
+            input_error(
+                "DiagonalGaussianDistribution::new",
+                format!("chunk(2) gave {} tensors", halves.len()),
+            )
+        })?;
+        let logvar = logvar.clamp(LOGVAR_RANGE.0, LOGVAR_RANGE.1)?;
+        let std = logvar.mul_scalar_f32(0.5)?.exp()?;
+        Ok(DiagonalGaussianDistribution { mean, logvar, std })
+    }
+
+    /// The mean (diffusers' `mode()`).
+    pub fn mode(&self) -> Tensor {
+        self.mean.clone()
+    }
+
+    /// `mean + std · ε`, with ε drawn as diffusers' `randn_tensor(mean.shape, generator,
+    /// dtype=mean.dtype)` (one generator for the batch, or one per sample).
+    pub fn sample<'g>(&self, generator: impl Into<Generators<'g>>) -> Result<Tensor> {
+        let noise = kiln_rng::randn_tensor(self.mean.dims(), generator, self.mean.dtype())
+            .map_err(|e| input_error("DiagonalGaussianDistribution::sample", e.to_string()))?;
+        let (shape, dtype, bytes) = noise.into_parts();
+        let noise = Tensor::from_bytes(&bytes, dtype, shape, self.mean.device())?;
+        Ok(self.mean.add(&self.std.mul(&noise)?)?)
+    }
+}
+
+/// diffusers' `AutoencoderKL` (no tiling or slicing).
+#[derive(Clone, Debug)]
+pub struct AutoencoderKL {
+    config: AutoencoderKLConfig,
+    dtype: DType,
+    encoder: Encoder,
+    decoder: Decoder,
+    quant_conv: Option<Conv2d>,
+    post_quant_conv: Option<Conv2d>,
+}
+
+impl AutoencoderKL {
+    /// Builds the model from `config` and the weights (diffusers names: `encoder.*`,
+    /// `decoder.*`, `quant_conv`, `post_quant_conv`). Every shape is checked against the config.
+    pub fn load(config: &AutoencoderKLConfig, weights: &Weights) -> Result<Self> {
+        let nonlinearity = check_config(config, weights)?;
+        let blocks = &config.block_out_channels;
+        let (Some(&first), Some(&last)) = (blocks.first(), blocks.last()) else {
+            return Err(config_error(weights, "block_out_channels is empty".to_string()));
+        };
+        let plan = Plan {
+            blocks,
+            first,
+            last,
+            groups: config.norm_num_groups,
+            layers_per_block: config.layers_per_block,
+            add_attention: config.mid_block_add_attention,
+            nonlinearity,
+        };
+        let latent = config.latent_channels;
+        let encoder = Encoder::load(&weights.pp("encoder"), &plan, config.in_channels, latent)?;
+        let decoder = Decoder::load(&weights.pp("decoder"), &plan, latent, config.out_channels)?;
+        let quant_conv = if config.use_quant_conv {
+            let w = weights.pp("quant_conv");
+            Some(Conv2d::load(
+                &w,
+                2 * latent,
+                2 * latent,
+                1,
+                Conv2dParams::default(),
+                true,
+            )?)
+        } else {
+            None
+        };
+        let post_quant_conv = if config.use_post_quant_conv {
+            let w = weights.pp("post_quant_conv");
+            Some(Conv2d::load(&w, latent, latent, 1, Conv2dParams::default(), true)?)
+        } else {
+            None
+        };
+        Ok(AutoencoderKL {
+            config: config.clone(),
+            dtype: weights.dtype(),
+            encoder,
+            decoder,
+            quant_conv,
+            post_quant_conv,
+        })
+    }
+
+    pub fn config(&self) -> &AutoencoderKLConfig {
+        &self.config
+    }
+
+    /// `2 ** (len(block_out_channels) - 1)`: image pixels per latent pixel along each side.
+    pub fn vae_scale_factor(&self) -> usize {
+        self.config.vae_scale_factor()
+    }
+
+    /// The dtype the weights were loaded in (inputs must have it too).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// `z` `[B, latent_channels, h, w]` → image `[B, out_channels, h·f, w·f]` (f =
+    /// [`Self::vae_scale_factor`]), roughly in [-1, 1] and unclamped. Applies no scaling or
+    /// shift: the pipeline de-normalises the latents first.
+    pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
+        self.check_input("AutoencoderKL::decode", "latent", z, self.config.latent_channels)?;
+        let z = match &self.post_quant_conv {
+            Some(conv) => conv.forward(z)?,
+            None => z.clone(),
+        };
+        self.decoder.forward(&z)
+    }
+
+    /// Image `x` `[B, in_channels, H, W]` in [-1, 1] → the latent distribution, with
+    /// `[B, latent_channels, ⌊H/f⌋, ⌊W/f⌋]` tensors.
+    pub fn encode(&self, x: &Tensor) -> Result<DiagonalGaussianDistribution> {
+        let op = "AutoencoderKL::encode";
+        self.check_input(op, "image", x, self.config.in_channels)?;
+        // Each downsampler needs at least 2 pixels (3 after its padding).
+        let (mut h, mut w) = (x.dims()[2], x.dims()[3]);
+        for _ in 1..self.config.block_out_channels.len() {
+            if h < 2 || w < 2 {
+                return Err(input_error(
+                    op,
+                    format!(
+                        "the image {} is too small for {} downsampling steps; use at least {f}x{f} pixels",
+                        x.shape(),
+                        self.config.block_out_channels.len() - 1,
+                        f = self.vae_scale_factor()
+                    ),
+                ));
+            }
+            (h, w) = (h / 2, w / 2);
+        }
+        let h = self.encoder.forward(x)?;
+        let moments = match &self.quant_conv {
+            Some(conv) => conv.forward(&h)?,
+            None => h,
+        };
+        DiagonalGaussianDistribution::new(&moments)
+    }
+
+    fn check_input(&self, op: &'static str, what: &str, x: &Tensor, channels: usize) -> Result<()> {
+        let problem = if x.rank() != 4 {
+            Some(format!("needs a [batch, {channels}, height, width] {what}"))
+        } else if x.dims()[1] != channels {
+            Some(format!(
+                "needs {channels} channels (from config.json) in dimension 1 of the {what}"
+            ))
+        } else if x.numel() == 0 {
+            Some(format!("the {what} is empty"))
+        } else if x.dtype() != self.dtype {
+            Some(format!(
+                "the {what} is {} but the VAE weights are {}; cast it first",
+                x.dtype(),
+                self.dtype
+            ))
+        } else {
+            None
+        };
+        match problem {
+            Some(problem) => Err(input_error(op, format!("{problem}; got {} {}", x.shape(), x.dtype()))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Checks what the weight shapes cannot: block types, list lengths, group divisibility, act_fn.
+fn check_config(config: &AutoencoderKLConfig, w: &Weights) -> Result<Nonlinearity> {
+    let blocks = &config.block_out_channels;
+    for (key, types, expected) in [
+        ("down_block_types", &config.down_block_types, DOWN_BLOCK),
+        ("up_block_types", &config.up_block_types, UP_BLOCK),
+    ] {
+        if types.len() != blocks.len() {
+            return Err(config_error(
+                w,
+                format!(
+                    "{key} has {} entries but block_out_channels has {}; they must match",
+                    types.len(),
+                    blocks.len()
+                ),
+            ));
+        }
+        if let Some(other) = types.iter().find(|t| t.as_str() != expected) {
+            return Err(config_error(
+                w,
+                format!("{key} contains `{other}`; AutoencoderKL supports only {expected}"),
+            ));
+        }
+    }
+    let groups = config.norm_num_groups;
+    if let Some(&c) = blocks.iter().find(|&&c| groups == 0 || c == 0 || c % groups != 0) {
+        return Err(config_error(
+            w,
+            format!("block_out_channels entry {c} cannot be split into norm_num_groups = {groups} groups"),
+        ));
+    }
+    for (key, value) in [
+        ("in_channels", config.in_channels),
+        ("out_channels", config.out_channels),
+        ("latent_channels", config.latent_channels),
+    ] {
+        if value == 0 {
+            return Err(config_error(w, format!("{key} is 0")));
+        }
+    }
+    Nonlinearity::from_config(config.act_fn, w)
+}

@@ -1,1 +1,359 @@
-//! (in progress)
+//! T5 encoder: transformers' `T5EncoderModel` (`transformers/models/t5/modeling_t5.py`,
+//! transformers 5.24.0), the text encoder of FLUX.1 (`text_encoder_2`) and SD3 (`text_encoder_3`),
+//! google/t5-v1_1-xxl. Paper: <https://arxiv.org/abs/1910.10683>.
+//!
+//! Pre-RMSNorm transformer with unscaled attention plus a bucketed relative-position bias (block
+//! 0's table, shared by every block), no attention mask, and a (gated) feed-forward.
+//!
+//! Precision follows transformers: the norm rounds twice in 16-bit (normalized value cast to the
+//! weight dtype, then times the weight); `gelu_new` rounds after every op; in fp16 every
+//! `DenseReluDense.wo` stays f32 (`_keep_in_fp32_modules`), which makes the residual stream f32
+//! from the first feed-forward on, and fp16 hidden states are clamped to the finite range.
+
+use kiln_io::{Activation, T5Config};
+use kiln_nn::{Embedding, Error, Linear, Result, Weights};
+use kiln_tensor::{AttentionMask, DType, Tensor};
+
+use crate::clip::{activation, read_input_ids};
+
+/// `T5LayerNorm`: `weight * x / sqrt(mean(x²) + eps)`, no mean subtraction and no bias.
+#[derive(Clone, Debug)]
+struct T5LayerNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl T5LayerNorm {
+    fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
+        Ok(T5LayerNorm {
+            weight: w.get("weight", [dim])?,
+            eps,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.weight.dtype() == DType::F32 {
+            return Ok(x.to_dtype(DType::F32)?.rms_norm(Some(&self.weight), self.eps)?);
+        }
+        // transformers: the f32 result is cast to a 16-bit weight's dtype before the product.
+        let normed = x.rms_norm(None, self.eps)?.to_dtype(self.weight.dtype())?;
+        Ok(normed.mul(&self.weight)?)
+    }
+}
+
+/// `T5Attention` of an encoder: no biases, no `1/sqrt(d_kv)` scaling, additive position bias.
+#[derive(Clone, Debug)]
+struct T5Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    n_heads: usize,
+    d_kv: usize,
+}
+
+impl T5Attention {
+    fn load(w: &Weights, config: &T5Config) -> Result<Self> {
+        let inner = config.num_heads * config.d_kv;
+        let d = config.d_model;
+        Ok(T5Attention {
+            q: Linear::load(&w.pp("q"), d, inner, false)?,
+            k: Linear::load(&w.pp("k"), d, inner, false)?,
+            v: Linear::load(&w.pp("v"), d, inner, false)?,
+            o: Linear::load(&w.pp("o"), inner, d, false)?,
+            n_heads: config.num_heads,
+            d_kv: config.d_kv,
+        })
+    }
+
+    /// `[B, L, d_model]` with `position_bias` `[1, H, L, L]` → `[B, L, d_model]`.
+    fn forward(&self, hidden_states: &Tensor, position_bias: &Tensor) -> Result<Tensor> {
+        let (b, l) = (hidden_states.dims()[0], hidden_states.dims()[1]);
+        let heads = |t: Tensor| -> Result<Tensor> { Ok(t.reshape([b, l, self.n_heads, self.d_kv])?.transpose(1, 2)?) };
+        let q = heads(self.q.forward(hidden_states)?)?; // [b, h, l, d_kv]
+        let k = heads(self.k.forward(hidden_states)?)?;
+        let v = heads(self.v.forward(hidden_states)?)?;
+        let mask = AttentionMask::Additive(position_bias.clone());
+        // T5 folds the scaling into its initialisation: scores are q·kᵀ, unscaled.
+        let attn = Tensor::scaled_dot_product_attention(&q, &k, &v, &mask, Some(1.0))?;
+        let attn = attn.transpose(1, 2)?.reshape([b, l, self.n_heads * self.d_kv])?; // [b, l, inner]
+        self.o.forward(&attn)
+    }
+}
+
+/// `T5DenseGatedActDense` (`wi_0`, `wi_1`) or `T5DenseActDense` (`wi`), then `wo`.
+#[derive(Clone, Debug)]
+struct T5DenseReluDense {
+    /// `wi_0` when gated, else `wi`.
+    wi: Linear,
+    /// `wi_1`, the linear (ungated) half.
+    wi_1: Option<Linear>,
+    wo: Linear,
+    act: Activation,
+}
+
+impl T5DenseReluDense {
+    fn load(w: &Weights, config: &T5Config) -> Result<Self> {
+        let (d, ff) = (config.d_model, config.d_ff);
+        let (wi, wi_1) = if config.is_gated_act() {
+            (
+                Linear::load(&w.pp("wi_0"), d, ff, false)?,
+                Some(Linear::load(&w.pp("wi_1"), d, ff, false)?),
+            )
+        } else {
+            (Linear::load(&w.pp("wi"), d, ff, false)?, None)
+        };
+        // transformers `_keep_in_fp32_modules = ["wo"]`: kept in f32 when loading in fp16.
+        let wo_dtype = if w.dtype() == DType::F16 { DType::F32 } else { w.dtype() };
+        let wo = Linear {
+            weight: w.pp("wo").get_as("weight", [d, ff], wo_dtype)?,
+            bias: None,
+        };
+        Ok(T5DenseReluDense {
+            wi,
+            wi_1,
+            wo,
+            act: config.dense_act_fn(),
+        })
+    }
+
+    fn forward(&self, hidden_states: &Tensor) -> Result<Tensor> {
+        let mut h = activation(&self.wi.forward(hidden_states)?, self.act)?;
+        if let Some(wi_1) = &self.wi_1 {
+            h = h.mul(&wi_1.forward(hidden_states)?)?;
+        }
+        // transformers casts the activations to `wo`'s dtype.
+        self.wo.forward(&h.to_dtype(self.wo.weight.dtype())?)
+    }
+}
+
+/// `T5Block` of an encoder: `layer.0` (self-attention) and `layer.1` (feed-forward).
+#[derive(Clone, Debug)]
+struct T5Block {
+    attention_norm: T5LayerNorm,
+    self_attention: T5Attention,
+    ff_norm: T5LayerNorm,
+    dense_relu_dense: T5DenseReluDense,
+}
+
+impl T5Block {
+    fn load(w: &Weights, config: &T5Config) -> Result<Self> {
+        let (d, eps) = (config.d_model, config.layer_norm_epsilon);
+        Ok(T5Block {
+            attention_norm: T5LayerNorm::load(&w.pp("layer.0.layer_norm"), d, eps)?,
+            self_attention: T5Attention::load(&w.pp("layer.0.SelfAttention"), config)?,
+            ff_norm: T5LayerNorm::load(&w.pp("layer.1.layer_norm"), d, eps)?,
+            dense_relu_dense: T5DenseReluDense::load(&w.pp("layer.1.DenseReluDense"), config)?,
+        })
+    }
+
+    fn forward(&self, hidden_states: &Tensor, position_bias: &Tensor) -> Result<Tensor> {
+        let attn = self
+            .self_attention
+            .forward(&self.attention_norm.forward(hidden_states)?, position_bias)?;
+        let hidden_states = clamp_fp16(&residual_add(hidden_states, &attn)?)?;
+        let ff = self.dense_relu_dense.forward(&self.ff_norm.forward(&hidden_states)?)?;
+        clamp_fp16(&residual_add(&hidden_states, &ff)?)
+    }
+}
+
+/// `a + b` with torch's promotion when one side is f32 (fp16 residual + f32 `wo` output).
+fn residual_add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.dtype() == b.dtype() {
+        return Ok(a.add(b)?);
+    }
+    Ok(a.to_dtype(DType::F32)?.add(&b.to_dtype(DType::F32)?)?)
+}
+
+/// transformers `T5Block`: fp16 hidden states are clamped to ±(max − 1000 if any value is
+/// infinite, else max) where max = 65504. Other dtypes pass through.
+fn clamp_fp16(x: &Tensor) -> Result<Tensor> {
+    if x.dtype() != DType::F16 {
+        return Ok(x.clone());
+    }
+    let device = x.device();
+    let all: Vec<isize> = (0..x.rank() as isize).collect();
+    let any_inf = x
+        .abs()?
+        .max(&all, false)?
+        .eq(&Tensor::scalar(f64::INFINITY, DType::F16, device)?)?;
+    let max = f64::from(kiln_tensor::f16::MAX);
+    let limit = any_inf.where_cond(
+        &Tensor::scalar(max - 1000.0, DType::F16, device)?,
+        &Tensor::scalar(max, DType::F16, device)?,
+    )?;
+    Ok(x.maximum(&limit.neg()?)?.minimum(&limit)?)
+}
+
+/// transformers `T5Attention._relative_position_bucket` for an encoder (bidirectional), with
+/// `relative_position = key_pos − query_pos`. Large distances are bucketed logarithmically in f32
+/// and truncated toward zero, exactly as torch computes them.
+pub fn relative_position_bucket(relative_position: i64, num_buckets: usize, max_distance: usize) -> usize {
+    let num_buckets = num_buckets / 2;
+    let offset = if relative_position > 0 { num_buckets } else { 0 };
+    let distance = relative_position.unsigned_abs() as usize;
+    let max_exact = num_buckets / 2;
+    if distance < max_exact {
+        return offset + distance;
+    }
+    let log_ratio = (distance as f32 / max_exact as f32).ln();
+    let log_range = (max_distance as f64 / max_exact as f64).ln() as f32;
+    let large = max_exact + (log_ratio / log_range * (num_buckets - max_exact) as f32) as usize;
+    offset + large.min(num_buckets - 1)
+}
+
+/// What [`T5EncoderModel::forward`] returns (transformers' `BaseModelOutput`).
+#[derive(Clone, Debug)]
+pub struct T5EncoderOutput {
+    /// `[B, L, d_model]`, after `final_layer_norm`.
+    pub last_hidden_state: Tensor,
+    /// With `output_hidden_states`: `num_layers + 1` tensors `[B, L, d_model]`; entry 0 is the
+    /// embeddings, entry k < num_layers the input of block k, the last is `last_hidden_state`.
+    /// Empty otherwise.
+    pub hidden_states: Vec<Tensor>,
+}
+
+/// `T5EncoderModel`.
+#[derive(Clone, Debug)]
+pub struct T5EncoderModel {
+    config: T5Config,
+    component: String,
+    shared: Embedding,
+    /// `encoder.block.0.layer.0.SelfAttention.relative_attention_bias` `[num_buckets, n_heads]`.
+    relative_attention_bias: Embedding,
+    block: Vec<T5Block>,
+    final_layer_norm: T5LayerNorm,
+}
+
+impl T5EncoderModel {
+    /// Loads `shared.weight` (or its tied alias `encoder.embed_tokens.weight`) and `encoder.*`.
+    pub fn load(config: &T5Config, weights: &Weights) -> Result<Self> {
+        let component = weights.component().to_string();
+        let max_exact = config.relative_attention_num_buckets / 4;
+        if config.num_heads == 0 || config.d_kv == 0 || config.num_layers == 0 {
+            return Err(Error::Config {
+                component,
+                message: format!(
+                    "num_heads {}, d_kv {} and num_layers {} must be positive",
+                    config.num_heads, config.d_kv, config.num_layers
+                ),
+            });
+        }
+        if max_exact == 0 || config.relative_attention_max_distance <= max_exact {
+            return Err(Error::Config {
+                component,
+                message: format!(
+                    "relative_attention_num_buckets {} must be at least 4 and relative_attention_max_distance {} \
+                     larger than a quarter of it",
+                    config.relative_attention_num_buckets, config.relative_attention_max_distance
+                ),
+            });
+        }
+        let (vocab, d) = (config.vocab_size, config.d_model);
+        let shared = if weights.contains("shared.weight") || !weights.contains("encoder.embed_tokens.weight") {
+            // The tied alias, when a checkpoint stores it too, is the same matrix.
+            weights.mark_used("encoder.embed_tokens.weight");
+            Embedding::load(&weights.pp("shared"), vocab, d)?
+        } else {
+            Embedding::load(&weights.pp("encoder.embed_tokens"), vocab, d)?
+        };
+        let encoder = weights.pp("encoder");
+        let relative_attention_bias = Embedding::load(
+            &encoder.pp("block.0.layer.0.SelfAttention.relative_attention_bias"),
+            config.relative_attention_num_buckets,
+            config.num_heads,
+        )?;
+        let block = (0..config.num_layers)
+            .map(|i| T5Block::load(&encoder.pp(format!("block.{i}")), config))
+            .collect::<Result<_>>()?;
+        Ok(T5EncoderModel {
+            config: config.clone(),
+            component,
+            shared,
+            relative_attention_bias,
+            block,
+            final_layer_norm: T5LayerNorm::load(&encoder.pp("final_layer_norm"), d, config.layer_norm_epsilon)?,
+        })
+    }
+
+    pub fn config(&self) -> &T5Config {
+        &self.config
+    }
+
+    /// The additive attention bias `[1, n_heads, L, L]` in the model dtype: bucket indices are
+    /// computed on the host, the table rows are gathered on the device.
+    pub fn position_bias(&self, seq_len: usize) -> Result<Tensor> {
+        let (buckets, max_distance) = (
+            self.config.relative_attention_num_buckets,
+            self.config.relative_attention_max_distance,
+        );
+        let indices: Vec<i64> = (0..seq_len as i64)
+            .flat_map(|query| {
+                (0..seq_len as i64).map(move |key| relative_position_bucket(key - query, buckets, max_distance) as i64)
+            })
+            .collect();
+        let table = &self.relative_attention_bias.weight;
+        let indices = Tensor::from_slice(&indices, [seq_len * seq_len], table.device())?;
+        let values = table.index_select(0, &indices)?; // [l * l, h]
+        let heads = self.config.num_heads;
+        Ok(values
+            .reshape([seq_len, seq_len, heads])?
+            .permute(&[2, 0, 1])?
+            .reshape([1, heads, seq_len, seq_len])?)
+    }
+
+    /// Encodes token ids `[B, L]` (integer), with no attention mask: padding tokens are attended
+    /// to, as the FLUX and SD3 pipelines call it.
+    pub fn forward(&self, input_ids: &Tensor, output_hidden_states: bool) -> Result<T5EncoderOutput> {
+        read_input_ids(&self.component, input_ids, self.config.vocab_size)?;
+        let position_bias = self.position_bias(input_ids.dims()[1])?;
+        let mut hidden_states = self.shared.forward(input_ids)?; // [b, l, d_model]
+        let mut all_hidden_states = Vec::new();
+        for block in &self.block {
+            if output_hidden_states {
+                all_hidden_states.push(hidden_states.clone());
+            }
+            hidden_states = block.forward(&hidden_states, &position_bias)?;
+        }
+        let last_hidden_state = self.final_layer_norm.forward(&hidden_states)?;
+        if output_hidden_states {
+            all_hidden_states.push(last_hidden_state.clone());
+        }
+        Ok(T5EncoderOutput {
+            last_hidden_state,
+            hidden_states: all_hidden_states,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::relative_position_bucket;
+
+    /// The bucket table of the FLUX.1 spec §3.2 (num_buckets 32, max_distance 128), which was
+    /// checked against transformers for −600..600.
+    #[test]
+    fn relative_position_buckets_match_transformers() {
+        let expected_for_distance = |a: i64| -> usize {
+            match a {
+                0..=7 => a as usize,
+                8..=11 => 8,
+                12..=15 => 9,
+                16..=22 => 10,
+                23..=31 => 11,
+                32..=45 => 12,
+                46..=63 => 13,
+                64..=90 => 14,
+                _ => 15,
+            }
+        };
+        for n in -600i64..=600 {
+            let base = if n > 0 { 16 } else { 0 };
+            assert_eq!(
+                relative_position_bucket(n, 32, 128),
+                base + expected_for_distance(n.abs()),
+                "relative position {n}"
+            );
+        }
+    }
+}

@@ -16,7 +16,11 @@ impl Linear {
     pub fn load(w: &Weights, in_features: usize, out_features: usize, bias: bool) -> Result<Self> {
         Ok(Linear {
             weight: w.get("weight", [out_features, in_features])?,
-            bias: if bias { Some(w.get("bias", [out_features])?) } else { None },
+            bias: if bias {
+                Some(w.get("bias", [out_features])?)
+            } else {
+                None
+            },
         })
     }
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -47,7 +51,11 @@ impl Conv2d {
         let groups = params.groups.max(1);
         Ok(Conv2d {
             weight: w.get("weight", [out_channels, in_channels / groups, kernel, kernel])?,
-            bias: if bias { Some(w.get("bias", [out_channels])?) } else { None },
+            bias: if bias {
+                Some(w.get("bias", [out_channels])?)
+            } else {
+                None
+            },
             params,
         })
     }

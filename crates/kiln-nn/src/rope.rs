@@ -17,7 +17,7 @@ pub struct RopeTables {
 /// `[positions, axes]`. Matches `FluxPosEmbed` (f64 math, then f32).
 pub fn rope_tables(ids: &[f64], axes_dims: &[usize], theta: f64, device: &Device) -> Result<RopeTables> {
     let n_axes = axes_dims.len();
-    let positions = if n_axes == 0 { 0 } else { ids.len() / n_axes };
+    let positions = ids.len().checked_div(n_axes).unwrap_or(0);
     let width: usize = axes_dims.iter().sum();
     let mut cos = Vec::with_capacity(positions * width);
     let mut sin = Vec::with_capacity(positions * width);
@@ -39,4 +39,3 @@ pub fn rope_tables(ids: &[f64], axes_dims: &[usize], theta: f64, device: &Device
         sin: Tensor::from_slice(&sin, [positions, width], device)?,
     })
 }
-

@@ -9,7 +9,7 @@ use kiln_tensor::{DType, Device, Shape, Tensor};
 use crate::error::{Error, Result};
 
 struct Shared {
-    checkpoint: Checkpoint,
+    checkpoint: Arc<Checkpoint>,
     device: Device,
     dtype: DType,
     component: String,
@@ -31,10 +31,15 @@ pub struct WeightsReport {
 
 impl Weights {
     /// `component` names the model in error messages (`transformer`, `text_encoder`, ...).
-    pub fn new(checkpoint: Checkpoint, device: &Device, dtype: DType, component: impl Into<String>) -> Self {
+    pub fn new(
+        checkpoint: impl Into<Arc<Checkpoint>>,
+        device: &Device,
+        dtype: DType,
+        component: impl Into<String>,
+    ) -> Self {
         Weights {
             shared: Arc::new(Shared {
-                checkpoint,
+                checkpoint: checkpoint.into(),
                 device: device.clone(),
                 dtype,
                 component: component.into(),
@@ -125,11 +130,7 @@ impl Weights {
         // Straight from the memory map to the device; the cast happens on the device.
         let t = Tensor::from_bytes(view.data, view.dtype, view.shape.clone(), &self.shared.device)?;
         let t = t.to_dtype(dtype)?;
-        self.shared
-            .used
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(full);
+        self.shared.used.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
         Ok(t)
     }
 
@@ -145,11 +146,7 @@ impl Weights {
     /// Marks names as deliberately unused (e.g. legacy buffers such as `position_ids`).
     pub fn mark_used(&self, name: &str) {
         let full = self.full_name(name);
-        self.shared
-            .used
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(full);
+        self.shared.used.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
     }
 
     /// The checkpoint tensors no module loaded.

@@ -26,7 +26,10 @@ impl Golden {
     }
     pub fn i64(&self) -> Vec<i64> {
         assert_eq!(self.dtype, DType::I64);
-        self.bytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
+        self.bytes
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
     pub fn to_tensor(&self, device: &Device) -> Tensor {
         Tensor::from_bytes(&self.bytes, self.dtype, self.shape.clone(), device).unwrap()
@@ -65,7 +68,13 @@ pub fn goldens(path: &std::path::Path) -> std::collections::HashMap<String, Gold
 
 /// Asserts `|got − want| ≤ atol + rtol·|want|` elementwise; reports the worst element.
 pub fn assert_close(name: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) {
-    assert_eq!(got.len(), want.len(), "{name}: length {} vs golden {}", got.len(), want.len());
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "{name}: length {} vs golden {}",
+        got.len(),
+        want.len()
+    );
     let mut worst = (0usize, 0f32, 0f32);
     let mut worst_excess = f32::NEG_INFINITY;
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
