@@ -1,1 +1,15 @@
-//! kiln-pipelines
+//! Pipelines a diffusers user recognises: `from_pretrained`, `to(device)`, a call with the same
+//! arguments, defaults, warnings and errors. The denoising loop runs on the host; every tensor
+//! op runs on the device.
+#![forbid(unsafe_code)]
+
+mod error;
+pub mod flux;
+mod loading;
+mod progress;
+
+pub use error::{PipelineError, Result};
+pub use flux::{
+    pack_latents, unpack_latents, FluxCall, FluxOutput, FluxPipeline, OutputType, StepCallback, StepState, Timings,
+};
+pub use loading::LoadOptions;

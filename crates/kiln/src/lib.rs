@@ -1,1 +1,29 @@
-//! kiln
+//! kiln: diffusers text-to-image pipelines in Rust, on any accelerator with a PJRT plugin.
+//!
+//! ```no_run
+//! use kiln::{Device, DType, FluxCall, FluxPipeline, LoadOptions};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let device = Device::parse("auto")?;
+//! let mut pipe = FluxPipeline::from_pretrained(
+//!     "black-forest-labs/FLUX.1-schnell",
+//!     &LoadOptions { dtype: DType::BF16, ..Default::default() },
+//! )?
+//! .to(&device)?;
+//! let out = pipe.call(FluxCall {
+//!     num_inference_steps: 4,
+//!     guidance_scale: 0.0,
+//!     max_sequence_length: 256,
+//!     ..FluxCall::prompt("a cat holding a sign that says hello world")
+//! })?;
+//! out.images[0].save("cat.png")?;
+//! # Ok(()) }
+//! ```
+#![forbid(unsafe_code)]
+
+pub mod defaults;
+
+pub use kiln_image::{read_png_parameters, save_png, GenerationParams};
+pub use kiln_pipelines::{
+    FluxCall, FluxOutput, FluxPipeline, LoadOptions, OutputType, PipelineError, StepState, Timings,
+};
+pub use kiln_tensor::{op_cache_stats, DType, Device, DeviceSpec, Platform, Tensor};

@@ -1,0 +1,69 @@
+//! Finding and checking the components of a diffusers model folder.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kiln_io::{Checkpoint, ModelIndex};
+use kiln_nn::Weights;
+use kiln_tensor::{DType, Device};
+
+use crate::error::{PipelineError, Result};
+
+/// How to load a pipeline.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// The dtype weights and activations use (`torch_dtype`).
+    pub dtype: DType,
+    /// A revision (branch, tag or commit) when the model is a Hugging Face repo id.
+    pub revision: Option<String>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            dtype: DType::F32,
+            revision: None,
+        }
+    }
+}
+
+/// A resolved model folder and its `model_index.json`.
+pub(crate) struct ModelFolder {
+    pub root: PathBuf,
+    pub index: ModelIndex,
+}
+
+impl ModelFolder {
+    pub fn open(path_or_repo_id: &str, revision: Option<&str>) -> Result<Self> {
+        let root = kiln_io::resolve_model(path_or_repo_id, revision)?;
+        let index = ModelIndex::load(&root)?;
+        Ok(ModelFolder { root, index })
+    }
+
+    /// The folder of a component, which must exist.
+    pub fn component_dir(&self, name: &str) -> Result<PathBuf> {
+        let dir = self.root.join(name);
+        if !dir.is_dir() {
+            return Err(PipelineError::MissingComponent {
+                component: name.to_string(),
+                path: dir,
+            });
+        }
+        Ok(dir)
+    }
+
+    /// A component's `config.json`, parsed.
+    pub fn config<T: serde::de::DeserializeOwned>(&self, name: &str) -> Result<T> {
+        Ok(kiln_io::load_config(self.component_dir(name)?.join("config.json"))?)
+    }
+}
+
+/// The opened (memory-mapped, header-checked) weights of a component.
+pub(crate) fn open_weights(dir: &Path, base: &str) -> Result<Arc<Checkpoint>> {
+    Ok(Arc::new(Checkpoint::open_component(dir, base)?))
+}
+
+/// Weights of a component for loading onto `device` in `dtype`.
+pub(crate) fn weights(checkpoint: &Arc<Checkpoint>, device: &Device, dtype: DType, component: &str) -> Result<Weights> {
+    Ok(Weights::new(checkpoint.clone(), device, dtype, component))
+}

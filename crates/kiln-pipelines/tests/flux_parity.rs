@@ -1,0 +1,227 @@
+//! FluxPipeline end to end against every FLUX.1 case of the oracle: tokens and encoder outputs,
+//! initial noise, schedule, every step's latents, the decoded tensor and the uint8 image.
+
+mod common;
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+
+use common::{assert_close, device, goldens, oracle, rel_max_diff, Golden};
+use kiln_pipelines::{pack_latents, FluxCall, FluxPipeline, LoadOptions, StepState};
+use kiln_rng::{randn_tensor, TorchGenerator};
+use kiln_tensor::{DType, Tensor};
+use serde_json::Value;
+
+fn cases(pipeline: &str) -> Vec<PathBuf> {
+    let dir = oracle().join("cases").join(pipeline);
+    let mut out: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("call.json").is_file())
+        .collect();
+    out.sort();
+    assert!(!out.is_empty(), "no cases in {}", dir.display());
+    out
+}
+
+fn strings(v: &Value) -> Option<Vec<String>> {
+    match v {
+        Value::String(s) => Some(vec![s.clone()]),
+        Value::Array(a) => Some(a.iter().map(|x| x.as_str().unwrap().to_string()).collect()),
+        _ => None,
+    }
+}
+
+fn call_from_json(kwargs: &Value, seed: u64) -> FluxCall<'static> {
+    let mut call = FluxCall {
+        seed,
+        progress: false,
+        ..Default::default()
+    };
+    let obj = kwargs.as_object().unwrap();
+    for (k, v) in obj {
+        match k.as_str() {
+            "prompt" => call.prompt = strings(v),
+            "prompt_2" => call.prompt_2 = strings(v),
+            "negative_prompt" => call.negative_prompt = strings(v),
+            "negative_prompt_2" => call.negative_prompt_2 = strings(v),
+            "height" => call.height = v.as_u64().unwrap() as usize,
+            "width" => call.width = v.as_u64().unwrap() as usize,
+            "num_inference_steps" => call.num_inference_steps = v.as_u64().unwrap() as usize,
+            "guidance_scale" => call.guidance_scale = v.as_f64().unwrap(),
+            "true_cfg_scale" => call.true_cfg_scale = v.as_f64().unwrap(),
+            "num_images_per_prompt" => call.num_images_per_prompt = v.as_u64().unwrap() as usize,
+            "max_sequence_length" => call.max_sequence_length = v.as_u64().unwrap() as usize,
+            other => panic!("the test does not know call argument `{other}`"),
+        }
+    }
+    call
+}
+
+struct Tolerance {
+    bf16: bool,
+}
+
+impl Tolerance {
+    fn check(&self, name: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) {
+        if self.bf16 {
+            let rel = rel_max_diff(got, want);
+            eprintln!("  {name}: max |Δ| / absmax = {rel:.3e}");
+        } else {
+            assert_close(name, got, want, atol, rtol);
+        }
+    }
+}
+
+fn run_case(case: &Path) {
+    let call_json: Value = serde_json::from_str(&std::fs::read_to_string(case.join("call.json")).unwrap()).unwrap();
+    let g = goldens(&case.join("tensors.safetensors"));
+    let dtype = match call_json["dtype"].as_str().unwrap() {
+        "float32" => DType::F32,
+        "bfloat16" => DType::BF16,
+        other => panic!("unexpected dtype {other}"),
+    };
+    let tol = Tolerance {
+        bf16: dtype == DType::BF16,
+    };
+    eprintln!("case {}", case.display());
+    let d = device();
+    let folder = oracle().join(call_json["pipeline_dir"].as_str().unwrap());
+    let mut pipe = FluxPipeline::from_pretrained(folder.to_str().unwrap(), &LoadOptions { dtype, revision: None })
+        .unwrap()
+        .to(&d)
+        .unwrap();
+    let seed = call_json["seed"].as_u64().unwrap();
+    let kwargs = &call_json["call_kwargs"];
+    let derived = &call_json["derived"];
+    let n = derived["num_images_per_prompt"].as_u64().unwrap() as usize;
+    let max_len = kwargs["max_sequence_length"].as_u64().unwrap_or(512) as usize;
+
+    // Text encoders (through the public encode_prompt).
+    let prompt = strings(&kwargs["prompt"]).unwrap();
+    let prompt_2 = strings(&kwargs["prompt_2"]);
+    let (embeds, pooled) = pipe.encode_prompt(&prompt, prompt_2.as_deref(), n, max_len).unwrap();
+    let text_bound = |name: &str, got: &Tensor, want: &Golden| {
+        if tol.bf16 {
+            let rel = rel_max_diff(&got.to_f32_vec().unwrap(), &want.f32());
+            eprintln!("  {name}: max |Δ| / absmax = {rel:.3e}");
+            assert!(rel < 0.05, "{name}: bf16 differs by {rel} of absmax (5 % allowed)");
+        } else {
+            assert_close(name, &got.to_f32_vec().unwrap(), &want.f32(), 2e-4, 1e-4);
+        }
+    };
+    text_bound("prompt_embeds", &embeds, &g["prompt_embeds"]);
+    text_bound("pooled_prompt_embeds", &pooled, &g["pooled_prompt_embeds"]);
+
+    // Initial noise: bit-exact.
+    let init = &g["latents.init_unpacked"];
+    let noise = randn_tensor(&init.shape, &mut TorchGenerator::manual_seed(seed), dtype).unwrap();
+    assert_eq!(
+        noise.as_bytes(),
+        &init.bytes[..],
+        "latents.init_unpacked must be bit-exact"
+    );
+    let packed = pack_latents(&Tensor::from_bytes(noise.as_bytes(), dtype, init.shape.clone(), &d).unwrap()).unwrap();
+    assert_eq!(
+        packed.to_bytes().unwrap(),
+        g["latents.init"].bytes,
+        "packing must be exact"
+    );
+
+    // The full call, capturing every step.
+    let steps: RefCell<Vec<(Vec<f32>, Vec<f32>)>> = RefCell::new(Vec::new());
+    let mut call = call_from_json(kwargs, seed);
+    call.callback = Some(Box::new(|s: &mut StepState<'_>| {
+        steps
+            .borrow_mut()
+            .push((s.noise_pred.to_f32_vec().unwrap(), s.latents.to_f32_vec().unwrap()));
+        true
+    }));
+    let out = pipe.call(call).unwrap();
+    let steps = steps.into_inner();
+    let timesteps = g["scheduler.timesteps"].f32();
+    assert_eq!(steps.len(), timesteps.len());
+    let extra = steps.len().saturating_sub(4) as f32 * 1e-4;
+    for (i, (noise_pred, latents)) in steps.iter().enumerate() {
+        if let Some(want) = g.get(&format!("step{i}.noise_pred")) {
+            if tol.bf16 && i == 0 {
+                let rel = rel_max_diff(noise_pred, &want.f32());
+                eprintln!("  step0.noise_pred: max |Δ| / absmax = {rel:.3e}");
+                assert!(rel < 0.05, "step0.noise_pred: bf16 differs by {rel} of absmax");
+            }
+            tol.check(
+                &format!("step{i}.noise_pred"),
+                noise_pred,
+                &want.f32(),
+                1e-4 + extra,
+                1e-4,
+            );
+        }
+        tol.check(
+            &format!("step{i}.latents"),
+            latents,
+            &g[&format!("step{i}.latents")].f32(),
+            1e-4 + extra,
+            1e-4,
+        );
+    }
+
+    // Decoded tensor, from our own final latents.
+    let h = derived["latent_height"].as_u64().unwrap() as usize;
+    let w = derived["latent_width"].as_u64().unwrap() as usize;
+    let decoded = pipe.decode_latents(&out.latents, h, w).unwrap();
+    tol.check(
+        "vae_decode.output",
+        &decoded.to_f32_vec().unwrap(),
+        &g["vae_decode.output"].f32(),
+        1e-4,
+        0.0,
+    );
+
+    // The uint8 images.
+    let want = &g["image_uint8"];
+    let got: Vec<u8> = out.images.iter().flat_map(|im| im.as_raw().iter().copied()).collect();
+    assert_eq!(got.len(), want.bytes.len(), "image size");
+    let diffs: Vec<i32> = got
+        .iter()
+        .zip(&want.bytes)
+        .map(|(&a, &b)| (a as i32 - b as i32).abs())
+        .collect();
+    let max = diffs.iter().copied().max().unwrap_or(0);
+    let differing = diffs.iter().filter(|&&d| d > 0).count() as f64 / diffs.len() as f64;
+    let mean = diffs.iter().sum::<i32>() as f64 / diffs.len() as f64;
+    eprintln!(
+        "  image: max |Δ| {max}, {:.3} % differ, mean |Δ| {mean:.3}",
+        differing * 100.0
+    );
+    if tol.bf16 {
+        assert!(mean <= 8.0, "bf16 image: mean |Δ| {mean} levels (8 allowed)");
+    } else {
+        assert!(
+            max <= 1 && differing <= 0.01,
+            "image: max |Δ| {max}, {:.3} % differ",
+            differing * 100.0
+        );
+    }
+}
+
+#[test]
+fn flux1_schnell_cases_match_diffusers() {
+    for case in cases("flux1_schnell") {
+        run_case(&case);
+    }
+}
+
+#[test]
+fn flux1_dev_cases_match_diffusers() {
+    for case in cases("flux1_dev") {
+        run_case(&case);
+    }
+}
+
+#[test]
+fn flux1_dev_bf16_case_matches_diffusers_loosely() {
+    for case in cases("flux1_dev_bf16") {
+        run_case(&case);
+    }
+}
