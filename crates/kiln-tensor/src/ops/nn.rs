@@ -288,17 +288,22 @@ impl Tensor {
             let m = broadcast_to(b, &m, &scores_shape)?;
             let e = b.subtract(&scores, &m)?;
             let e = b.exp(&e)?;
+            // Normalise after the value product, as flash-attention kernels do (torch's CPU
+            // kernel too): the unnormalised weights take the input dtype for the second product
+            // and the f32 row sums divide its f32 result. Dividing [.., Sq, Dv] is also cheaper
+            // than dividing the [.., Sq, Sk] scores.
             let s = reduce_keep(b, &e, &[3], ReduceKind::Sum, true)?;
-            let s = broadcast_to(b, &s, &scores_shape)?;
-            let probs = b.divide(&e, &s)?;
-            let probs = b.convert(&probs, dtype)?;
+            let weights = b.convert(&e, dtype)?;
             let pv = DotDims {
                 lhs_batch: vec![0, 1],
                 rhs_batch: vec![0, 1],
                 lhs_contract: vec![3],
                 rhs_contract: vec![2],
             };
-            let out = b.dot_general(&probs, &p[2], &pv, acc)?;
+            let out = b.dot_general(&weights, &p[2], &pv, acc)?;
+            let out_shape = out.dims().to_vec();
+            let s = broadcast_to(b, &s, &out_shape)?;
+            let out = b.divide(&out, &s)?;
             b.convert(&out, dtype)
         })
     }
