@@ -180,10 +180,17 @@ pub(crate) fn apply_on(
         }
     }
     let buffers: Vec<&kiln_pjrt::Buffer> = inputs.iter().map(|t| t.buffer()).collect();
+    let profile_start = profiling().then(std::time::Instant::now);
     let mut results = exe
         .execute(&[&buffers], &ExecuteOptions::default())
         .map_err(|source| Error::Execute { op, source })?;
     let per_device = results.pop().unwrap_or_default();
+    if let Some(start) = profile_start {
+        for b in &per_device {
+            b.wait_ready().map_err(|source| Error::Execute { op, source })?;
+        }
+        record_profile(op, start.elapsed());
+    }
     Ok(per_device
         .into_iter()
         .zip(outputs)
@@ -199,4 +206,43 @@ pub(crate) fn apply1(
 ) -> Result<Tensor> {
     let mut out = apply(op, inputs, |b, p| Ok(vec![build(b, p)?]))?;
     Ok(out.remove(0))
+}
+
+static PROFILING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn profiling() -> bool {
+    PROFILING.load(Ordering::Relaxed)
+}
+
+type Profile = Mutex<HashMap<&'static str, (u64, std::time::Duration)>>;
+
+fn profile_table() -> &'static Profile {
+    static TABLE: OnceLock<Profile> = OnceLock::new();
+    TABLE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn record_profile(op: &'static str, elapsed: std::time::Duration) {
+    let mut t = profile_table().lock().unwrap_or_else(|e| e.into_inner());
+    let entry = t.entry(op).or_default();
+    entry.0 += 1;
+    entry.1 += elapsed;
+}
+
+/// Turns per-op profiling on or off. While on, every eager op waits for its result, and its
+/// wall time is added to its op kind (so work is timed where it happens, at the cost of the
+/// asynchrony).
+pub fn set_op_profiling(enabled: bool) {
+    PROFILING.store(enabled, Ordering::Relaxed);
+}
+
+/// Time per op kind since the last reset: `(op, calls, total time)`, slowest first.
+pub fn op_profile() -> Vec<(&'static str, u64, std::time::Duration)> {
+    let t = profile_table().lock().unwrap_or_else(|e| e.into_inner());
+    let mut rows: Vec<_> = t.iter().map(|(op, (n, d))| (*op, *n, *d)).collect();
+    rows.sort_by_key(|r| std::cmp::Reverse(r.2));
+    rows
+}
+
+pub fn reset_op_profile() {
+    profile_table().lock().unwrap_or_else(|e| e.into_inner()).clear();
 }

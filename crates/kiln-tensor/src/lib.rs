@@ -14,7 +14,9 @@ mod ops;
 mod tensor;
 
 pub use device::{client_for, Device};
-pub use dispatch::{op_cache_stats, thread_op_cache_stats, OpCacheStats};
+pub use dispatch::{
+    op_cache_stats, op_profile, reset_op_profile, set_op_profiling, thread_op_cache_stats, OpCacheStats,
+};
 pub use error::{Error, Result};
 pub use kiln_pjrt::{DeviceSpec, Platform};
 pub use kiln_types::{bf16, f16, DType, Element, Shape};

@@ -1,0 +1,160 @@
+//! `kiln bench`: times a FLUX pipeline the way `tools/bench_flux/bench.py` times diffusers.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use kiln::{DType, Device, FluxCall, FluxPipeline, LoadOptions};
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// A diffusers FLUX.1 model folder or a Hugging Face repo id in the local cache.
+    #[arg(long)]
+    pub model: String,
+    #[arg(long, default_value = "a photo of a cat holding a sign")]
+    pub prompt: String,
+    #[arg(long, default_value_t = 512)]
+    pub height: usize,
+    #[arg(long, default_value_t = 512)]
+    pub width: usize,
+    #[arg(long, default_value_t = 4)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 3.5)]
+    pub guidance: f64,
+    #[arg(long, default_value_t = 128)]
+    pub max_sequence_length: usize,
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Timed calls after one warm-up call.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Print the results as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Peak resident memory of this process in MiB (Linux `VmHWM`); device memory for host plugins.
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let dtype: DType = args.dtype.parse()?;
+    if args.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    let device = Device::parse(&args.device)?;
+    let t_load = Instant::now();
+    let mut pipe = FluxPipeline::from_pretrained(&args.model, &LoadOptions { dtype, revision: None })
+        .with_context(|| format!("loading {}", args.model))?
+        .to(&device)?;
+    let load_s = secs(t_load.elapsed());
+    let call = || FluxCall {
+        height: args.height,
+        width: args.width,
+        num_inference_steps: args.steps,
+        guidance_scale: args.guidance,
+        max_sequence_length: args.max_sequence_length,
+        progress: false,
+        ..FluxCall::prompt(args.prompt.clone())
+    };
+
+    let t_first = Instant::now();
+    pipe.call(call())?;
+    let first_call_s = secs(t_first.elapsed());
+
+    let mut step_s = Vec::new();
+    let mut e2e_s = Vec::new();
+    let mut text_s = Vec::new();
+    let mut decode_s = Vec::new();
+    for _ in 0..args.runs {
+        let t = Instant::now();
+        let out = pipe.call(call())?;
+        e2e_s.push(secs(t.elapsed()));
+        step_s.extend(out.timings.steps.iter().map(|d| secs(*d)));
+        text_s.push(secs(out.timings.text_encoding));
+        decode_s.push(secs(out.timings.decoding));
+    }
+
+    // One more call with per-op timing (each op waits for its result while profiling).
+    kiln_tensor::reset_op_profile();
+    kiln_tensor::set_op_profiling(true);
+    let profiled = pipe.call(call());
+    kiln_tensor::set_op_profiling(false);
+    profiled?;
+    let ops = kiln_tensor::op_profile();
+    let op_total: f64 = ops.iter().map(|(_, _, d)| secs(*d)).sum();
+
+    let result = serde_json::json!({
+        "engine": "kiln",
+        "model": args.model,
+        "dtype": dtype.to_string(),
+        "device": device.to_string(),
+        "height": args.height,
+        "width": args.width,
+        "steps": args.steps,
+        "runs": args.runs,
+        "load_s": load_s,
+        "first_call_s": first_call_s,
+        "step_s_median": median(step_s.clone()),
+        "e2e_s_median": median(e2e_s.clone()),
+        "text_encoding_s_median": median(text_s),
+        "decoding_s_median": median(decode_s),
+        "peak_rss_mib": peak_rss_mib(),
+        "ops": ops.iter().map(|(op, n, d)| serde_json::json!({
+            "op": op, "calls": n, "total_s": secs(*d),
+            "share": if op_total > 0.0 { secs(*d) / op_total } else { 0.0 },
+        })).collect::<Vec<_>>(),
+    });
+    if args.json {
+        println!("{result}");
+        return Ok(());
+    }
+    println!(
+        "kiln bench: {} {dtype} on {device}, {}x{}, {} steps",
+        args.model, args.height, args.width, args.steps
+    );
+    println!("  load               {load_s:8.3} s");
+    println!("  first call         {first_call_s:8.3} s (compiles or loads programs)");
+    println!(
+        "  step (median)      {:8.3} s",
+        result["step_s_median"].as_f64().unwrap_or(f64::NAN)
+    );
+    println!(
+        "  end to end (median){:8.3} s",
+        result["e2e_s_median"].as_f64().unwrap_or(f64::NAN)
+    );
+    if let Some(m) = peak_rss_mib() {
+        println!("  peak RSS           {m:8.0} MiB");
+    }
+    println!("  time per op kind (profiled call, {op_total:.3} s in ops):");
+    for (op, n, d) in ops.iter().take(15) {
+        println!(
+            "    {op:<22} {n:6} calls {:8.3} s {:5.1} %",
+            secs(*d),
+            100.0 * secs(*d) / op_total.max(1e-12)
+        );
+    }
+    Ok(())
+}
