@@ -57,6 +57,27 @@ pub struct ArgAttrs {
 }
 
 impl ArgAttrs {
+    /// A Shardy sharding over `mesh`: for each dimension, the mesh axes it is split over
+    /// (empty = replicated along that dimension).
+    pub fn sharding(mesh: &str, dims: &[&[&str]]) -> Self {
+        let dims: Vec<String> = dims
+            .iter()
+            .map(|axes| {
+                let quoted: Vec<String> = axes.iter().map(|a| format!("\"{a}\"")).collect();
+                format!("{{{}}}", quoted.join(", "))
+            })
+            .collect();
+        ArgAttrs {
+            entries: vec![format!("sdy.sharding = #sdy.sharding<@{mesh}, [{}]>", dims.join(", "))],
+        }
+    }
+
+    /// Adds the entries of `other`.
+    pub fn with(mut self, other: ArgAttrs) -> Self {
+        self.entries.extend(other.entries);
+        self
+    }
+
     /// Lets the runtime reuse this argument's buffer for output `output`.
     pub fn donate_to(output: usize) -> Self {
         ArgAttrs {
@@ -112,6 +133,13 @@ impl Builder {
     /// A module attribute such as `mhlo.num_partitions = 2 : i32`.
     pub fn add_module_attr(&mut self, attr: impl Into<String>) {
         self.module_attrs.push(attr.into());
+    }
+
+    /// Declares a Shardy mesh, e.g. `("mesh", &[("x", 2)])` → `sdy.mesh @mesh = <["x"=2]>`.
+    pub fn add_mesh(&mut self, name: &str, axes: &[(&str, usize)]) {
+        let axes: Vec<String> = axes.iter().map(|(a, n)| format!("\"{a}\"={n}")).collect();
+        self.module_prelude
+            .push(format!("sdy.mesh @{name} = <[{}]>", axes.join(", ")));
     }
 
     /// A line placed in the module before `@main`, such as `sdy.mesh @mesh = <["x"=2]>`.

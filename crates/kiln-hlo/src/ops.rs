@@ -872,6 +872,7 @@ impl Builder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::builder::ArgAttrs;
 
     #[test]
     fn emits_a_module_with_typed_ops() {
@@ -954,6 +955,27 @@ mod tests {
         let z = b.constant(0.0, DType::F32);
         let p = b.pad(&x, &z, &[0, 0, 0, 0], &[0, 0, 1, 1], &[0, 0, 0, 0]).unwrap();
         assert_eq!(p.dims(), &[1, 4, 9, 9]);
+    }
+
+    #[test]
+    fn sharding_and_donation_attributes() {
+        let mut b = Builder::new();
+        b.add_mesh("mesh", &[("data", 2), ("model", 2)]);
+        let x = b.parameter_with(
+            [4, 8],
+            DType::F32,
+            ArgAttrs::sharding("mesh", &[&["data"], &[]]).with(ArgAttrs::donate_to(0)),
+        );
+        let y = b.negate(&x).unwrap();
+        let text = b
+            .finish_with(&[y], &[ArgAttrs::sharding("mesh", &[&["data"], &["model"]])])
+            .unwrap();
+        assert!(text.contains(r#"sdy.mesh @mesh = <["data"=2, "model"=2]>"#), "{text}");
+        assert!(text.contains(r#"%v0: tensor<4x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>, tf.aliasing_output = 0 : i32}"#), "{text}");
+        assert!(
+            text.contains(r#"-> (tensor<4x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>})"#),
+            "{text}"
+        );
     }
 
     #[test]
