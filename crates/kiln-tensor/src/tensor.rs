@@ -10,8 +10,14 @@ use crate::dispatch::{apply1, apply_on};
 use crate::error::{Error, Result};
 
 enum Storage {
-    /// One buffer on one device.
-    Device { device: Device, buffer: kiln_pjrt::Buffer },
+    /// One buffer on one device. `physical` is the shape the buffer was created with; the
+    /// tensor's own shape may differ by a reshape (same elements, same row-major order), which
+    /// the next op applies inside its program, so reshapes cost nothing on their own.
+    Device {
+        device: Device,
+        buffer: Arc<kiln_pjrt::Buffer>,
+        physical: Shape,
+    },
 }
 
 struct Inner {
@@ -35,10 +41,45 @@ impl fmt::Debug for Tensor {
 impl Tensor {
     pub(crate) fn from_buffer(buffer: kiln_pjrt::Buffer, shape: Shape, dtype: DType, device: Device) -> Tensor {
         Tensor(Arc::new(Inner {
-            shape,
+            shape: shape.clone(),
             dtype,
-            storage: Storage::Device { device, buffer },
+            storage: Storage::Device {
+                device,
+                buffer: Arc::new(buffer),
+                physical: shape,
+            },
         }))
+    }
+
+    /// A tensor over a copy of this tensor's buffer (same physical shape, this logical shape).
+    fn with_copied_buffer(&self, buffer: kiln_pjrt::Buffer, device: Device) -> Tensor {
+        Tensor::from_buffer(buffer, self.physical_shape().clone(), self.dtype(), device).view_as(self.shape().clone())
+    }
+
+    /// The same buffer seen with another shape of the same element count (no device work).
+    pub(crate) fn view_as(&self, shape: Shape) -> Tensor {
+        match &self.0.storage {
+            Storage::Device {
+                device,
+                buffer,
+                physical,
+            } => Tensor(Arc::new(Inner {
+                shape,
+                dtype: self.0.dtype,
+                storage: Storage::Device {
+                    device: device.clone(),
+                    buffer: buffer.clone(),
+                    physical: physical.clone(),
+                },
+            })),
+        }
+    }
+
+    /// The shape of the underlying buffer (see [`Storage::Device`]).
+    pub(crate) fn physical_shape(&self) -> &Shape {
+        match &self.0.storage {
+            Storage::Device { physical, .. } => physical,
+        }
     }
 
     pub fn shape(&self) -> &Shape {
@@ -223,12 +264,7 @@ impl Tensor {
         }
         if std::sync::Arc::ptr_eq(device.client(), self.device().client()) {
             let buffer = self.buffer().copy_to_device(device.pjrt())?;
-            return Ok(Tensor::from_buffer(
-                buffer,
-                self.shape().clone(),
-                self.dtype(),
-                device.clone(),
-            ));
+            return Ok(self.with_copied_buffer(buffer, device.clone()));
         }
         Tensor::from_bytes(&self.to_bytes()?, self.dtype(), self.shape().clone(), device)
     }
@@ -242,12 +278,7 @@ impl Tensor {
             )
         })?;
         let buffer = self.buffer().copy_to_memory(memory)?;
-        Ok(Tensor::from_buffer(
-            buffer,
-            self.shape().clone(),
-            self.dtype(),
-            self.device().clone(),
-        ))
+        Ok(self.with_copied_buffer(buffer, self.device().clone()))
     }
 
     /// The memory space the data lives in.
