@@ -15,10 +15,14 @@ use serde_json::Value;
 fn not_expressible(case: &Value) -> Option<&'static str> {
     let kwargs = &case["kwargs"];
     // A Python tuple prompt arrives here as a JSON list; the message tells them apart.
-    if case["message"].as_str().is_some_and(|m| m.contains("has to be of type")) {
+    if case["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("has to be of type"))
+    {
         return Some("prompt type");
     }
-    let prompt_ok = |v: &Value| v.is_null() || v.is_string() || v.as_array().is_some_and(|a| a.iter().all(Value::is_string));
+    let prompt_ok =
+        |v: &Value| v.is_null() || v.is_string() || v.as_array().is_some_and(|a| a.iter().all(Value::is_string));
     if !prompt_ok(&kwargs["prompt"]) || !prompt_ok(&kwargs["prompt_2"]) {
         return Some("prompt type");
     }
@@ -41,7 +45,11 @@ fn strings(v: &Value) -> Option<Vec<String>> {
 
 fn tensor(v: &Value) -> Option<Tensor> {
     let t = v.get("tensor")?;
-    let shape: Vec<usize> = t["shape"].as_array()?.iter().map(|d| d.as_u64().unwrap() as usize).collect();
+    let shape: Vec<usize> = t["shape"]
+        .as_array()?
+        .iter()
+        .map(|d| d.as_u64().unwrap() as usize)
+        .collect();
     assert_eq!(t["dtype"], "float32");
     let value = match t["fill"].as_str()? {
         "zeros" => 0.0,
@@ -127,7 +135,10 @@ fn rejected_and_accepted_inputs_match_diffusers() {
             };
             let theirs = case["message"].as_str().unwrap_or_default();
             if case["exception_type"] == "ValueError" && !theirs.contains("Number of samples") {
-                assert!(messages_match(&err, theirs), "{name}:\n  kiln:     {err}\n  diffusers: {theirs}");
+                assert!(
+                    messages_match(&err, theirs),
+                    "{name}:\n  kiln:     {err}\n  diffusers: {theirs}"
+                );
             } else {
                 // diffusers fails by accident here; kiln names the argument instead.
                 assert!(err.contains('`'), "{name}: unclear message {err}");

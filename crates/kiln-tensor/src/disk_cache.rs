@@ -105,8 +105,10 @@ pub(crate) fn store(exe: &LoadedExecutable, path: &Path) {
         let bytes = exe.serialize().map_err(std::io::Error::other)?;
         let dir = path.parent().ok_or_else(|| std::io::Error::other("no parent folder"))?;
         std::fs::create_dir_all(dir)?;
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let unique = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tmp = dir.join(format!(
-            ".{}.{}.tmp",
+            ".{}.{}.{unique}.tmp",
             path.file_name().and_then(|n| n.to_str()).unwrap_or("entry"),
             std::process::id()
         ));
