@@ -5,18 +5,16 @@
 //! a smoke test: torch's bf16 kernels round in places XLA's do not, so it checks only that the
 //! output stays within a few bf16 steps of the golden.
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use common::{assert_close, device, goldens, oracle, Golden};
 use kiln_io::{load_config, AutoencoderKLConfig, Checkpoint};
 use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::Error;
 use kiln_nn::Weights;
 use kiln_rng::TorchGenerator;
 use kiln_tensor::{DType, Tensor};
+use kiln_testing::{assert_close, device, goldens, oracle, Golden};
 
 const F32_ATOL: f32 = 1e-4;
 

@@ -1,16 +1,14 @@
 //! T5EncoderModel against the oracle goldens.
 //! f32: `|a − b| ≤ 2e-4 + 1e-4·|b|` (oracle README, text encoders); bf16: max |Δ| ≤ 5 % of absmax.
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use common::{assert_close, device, goldens, oracle, rel_max_diff, Golden};
 use kiln_io::{load_config, Checkpoint, T5Config};
 use kiln_models::t5::T5EncoderModel;
 use kiln_nn::{Error, Weights};
 use kiln_tensor::{DType, Tensor};
+use kiln_testing::{assert_close, device, goldens, oracle, rel_max_diff, Golden};
 
 const ATOL: f32 = 2e-4;
 const RTOL: f32 = 1e-4;

@@ -1,12 +1,10 @@
 //! FluxTransformer2DModel against the oracle's module goldens (f32).
 
-mod common;
-
-use common::{assert_close, device, goldens, oracle, rel_max_diff};
 use kiln_io::{load_config, Checkpoint, FluxTransformer2DConfig};
 use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInputs};
 use kiln_nn::Weights;
 use kiln_tensor::DType;
+use kiln_testing::{assert_close, device, goldens, oracle, rel_max_diff};
 
 fn load(pipeline: &str) -> FluxTransformer2DModel {
     let dir = oracle().join("pipelines").join(pipeline).join("transformer");

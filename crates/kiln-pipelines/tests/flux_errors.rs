@@ -2,11 +2,9 @@
 //! Messages of diffusers' own argument checks must match; where diffusers fails by accident
 //! (ZeroDivisionError, IndexError, numpy errors) kiln must fail with its own clear message.
 
-mod common;
-
-use common::{device, oracle};
 use kiln_pipelines::{FluxCall, FluxPipeline, LoadOptions};
 use kiln_tensor::{DType, Tensor};
+use kiln_testing::{device, oracle};
 use serde_json::Value;
 
 /// Arguments that cannot be expressed through the typed Rust API (a prompt that is not a string

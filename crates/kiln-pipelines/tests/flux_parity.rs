@@ -1,15 +1,13 @@
 //! FluxPipeline end to end against every FLUX.1 case of the oracle: tokens and encoder outputs,
 //! initial noise, schedule, every step's latents, the decoded tensor and the uint8 image.
 
-mod common;
-
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
-use common::{assert_close, device, goldens, oracle, rel_max_diff, Golden};
 use kiln_pipelines::{pack_latents, FluxCall, FluxPipeline, LoadOptions, StepState};
 use kiln_rng::{randn_tensor, TorchGenerator};
 use kiln_tensor::{DType, Tensor};
+use kiln_testing::{assert_close, device, goldens, oracle, rel_max_diff, Golden};
 use serde_json::Value;
 
 fn cases(pipeline: &str) -> Vec<PathBuf> {

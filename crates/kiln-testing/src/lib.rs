@@ -1,5 +1,5 @@
-//! Shared helpers for the parity tests: the oracle fixtures and tolerance checks.
-#![allow(dead_code)]
+//! Helpers shared by kiln's parity tests: the oracle fixtures, golden tensors and tolerance checks.
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 
