@@ -26,6 +26,10 @@ enum Command {
 }
 
 fn main() {
+    // XLA's INFO lines (and absl's note about them) are noise for CLI users; still single-threaded here.
+    if std::env::var_os("TF_CPP_MIN_LOG_LEVEL").is_none() {
+        std::env::set_var("TF_CPP_MIN_LOG_LEVEL", "1");
+    }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KILN_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
