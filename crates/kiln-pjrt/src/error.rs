@@ -57,7 +57,9 @@ pub enum Error {
         message: String,
     },
     /// The device ran out of memory (a PJRT `RESOURCE_EXHAUSTED` error).
-    #[error("{call}: out of device memory: {message}. Use a smaller size or batch, a lower precision (--dtype bf16), or enable model CPU offload")]
+    #[error(
+        "{call}: out of device memory: {message}. Use a smaller size or batch, or a lower precision (--dtype bf16)"
+    )]
     OutOfMemory { call: &'static str, message: String },
     #[error("cannot load PJRT plugin {path}: {reason}")]
     PluginLoad { path: PathBuf, reason: String },
