@@ -173,11 +173,13 @@ impl Tensor {
 
     /// A rank-0 tensor.
     pub fn scalar(value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
-        let bytes = kiln_types::f32_to_bytes(&[value as f32], dtype);
-        let bytes = if dtype == DType::F64 {
-            value.to_le_bytes().to_vec()
-        } else {
-            bytes
+        // Integers convert from the f64 directly (through f32 they would lose digits above 2^24).
+        let bytes = match dtype {
+            DType::F64 => value.to_le_bytes().to_vec(),
+            DType::I64 => (value as i64).to_le_bytes().to_vec(),
+            DType::I32 => (value as i32).to_le_bytes().to_vec(),
+            DType::U32 => (value as u32).to_le_bytes().to_vec(),
+            _ => kiln_types::f32_to_bytes(&[value as f32], dtype),
         };
         Tensor::from_bytes(&bytes, dtype, Shape::scalar(), device)
     }

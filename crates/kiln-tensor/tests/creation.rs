@@ -123,6 +123,9 @@ fn full_zeros_ones_scalar_arange() {
     }
     let s = Tensor::scalar(0.1, DType::F64, &d).unwrap();
     assert_eq!(s.to_vec::<f64>().unwrap(), vec![0.1]);
+    // Integers above 2^24 keep every digit.
+    let s = Tensor::scalar(16_777_217.0, DType::I64, &d).unwrap();
+    assert_eq!(s.to_vec::<i64>().unwrap(), vec![16_777_217]);
 
     let a = Tensor::arange(5, DType::F32, &d).unwrap();
     assert_eq!(a.to_vec::<f32>().unwrap(), vec![0., 1., 2., 3., 4.]);
