@@ -167,8 +167,8 @@ pub(crate) fn apply_on(
         .iter()
         .map(|t| b.parameter(t.shape().clone(), t.dtype()))
         .collect();
-    let outputs = build(&mut b, &params)?;
-    let program = b.finish(&outputs)?;
+    let outputs = build(&mut b, &params).map_err(|source| Error::Build { op, source })?;
+    let program = b.finish(&outputs).map_err(|source| Error::Build { op, source })?;
     let exe = executable(op, device, program)?;
     for t in inputs {
         if t.device() != device {

@@ -7,6 +7,13 @@ pub enum Error {
     Pjrt(#[from] kiln_pjrt::Error),
     #[error(transparent)]
     Hlo(#[from] kiln_hlo::HloError),
+    /// An op's program could not be built (its shape/dtype rules rejected the operands).
+    #[error("{op}: {source}")]
+    Build {
+        op: &'static str,
+        #[source]
+        source: kiln_hlo::HloError,
+    },
     #[error("{op}: operands are on different devices ({lhs} and {rhs}); move one with `to_device` first")]
     DeviceMismatch { op: &'static str, lhs: String, rhs: String },
     #[error("{op}: cannot broadcast {lhs} with {rhs}")]

@@ -284,3 +284,12 @@ fn conv2d_matches_the_reference() {
         }
     }
 }
+
+#[test]
+fn empty_dimension_list_reduces_everything() {
+    let d = kiln_tensor::Device::cpu().unwrap();
+    let x = kiln_tensor::Tensor::from_slice(&[1f32, 2., 3., 4., 5., 6.], [2, 3], &d).unwrap();
+    assert_eq!(x.sum(&[], false).unwrap().to_vec::<f32>().unwrap(), vec![21.]);
+    assert_eq!(x.mean(&[], true).unwrap().dims(), &[1, 1]);
+    assert_eq!(x.max(&[], false).unwrap().to_scalar().unwrap(), 6.0);
+}

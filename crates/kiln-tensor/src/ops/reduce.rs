@@ -8,7 +8,11 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 impl Tensor {
+    /// Resolves reduction dimensions; an empty list means every dimension (as in torch).
     fn resolve_dims(&self, op: &'static str, dims: &[isize]) -> Result<Vec<usize>> {
+        if dims.is_empty() {
+            return Ok((0..self.rank()).collect());
+        }
         let mut out = Vec::with_capacity(dims.len());
         for &d in dims {
             let r = self.resolve_dim(op, d)?;
@@ -35,7 +39,7 @@ impl Tensor {
         })
     }
 
-    /// Sum over `dims` (negative indices count from the end).
+    /// Sum over `dims` (negative indices count from the end; empty = all dimensions).
     pub fn sum(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         self.reduce_op("sum", dims, keepdim, ReduceKind::Sum)
     }
