@@ -50,9 +50,20 @@ pub struct DotDims {
     pub rhs_contract: Vec<usize>,
 }
 
-/// Window parameters of a 2-D convolution in NCHW / OIHW layout.
+/// Where the channels of a convolution's input and output are; the weight is always OIHW.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ConvLayout {
+    /// `[N, C, H, W]` (torch's default).
+    #[default]
+    Nchw,
+    /// `[N, H, W, C]`: channels last, the layout XLA:CPU's convolution kernels prefer.
+    Nhwc,
+}
+
+/// Window parameters of a 2-D convolution with an OIHW weight.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ConvDims {
+    pub layout: ConvLayout,
     pub stride: [usize; 2],
     /// (low, high) zero padding per spatial dimension.
     pub padding: [(i64, i64); 2],
@@ -64,6 +75,7 @@ pub struct ConvDims {
 impl Default for ConvDims {
     fn default() -> Self {
         ConvDims {
+            layout: ConvLayout::Nchw,
             stride: [1, 1],
             padding: [(0, 0), (0, 0)],
             lhs_dilation: [1, 1],
@@ -784,7 +796,8 @@ impl Builder {
         ))
     }
 
-    /// 2-D convolution, `x` NCHW, `w` OIHW; `out_dtype` may be wider than the inputs.
+    /// 2-D convolution, `x` NCHW or NHWC (`dims.layout`, the output alike), `w` OIHW;
+    /// `out_dtype` may be wider than the inputs.
     pub fn convolution(&mut self, x: &Value, w: &Value, dims: &ConvDims, out_dtype: DType) -> Result<Value> {
         self.check("convolution", x)?;
         self.check("convolution", w)?;
@@ -801,7 +814,10 @@ impl Builder {
             });
         }
         let g = dims.feature_group_count.max(1);
-        let (n, c, h, wd) = (x.dims()[0], x.dims()[1], x.dims()[2], x.dims()[3]);
+        let (n, c, h, wd) = match dims.layout {
+            ConvLayout::Nchw => (x.dims()[0], x.dims()[1], x.dims()[2], x.dims()[3]),
+            ConvLayout::Nhwc => (x.dims()[0], x.dims()[3], x.dims()[1], x.dims()[2]),
+        };
         let (o, i, kh, kw) = (w.dims()[0], w.dims()[1], w.dims()[2], w.dims()[3]);
         if c != i * g || o % g != 0 {
             return Err(mismatch(format!(
@@ -818,13 +834,23 @@ impl Builder {
             }
             out_spatial[s] = ((padded - dilated_k) / dims.stride[s] as i64 + 1) as usize;
         }
-        let shape = Shape::new(vec![n, o, out_spatial[0], out_spatial[1]]);
+        let (shape, numbers) = match dims.layout {
+            ConvLayout::Nchw => (
+                vec![n, o, out_spatial[0], out_spatial[1]],
+                "[b, f, 0, 1]x[o, i, 0, 1]->[b, f, 0, 1]",
+            ),
+            ConvLayout::Nhwc => (
+                vec![n, out_spatial[0], out_spatial[1], o],
+                "[b, 0, 1, f]x[o, i, 0, 1]->[b, 0, 1, f]",
+            ),
+        };
+        let shape = Shape::new(shape);
         let out_t = tensor_type(&shape, out_dtype);
         Ok(self.emit(
             shape,
             out_dtype,
             format_args!(
-                "\"stablehlo.convolution\"({}, {}) {{dimension_numbers = #stablehlo.conv<[b, f, 0, 1]x[o, i, 0, 1]->[b, f, 0, 1]>, window_strides = {}, padding = dense<[[{}, {}], [{}, {}]]> : tensor<2x2xi64>, lhs_dilation = {}, rhs_dilation = {}, feature_group_count = {g} : i64, batch_group_count = 1 : i64}} : ({}, {}) -> {out_t}",
+                "\"stablehlo.convolution\"({}, {}) {{dimension_numbers = #stablehlo.conv<{numbers}>, window_strides = {}, padding = dense<[[{}, {}], [{}, {}]]> : tensor<2x2xi64>, lhs_dilation = {}, rhs_dilation = {}, feature_group_count = {g} : i64, batch_group_count = 1 : i64}} : ({}, {}) -> {out_t}",
                 x.name(),
                 w.name(),
                 arr(&dims.stride),
@@ -952,6 +978,13 @@ mod tests {
         };
         let y = b.convolution(&x, &w, &d, DType::F32).unwrap();
         assert_eq!(y.dims(), &[1, 6, 4, 4]);
+        let x_last = b.parameter([1, 8, 8, 4], DType::F32);
+        let d_last = ConvDims {
+            layout: ConvLayout::Nhwc,
+            ..d
+        };
+        let y_last = b.convolution(&x_last, &w, &d_last, DType::F32).unwrap();
+        assert_eq!(y_last.dims(), &[1, 4, 4, 6]);
         let z = b.constant(0.0, DType::F32);
         let p = b.pad(&x, &z, &[0, 0, 0, 0], &[0, 0, 1, 1], &[0, 0, 0, 0]).unwrap();
         assert_eq!(p.dims(), &[1, 4, 9, 9]);

@@ -62,6 +62,10 @@ impl Conv2d {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.conv2d(&self.weight, self.bias.as_ref(), self.params)?)
     }
+    /// The same convolution on a channels-last `[N, H, W, C]` input.
+    pub fn forward_channels_last(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.conv2d_channels_last(&self.weight, self.bias.as_ref(), self.params)?)
+    }
 }
 
 /// `nn.LayerNorm` over the last dimension (affine optional).
@@ -132,6 +136,10 @@ impl GroupNorm {
     }
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.group_norm(self.groups, Some(&self.weight), Some(&self.bias), self.eps)?)
+    }
+    /// The same normalization on a channels-last `[N, ..., C]` input.
+    pub fn forward_channels_last(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.group_norm_channels_last(self.groups, Some(&self.weight), Some(&self.bias), self.eps)?)
     }
 }
 

@@ -161,6 +161,23 @@ fn conv2d_misuse() {
         f32s(&[4, 5, 5]).conv2d(&w, None, p),
         &["conv2d: needs an NCHW input and an OIHW weight, got [4, 5, 5] and [6, 4, 3, 3]"],
     );
+    let x_last = f32s(&[1, 5, 5, 4]);
+    assert_err(
+        x_last.conv2d_channels_last(&f32s(&[6, 3, 3, 3]), None, p),
+        &["conv2d_channels_last: input [1, 5, 5, 4] does not fit weight [6, 3, 3, 3] with 1 groups"],
+    );
+    assert_err(
+        x_last.conv2d_channels_last(&f32s(&[6, 4, 7, 7]), None, p),
+        &["conv2d_channels_last: the kernel of weight [6, 4, 7, 7] (dilation 1) does not fit input [1, 5, 5, 4]"],
+    );
+    assert_err(
+        f32s(&[5, 5, 4]).conv2d_channels_last(&w, None, p),
+        &["conv2d_channels_last: needs an NHWC input and an OIHW weight, got [5, 5, 4]"],
+    );
+    assert_err(
+        x_last.conv2d_channels_last(&w, Some(&f32s(&[4])), p),
+        &["conv2d_channels_last: bias [4] f32 does not match weight [6, 4, 3, 3]"],
+    );
     assert_err(
         x.conv2d(&f32s(&[6, 4, 3]), Some(&f32s(&[6])), p),
         &["conv2d: needs an NCHW input and an OIHW weight"],
@@ -292,6 +309,10 @@ fn shape_op_misuse() {
         f32s(&[1, 1, 2, 2]).upsample_nearest2d(0),
         &["upsample_nearest2d", "got [1, 1, 2, 2] and 0"],
     );
+    assert_err(
+        x.upsample_nearest2d_channels_last(2),
+        &["upsample_nearest2d_channels_last: needs an NHWC tensor and a positive scale, got [2, 3] and 2"],
+    );
 }
 
 #[test]
@@ -364,6 +385,14 @@ fn nn_op_misuse() {
     assert_err(
         g.group_norm(4, None, None, 1e-5),
         &["group_norm: 6 channels of [2, 6, 3, 3] cannot form 4 groups"],
+    );
+    assert_err(
+        g.group_norm_channels_last(4, None, None, 1e-5),
+        &["group_norm_channels_last: 3 channels (last dimension) of [2, 6, 3, 3] cannot form 4 groups"],
+    );
+    assert_err(
+        f32s(&[2, 3, 3, 6]).group_norm_channels_last(2, Some(&f32s(&[3])), None, 1e-5),
+        &["group_norm_channels_last: weight is [3] f32, expected [6] f32"],
     );
     assert_err(
         g.group_norm(0, None, None, 1e-5),

@@ -155,6 +155,22 @@ fn group_norm_matches_the_reference() {
                 dtype,
                 tol(dtype),
             );
+            let nhwc = [0, 2, 3, 1];
+            let x_last = x.permute(&nhwc).tensor(dtype);
+            let got = if affine {
+                x_last
+                    .group_norm_channels_last(groups, Some(&tw), Some(&tb), eps)
+                    .unwrap()
+            } else {
+                x_last.group_norm_channels_last(groups, None, None, eps).unwrap()
+            };
+            assert_close(
+                &format!("group_norm_channels_last g={groups} affine={affine} {dtype}"),
+                &got,
+                &want.permute(&nhwc).round(dtype),
+                dtype,
+                tol(dtype),
+            );
         }
     }
     // [N, C] input (no spatial dims) and an empty batch.
@@ -162,6 +178,11 @@ fn group_norm_matches_the_reference() {
     let want = normalize_ref(&x.reshape(&[3, 2, 2]), &[2], eps).reshape(&[3, 4]);
     let got = x.tensor(DType::F32).group_norm(2, None, None, eps).unwrap();
     assert_close("group_norm 2-D", &got, &want, DType::F32, tol(DType::F32));
+    let got = x
+        .tensor(DType::F32)
+        .group_norm_channels_last(2, None, None, eps)
+        .unwrap();
+    assert_close("group_norm_channels_last 2-D", &got, &want, DType::F32, tol(DType::F32));
     let empty = Tensor::zeros([0, 4, 2, 2], DType::F32, &dev()).unwrap();
     assert_eq!(empty.group_norm(2, None, None, eps).unwrap().dims(), &[0, 4, 2, 2]);
 }

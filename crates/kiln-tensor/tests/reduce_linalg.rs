@@ -281,6 +281,14 @@ fn conv2d_matches_the_reference() {
                 atol: tol(dtype).rtol * max * 0.5 + tol(dtype).atol,
             };
             assert_close(&format!("conv2d case {i} {dtype}"), &got, &want, dtype, t);
+            let nhwc = [0, 2, 3, 1];
+            let got = x
+                .permute(&nhwc)
+                .tensor(dtype)
+                .conv2d_channels_last(&w.tensor(dtype), bias.as_ref(), case.p)
+                .unwrap();
+            let what = format!("conv2d_channels_last case {i} {dtype}");
+            assert_close(&what, &got, &want.permute(&nhwc), dtype, t);
         }
     }
 }

@@ -305,7 +305,20 @@ fn index_select_and_upsample() {
                 })
                 .collect();
             let got = ty.upsample_nearest2d(scale).unwrap();
-            assert_exact(&format!("upsample x{scale}"), &got, &Arr::new(&shape, data), dtype);
+            let want = Arr::new(&shape, data);
+            assert_exact(&format!("upsample x{scale}"), &got, &want, dtype);
+            let nhwc = [0, 2, 3, 1];
+            let got = y
+                .permute(&nhwc)
+                .tensor(dtype)
+                .upsample_nearest2d_channels_last(scale)
+                .unwrap();
+            assert_exact(
+                &format!("upsample channels-last x{scale}"),
+                &got,
+                &want.permute(&nhwc),
+                dtype,
+            );
         }
         assert_exact("upsample x1", &ty.upsample_nearest2d(1).unwrap(), &y, dtype);
     }

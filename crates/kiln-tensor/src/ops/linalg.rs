@@ -1,6 +1,6 @@
 //! Matrix products and convolution.
 
-use kiln_hlo::{ConvDims, DotDims};
+use kiln_hlo::{ConvDims, ConvLayout, DotDims};
 use kiln_types::DType;
 
 use super::emit::{broadcast_shapes, broadcast_to};
@@ -115,7 +115,24 @@ impl Tensor {
 
     /// 2-D convolution (NCHW input, OIHW weight), torch `F.conv2d` semantics.
     pub fn conv2d(&self, weight: &Tensor, bias: Option<&Tensor>, params: Conv2dParams) -> Result<Tensor> {
-        let op = "conv2d";
+        self.conv2d_in("conv2d", ConvLayout::Nchw, weight, bias, params)
+    }
+
+    /// [`Tensor::conv2d`] on a channels-last `[N, H, W, C]` input, giving `[N, H', W', O]`; the
+    /// weight stays OIHW, as checkpoints store it. XLA:CPU's convolutions run this layout natively
+    /// (NCHW costs transposes inside the program).
+    pub fn conv2d_channels_last(&self, weight: &Tensor, bias: Option<&Tensor>, params: Conv2dParams) -> Result<Tensor> {
+        self.conv2d_in("conv2d_channels_last", ConvLayout::Nhwc, weight, bias, params)
+    }
+
+    fn conv2d_in(
+        &self,
+        op: &'static str,
+        layout: ConvLayout,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        params: Conv2dParams,
+    ) -> Result<Tensor> {
         if self.dtype() != weight.dtype() {
             return Err(Error::DType {
                 op,
@@ -123,7 +140,7 @@ impl Tensor {
                 rhs: weight.dtype(),
             });
         }
-        check_conv2d(self, weight, params)?;
+        check_conv2d(op, layout, self, weight, params)?;
         if let Some(bias) = bias {
             if bias.dims() != [weight.dims()[0]] || bias.dtype() != self.dtype() {
                 return Err(Error::invalid(
@@ -138,11 +155,16 @@ impl Tensor {
             }
         }
         let dims = ConvDims {
+            layout,
             stride: [params.stride; 2],
             padding: [(params.padding as i64, params.padding as i64); 2],
             lhs_dilation: [1, 1],
             rhs_dilation: [params.dilation; 2],
             feature_group_count: params.groups,
+        };
+        let channel_dim = match layout {
+            ConvLayout::Nchw => 1,
+            ConvLayout::Nhwc => 3,
         };
         let dtype = self.dtype();
         let mut inputs = vec![self, weight];
@@ -153,7 +175,7 @@ impl Tensor {
             if let Some(bias) = p.get(2) {
                 let bias = b.convert(bias, acc)?;
                 let shape = y.dims().to_vec();
-                let bias = b.broadcast_in_dim(&bias, shape, &[1])?;
+                let bias = b.broadcast_in_dim(&bias, shape, &[channel_dim])?;
                 y = b.add(&y, &bias)?;
             }
             b.convert(&y, dtype)
@@ -161,14 +183,17 @@ impl Tensor {
     }
 }
 
-/// Shape and parameter checks of [`Tensor::conv2d`], so that errors name `conv2d`.
-fn check_conv2d(x: &Tensor, w: &Tensor, p: Conv2dParams) -> Result<()> {
-    let op = "conv2d";
+/// Shape and parameter checks of [`Tensor::conv2d`], so that errors name the op.
+fn check_conv2d(op: &'static str, layout: ConvLayout, x: &Tensor, w: &Tensor, p: Conv2dParams) -> Result<()> {
+    let (input, channel_dim, spatial) = match layout {
+        ConvLayout::Nchw => ("NCHW", 1, [2, 3]),
+        ConvLayout::Nhwc => ("NHWC", 3, [1, 2]),
+    };
     if x.rank() != 4 || w.rank() != 4 {
         return Err(Error::invalid(
             op,
             format!(
-                "needs an NCHW input and an OIHW weight, got {} and {}",
+                "needs an {input} input and an OIHW weight, got {} and {}",
                 x.shape(),
                 w.shape()
             ),
@@ -183,7 +208,7 @@ fn check_conv2d(x: &Tensor, w: &Tensor, p: Conv2dParams) -> Result<()> {
             ),
         ));
     }
-    let (c, o, i) = (x.dims()[1], w.dims()[0], w.dims()[1]);
+    let (c, o, i) = (x.dims()[channel_dim], w.dims()[0], w.dims()[1]);
     if c != i * p.groups || o % p.groups != 0 {
         return Err(Error::invalid(
             op,
@@ -195,8 +220,8 @@ fn check_conv2d(x: &Tensor, w: &Tensor, p: Conv2dParams) -> Result<()> {
             ),
         ));
     }
-    for s in 0..2 {
-        let (size, k) = (x.dims()[2 + s], w.dims()[2 + s]);
+    for (s, &dim) in spatial.iter().enumerate() {
+        let (size, k) = (x.dims()[dim], w.dims()[2 + s]);
         if k == 0 || size.saturating_add(p.padding.saturating_mul(2)) < (k - 1).saturating_mul(p.dilation) + 1 {
             return Err(Error::invalid(
                 op,

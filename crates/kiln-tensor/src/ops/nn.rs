@@ -194,6 +194,59 @@ impl Tensor {
         })
     }
 
+    /// [`Tensor::group_norm`] on a channels-last `[N, ..., C]` tensor: the groups are runs of
+    /// `C / groups` consecutive channels, normalised together over every other position.
+    pub fn group_norm_channels_last(
+        &self,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let op = "group_norm_channels_last";
+        check_float(op, self)?;
+        let c = self.dims().last().copied().unwrap_or(0);
+        if self.rank() < 2 || groups == 0 || c % groups != 0 {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{c} channels (last dimension) of {} cannot form {groups} groups",
+                    self.shape()
+                ),
+            ));
+        }
+        check_param(op, "weight", weight, c, self.dtype())?;
+        check_param(op, "bias", bias, c, self.dtype())?;
+        let dtype = self.dtype();
+        let dims = self.dims().to_vec();
+        let rank = dims.len();
+        let n = dims[0];
+        let positions = dims[1..rank - 1].iter().product::<usize>();
+        let mut inputs = vec![self];
+        inputs.extend(weight);
+        inputs.extend(bias);
+        let (has_w, has_b) = (weight.is_some(), bias.is_some());
+        apply1(op, &inputs, |b, p| {
+            let x = upcast(b, &p[0])?;
+            let g = b.reshape(&x, [n, positions, groups, c / groups])?;
+            let g = normalize(b, &g, &[1, 3], eps)?;
+            let mut y = b.reshape(&g, dims.clone())?;
+            let mut next = 1;
+            if has_w {
+                let w = upcast(b, &p[next])?;
+                let w = b.broadcast_in_dim(&w, dims.clone(), &[rank - 1])?;
+                y = b.multiply(&y, &w)?;
+                next += 1;
+            }
+            if has_b {
+                let bb = upcast(b, &p[next])?;
+                let bb = b.broadcast_in_dim(&bb, dims.clone(), &[rank - 1])?;
+                y = b.add(&y, &bb)?;
+            }
+            b.convert(&y, dtype)
+        })
+    }
+
     /// Attention over heads-first inputs: `q` `[B, H, Sq, D]`, `k` and `v` `[B, H, Sk, D]`
     /// (`v` may have another last dim). `scale` defaults to `1/sqrt(D)` and is applied to `q`
     /// before the product. Scores and softmax are f32; 16-bit inputs use f32-accumulating dots.

@@ -338,4 +338,29 @@ impl Tensor {
             b.reshape(&e, [n, c, h * scale, w * scale])
         })
     }
+
+    /// [`Tensor::upsample_nearest2d`] on a channels-last `[N, H, W, C]` tensor.
+    pub fn upsample_nearest2d_channels_last(&self, scale: usize) -> Result<Tensor> {
+        let op = "upsample_nearest2d_channels_last";
+        if self.rank() != 4 || scale == 0 {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "needs an NHWC tensor and a positive scale, got {} and {scale}",
+                    self.shape()
+                ),
+            ));
+        }
+        let [n, h, w, c] = [self.dims()[0], self.dims()[1], self.dims()[2], self.dims()[3]];
+        if h.checked_mul(scale).zip(w.checked_mul(scale)).is_none() {
+            return Err(Error::invalid(
+                op,
+                format!("scale {scale} is too large for {}", self.shape()),
+            ));
+        }
+        apply1(op, &[self], |b, p| {
+            let e = b.broadcast_in_dim(&p[0], [n, h, scale, w, scale, c], &[0, 1, 3, 5])?;
+            b.reshape(&e, [n, h * scale, w * scale, c])
+        })
+    }
 }
