@@ -10,6 +10,9 @@
 //!
 //! Everything is driven by the config: the channel plan follows `block_out_channels`, the
 //! encoder has `layers_per_block` ResNets per block and the decoder one more.
+//!
+//! Inputs and outputs are NCHW as in diffusers; inside, activations are channels-last
+//! (`[N, H, W, C]`), the layout XLA:CPU's convolution kernels run without transposes.
 
 use kiln_io::{Activation, AutoencoderKLConfig};
 use kiln_nn::{Conv2d, Error, GroupNorm, Linear, Result, Weights};
@@ -29,6 +32,10 @@ const CONV_3X3_SAME: Conv2dParams = Conv2dParams {
     dilation: 1,
     groups: 1,
 };
+
+/// NCHW -> NHWC and back.
+const CHANNELS_LAST: [usize; 4] = [0, 2, 3, 1];
+const CHANNELS_FIRST: [usize; 4] = [0, 3, 1, 2];
 
 const DOWN_BLOCK: &str = "DownEncoderBlock2D";
 const UP_BLOCK: &str = "UpDecoderBlock2D";
@@ -114,15 +121,16 @@ impl ResnetBlock2D {
         })
     }
 
+    /// `input_tensor` is channels-last.
     fn forward(&self, input_tensor: &Tensor) -> Result<Tensor> {
-        let hidden_states = self.norm1.forward(input_tensor)?;
+        let hidden_states = self.norm1.forward_channels_last(input_tensor)?;
         let hidden_states = self.nonlinearity.forward(&hidden_states)?;
-        let hidden_states = self.conv1.forward(&hidden_states)?;
-        let hidden_states = self.norm2.forward(&hidden_states)?;
+        let hidden_states = self.conv1.forward_channels_last(&hidden_states)?;
+        let hidden_states = self.norm2.forward_channels_last(&hidden_states)?;
         let hidden_states = self.nonlinearity.forward(&hidden_states)?;
-        let hidden_states = self.conv2.forward(&hidden_states)?;
+        let hidden_states = self.conv2.forward_channels_last(&hidden_states)?;
         let input_tensor = match &self.conv_shortcut {
-            Some(conv) => conv.forward(input_tensor)?,
+            Some(conv) => conv.forward_channels_last(input_tensor)?,
             None => input_tensor.clone(),
         };
         Ok(input_tensor.add(&hidden_states)?)
@@ -154,23 +162,24 @@ impl SpatialSelfAttention {
         })
     }
 
+    /// `hidden_states` is channels-last `[B, H, W, C]`.
     fn forward(&self, hidden_states: &Tensor) -> Result<Tensor> {
         let residual = hidden_states;
-        let &[batch, channels, height, width] = hidden_states.dims() else {
+        let &[batch, height, width, channels] = hidden_states.dims() else {
             return Err(input_error(
                 "AutoencoderKL attention",
-                format!("needs [B, C, H, W], got {}", hidden_states.shape()),
+                format!("needs [B, H, W, C], got {}", hidden_states.shape()),
             ));
         };
         let tokens = height * width;
-        let normed = self.group_norm.forward(hidden_states)?;
-        // Heads-first from the start: [B, 1, C, HW] -> [B, 1, HW, C] (one head).
-        let normed = normed.reshape([batch, 1, channels, tokens])?.transpose(2, 3)?;
+        let normed = self.group_norm.forward_channels_last(hidden_states)?;
+        // Channels-last is already heads-first: [B, H, W, C] -> [B, 1, HW, C] (one head).
+        let normed = normed.reshape([batch, 1, tokens, channels])?;
         let qkv = self.to_qkv.forward(&normed)?; // [B, 1, HW, 3C]
         let qkv = qkv.split_sizes(&[channels; 3], 3)?;
         let attn = Tensor::scaled_dot_product_attention(&qkv[0], &qkv[1], &qkv[2], &AttentionMask::None, None)?;
         let out = self.to_out.forward(&attn)?; // [B, 1, HW, C]
-        let out = out.transpose(2, 3)?.reshape([batch, channels, height, width])?;
+        let out = out.reshape([batch, height, width, channels])?;
         // residual_connection=True, rescale_output_factor=1.
         Ok(out.add(residual)?)
     }
@@ -229,7 +238,7 @@ impl DownEncoderBlock2D {
         }
         if let Some(conv) = &self.downsampler {
             // diffusers' Downsample2D with padding=0 pads (0, 1, 0, 1) itself.
-            x = conv.forward(&x.pad(&[(0, 0), (0, 0), (0, 1), (0, 1)], 0.0)?)?;
+            x = conv.forward_channels_last(&x.pad(&[(0, 0), (0, 1), (0, 1), (0, 0)], 0.0)?)?;
         }
         Ok(x)
     }
@@ -250,7 +259,7 @@ impl UpDecoderBlock2D {
             x = resnet.forward(&x)?;
         }
         if let Some(conv) = &self.upsampler {
-            x = conv.forward(&x.upsample_nearest2d(2)?)?;
+            x = conv.forward_channels_last(&x.upsample_nearest2d_channels_last(2)?)?;
         }
         Ok(x)
     }
@@ -326,16 +335,17 @@ impl Encoder {
         })
     }
 
+    /// Channels-last in and out.
     fn forward(&self, sample: &Tensor) -> Result<Tensor> {
-        let mut sample = self.conv_in.forward(sample)?;
+        let mut sample = self.conv_in.forward_channels_last(sample)?;
         for down_block in &self.down_blocks {
             sample = down_block.forward(&sample)?;
         }
         let sample = self.mid_block.forward(&sample)?;
-        let sample = self.conv_norm_out.forward(&sample)?;
+        let sample = self.conv_norm_out.forward_channels_last(&sample)?;
         // diffusers' Encoder/Decoder use nn.SiLU here whatever act_fn says.
         let sample = sample.silu()?;
-        self.conv_out.forward(&sample)
+        self.conv_out.forward_channels_last(&sample)
     }
 }
 
@@ -387,15 +397,16 @@ impl Decoder {
         })
     }
 
+    /// Channels-last in and out.
     fn forward(&self, z: &Tensor) -> Result<Tensor> {
-        let sample = self.conv_in.forward(z)?;
+        let sample = self.conv_in.forward_channels_last(z)?;
         let mut sample = self.mid_block.forward(&sample)?;
         for up_block in &self.up_blocks {
             sample = up_block.forward(&sample)?;
         }
-        let sample = self.conv_norm_out.forward(&sample)?;
+        let sample = self.conv_norm_out.forward_channels_last(&sample)?;
         let sample = sample.silu()?;
-        self.conv_out.forward(&sample)
+        self.conv_out.forward_channels_last(&sample)
     }
 }
 
@@ -521,11 +532,12 @@ impl AutoencoderKL {
     /// shift: the pipeline de-normalises the latents first.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.check_input("AutoencoderKL::decode", "latent", z, self.config.latent_channels)?;
+        let z = z.permute(&CHANNELS_LAST)?;
         let z = match &self.post_quant_conv {
-            Some(conv) => conv.forward(z)?,
-            None => z.clone(),
+            Some(conv) => conv.forward_channels_last(&z)?,
+            None => z,
         };
-        self.decoder.forward(&z)
+        Ok(self.decoder.forward(&z)?.permute(&CHANNELS_FIRST)?)
     }
 
     /// Image `x` `[B, in_channels, H, W]` in [-1, 1] → the latent distribution, with
@@ -549,12 +561,12 @@ impl AutoencoderKL {
             }
             (h, w) = (h / 2, w / 2);
         }
-        let h = self.encoder.forward(x)?;
+        let h = self.encoder.forward(&x.permute(&CHANNELS_LAST)?)?;
         let moments = match &self.quant_conv {
-            Some(conv) => conv.forward(&h)?,
+            Some(conv) => conv.forward_channels_last(&h)?,
             None => h,
         };
-        DiagonalGaussianDistribution::new(&moments)
+        DiagonalGaussianDistribution::new(&moments.permute(&CHANNELS_FIRST)?)
     }
 
     fn check_input(&self, op: &'static str, what: &str, x: &Tensor, channels: usize) -> Result<()> {
