@@ -271,14 +271,21 @@ def train_transformer(args, latents: torch.Tensor, weights: torch.Tensor, clip_i
         transformer = FluxTransformer2DModel(**TRANSFORMER_CONFIG)
         zero_init_modulation(transformer)
     t5.train()
-    # CLIP: its layers are trained (its pooled output is the global conditioning of every block, and its
-    # causal attention sees word order); its 49408-row token table stays as initialised.
-    clip.train()
-    clip.requires_grad_(args.train_clip)
-    for name, module in clip.named_modules():
-        if name.endswith("token_embedding"):
-            module.requires_grad_(False)
-    params = [p for m in (transformer, t5, clip) for p in m.parameters() if p.requires_grad]
+    if args.train_clip:
+        # CLIP: its layers are trained (its pooled output is the global conditioning of every block, and its
+        # causal attention sees word order); its 49408-row token table stays as initialised.
+        clip.train()
+        for name, module in clip.named_modules():
+            if name.endswith("token_embedding"):
+                module.requires_grad_(False)
+        clip_pooled = None
+        trained = (transformer, t5, clip)
+    else:  # frozen: pooled features computed once by the bf16 encoder that ships (stages 1-2 of the model)
+        clip.eval().requires_grad_(False)
+        with torch.no_grad():
+            clip_pooled = copy.deepcopy(clip).to(torch.bfloat16)(clip_ids).pooler_output.float()
+        trained = (transformer, t5)
+    params = [p for m in trained for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.dit_lr, weight_decay=0.0, betas=(0.9, 0.99))
     ema_t = copy.deepcopy(transformer).requires_grad_(False)
     ema_e = copy.deepcopy(t5).requires_grad_(False)
@@ -303,17 +310,20 @@ def train_transformer(args, latents: torch.Tensor, weights: torch.Tensor, clip_i
         s = sigma[:, None, None]
         x_t = (1 - s) * x0 + s * noise  # FluxPipeline's Euler sampler integrates dx/dsigma = noise - x0
         text = t5(t5_ids[cap]).last_hidden_state
-        pooled = clip(clip_ids[cap]).pooler_output
+        pooled = clip(clip_ids[cap]).pooler_output if clip_pooled is None else clip_pooled[cap]
         v = transformer(hidden_states=x_t, timestep=sigma, guidance=None, pooled_projections=pooled,
                         encoder_hidden_states=text, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
-        loss = (weight * (v - (noise - x0)) ** 2).mean() / weight.mean()
+        if args.shape_weight == 0:
+            loss = F.mse_loss(v, noise - x0)
+        else:
+            loss = (weight * (v - (noise - x0)) ** 2).mean() / weight.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         decay = min(args.ema, (step + 1) / (step + 10))
         with torch.no_grad():
-            for src, dst in ((transformer, ema_t), (t5, ema_e), (clip, ema_c)):
+            for src, dst in zip(trained, (ema_t, ema_e, ema_c)):
                 for p, q in zip(src.parameters(), dst.parameters()):
                     q.lerp_(p, 1 - decay)
         run += loss.item()
