@@ -1,7 +1,7 @@
 //! Attention as kiln writes it (scores, softmax, value product normalised afterwards) against
 //! the same math split into query chunks (unrolled slices, each with its full softmax), through
-//! raw PJRT, interleaved, median of N. A study for the attention gap with torch's fused CPU
-//! kernel; kiln's `scaled_dot_product_attention` does not chunk yet.
+//! raw PJRT, interleaved, median of N. Why kiln's `scaled_dot_product_attention` splits long
+//! multi-head queries into 128-row chunks on CPU, and not the VAE's single head.
 //!
 //! Run with `cargo bench -p kiln-tensor --bench attention_chunks`.
 
