@@ -150,48 +150,7 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
-        let op = "group_norm";
-        check_float(op, self)?;
-        if self.rank() < 2 || groups == 0 || self.dims()[1] % groups != 0 {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "{} channels of {} cannot form {groups} groups",
-                    self.dims().get(1).unwrap_or(&0),
-                    self.shape()
-                ),
-            ));
-        }
-        let c = self.dims()[1];
-        check_param(op, "weight", weight, c, self.dtype())?;
-        check_param(op, "bias", bias, c, self.dtype())?;
-        let dtype = self.dtype();
-        let dims = self.dims().to_vec();
-        let n = dims[0];
-        let per_group = dims[1..].iter().product::<usize>() / groups;
-        let mut inputs = vec![self];
-        inputs.extend(weight);
-        inputs.extend(bias);
-        let (has_w, has_b) = (weight.is_some(), bias.is_some());
-        apply1(op, &inputs, |b, p| {
-            let x = upcast(b, &p[0])?;
-            let g = b.reshape(&x, [n, groups, per_group])?;
-            let g = normalize(b, &g, &[2], eps)?;
-            let mut y = b.reshape(&g, dims.clone())?;
-            let mut next = 1;
-            if has_w {
-                let w = upcast(b, &p[next])?;
-                let w = b.broadcast_in_dim(&w, dims.clone(), &[1])?;
-                y = b.multiply(&y, &w)?;
-                next += 1;
-            }
-            if has_b {
-                let bb = upcast(b, &p[next])?;
-                let bb = b.broadcast_in_dim(&bb, dims.clone(), &[1])?;
-                y = b.add(&y, &bb)?;
-            }
-            b.convert(&y, dtype)
-        })
+        self.group_norm_in("group_norm", false, groups, weight, bias, eps)
     }
 
     /// [`Tensor::group_norm`] on a channels-last `[N, ..., C]` tensor: the groups are runs of
@@ -203,44 +162,58 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
-        let op = "group_norm_channels_last";
+        self.group_norm_in("group_norm_channels_last", true, groups, weight, bias, eps)
+    }
+
+    fn group_norm_in(
+        &self,
+        op: &'static str,
+        channels_last: bool,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Tensor> {
         check_float(op, self)?;
-        let c = self.dims().last().copied().unwrap_or(0);
-        if self.rank() < 2 || groups == 0 || c % groups != 0 {
+        let dims = self.dims().to_vec();
+        let (axis, which) = if channels_last {
+            (dims.len().saturating_sub(1), " (last dimension)")
+        } else {
+            (1, "")
+        };
+        let c = dims.get(axis).copied().unwrap_or(0);
+        if dims.len() < 2 || groups == 0 || c % groups != 0 {
             return Err(Error::invalid(
                 op,
-                format!(
-                    "{c} channels (last dimension) of {} cannot form {groups} groups",
-                    self.shape()
-                ),
+                format!("{c} channels{which} of {} cannot form {groups} groups", self.shape()),
             ));
         }
         check_param(op, "weight", weight, c, self.dtype())?;
         check_param(op, "bias", bias, c, self.dtype())?;
         let dtype = self.dtype();
-        let dims = self.dims().to_vec();
-        let rank = dims.len();
-        let n = dims[0];
-        let positions = dims[1..rank - 1].iter().product::<usize>();
+        // [N, before, groups, C / groups · after]: each group is normalised over dims 1 and 3.
+        let before = dims[1..axis].iter().product::<usize>();
+        let after = dims[axis + 1..].iter().product::<usize>();
+        let grouped = [dims[0], before, groups, c / groups * after];
         let mut inputs = vec![self];
         inputs.extend(weight);
         inputs.extend(bias);
         let (has_w, has_b) = (weight.is_some(), bias.is_some());
         apply1(op, &inputs, |b, p| {
             let x = upcast(b, &p[0])?;
-            let g = b.reshape(&x, [n, positions, groups, c / groups])?;
+            let g = b.reshape(&x, grouped)?;
             let g = normalize(b, &g, &[1, 3], eps)?;
             let mut y = b.reshape(&g, dims.clone())?;
             let mut next = 1;
             if has_w {
                 let w = upcast(b, &p[next])?;
-                let w = b.broadcast_in_dim(&w, dims.clone(), &[rank - 1])?;
+                let w = b.broadcast_in_dim(&w, dims.clone(), &[axis])?;
                 y = b.multiply(&y, &w)?;
                 next += 1;
             }
             if has_b {
                 let bb = upcast(b, &p[next])?;
-                let bb = b.broadcast_in_dim(&bb, dims.clone(), &[rank - 1])?;
+                let bb = b.broadcast_in_dim(&bb, dims.clone(), &[axis])?;
                 y = b.add(&y, &bb)?;
             }
             b.convert(&y, dtype)
@@ -318,42 +291,35 @@ impl Tensor {
                 let qs = b.multiply(&qf, &s)?;
                 b.convert(&qs, dtype)?
             };
-            let mut parts = Vec::with_capacity(sq.div_ceil(chunk.max(1)));
-            let mut start = 0;
-            while start < sq || parts.is_empty() {
+            let Some(chunk) = chunk else {
+                let out = attention_rows(b, &q, &p[1], &p[2], p.get(3), causal.then_some(0))?;
+                return b.convert(&out, dtype);
+            };
+            let mut parts = Vec::with_capacity(sq.div_ceil(chunk));
+            for start in (0..sq).step_by(chunk) {
                 let rows = chunk.min(sq - start);
-                let q_rows = if rows == sq {
-                    q.clone()
-                } else {
-                    b.slice(&q, &[0, 0, start, 0], &[bq, hq, start + rows, d], &[1; 4])?
-                };
+                let q_rows = b.slice(&q, &[0, 0, start, 0], &[bq, hq, start + rows, d], &[1; 4])?;
+                // A mask with a query dimension (second to last) is cut like q; others broadcast.
                 let mask_rows = match p.get(3) {
-                    Some(m) if rows != sq && m.rank() >= 2 && m.dims()[m.rank() - 2] == sq => {
+                    Some(m) if m.rank() >= 2 && m.dims()[m.rank() - 2] == sq => {
                         let r = m.rank();
-                        let mut lo = vec![0; r];
-                        let mut hi = m.dims().to_vec();
-                        lo[r - 2] = start;
-                        hi[r - 2] = start + rows;
+                        let (mut lo, mut hi) = (vec![0; r], m.dims().to_vec());
+                        (lo[r - 2], hi[r - 2]) = (start, start + rows);
                         Some(b.slice(m, &lo, &hi, &vec![1; r])?)
                     }
                     other => other.cloned(),
                 };
-                let rows_causal = causal.then_some(start);
+                let causal_start = causal.then_some(start);
                 parts.push(attention_rows(
                     b,
                     &q_rows,
                     &p[1],
                     &p[2],
                     mask_rows.as_ref(),
-                    rows_causal,
+                    causal_start,
                 )?);
-                start += rows.max(1);
             }
-            let out = if parts.len() == 1 {
-                parts.pop().expect("one part")
-            } else {
-                b.concatenate(&parts, 2)?
-            };
+            let out = b.concatenate(&parts, 2)?;
             b.convert(&out, dtype)
         })
     }
@@ -426,17 +392,13 @@ impl Tensor {
     }
 }
 
-/// Query rows per attention chunk. On CPU, XLA materialises the `[B, H, Sq, Sk]` scores; splitting
-/// the queries keeps each chunk's scores in cache (`benches/attention_chunks.rs`: ~15 % faster in f32,
-/// ~25 % in bf16 at 8 heads × 1152 tokens; slower for the VAE's single head). Other backends get the
-/// whole product, which their compilers fuse.
-fn query_chunk(platform: kiln_pjrt::Platform, heads: usize, sq: usize) -> usize {
+/// Query rows per attention chunk, `None` for one piece. On CPU, XLA materialises the
+/// `[B, H, Sq, Sk]` scores; splitting the queries keeps each chunk's scores in cache
+/// (`benches/attention_chunks.rs`, 8 heads × 1152 tokens: ~10 % less time in f32, ~20 % in bf16;
+/// slower for the VAE's single head). Other backends get one piece (chunking untested there).
+fn query_chunk(platform: kiln_pjrt::Platform, heads: usize, sq: usize) -> Option<usize> {
     const CHUNK: usize = 128;
-    if platform == kiln_pjrt::Platform::Cpu && heads > 1 && sq >= 4 * CHUNK {
-        CHUNK
-    } else {
-        sq
-    }
+    (platform == kiln_pjrt::Platform::Cpu && heads > 1 && sq >= 4 * CHUNK).then_some(CHUNK)
 }
 
 /// `softmax(q kᵀ + mask) v` for one block of query rows (q already scaled), f32 result.

@@ -317,50 +317,50 @@ impl Tensor {
 
     /// Nearest-neighbour upsampling of an NCHW tensor by an integer factor.
     pub fn upsample_nearest2d(&self, scale: usize) -> Result<Tensor> {
-        if self.rank() != 4 || scale == 0 {
-            return Err(Error::invalid(
-                "upsample_nearest2d",
-                format!(
-                    "needs an NCHW tensor and a positive scale, got {} and {scale}",
-                    self.shape()
-                ),
-            ));
-        }
-        let [n, c, h, w] = [self.dims()[0], self.dims()[1], self.dims()[2], self.dims()[3]];
-        if h.checked_mul(scale).zip(w.checked_mul(scale)).is_none() {
-            return Err(Error::invalid(
-                "upsample_nearest2d",
-                format!("scale {scale} is too large for {}", self.shape()),
-            ));
-        }
-        apply1("upsample_nearest2d", &[self], |b, p| {
-            let e = b.broadcast_in_dim(&p[0], [n, c, h, scale, w, scale], &[0, 1, 2, 4])?;
-            b.reshape(&e, [n, c, h * scale, w * scale])
-        })
+        self.upsample_nearest2d_in("upsample_nearest2d", false, scale)
     }
 
     /// [`Tensor::upsample_nearest2d`] on a channels-last `[N, H, W, C]` tensor.
     pub fn upsample_nearest2d_channels_last(&self, scale: usize) -> Result<Tensor> {
-        let op = "upsample_nearest2d_channels_last";
+        self.upsample_nearest2d_in("upsample_nearest2d_channels_last", true, scale)
+    }
+
+    fn upsample_nearest2d_in(&self, op: &'static str, channels_last: bool, scale: usize) -> Result<Tensor> {
+        let (layout, spatial) = if channels_last {
+            ("NHWC", [1, 2])
+        } else {
+            ("NCHW", [2, 3])
+        };
         if self.rank() != 4 || scale == 0 {
             return Err(Error::invalid(
                 op,
                 format!(
-                    "needs an NHWC tensor and a positive scale, got {} and {scale}",
+                    "needs an {layout} tensor and a positive scale, got {} and {scale}",
                     self.shape()
                 ),
             ));
         }
-        let [n, h, w, c] = [self.dims()[0], self.dims()[1], self.dims()[2], self.dims()[3]];
-        if h.checked_mul(scale).zip(w.checked_mul(scale)).is_none() {
+        if spatial.iter().any(|&d| self.dims()[d].checked_mul(scale).is_none()) {
             return Err(Error::invalid(
                 op,
                 format!("scale {scale} is too large for {}", self.shape()),
             ));
         }
+        // Each spatial dimension gets a `scale` dimension after it, then the pairs are merged.
+        let (mut expanded, mut kept, mut out) = (Vec::new(), Vec::new(), Vec::new());
+        for (d, &size) in self.dims().iter().enumerate() {
+            kept.push(expanded.len());
+            expanded.push(size);
+            if spatial.contains(&d) {
+                expanded.push(scale);
+                out.push(size * scale);
+            } else {
+                out.push(size);
+            }
+        }
         apply1(op, &[self], |b, p| {
-            let e = b.broadcast_in_dim(&p[0], [n, h, scale, w, scale, c], &[0, 1, 3, 5])?;
-            b.reshape(&e, [n, h * scale, w * scale, c])
+            let e = b.broadcast_in_dim(&p[0], expanded.clone(), &kept)?;
+            b.reshape(&e, out.clone())
         })
     }
 }
