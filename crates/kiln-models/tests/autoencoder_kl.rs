@@ -14,7 +14,7 @@ use kiln_models::Error;
 use kiln_nn::Weights;
 use kiln_rng::TorchGenerator;
 use kiln_tensor::{DType, Tensor};
-use kiln_testing::{assert_close, device, goldens, oracle, Golden};
+use kiln_testing::{assert_close, device, goldens, max_abs_diff, oracle, Golden};
 
 const F32_ATOL: f32 = 1e-4;
 
@@ -24,10 +24,6 @@ fn load_vae(dir: &Path, dtype: DType) -> (AutoencoderKL, Weights) {
     let weights = Weights::new(checkpoint, &device(), dtype, "vae");
     let vae = AutoencoderKL::load(&config, &weights).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     (vae, weights)
-}
-
-fn max_abs_diff(got: &[f32], want: &[f32]) -> f32 {
-    got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs()))
 }
 
 /// Compares a tensor with its golden (shape, then values within `atol`) and returns max |Δ|.

@@ -8,19 +8,10 @@ use kiln_io::{load_config, Checkpoint, T5Config};
 use kiln_models::t5::T5EncoderModel;
 use kiln_nn::{Error, Weights};
 use kiln_tensor::{DType, Tensor};
-use kiln_testing::{assert_close, device, goldens, oracle, rel_max_diff, Golden};
+use kiln_testing::{assert_close, device, goldens, max_abs_diff, oracle, rel_max_diff, rms_diff, Golden};
 
 const ATOL: f32 = 2e-4;
 const RTOL: f32 = 1e-4;
-
-fn max_abs_diff(got: &[f32], want: &[f32]) -> f32 {
-    got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs()))
-}
-
-fn rms_diff(got: &[f32], want: &[f32]) -> f32 {
-    let sum: f64 = got.iter().zip(want).map(|(g, w)| f64::from(g - w).powi(2)).sum();
-    (sum / got.len().max(1) as f64).sqrt() as f32
-}
 
 fn load_dir(dir: &Path, config: &T5Config, dtype: DType) -> Result<(T5EncoderModel, Weights), Error> {
     let ckpt = Checkpoint::open_component(dir, "model")?;

@@ -2,8 +2,10 @@
 //! Messages of diffusers' own argument checks must match; where diffusers fails by accident
 //! (ZeroDivisionError, IndexError, numpy errors) kiln must fail with its own clear message.
 
-use kiln_pipelines::{FluxCall, FluxPipeline, LoadOptions};
-use kiln_tensor::{DType, Tensor};
+mod common;
+
+use common::call_from;
+use kiln_pipelines::{FluxPipeline, LoadOptions};
 use kiln_testing::{device, oracle};
 use serde_json::Value;
 
@@ -31,70 +33,6 @@ fn not_expressible(case: &Value) -> Option<&'static str> {
         return Some("negative step count");
     }
     None
-}
-
-fn strings(v: &Value) -> Option<Vec<String>> {
-    match v {
-        Value::String(s) => Some(vec![s.clone()]),
-        Value::Array(a) => Some(a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect()),
-        _ => None,
-    }
-}
-
-fn tensor(v: &Value) -> Option<Tensor> {
-    let t = v.get("tensor")?;
-    let shape: Vec<usize> = t["shape"]
-        .as_array()?
-        .iter()
-        .map(|d| d.as_u64().unwrap() as usize)
-        .collect();
-    assert_eq!(t["dtype"], "float32");
-    let value = match t["fill"].as_str()? {
-        "zeros" => 0.0,
-        "ones" => 1.0,
-        other => panic!("unknown fill {other}"),
-    };
-    Some(Tensor::full(value, shape, DType::F32, &device()).unwrap())
-}
-
-fn call_from(kwargs: &Value) -> FluxCall<'static> {
-    let mut call = FluxCall {
-        progress: false,
-        ..Default::default()
-    };
-    for (k, v) in kwargs.as_object().unwrap() {
-        match k.as_str() {
-            "prompt" => call.prompt = strings(v),
-            "prompt_2" => call.prompt_2 = strings(v),
-            "negative_prompt" => call.negative_prompt = strings(v),
-            "negative_prompt_2" => call.negative_prompt_2 = strings(v),
-            "height" => call.height = v.as_u64().unwrap() as usize,
-            "width" => call.width = v.as_u64().unwrap() as usize,
-            "num_inference_steps" => call.num_inference_steps = v.as_u64().unwrap() as usize,
-            "guidance_scale" => call.guidance_scale = v.as_f64().unwrap(),
-            "true_cfg_scale" => call.true_cfg_scale = v.as_f64().unwrap(),
-            "max_sequence_length" => call.max_sequence_length = v.as_u64().unwrap() as usize,
-            "num_images_per_prompt" => call.num_images_per_prompt = v.as_u64().unwrap() as usize,
-            "sigmas" => call.sigmas = Some(v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()),
-            "prompt_embeds" => call.prompt_embeds = tensor(v),
-            "pooled_prompt_embeds" => call.pooled_prompt_embeds = tensor(v),
-            "negative_prompt_embeds" => call.negative_prompt_embeds = tensor(v),
-            "negative_pooled_prompt_embeds" => call.negative_pooled_prompt_embeds = tensor(v),
-            "output_type" => {}
-            "generator" => {
-                let g = v.as_str().unwrap();
-                if let Some(count) = g.strip_prefix("[torch.Generator('cpu')] * ") {
-                    call.seeds = Some(vec![0; count.trim().parse().unwrap()]);
-                } else if let Some(seed) = g.strip_prefix("torch.Generator('cpu').manual_seed(") {
-                    call.seed = seed.trim_end_matches(')').parse().unwrap();
-                } else {
-                    panic!("unknown generator {g}");
-                }
-            }
-            other => panic!("the test does not know call argument `{other}`"),
-        }
-    }
-    call
 }
 
 /// diffusers embeds a tensor repr in some messages; compare the text around it.

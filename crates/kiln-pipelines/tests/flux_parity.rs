@@ -4,6 +4,9 @@
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
+mod common;
+
+use common::{call_from, strings};
 use kiln_pipelines::{pack_latents, FluxCall, FluxPipeline, LoadOptions, StepState};
 use kiln_rng::{randn_tensor, TorchGenerator};
 use kiln_tensor::{DType, Tensor};
@@ -20,40 +23,6 @@ fn cases(pipeline: &str) -> Vec<PathBuf> {
     out.sort();
     assert!(!out.is_empty(), "no cases in {}", dir.display());
     out
-}
-
-fn strings(v: &Value) -> Option<Vec<String>> {
-    match v {
-        Value::String(s) => Some(vec![s.clone()]),
-        Value::Array(a) => Some(a.iter().map(|x| x.as_str().unwrap().to_string()).collect()),
-        _ => None,
-    }
-}
-
-fn call_from_json(kwargs: &Value, seed: u64) -> FluxCall<'static> {
-    let mut call = FluxCall {
-        seed,
-        progress: false,
-        ..Default::default()
-    };
-    let obj = kwargs.as_object().unwrap();
-    for (k, v) in obj {
-        match k.as_str() {
-            "prompt" => call.prompt = strings(v),
-            "prompt_2" => call.prompt_2 = strings(v),
-            "negative_prompt" => call.negative_prompt = strings(v),
-            "negative_prompt_2" => call.negative_prompt_2 = strings(v),
-            "height" => call.height = v.as_u64().unwrap() as usize,
-            "width" => call.width = v.as_u64().unwrap() as usize,
-            "num_inference_steps" => call.num_inference_steps = v.as_u64().unwrap() as usize,
-            "guidance_scale" => call.guidance_scale = v.as_f64().unwrap(),
-            "true_cfg_scale" => call.true_cfg_scale = v.as_f64().unwrap(),
-            "num_images_per_prompt" => call.num_images_per_prompt = v.as_u64().unwrap() as usize,
-            "max_sequence_length" => call.max_sequence_length = v.as_u64().unwrap() as usize,
-            other => panic!("the test does not know call argument `{other}`"),
-        }
-    }
-    call
 }
 
 struct Tolerance {
@@ -128,7 +97,10 @@ fn run_case(case: &Path) {
 
     // The full call, capturing every step.
     let steps: RefCell<Vec<(Vec<f32>, Vec<f32>)>> = RefCell::new(Vec::new());
-    let mut call = call_from_json(kwargs, seed);
+    let mut call = FluxCall {
+        seed,
+        ..call_from(kwargs)
+    };
     call.callback = Some(Box::new(|s: &mut StepState<'_>| {
         steps
             .borrow_mut()

@@ -93,9 +93,19 @@ pub fn assert_close(name: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32)
     );
 }
 
+/// Max |got − want|.
+pub fn max_abs_diff(got: &[f32], want: &[f32]) -> f32 {
+    got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs()))
+}
+
+/// Root mean square of got − want.
+pub fn rms_diff(got: &[f32], want: &[f32]) -> f32 {
+    let sum: f64 = got.iter().zip(want).map(|(g, w)| f64::from(g - w).powi(2)).sum();
+    (sum / got.len().max(1) as f64).sqrt() as f32
+}
+
 /// Max |got − want| relative to max |want| (for reporting).
 pub fn rel_max_diff(got: &[f32], want: &[f32]) -> f32 {
     let max_abs = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let diff = got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs()));
-    diff / max_abs.max(1e-12)
+    max_abs_diff(got, want) / max_abs.max(1e-12)
 }
