@@ -5,6 +5,10 @@ use std::path::{Path, PathBuf};
 
 use kiln_io::{Checkpoint, SafetensorsFile, ShardIndex};
 
+#[path = "../fuzz/checks/accepted_file.rs"]
+mod accepted_file;
+use accepted_file::check_accepted;
+
 /// splitmix64: a tiny seeded generator, so every run mutates the same way.
 struct Rng(u64);
 
@@ -99,30 +103,6 @@ fn seeds(dir: &str) -> Vec<Vec<u8>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
     files.sort();
     files.iter().map(|p| std::fs::read(p).unwrap()).collect()
-}
-
-/// What the header fuzz target checks for an accepted file.
-fn check_accepted(file: &SafetensorsFile) {
-    for name in file.names() {
-        let info = file.info(name).unwrap();
-        let Ok(view) = file.tensor(name) else { continue };
-        assert_eq!(view.data.len(), view.numel() * view.dtype.size_in_bytes());
-        assert_eq!(view.data.len(), info.data_offsets.1 - info.data_offsets.0);
-        for (dim, &size) in view.shape.dims().iter().enumerate() {
-            for range in [0..size, size / 2..size, 0..size / 2, size..size.saturating_add(1)] {
-                if let Ok(bytes) = view.narrow(dim, range.clone()) {
-                    if view.numel() == 0 {
-                        assert!(bytes.is_empty());
-                        continue;
-                    }
-                    let inner: usize = view.shape.dims()[dim + 1..].iter().product();
-                    let outer: usize = view.shape.dims()[..dim].iter().product();
-                    let expected = outer * range.len() * inner * view.dtype.size_in_bytes();
-                    assert_eq!(bytes.len(), expected);
-                }
-            }
-        }
-    }
 }
 
 #[test]
