@@ -222,46 +222,73 @@ impl UNetMidBlock2D {
     }
 }
 
-/// `DownEncoderBlock2D`: ResNets, then (except in the last block) `Downsample2D`: pad right
-/// and bottom by one zero, 3×3 conv with stride 2 and no padding.
+/// How a block changes the resolution after its ResNets.
 #[derive(Clone, Debug)]
-struct DownEncoderBlock2D {
-    resnets: Vec<ResnetBlock2D>,
-    downsampler: Option<Conv2d>,
+enum Resample {
+    /// `Downsample2D`: pad right and bottom by one zero, 3×3 conv with stride 2 and no padding.
+    Down(Conv2d),
+    /// `Upsample2D`: nearest ×2 and a 3×3 conv.
+    Up(Conv2d),
 }
 
-impl DownEncoderBlock2D {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut x = x.clone();
-        for resnet in &self.resnets {
-            x = resnet.forward(&x)?;
-        }
-        if let Some(conv) = &self.downsampler {
-            // diffusers' Downsample2D with padding=0 pads (0, 1, 0, 1) itself.
-            x = conv.forward_channels_last(&x.pad(&[(0, 0), (0, 1), (0, 1), (0, 0)], 0.0)?)?;
-        }
-        Ok(x)
+/// `DownEncoderBlock2D` / `UpDecoderBlock2D`: ResNets, then (except in the last block) a
+/// down- or upsampler.
+#[derive(Clone, Debug)]
+struct ResnetStack {
+    resnets: Vec<ResnetBlock2D>,
+    resample: Option<Resample>,
+}
+
+impl ResnetStack {
+    /// `num_resnets` ResNets from `c_in` to `c_out` channels; `down` picks the resampler kind,
+    /// `is_final_block` leaves it out.
+    fn load(
+        w: &Weights,
+        plan: &Plan,
+        num_resnets: usize,
+        (c_in, c_out): (usize, usize),
+        down: bool,
+        is_final_block: bool,
+    ) -> Result<Self> {
+        let resnets = (0..num_resnets)
+            .map(|r| {
+                let c = if r == 0 { c_in } else { c_out };
+                ResnetBlock2D::load(&w.pp("resnets").pp(r), c, c_out, plan.groups, plan.nonlinearity)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let resample = match (is_final_block, down) {
+            (true, _) => None,
+            (false, true) => {
+                let params = Conv2dParams {
+                    stride: 2,
+                    padding: 0,
+                    ..Conv2dParams::default()
+                };
+                let wd = w.pp("downsamplers").pp(0).pp("conv");
+                Some(Resample::Down(Conv2d::load(&wd, c_out, c_out, 3, params, true)?))
+            }
+            (false, false) => {
+                let wu = w.pp("upsamplers").pp(0).pp("conv");
+                Some(Resample::Up(Conv2d::load(&wu, c_out, c_out, 3, CONV_3X3_SAME, true)?))
+            }
+        };
+        Ok(ResnetStack { resnets, resample })
     }
-}
 
-/// `UpDecoderBlock2D`: ResNets, then (except in the last block) `Upsample2D`: nearest ×2 and a
-/// 3×3 conv.
-#[derive(Clone, Debug)]
-struct UpDecoderBlock2D {
-    resnets: Vec<ResnetBlock2D>,
-    upsampler: Option<Conv2d>,
-}
-
-impl UpDecoderBlock2D {
+    /// Channels-last in and out.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut x = x.clone();
         for resnet in &self.resnets {
             x = resnet.forward(&x)?;
         }
-        if let Some(conv) = &self.upsampler {
-            x = conv.forward_channels_last(&x.upsample_nearest2d_channels_last(2)?)?;
-        }
-        Ok(x)
+        Ok(match &self.resample {
+            // diffusers' Downsample2D with padding=0 pads (0, 1, 0, 1) itself.
+            Some(Resample::Down(conv)) => {
+                conv.forward_channels_last(&x.pad(&[(0, 0), (0, 1), (0, 1), (0, 0)], 0.0)?)?
+            }
+            Some(Resample::Up(conv)) => conv.forward_channels_last(&x.upsample_nearest2d_channels_last(2)?)?,
+            None => x,
+        })
     }
 }
 
@@ -280,7 +307,7 @@ struct Plan<'a> {
 #[derive(Clone, Debug)]
 struct Encoder {
     conv_in: Conv2d,
-    down_blocks: Vec<DownEncoderBlock2D>,
+    down_blocks: Vec<ResnetStack>,
     mid_block: UNetMidBlock2D,
     conv_norm_out: GroupNorm,
     conv_out: Conv2d,
@@ -292,32 +319,17 @@ impl Encoder {
         let mut down_blocks = Vec::with_capacity(plan.blocks.len());
         let mut block_in = first;
         for (i, &block_out) in plan.blocks.iter().enumerate() {
-            let wb = w.pp("down_blocks").pp(i);
-            let resnets = (0..plan.layers_per_block)
-                .map(|r| {
-                    let c_in = if r == 0 { block_in } else { block_out };
-                    ResnetBlock2D::load(&wb.pp("resnets").pp(r), c_in, block_out, plan.groups, plan.nonlinearity)
-                })
-                .collect::<Result<Vec<_>>>()?;
             let is_final_block = i + 1 == plan.blocks.len();
-            let downsampler = if is_final_block {
-                None
-            } else {
-                let params = Conv2dParams {
-                    stride: 2,
-                    padding: 0,
-                    ..Conv2dParams::default()
-                };
-                Some(Conv2d::load(
-                    &wb.pp("downsamplers").pp(0).pp("conv"),
-                    block_out,
-                    block_out,
-                    3,
-                    params,
-                    true,
-                )?)
-            };
-            down_blocks.push(DownEncoderBlock2D { resnets, downsampler });
+            let wb = w.pp("down_blocks").pp(i);
+            let channels = (block_in, block_out);
+            down_blocks.push(ResnetStack::load(
+                &wb,
+                plan,
+                plan.layers_per_block,
+                channels,
+                true,
+                is_final_block,
+            )?);
             block_in = block_out;
         }
         Ok(Encoder {
@@ -354,7 +366,7 @@ impl Encoder {
 struct Decoder {
     conv_in: Conv2d,
     mid_block: UNetMidBlock2D,
-    up_blocks: Vec<UpDecoderBlock2D>,
+    up_blocks: Vec<ResnetStack>,
     conv_norm_out: GroupNorm,
     conv_out: Conv2d,
 }
@@ -365,21 +377,17 @@ impl Decoder {
         let mut up_blocks = Vec::with_capacity(plan.blocks.len());
         let mut block_in = last;
         for (i, &block_out) in plan.blocks.iter().rev().enumerate() {
-            let wb = w.pp("up_blocks").pp(i);
-            let resnets = (0..plan.layers_per_block + 1)
-                .map(|r| {
-                    let c_in = if r == 0 { block_in } else { block_out };
-                    ResnetBlock2D::load(&wb.pp("resnets").pp(r), c_in, block_out, plan.groups, plan.nonlinearity)
-                })
-                .collect::<Result<Vec<_>>>()?;
             let is_final_block = i + 1 == plan.blocks.len();
-            let upsampler = if is_final_block {
-                None
-            } else {
-                let wu = wb.pp("upsamplers").pp(0).pp("conv");
-                Some(Conv2d::load(&wu, block_out, block_out, 3, CONV_3X3_SAME, true)?)
-            };
-            up_blocks.push(UpDecoderBlock2D { resnets, upsampler });
+            let wb = w.pp("up_blocks").pp(i);
+            let channels = (block_in, block_out);
+            up_blocks.push(ResnetStack::load(
+                &wb,
+                plan,
+                plan.layers_per_block + 1,
+                channels,
+                false,
+                is_final_block,
+            )?);
             block_in = block_out;
         }
         Ok(Decoder {
