@@ -12,7 +12,8 @@
 //! encoder has `layers_per_block` ResNets per block and the decoder one more.
 //!
 //! Inputs and outputs are NCHW as in diffusers; inside, activations are channels-last
-//! (`[N, H, W, C]`), the layout XLA:CPU's convolution kernels run without transposes.
+//! (`[N, H, W, C]`), the layout XLA:CPU's convolutions run fastest (`kiln-tensor`'s
+//! `conv_layout` bench).
 
 use kiln_io::{Activation, AutoencoderKLConfig};
 use kiln_nn::{Conv2d, Error, GroupNorm, Linear, Result, Weights};
