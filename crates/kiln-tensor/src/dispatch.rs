@@ -1,7 +1,6 @@
-//! Strict eager dispatch: each op is a one-op program, compiled once per (program, device) and
-//! cached; execution is asynchronous.
+//! The router of every op: strict eager dispatch (each op a one-op program, compiled once per
+//! (program, device) and cached; execution asynchronous), or recording into a trace.
 
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -12,44 +11,101 @@ use kiln_pjrt::{CompileOptions, ExecuteOptions, LoadedExecutable};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use crate::trace::Trace;
 
-/// Counts of op-cache events.
+/// Counts of program-cache events (eager ops and compiled functions alike).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OpCacheStats {
     /// In-memory cache misses: programs compiled, or loaded from the on-disk cache.
     pub compiles: u64,
-    /// Ops served from the cache.
+    /// Calls served from the in-memory cache.
     pub hits: u64,
-    /// Programs loaded from the on-disk cache instead of compiled (process-wide only).
+    /// Misses served by the on-disk cache instead of the compiler (included in `compiles`).
     pub disk_loads: u64,
+    /// Wall time spent in the plugin's compiler, in microseconds.
+    pub compile_micros: u64,
 }
 
-static COMPILES: AtomicU64 = AtomicU64::new(0);
-static HITS: AtomicU64 = AtomicU64::new(0);
-static DISK_LOADS: AtomicU64 = AtomicU64::new(0);
+impl OpCacheStats {
+    /// Programs the plugin actually compiled (misses not served by the disk cache).
+    pub fn compiled(&self) -> u64 {
+        self.compiles - self.disk_loads
+    }
+
+    /// Seconds spent in the plugin's compiler.
+    pub fn compile_seconds(&self) -> f64 {
+        self.compile_micros as f64 * 1e-6
+    }
+
+    /// The events between `earlier` and `self`.
+    pub fn since(&self, earlier: &OpCacheStats) -> OpCacheStats {
+        OpCacheStats {
+            compiles: self.compiles - earlier.compiles,
+            hits: self.hits - earlier.hits,
+            disk_loads: self.disk_loads - earlier.disk_loads,
+            compile_micros: self.compile_micros - earlier.compile_micros,
+        }
+    }
+}
+
+struct Counters {
+    compiles: AtomicU64,
+    hits: AtomicU64,
+    disk_loads: AtomicU64,
+    compile_micros: AtomicU64,
+}
+
+static GLOBAL: Counters = Counters {
+    compiles: AtomicU64::new(0),
+    hits: AtomicU64::new(0),
+    disk_loads: AtomicU64::new(0),
+    compile_micros: AtomicU64::new(0),
+};
 
 thread_local! {
-    static THREAD_COMPILES: Cell<u64> = const { Cell::new(0) };
-    static THREAD_HITS: Cell<u64> = const { Cell::new(0) };
+    static THREAD: Counters = const {
+        Counters {
+            compiles: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
+            disk_loads: AtomicU64::new(0),
+            compile_micros: AtomicU64::new(0),
+        }
+    };
 }
 
-/// Op-cache counts for the whole process.
+impl Counters {
+    fn snapshot(&self) -> OpCacheStats {
+        OpCacheStats {
+            compiles: self.compiles.load(Ordering::Relaxed),
+            hits: self.hits.load(Ordering::Relaxed),
+            disk_loads: self.disk_loads.load(Ordering::Relaxed),
+            compile_micros: self.compile_micros.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Adds to the process-wide and this thread's counters.
+fn count(f: impl Fn(&Counters)) {
+    f(&GLOBAL);
+    THREAD.with(|c| f(c));
+}
+
+pub(crate) fn count_hit() {
+    count(|c| {
+        c.hits.fetch_add(1, Ordering::Relaxed);
+    });
+}
+
+/// Program-cache counts for the whole process.
 pub fn op_cache_stats() -> OpCacheStats {
-    OpCacheStats {
-        compiles: COMPILES.load(Ordering::Relaxed),
-        hits: HITS.load(Ordering::Relaxed),
-        disk_loads: DISK_LOADS.load(Ordering::Relaxed),
-    }
+    GLOBAL.snapshot()
 }
 
-/// Op-cache counts of ops dispatched from the calling thread (eager ops run on the caller's
-/// thread, so this isolates one test or one pipeline from others running concurrently).
+/// Program-cache counts of ops and compiled functions dispatched from the calling thread (eager
+/// ops run on the caller's thread, so this isolates one test or one pipeline from others running
+/// concurrently).
 pub fn thread_op_cache_stats() -> OpCacheStats {
-    OpCacheStats {
-        compiles: THREAD_COMPILES.with(Cell::get),
-        hits: THREAD_HITS.with(Cell::get),
-        disk_loads: 0,
-    }
+    THREAD.with(Counters::snapshot)
 }
 
 #[derive(PartialEq, Eq, Hash)]
@@ -72,7 +128,58 @@ fn dump_dir() -> Option<&'static std::path::Path> {
         .as_deref()
 }
 
-/// Returns the executable for `program` on `device`, compiling it on a miss.
+/// Compile options for a one-device program on `device`.
+fn single_device_options(device: &Device) -> CompileOptions {
+    CompileOptions {
+        device_assignment: Some(vec![vec![device.pjrt().id() as i64]]),
+        ..Default::default()
+    }
+}
+
+/// Loads `program` from the on-disk cache or compiles it (storing it there), counting either as
+/// one in-memory miss. `name` labels the dump file.
+pub(crate) fn compile_or_load(
+    name: &str,
+    device: &Device,
+    program: &str,
+) -> std::result::Result<LoadedExecutable, kiln_pjrt::Error> {
+    if let Some(dir) = dump_dir() {
+        let n = GLOBAL.compiles.load(Ordering::Relaxed);
+        let _ = std::fs::create_dir_all(dir);
+        let _ = std::fs::write(dir.join(format!("{n:05}_{name}.mlir")), program);
+    }
+    let options = single_device_options(device);
+    let disk_entry = crate::disk_cache::entry_path(device.client(), program, &options.encode());
+    let cached = disk_entry
+        .as_deref()
+        .and_then(|path| crate::disk_cache::load(device.client(), path));
+    let exe = match cached {
+        Some(exe) => {
+            count(|c| {
+                c.disk_loads.fetch_add(1, Ordering::Relaxed);
+            });
+            exe
+        }
+        None => {
+            let start = std::time::Instant::now();
+            let exe = device.client().compile(program, &options)?;
+            let micros = start.elapsed().as_micros() as u64;
+            count(|c| {
+                c.compile_micros.fetch_add(micros, Ordering::Relaxed);
+            });
+            if let Some(path) = &disk_entry {
+                crate::disk_cache::store(&exe, path);
+            }
+            exe
+        }
+    };
+    count(|c| {
+        c.compiles.fetch_add(1, Ordering::Relaxed);
+    });
+    Ok(exe)
+}
+
+/// Returns the executable for the one-op `program` on `device`, compiling it on a miss.
 pub(crate) fn executable(op: &'static str, device: &Device, program: String) -> Result<Arc<LoadedExecutable>> {
     let key = CacheKey {
         client: Arc::as_ptr(device.client()) as usize,
@@ -80,42 +187,11 @@ pub(crate) fn executable(op: &'static str, device: &Device, program: String) -> 
         program,
     };
     if let Some(exe) = cache().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-        HITS.fetch_add(1, Ordering::Relaxed);
-        THREAD_HITS.with(|c| c.set(c.get() + 1));
+        count_hit();
         return Ok(exe.clone());
     }
     // Compile outside the lock so that other threads keep dispatching cached ops.
-    if let Some(dir) = dump_dir() {
-        let n = COMPILES.load(Ordering::Relaxed);
-        let _ = std::fs::create_dir_all(dir);
-        let _ = std::fs::write(dir.join(format!("{n:05}_{op}.mlir")), &key.program);
-    }
-    let options = CompileOptions {
-        device_assignment: Some(vec![vec![device.pjrt().id() as i64]]),
-        ..Default::default()
-    };
-    let disk_entry = crate::disk_cache::entry_path(device.client(), &key.program, &options.encode());
-    let cached = disk_entry
-        .as_deref()
-        .and_then(|path| crate::disk_cache::load(device.client(), path));
-    let exe = match cached {
-        Some(exe) => {
-            DISK_LOADS.fetch_add(1, Ordering::Relaxed);
-            exe
-        }
-        None => {
-            let exe = device
-                .client()
-                .compile(&key.program, &options)
-                .map_err(|source| Error::Compile { op, source })?;
-            if let Some(path) = &disk_entry {
-                crate::disk_cache::store(&exe, path);
-            }
-            exe
-        }
-    };
-    COMPILES.fetch_add(1, Ordering::Relaxed);
-    THREAD_COMPILES.with(|c| c.set(c.get() + 1));
+    let exe = compile_or_load(op, device, &key.program).map_err(|source| Error::Compile { op, source })?;
     let exe = Arc::new(exe);
     cache()
         .lock()
@@ -144,8 +220,28 @@ pub(crate) fn common_device(op: &'static str, inputs: &[&Tensor]) -> Result<Devi
     Ok(first)
 }
 
-/// Runs an op: `build` emits it into a fresh program whose parameters are `inputs`; the program
-/// is compiled once and cached, then executed on the inputs' device. Returns without waiting.
+/// The trace of the traced inputs, if any (an error when they come from two traces).
+fn common_trace(op: &'static str, inputs: &[&Tensor]) -> Result<Option<Trace>> {
+    let mut found: Option<&Trace> = None;
+    for t in inputs {
+        if let Some((trace, _)) = t.trace() {
+            match found {
+                Some(f) if !f.same(trace) => {
+                    return Err(Error::invalid(
+                        op,
+                        "operands come from two different compiled functions being traced",
+                    ))
+                }
+                _ => found = Some(trace),
+            }
+        }
+    }
+    Ok(found.cloned())
+}
+
+/// Runs an op: the one router. Inside a trace (any input traced) `build` records into the
+/// trace's program; otherwise it emits a fresh one-op program whose parameters are `inputs`, which
+/// is compiled once and cached, then executed on the inputs' device without waiting.
 pub(crate) fn apply(
     op: &'static str,
     inputs: &[&Tensor],
@@ -155,6 +251,19 @@ pub(crate) fn apply(
     apply_on(op, &device, inputs, build)
 }
 
+/// [`apply`] for an op with no tensor operands that creates its result where `anchor` is: in
+/// `anchor`'s trace, or on its device.
+pub(crate) fn apply_like(
+    op: &'static str,
+    anchor: &Tensor,
+    build: impl FnOnce(&mut Builder) -> kiln_hlo::Result<Vec<Value>>,
+) -> Result<Vec<Tensor>> {
+    match anchor.trace() {
+        Some((trace, _)) => trace.apply(op, &[], |b, _| build(b)),
+        None => apply_on(op, anchor.device(), &[], |b, _| build(b)),
+    }
+}
+
 /// [`apply`] for ops that may have no inputs (creation ops): runs on `device`.
 pub(crate) fn apply_on(
     op: &'static str,
@@ -162,14 +271,16 @@ pub(crate) fn apply_on(
     inputs: &[&Tensor],
     build: impl FnOnce(&mut Builder, &[Value]) -> kiln_hlo::Result<Vec<Value>>,
 ) -> Result<Vec<Tensor>> {
-    let mut b = Builder::new();
-    let params: Vec<Value> = inputs
-        .iter()
-        .map(|t| b.parameter(t.shape().clone(), t.dtype()))
-        .collect();
-    let outputs = build(&mut b, &params).map_err(|source| Error::Build { op, source })?;
-    let program = b.finish(&outputs).map_err(|source| Error::Build { op, source })?;
-    let exe = executable(op, device, program)?;
+    if let Some(trace) = common_trace(op, inputs)? {
+        if trace.device() != device {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: device.to_string(),
+                rhs: trace.device().to_string(),
+            });
+        }
+        return trace.apply(op, inputs, build);
+    }
     for t in inputs {
         if t.device() != device {
             return Err(Error::DeviceMismatch {
@@ -179,7 +290,18 @@ pub(crate) fn apply_on(
             });
         }
     }
-    let buffers: Vec<&kiln_pjrt::Buffer> = inputs.iter().map(|t| t.buffer()).collect();
+    let mut b = Builder::new();
+    let mut params = Vec::with_capacity(inputs.len());
+    for t in inputs {
+        params.push(parameter_for(&mut b, t).map_err(|source| Error::Build { op, source })?);
+    }
+    let outputs = build(&mut b, &params).map_err(|source| Error::Build { op, source })?;
+    let program = b.finish(&outputs).map_err(|source| Error::Build { op, source })?;
+    let exe = executable(op, device, program)?;
+    let buffers = inputs
+        .iter()
+        .map(|t| t.buffer(op))
+        .collect::<Result<Vec<&kiln_pjrt::Buffer>>>()?;
     let profile_start = profiling().then(std::time::Instant::now);
     let mut results = exe
         .execute(&[&buffers], &ExecuteOptions::default())
@@ -196,6 +318,17 @@ pub(crate) fn apply_on(
         .zip(outputs)
         .map(|(buf, v)| Tensor::from_buffer(buf, v.shape().clone(), v.dtype(), device.clone()))
         .collect())
+}
+
+/// Declares a program parameter for a concrete tensor: with its buffer's physical shape (which
+/// is what the plugin is handed), reshaped inside the program when the tensor is a reshaped view.
+pub(crate) fn parameter_for(b: &mut Builder, t: &Tensor) -> kiln_hlo::Result<Value> {
+    let p = b.parameter(t.physical_shape().clone(), t.dtype());
+    if t.physical_shape() == t.shape() {
+        Ok(p)
+    } else {
+        b.reshape(&p, t.shape().clone())
+    }
 }
 
 /// [`apply`] for single-output ops.

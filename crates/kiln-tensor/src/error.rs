@@ -28,6 +28,19 @@ pub enum Error {
         #[source]
         source: kiln_pjrt::Error,
     },
+    #[error("compiling `{name}` for arguments [{signature}] failed: {source}")]
+    CompileFunction {
+        name: String,
+        signature: String,
+        #[source]
+        source: kiln_pjrt::Error,
+    },
+    #[error("running compiled `{name}` failed: {source}")]
+    ExecuteFunction {
+        name: String,
+        #[source]
+        source: kiln_pjrt::Error,
+    },
     #[error("running `{op}` failed: {source}")]
     Execute {
         op: &'static str,

@@ -1,18 +1,22 @@
-//! Tensors on PJRT devices with strict eager execution.
+//! Tensors on PJRT devices: strict eager execution, and compiled functions.
 //!
 //! Every op is written once, as code that emits StableHLO into a [`kiln_hlo::Builder`]. In eager
 //! mode (the default) an op call builds a one-op program, looks it up in the op cache (keyed by
 //! the program text and the device), compiles it on a miss, enqueues it and returns; nothing waits
-//! until a value is read on the host.
+//! until a value is read on the host. Inside a [`CompiledFunction`] the same op calls record into
+//! one program instead (see `trace`).
 #![forbid(unsafe_code)]
 
+mod compile;
 mod device;
 mod disk_cache;
 mod dispatch;
 mod error;
 mod ops;
 mod tensor;
+mod trace;
 
+pub use compile::CompiledFunction;
 pub use device::{client_for, Device};
 pub use dispatch::{
     op_cache_stats, op_profile, reset_op_profile, set_op_profiling, thread_op_cache_stats, OpCacheStats,
@@ -21,4 +25,4 @@ pub use error::{Error, Result};
 pub use kiln_pjrt::{DeviceSpec, Platform};
 pub use kiln_types::{bf16, f16, DType, Element, Shape};
 pub use ops::{AttentionMask, Conv2dParams, RopeLayout};
-pub use tensor::Tensor;
+pub use tensor::{MemoryKind, Placement, Tensor};

@@ -6,18 +6,56 @@ use std::sync::Arc;
 use kiln_types::{bytes_to_f32, DType, Element, Shape};
 
 use crate::device::Device;
-use crate::dispatch::{apply1, apply_on};
+use crate::dispatch::{apply1, apply_like, apply_on};
 use crate::error::{Error, Result};
+use crate::trace::Trace;
+
+/// Where a concrete tensor's data lives: a device and one of its memory spaces.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub device: Device,
+    /// The PJRT memory kind (`device`, `pinned_host`, `unpinned_host`).
+    pub memory: MemoryKind,
+}
+
+/// A PJRT memory space of a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    Device,
+    PinnedHost,
+    UnpinnedHost,
+}
+
+impl MemoryKind {
+    /// The plugin's name for the memory space.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Device => "device",
+            MemoryKind::PinnedHost => "pinned_host",
+            MemoryKind::UnpinnedHost => "unpinned_host",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<MemoryKind> {
+        [MemoryKind::Device, MemoryKind::PinnedHost, MemoryKind::UnpinnedHost]
+            .into_iter()
+            .find(|k| k.name() == name)
+    }
+}
 
 enum Storage {
     /// One buffer on one device. `physical` is the shape the buffer was created with; the
-    /// tensor's own shape may differ by a reshape (same elements, same row-major order), which
-    /// the next op applies inside its program, so reshapes cost nothing on their own.
-    Device {
-        device: Device,
+    /// tensor's own shape may differ by a reshape (same elements, same row-major order): a program
+    /// taking it declares the parameter with the physical shape and reshapes inside, so reshapes
+    /// cost nothing on their own.
+    Buffer {
+        placement: Placement,
         buffer: Arc<kiln_pjrt::Buffer>,
         physical: Shape,
     },
+    /// A value of a program being traced (inside a compiled function): ops on it record into the
+    /// trace instead of running.
+    Traced { trace: Trace, value: kiln_hlo::Value },
 }
 
 struct Inner {
@@ -26,59 +64,120 @@ struct Inner {
     storage: Storage,
 }
 
-/// An n-dimensional array on a device. Cloning is cheap (the buffer is shared); ops return new
-/// tensors and never modify their inputs. Ops run asynchronously: a call returns once the work is
-/// enqueued, and reading the data on the host waits for it.
+/// An n-dimensional array on a device, or a value of a compiled function being traced. Cloning is
+/// cheap (the buffer is shared); ops return new tensors and never modify their inputs. Eager ops
+/// run asynchronously: a call returns once the work is enqueued, and reading the data on the host
+/// waits for it.
 #[derive(Clone)]
 pub struct Tensor(Arc<Inner>);
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Tensor({} {} on {})", self.shape(), self.dtype(), self.device())
+        match &self.0.storage {
+            Storage::Buffer { .. } => write!(f, "Tensor({} {} on {})", self.shape(), self.dtype(), self.device()),
+            Storage::Traced { .. } => write!(
+                f,
+                "Tensor({} {} traced on {})",
+                self.shape(),
+                self.dtype(),
+                self.device()
+            ),
+        }
     }
 }
 
 impl Tensor {
     pub(crate) fn from_buffer(buffer: kiln_pjrt::Buffer, shape: Shape, dtype: DType, device: Device) -> Tensor {
+        Tensor::from_buffer_in(buffer, shape, dtype, device, MemoryKind::Device)
+    }
+
+    fn from_buffer_in(
+        buffer: kiln_pjrt::Buffer,
+        shape: Shape,
+        dtype: DType,
+        device: Device,
+        memory: MemoryKind,
+    ) -> Tensor {
         Tensor(Arc::new(Inner {
             shape: shape.clone(),
             dtype,
-            storage: Storage::Device {
-                device,
+            storage: Storage::Buffer {
+                placement: Placement { device, memory },
                 buffer: Arc::new(buffer),
                 physical: shape,
             },
         }))
     }
 
-    /// A tensor over a copy of this tensor's buffer (same physical shape, this logical shape).
-    fn with_copied_buffer(&self, buffer: kiln_pjrt::Buffer, device: Device) -> Tensor {
-        Tensor::from_buffer(buffer, self.physical_shape().clone(), self.dtype(), device).view_as(self.shape().clone())
+    pub(crate) fn traced(trace: Trace, value: kiln_hlo::Value) -> Tensor {
+        Tensor(Arc::new(Inner {
+            shape: value.shape().clone(),
+            dtype: value.dtype(),
+            storage: Storage::Traced { trace, value },
+        }))
     }
 
-    /// The same buffer seen with another shape of the same element count (no device work).
-    pub(crate) fn view_as(&self, shape: Shape) -> Tensor {
+    /// A tensor over a copy of this tensor's buffer (same physical shape, this logical shape).
+    fn with_copied_buffer(&self, buffer: kiln_pjrt::Buffer, device: Device, memory: MemoryKind) -> Result<Tensor> {
+        let physical = self.physical_shape().clone();
+        Tensor::from_buffer_in(buffer, physical, self.dtype(), device, memory).view_as(self.shape().clone())
+    }
+
+    /// The same data seen with another shape of the same element count (no device work for a
+    /// buffer; a reshape recorded in the trace for a traced value).
+    pub(crate) fn view_as(&self, shape: Shape) -> Result<Tensor> {
         match &self.0.storage {
-            Storage::Device {
-                device,
+            Storage::Buffer {
+                placement,
                 buffer,
                 physical,
-            } => Tensor(Arc::new(Inner {
+            } => Ok(Tensor(Arc::new(Inner {
                 shape,
                 dtype: self.0.dtype,
-                storage: Storage::Device {
-                    device: device.clone(),
+                storage: Storage::Buffer {
+                    placement: placement.clone(),
                     buffer: buffer.clone(),
                     physical: physical.clone(),
                 },
-            })),
+            }))),
+            Storage::Traced { trace, value } => trace.reshape(value, shape),
         }
     }
 
-    /// The shape of the underlying buffer (see [`Storage::Device`]).
+    /// The shape of the underlying buffer (see [`Storage::Buffer`]); a traced value's own shape.
     pub(crate) fn physical_shape(&self) -> &Shape {
         match &self.0.storage {
-            Storage::Device { physical, .. } => physical,
+            Storage::Buffer { physical, .. } => physical,
+            Storage::Traced { .. } => &self.0.shape,
+        }
+    }
+
+    /// The trace this tensor belongs to, if it is a traced value.
+    pub(crate) fn trace(&self) -> Option<(&Trace, &kiln_hlo::Value)> {
+        match &self.0.storage {
+            Storage::Traced { trace, value } => Some((trace, value)),
+            Storage::Buffer { .. } => None,
+        }
+    }
+
+    /// Whether this is a value of a compiled function being traced (not data).
+    pub fn is_traced(&self) -> bool {
+        self.trace().is_some()
+    }
+
+    /// Where the data lives; `None` for a traced value.
+    pub fn placement(&self) -> Option<&Placement> {
+        match &self.0.storage {
+            Storage::Buffer { placement, .. } => Some(placement),
+            Storage::Traced { .. } => None,
+        }
+    }
+
+    /// A key for the buffer behind this tensor (views share it); `None` for a traced value.
+    pub(crate) fn buffer_id(&self) -> Option<usize> {
+        match &self.0.storage {
+            Storage::Buffer { buffer, .. } => Some(Arc::as_ptr(buffer) as usize),
+            Storage::Traced { .. } => None,
         }
     }
 
@@ -97,18 +196,26 @@ impl Tensor {
     pub fn dtype(&self) -> DType {
         self.0.dtype
     }
+    /// The device the data lives on (for a traced value: the device the trace compiles for).
     pub fn device(&self) -> &Device {
         match &self.0.storage {
-            Storage::Device { device, .. } => device,
+            Storage::Buffer { placement, .. } => &placement.device,
+            Storage::Traced { trace, .. } => trace.device(),
         }
     }
     /// Size of dimension `dim` (negative counts from the end).
     pub fn dim(&self, dim: isize) -> Result<usize> {
         Ok(self.dims()[self.resolve_dim("dim", dim)?])
     }
-    pub(crate) fn buffer(&self) -> &kiln_pjrt::Buffer {
+    /// The buffer, or an error naming `op` for a traced value (which has no data yet).
+    pub(crate) fn buffer(&self, op: &'static str) -> Result<&kiln_pjrt::Buffer> {
         match &self.0.storage {
-            Storage::Device { buffer, .. } => buffer,
+            Storage::Buffer { buffer, .. } => Ok(buffer),
+            Storage::Traced { .. } => Err(Error::invalid(
+                op,
+                "this tensor is a traced value inside a compiled function and has no data; \
+                 host reads and device moves belong outside the compiled function (pass host values in)",
+            )),
         }
     }
     /// Bytes of device memory the data takes.
@@ -206,7 +313,16 @@ impl Tensor {
     }
 
     pub fn zeros_like(&self) -> Result<Tensor> {
-        Tensor::zeros(self.shape().clone(), self.dtype(), self.device())
+        self.new_full(0.0, self.shape().clone(), self.dtype())
+    }
+
+    /// A tensor filled with `value`, created where `self` is: on its device, or inside its trace
+    /// (torch's `Tensor.new_full`). Models create tensors this way, never from a `Device`, so the
+    /// same code runs eager and compiled.
+    pub fn new_full(&self, value: f64, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        let shape = shape.into();
+        let mut out = apply_like("full", self, |b| Ok(vec![b.splat(value, shape, dtype)]))?;
+        Ok(out.remove(0))
     }
 
     // ---- reading back ----
@@ -214,7 +330,7 @@ impl Tensor {
     /// Waits for the data and copies it to the host as raw little-endian bytes.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.size_in_bytes()];
-        self.buffer().copy_to_host(&mut out)?;
+        self.buffer("to_bytes")?.copy_to_host(&mut out)?;
         Ok(out)
     }
 
@@ -254,7 +370,7 @@ impl Tensor {
 
     /// Blocks until the tensor's value is computed (reports a failed computation).
     pub fn wait(&self) -> Result<()> {
-        Ok(self.buffer().wait_ready()?)
+        Ok(self.buffer("wait")?.wait_ready()?)
     }
 
     // ---- placement ----
@@ -265,8 +381,8 @@ impl Tensor {
             return Ok(self.clone());
         }
         if std::sync::Arc::ptr_eq(device.client(), self.device().client()) {
-            let buffer = self.buffer().copy_to_device(device.pjrt())?;
-            return Ok(self.with_copied_buffer(buffer, device.clone()));
+            let buffer = self.buffer("to_device")?.copy_to_device(device.pjrt())?;
+            return self.with_copied_buffer(buffer, device.clone(), MemoryKind::Device);
         }
         Tensor::from_bytes(&self.to_bytes()?, self.dtype(), self.shape().clone(), device)
     }
@@ -279,13 +395,14 @@ impl Tensor {
                 format!("device {} has no `{kind}` memory space", self.device()),
             )
         })?;
-        let buffer = self.buffer().copy_to_memory(memory)?;
-        Ok(self.with_copied_buffer(buffer, self.device().clone()))
+        let buffer = self.buffer("to_memory_kind")?.copy_to_memory(memory)?;
+        let kind = MemoryKind::from_name(kind).unwrap_or(MemoryKind::Device);
+        self.with_copied_buffer(buffer, self.device().clone(), kind)
     }
 
     /// The memory space the data lives in.
     pub fn memory_kind(&self) -> Result<String> {
-        Ok(self.buffer().memory_kind()?)
+        Ok(self.buffer("memory_kind")?.memory_kind()?)
     }
 
     /// Converts to another dtype (floats round to nearest even).

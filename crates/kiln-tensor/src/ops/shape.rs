@@ -18,7 +18,7 @@ impl Tensor {
             ));
         }
         // A view: the next op reshapes inside its own program.
-        Ok(self.view_as(shape))
+        self.view_as(shape)
     }
 
     /// Reshape where one entry may be `-1` (inferred), as `torch.reshape`.

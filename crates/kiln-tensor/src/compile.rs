@@ -1,0 +1,174 @@
+//! Compiled functions: a Rust function over tensors traced once per input signature into one
+//! program, compiled ahead of time and kept in memory and on disk.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+use std::sync::{Arc, Mutex};
+
+use kiln_pjrt::{ExecuteOptions, LoadedExecutable};
+use kiln_types::{DType, Shape};
+
+use crate::dispatch::{common_device, compile_or_load, count_hit};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use crate::trace::Trace;
+
+/// What a call is keyed on: the device and, per argument, its buffer's shape, its logical shape and
+/// its dtype. Argument values are not part of it: weights and inputs are program parameters.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Signature {
+    client: usize,
+    device: usize,
+    args: Vec<(Shape, Shape, DType)>,
+}
+
+struct Entry {
+    exe: Arc<LoadedExecutable>,
+    /// Concrete tensors the trace lifted to parameters (passed after the arguments on every call).
+    captured: Vec<Tensor>,
+    outputs: Vec<(Shape, DType)>,
+}
+
+/// A function over tensors that runs as one compiled program per argument signature (shapes,
+/// dtypes, device). The first call with a signature traces the function — every op records into
+/// one program, its arguments are the program's parameters — compiles it (or loads it from the
+/// on-disk cache) and keeps it; later calls with the same signature only execute it.
+///
+/// Pass a model's weights as arguments (not captured) so that one program serves every copy of
+/// a repeated block and weights can move between memories without recompiling. Called with
+/// traced arguments (from inside another compiled function) it is inlined into that trace.
+///
+/// The traced function must depend on its arguments' shapes only, never on their values: it must
+/// not read tensors on the host (that is an error while tracing), and tensors it creates from
+/// host data are frozen into the program as they were on the first call.
+pub struct CompiledFunction {
+    name: String,
+    entries: Mutex<HashMap<Signature, Arc<Entry>>>,
+}
+
+impl std::fmt::Debug for CompiledFunction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CompiledFunction({}, {} programs)", self.name, self.num_programs())
+    }
+}
+
+impl CompiledFunction {
+    /// `name` identifies the function in errors and dumps (`transformer`, `transformer.block`).
+    pub fn new(name: impl Into<String>) -> Self {
+        CompiledFunction {
+            name: name.into(),
+            entries: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How many signatures have a program.
+    pub fn num_programs(&self) -> usize {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Runs `f(args)` compiled. `f` receives traced stand-ins for `args` on a first call with this
+    /// signature and is not called at all on later ones.
+    pub fn call<E: From<Error>>(
+        &self,
+        args: &[Tensor],
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<Vec<Tensor>, E>,
+    ) -> std::result::Result<Vec<Tensor>, E> {
+        if args.iter().any(Tensor::is_traced) {
+            return f(args);
+        }
+        let refs: Vec<&Tensor> = args.iter().collect();
+        let device = common_device("compiled function", &refs)?;
+        let signature = Signature {
+            client: Arc::as_ptr(device.client()) as usize,
+            device: device.index(),
+            args: args
+                .iter()
+                .map(|t| (t.physical_shape().clone(), t.shape().clone(), t.dtype()))
+                .collect(),
+        };
+        let cached = self
+            .entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&signature)
+            .cloned();
+        let entry = match cached {
+            Some(entry) => {
+                count_hit();
+                entry
+            }
+            None => {
+                let entry = Arc::new(self.trace_and_compile(&device, args, f)?);
+                self.entries
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(signature, entry.clone());
+                entry
+            }
+        };
+        Ok(self.execute(&entry, &device, args)?)
+    }
+
+    fn trace_and_compile<E: From<Error>>(
+        &self,
+        device: &crate::Device,
+        args: &[Tensor],
+        f: impl FnOnce(&[Tensor]) -> std::result::Result<Vec<Tensor>, E>,
+    ) -> std::result::Result<Entry, E> {
+        let trace = Trace::new(device);
+        let traced = args.iter().map(|t| trace.argument(t)).collect::<Result<Vec<_>>>()?;
+        let outputs = f(&traced)?;
+        let (program, captured) = trace.finish(&outputs)?;
+        let exe = compile_or_load(&self.name, device, &program).map_err(|source| Error::CompileFunction {
+            name: self.name.clone(),
+            signature: describe(args),
+            source,
+        })?;
+        Ok(Entry {
+            exe: Arc::new(exe),
+            captured,
+            outputs: outputs.iter().map(|t| (t.shape().clone(), t.dtype())).collect(),
+        })
+    }
+
+    fn execute(&self, entry: &Entry, device: &crate::Device, args: &[Tensor]) -> Result<Vec<Tensor>> {
+        const OP: &str = "compiled function";
+        let buffers = args
+            .iter()
+            .chain(&entry.captured)
+            .map(|t| t.buffer(OP))
+            .collect::<Result<Vec<_>>>()?;
+        let mut results = entry
+            .exe
+            .execute(&[&buffers], &ExecuteOptions::default())
+            .map_err(|source| Error::ExecuteFunction {
+                name: self.name.clone(),
+                source,
+            })?;
+        let per_device = results.pop().unwrap_or_default();
+        Ok(per_device
+            .into_iter()
+            .zip(&entry.outputs)
+            .map(|(buf, (shape, dtype))| Tensor::from_buffer(buf, shape.clone(), *dtype, device.clone()))
+            .collect())
+    }
+}
+
+/// `[2, 64] f32, [2, 77, 512] bf16, ...`, for error messages (at most the first 8 arguments).
+fn describe(args: &[Tensor]) -> String {
+    let mut s = String::new();
+    for (i, t) in args.iter().take(8).enumerate() {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        let _ = write!(s, "{} {}", t.shape(), t.dtype());
+    }
+    if args.len() > 8 {
+        let _ = write!(s, ", ... ({} arguments)", args.len());
+    }
+    s
+}
