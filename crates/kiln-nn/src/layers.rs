@@ -165,3 +165,10 @@ impl Embedding {
         Ok(rows.reshape(shape)?)
     }
 }
+
+crate::impl_module!(Linear { weight: "weight", bias: "bias" });
+crate::impl_module!(Conv2d { weight: "weight", bias: "bias" });
+crate::impl_module!(LayerNorm { weight: "weight", bias: "bias" });
+crate::impl_module!(RmsNorm { weight: "weight" });
+crate::impl_module!(GroupNorm { weight: "weight", bias: "bias" });
+crate::impl_module!(Embedding { weight: "weight" });

@@ -7,10 +7,12 @@
 
 mod error;
 mod layers;
+pub mod module;
 mod rope;
 mod weights;
 
 pub use error::{Error, Result};
+pub use module::{call_compiled, CompileMode, Module};
 pub use layers::{Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm};
 pub use rope::{rope_tables, RopeTables};
 pub use weights::{Weights, WeightsReport};

@@ -1,0 +1,175 @@
+//! [`Module`]: every model exposes its weights by name, so that compiling, offloading and
+//! sharding are each one generic walk instead of code per model.
+
+use kiln_tensor::{CompiledFunction, Tensor};
+
+use crate::error::Result;
+
+/// A model or layer that owns weights.
+pub trait Module {
+    /// Every weight, in a fixed order, with its diffusers/transformers name relative to `self`.
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor));
+    /// The same walk in the same order, replacing each weight with what `f` returns (moved to
+    /// another memory, sharded, or a traced stand-in while compiling).
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()>;
+}
+
+/// `prefix.name`, or `prefix` alone for a weight that is the child itself.
+pub fn join_name(prefix: &str, name: &str) -> String {
+    match (prefix.is_empty(), name.is_empty()) {
+        (true, _) => name.to_string(),
+        (_, true) => prefix.to_string(),
+        _ => format!("{prefix}.{name}"),
+    }
+}
+
+/// Visits `child`'s weights with names under `prefix` (a helper for [`Module`] impls).
+pub fn visit_child(prefix: &str, child: &dyn Module, f: &mut dyn FnMut(&str, &Tensor)) {
+    child.visit(&mut |name, t| f(&join_name(prefix, name), t));
+}
+
+/// Maps `child`'s weights with names under `prefix` (a helper for [`Module`] impls).
+pub fn map_child(
+    prefix: &str,
+    child: &mut dyn Module,
+    f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>,
+) -> Result<()> {
+    child.map(&mut |name, t| f(&join_name(prefix, name), t))
+}
+
+impl Module for Tensor {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        f("", self)
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        *self = f("", self)?;
+        Ok(())
+    }
+}
+
+impl<M: Module> Module for Option<M> {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        if let Some(m) = self {
+            m.visit(f)
+        }
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        match self {
+            Some(m) => m.map(f),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A list of modules, named `0`, `1`, ... as `nn.ModuleList`.
+impl<M: Module> Module for Vec<M> {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        for (i, m) in self.iter().enumerate() {
+            visit_child(&i.to_string(), m, f);
+        }
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        for (i, m) in self.iter_mut().enumerate() {
+            map_child(&i.to_string(), m, f)?;
+        }
+        Ok(())
+    }
+}
+
+/// Implements [`Module`] for a struct by walking the listed fields, each under a name:
+/// `impl_module!(Linear { weight: "weight", bias: "bias" });`. A field's type must be a
+/// [`Module`] (a `Tensor`, a layer, an `Option` or a `Vec` of them).
+#[macro_export]
+macro_rules! impl_module {
+    ($ty:ty { $($field:ident : $name:expr),* $(,)? }) => {
+        impl $crate::Module for $ty {
+            fn visit(&self, f: &mut dyn FnMut(&str, &kiln_tensor::Tensor)) {
+                $( $crate::module::visit_child($name, &self.$field, f); )*
+            }
+            fn map(
+                &mut self,
+                f: &mut dyn FnMut(&str, &kiln_tensor::Tensor) -> $crate::Result<kiln_tensor::Tensor>,
+            ) -> $crate::Result<()> {
+                $( $crate::module::map_child($name, &mut self.$field, f)?; )*
+                Ok(())
+            }
+        }
+    };
+}
+
+/// Every weight of `module`, in walk order.
+pub fn weights_of(module: &dyn Module) -> Vec<Tensor> {
+    let mut out = Vec::new();
+    module.visit(&mut |_, t| out.push(t.clone()));
+    out
+}
+
+/// Total bytes of `module`'s weights.
+pub fn size_in_bytes(module: &dyn Module) -> usize {
+    let mut total = 0;
+    module.visit(&mut |_, t| total += t.size_in_bytes());
+    total
+}
+
+/// Runs `forward(module, inputs)` as `compiled`: one program per input signature whose
+/// parameters are the inputs followed by the module's weights, so one program serves every
+/// module of the same shapes (every block of a repeated type) and weights may move without
+/// recompiling. On a first call `forward` runs once on a copy of `module` whose weights are traced
+/// stand-ins.
+pub fn call_compiled<M: Module + Clone>(
+    compiled: &CompiledFunction,
+    module: &M,
+    inputs: &[Tensor],
+    forward: impl FnOnce(&M, &[Tensor]) -> Result<Vec<Tensor>>,
+) -> Result<Vec<Tensor>> {
+    let mut args = inputs.to_vec();
+    let n = args.len();
+    module.visit(&mut |_, t| args.push(t.clone()));
+    compiled.call(&args, |traced| {
+        let mut stand_ins = traced[n..].iter();
+        let mut m = module.clone();
+        m.map(&mut |_, _| {
+            Ok(stand_ins
+                .next()
+                .expect("map walks the same weights as visit")
+                .clone())
+        })?;
+        forward(&m, &traced[..n])
+    })
+}
+
+/// How a model runs: op by op, or as compiled programs (diffusers' `torch.compile` of the whole
+/// model, or `compile_repeated_blocks`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CompileMode {
+    /// Strict eager: every op is dispatched on its own.
+    #[default]
+    None,
+    /// One program per repeated block type, called for every block with that block's weights;
+    /// the rest runs eager. Compiles in about the time of one block.
+    RepeatedBlocks,
+    /// The whole forward as one program.
+    Full,
+}
+
+impl std::str::FromStr for CompileMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" | "eager" => Ok(CompileMode::None),
+            "blocks" | "repeated-blocks" => Ok(CompileMode::RepeatedBlocks),
+            "full" => Ok(CompileMode::Full),
+            other => Err(format!("unknown compile mode `{other}`: use none, blocks or full")),
+        }
+    }
+}
+
+impl std::fmt::Display for CompileMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CompileMode::None => "none",
+            CompileMode::RepeatedBlocks => "blocks",
+            CompileMode::Full => "full",
+        })
+    }
+}
