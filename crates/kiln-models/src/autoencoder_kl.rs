@@ -14,11 +14,17 @@
 //! Inputs and outputs are NCHW as in diffusers; inside, activations are channels-last
 //! (`[N, H, W, C]`), the layout XLA:CPU's convolutions run fastest (`kiln-tensor`'s
 //! `conv_layout` bench).
+//!
+//! [`Module::visit`] names every weight as the checkpoint does; [`AutoencoderKL::compile`] runs
+//! the decoder as compiled programs.
+
+use std::sync::Arc;
 
 use kiln_io::{Activation, AutoencoderKLConfig};
-use kiln_nn::{Conv2d, Error, GroupNorm, Linear, Result, Weights};
+use kiln_nn::module::{map_child, visit_child};
+use kiln_nn::{call_compiled, impl_module, CompileMode, Conv2d, Error, GroupNorm, Linear, Module, Result, Weights};
 use kiln_rng::Generators;
-use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
+use kiln_tensor::{AttentionMask, CompiledFunction, Conv2dParams, DType, Tensor};
 
 /// diffusers' `Encoder`/`Decoder` pass `resnet_eps=1e-6` to every block; `conv_norm_out` and the
 /// mid-block attention's GroupNorm use the same value.
@@ -93,6 +99,14 @@ struct ResnetBlock2D {
     nonlinearity: Nonlinearity,
 }
 
+impl_module!(ResnetBlock2D {
+    norm1: "norm1",
+    conv1: "conv1",
+    norm2: "norm2",
+    conv2: "conv2",
+    conv_shortcut: "conv_shortcut",
+});
+
 impl ResnetBlock2D {
     fn load(
         w: &Weights,
@@ -138,28 +152,63 @@ impl ResnetBlock2D {
     }
 }
 
+/// Runs `resnet` op by op, or as `compiled` (one program per input signature, shared by every
+/// ResNet of that signature) when given.
+fn run_resnet(resnet: &ResnetBlock2D, x: &Tensor, compiled: Option<&CompiledFunction>) -> Result<Tensor> {
+    match compiled {
+        None => resnet.forward(x),
+        Some(compiled) => {
+            let mut out = call_compiled(compiled, resnet, std::slice::from_ref(x), |r, t| {
+                Ok(vec![r.forward(&t[0])?])
+            })?;
+            Ok(out.remove(0))
+        }
+    }
+}
+
 /// The mid block's `Attention`: GroupNorm, one head with head_dim = channels over the H·W
 /// pixels, output projection, residual.
 #[derive(Clone, Debug)]
 struct SpatialSelfAttention {
     group_norm: GroupNorm,
-    /// `to_q`, `to_k`, `to_v` stacked into one `[3C, C]` projection.
-    to_qkv: Linear,
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
     to_out: Linear,
 }
 
+impl_module!(SpatialSelfAttention {
+    group_norm: "group_norm",
+    to_q: "to_q",
+    to_k: "to_k",
+    to_v: "to_v",
+    to_out: "to_out.0",
+});
+
 impl SpatialSelfAttention {
     fn load(w: &Weights, channels: usize, groups: usize) -> Result<Self> {
-        let weight = |name: &str| w.pp(name).get("weight", [channels, channels]);
-        let bias = |name: &str| w.pp(name).get("bias", [channels]);
-        let to_qkv = Linear {
-            weight: Tensor::cat(&[&weight("to_q")?, &weight("to_k")?, &weight("to_v")?], 0)?,
-            bias: Some(Tensor::cat(&[&bias("to_q")?, &bias("to_k")?, &bias("to_v")?], 0)?),
-        };
+        let linear = |name: &str| Linear::load(&w.pp(name), channels, channels, true);
         Ok(SpatialSelfAttention {
             group_norm: GroupNorm::load(&w.pp("group_norm"), groups, channels, NORM_EPS)?,
-            to_qkv,
-            to_out: Linear::load(&w.pp("to_out").pp(0), channels, channels, true)?,
+            to_q: linear("to_q")?,
+            to_k: linear("to_k")?,
+            to_v: linear("to_v")?,
+            to_out: linear("to_out.0")?,
+        })
+    }
+
+    /// `to_q`, `to_k`, `to_v` stacked into one `[3C, C]` projection (one matmul instead of three;
+    /// the weights stay apart so that each keeps its checkpoint name).
+    fn to_qkv(&self) -> Result<Linear> {
+        let bias = |l: &Linear| {
+            l.bias
+                .clone()
+                .expect("the attention projections are loaded with a bias")
+        };
+        let (bq, bk, bv) = (bias(&self.to_q), bias(&self.to_k), bias(&self.to_v));
+        Ok(Linear {
+            weight: Tensor::cat(&[&self.to_q.weight, &self.to_k.weight, &self.to_v.weight], 0)?,
+            bias: Some(Tensor::cat(&[&bq, &bk, &bv], 0)?),
         })
     }
 
@@ -176,7 +225,7 @@ impl SpatialSelfAttention {
         let normed = self.group_norm.forward_channels_last(hidden_states)?;
         // Channels-last is already heads-first: [B, H, W, C] -> [B, 1, HW, C] (one head).
         let normed = normed.reshape([batch, 1, tokens, channels])?;
-        let qkv = self.to_qkv.forward(&normed)?; // [B, 1, HW, 3C]
+        let qkv = self.to_qkv()?.forward(&normed)?; // [B, 1, HW, 3C]
         let qkv = qkv.split_sizes(&[channels; 3], 3)?;
         let attn = Tensor::scaled_dot_product_attention(&qkv[0], &qkv[1], &qkv[2], &AttentionMask::None, None)?;
         let out = self.to_out.forward(&attn)?; // [B, 1, HW, C]
@@ -191,6 +240,20 @@ impl SpatialSelfAttention {
 struct UNetMidBlock2D {
     resnets: [ResnetBlock2D; 2],
     attention: Option<SpatialSelfAttention>,
+}
+
+/// `resnets.0`, `attentions.0` (when present), `resnets.1`: the order the forward uses them.
+impl Module for UNetMidBlock2D {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        visit_child("resnets.0", &self.resnets[0], f);
+        visit_child("attentions.0", &self.attention, f);
+        visit_child("resnets.1", &self.resnets[1], f);
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        map_child("resnets.0", &mut self.resnets[0], f)?;
+        map_child("attentions.0", &mut self.attention, f)?;
+        map_child("resnets.1", &mut self.resnets[1], f)
+    }
 }
 
 impl UNetMidBlock2D {
@@ -214,12 +277,13 @@ impl UNetMidBlock2D {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut x = self.resnets[0].forward(x)?;
+    /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
+    fn forward(&self, x: &Tensor, resnet: Option<&CompiledFunction>) -> Result<Tensor> {
+        let mut x = run_resnet(&self.resnets[0], x, resnet)?;
         if let Some(attention) = &self.attention {
             x = attention.forward(&x)?;
         }
-        self.resnets[1].forward(&x)
+        run_resnet(&self.resnets[1], &x, resnet)
     }
 }
 
@@ -238,6 +302,26 @@ enum Resample {
 struct ResnetStack {
     resnets: Vec<ResnetBlock2D>,
     resample: Option<Resample>,
+}
+
+/// `resnets.{i}`, then `downsamplers.0.conv` or `upsamplers.0.conv`.
+impl Module for ResnetStack {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        visit_child("resnets", &self.resnets, f);
+        match &self.resample {
+            Some(Resample::Down(conv)) => visit_child("downsamplers.0.conv", conv, f),
+            Some(Resample::Up(conv)) => visit_child("upsamplers.0.conv", conv, f),
+            None => {}
+        }
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        map_child("resnets", &mut self.resnets, f)?;
+        match &mut self.resample {
+            Some(Resample::Down(conv)) => map_child("downsamplers.0.conv", conv, f),
+            Some(Resample::Up(conv)) => map_child("upsamplers.0.conv", conv, f),
+            None => Ok(()),
+        }
+    }
 }
 
 impl ResnetStack {
@@ -276,11 +360,11 @@ impl ResnetStack {
         Ok(ResnetStack { resnets, resample })
     }
 
-    /// Channels-last in and out.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
+    fn forward(&self, x: &Tensor, resnet: Option<&CompiledFunction>) -> Result<Tensor> {
         let mut x = x.clone();
-        for resnet in &self.resnets {
-            x = resnet.forward(&x)?;
+        for r in &self.resnets {
+            x = run_resnet(r, &x, resnet)?;
         }
         Ok(match &self.resample {
             // diffusers' Downsample2D with padding=0 pads (0, 1, 0, 1) itself.
@@ -313,6 +397,14 @@ struct Encoder {
     conv_norm_out: GroupNorm,
     conv_out: Conv2d,
 }
+
+impl_module!(Encoder {
+    conv_in: "conv_in",
+    down_blocks: "down_blocks",
+    mid_block: "mid_block",
+    conv_norm_out: "conv_norm_out",
+    conv_out: "conv_out",
+});
 
 impl Encoder {
     fn load(w: &Weights, plan: &Plan, in_channels: usize, latent_channels: usize) -> Result<Self> {
@@ -352,9 +444,9 @@ impl Encoder {
     fn forward(&self, sample: &Tensor) -> Result<Tensor> {
         let mut sample = self.conv_in.forward_channels_last(sample)?;
         for down_block in &self.down_blocks {
-            sample = down_block.forward(&sample)?;
+            sample = down_block.forward(&sample, None)?;
         }
-        let sample = self.mid_block.forward(&sample)?;
+        let sample = self.mid_block.forward(&sample, None)?;
         let sample = self.conv_norm_out.forward_channels_last(&sample)?;
         // diffusers' Encoder/Decoder use nn.SiLU here whatever act_fn says.
         let sample = sample.silu()?;
@@ -371,6 +463,14 @@ struct Decoder {
     conv_norm_out: GroupNorm,
     conv_out: Conv2d,
 }
+
+impl_module!(Decoder {
+    conv_in: "conv_in",
+    mid_block: "mid_block",
+    up_blocks: "up_blocks",
+    conv_norm_out: "conv_norm_out",
+    conv_out: "conv_out",
+});
 
 impl Decoder {
     fn load(w: &Weights, plan: &Plan, latent_channels: usize, out_channels: usize) -> Result<Self> {
@@ -406,16 +506,41 @@ impl Decoder {
         })
     }
 
-    /// Channels-last in and out.
-    fn forward(&self, z: &Tensor) -> Result<Tensor> {
+    /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
+    fn forward(&self, z: &Tensor, resnet: Option<&CompiledFunction>) -> Result<Tensor> {
         let sample = self.conv_in.forward_channels_last(z)?;
-        let mut sample = self.mid_block.forward(&sample)?;
+        let mut sample = self.mid_block.forward(&sample, resnet)?;
         for up_block in &self.up_blocks {
-            sample = up_block.forward(&sample)?;
+            sample = up_block.forward(&sample, resnet)?;
         }
         let sample = self.conv_norm_out.forward_channels_last(&sample)?;
         let sample = sample.silu()?;
         self.conv_out.forward_channels_last(&sample)
+    }
+}
+
+/// What decoding runs: `post_quant_conv` (when the config has it) and the decoder; the unit
+/// [`CompileMode::Full`] compiles, so that its program's parameters are these weights only.
+#[derive(Clone, Debug)]
+struct DecodePath {
+    post_quant_conv: Option<Conv2d>,
+    decoder: Decoder,
+}
+
+impl_module!(DecodePath {
+    post_quant_conv: "post_quant_conv",
+    decoder: "decoder",
+});
+
+impl DecodePath {
+    /// `z` NCHW → image NCHW.
+    fn forward(&self, z: &Tensor, resnet: Option<&CompiledFunction>) -> Result<Tensor> {
+        let z = z.permute(&CHANNELS_LAST)?;
+        let z = match &self.post_quant_conv {
+            Some(conv) => conv.forward_channels_last(&z)?,
+            None => z,
+        };
+        Ok(self.decoder.forward(&z, resnet)?.permute(&CHANNELS_FIRST)?)
     }
 }
 
@@ -467,9 +592,37 @@ pub struct AutoencoderKL {
     config: AutoencoderKLConfig,
     dtype: DType,
     encoder: Encoder,
-    decoder: Decoder,
     quant_conv: Option<Conv2d>,
-    post_quant_conv: Option<Conv2d>,
+    /// `post_quant_conv` and `decoder`.
+    decode: DecodePath,
+    compile_mode: CompileMode,
+    programs: Arc<Programs>,
+}
+
+// Every weight under its checkpoint name: `encoder.*`, `quant_conv.*`, `post_quant_conv.*`,
+// `decoder.*` (the mid-block attention's only when the config adds it). Nothing else is kept.
+impl_module!(AutoencoderKL {
+    encoder: "encoder",
+    quant_conv: "quant_conv",
+    decode: "",
+});
+
+/// The compiled functions of one VAE (each keeps a program per input signature).
+#[derive(Debug)]
+struct Programs {
+    /// `post_quant_conv` and the whole decoder.
+    decode: CompiledFunction,
+    /// One `ResnetBlock2D` of the decoder: a program per channel count and resolution.
+    decoder_resnet: CompiledFunction,
+}
+
+impl Programs {
+    fn new() -> Arc<Programs> {
+        Arc::new(Programs {
+            decode: CompiledFunction::new("vae.decode"),
+            decoder_resnet: CompiledFunction::new("vae.decoder.resnets"),
+        })
+    }
 }
 
 impl AutoencoderKL {
@@ -516,10 +669,30 @@ impl AutoencoderKL {
             config: config.clone(),
             dtype: weights.dtype(),
             encoder,
-            decoder,
             quant_conv,
-            post_quant_conv,
+            decode: DecodePath {
+                post_quant_conv,
+                decoder,
+            },
+            compile_mode: CompileMode::None,
+            programs: Programs::new(),
         })
+    }
+
+    /// Runs [`Self::decode`] as compiled programs from now on, or op by op again
+    /// ([`CompileMode::None`]). [`CompileMode::Full`]: `post_quant_conv` and the whole decoder as
+    /// one program. [`CompileMode::RepeatedBlocks`]: every `ResnetBlock2D` of the decoder (mid and
+    /// up blocks, the bulk of the work) through one compiled function — one program per channel
+    /// count and resolution, shared by the ResNets that have it (6 programs for FLUX.1's 14
+    /// ResNets); the convolutions around them, the mid-block attention and the upsamplers run op
+    /// by op. Programs are compiled on the first call with each latent shape and kept, also by
+    /// clones of this model. [`Self::encode`] always runs op by op.
+    pub fn compile(&mut self, mode: CompileMode) {
+        self.compile_mode = mode;
+    }
+
+    pub fn compile_mode(&self) -> CompileMode {
+        self.compile_mode
     }
 
     pub fn config(&self) -> &AutoencoderKLConfig {
@@ -541,12 +714,16 @@ impl AutoencoderKL {
     /// shift: the pipeline de-normalises the latents first.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.check_input("AutoencoderKL::decode", "latent", z, self.config.latent_channels)?;
-        let z = z.permute(&CHANNELS_LAST)?;
-        let z = match &self.post_quant_conv {
-            Some(conv) => conv.forward_channels_last(&z)?,
-            None => z,
-        };
-        Ok(self.decoder.forward(&z)?.permute(&CHANNELS_FIRST)?)
+        match self.compile_mode {
+            CompileMode::None => self.decode.forward(z, None),
+            CompileMode::RepeatedBlocks => self.decode.forward(z, Some(&self.programs.decoder_resnet)),
+            CompileMode::Full => {
+                let mut out = call_compiled(&self.programs.decode, &self.decode, std::slice::from_ref(z), |d, t| {
+                    Ok(vec![d.forward(&t[0], None)?])
+                })?;
+                Ok(out.remove(0))
+            }
+        }
     }
 
     /// Image `x` `[B, in_channels, H, W]` in [-1, 1] → the latent distribution, with

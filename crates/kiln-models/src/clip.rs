@@ -5,11 +5,19 @@
 //!
 //! Pre-LayerNorm transformer with causal self-attention and no padding mask. Weight names are
 //! transformers' (`text_model.encoder.layers.{i}.self_attn.q_proj`, ...); files with or without the
-//! `text_model.` prefix load.
+//! `text_model.` prefix load, and [`Module::visit`] names every weight as its file does.
+//!
+//! The forward reads nothing back from the device: the pooled row of each prompt (its EOS
+//! position) is found on the host from the token ids the caller already has
+//! ([`ClipTextModel::forward_with_host_ids`]), so the same code runs op by op or compiled
+//! ([`ClipTextModel::compile`]).
+
+use std::sync::Arc;
 
 use kiln_io::{Activation, ClipTextConfig};
-use kiln_nn::{Embedding, Error, LayerNorm, Linear, Result, Weights};
-use kiln_tensor::{AttentionMask, DType, Tensor};
+use kiln_nn::module::{join_name, map_child, visit_child};
+use kiln_nn::{call_compiled, impl_module, CompileMode, Embedding, Error, LayerNorm, Linear, Module, Result, Weights};
+use kiln_tensor::{AttentionMask, CompiledFunction, DType, Tensor};
 
 /// transformers' `ACT2FN[act]` with torch's rounding points for 16-bit tensors: activations that
 /// transformers writes as Python expressions (`gelu_new`, `gelu_fast`, `quick_gelu`) round after
@@ -48,29 +56,78 @@ pub(crate) fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
     })
 }
 
-/// Reads integer ids `[B, L]` to the host, checking the rank, dtype and range `0..vocab_size`.
-pub(crate) fn read_input_ids(component: &str, input_ids: &Tensor, vocab_size: usize) -> Result<Vec<i64>> {
-    let bad = |message: String| Error::Config {
-        component: component.to_string(),
-        message,
-    };
+/// Checks that `input_ids` is a non-empty `[B, L]` tensor of integer ids (from its shape and
+/// dtype only, so it also holds for a traced value).
+pub(crate) fn check_input_ids(component: &str, input_ids: &Tensor) -> Result<()> {
     if input_ids.rank() != 2 || !matches!(input_ids.dtype(), DType::I64 | DType::I32 | DType::U32) {
-        return Err(bad(format!(
-            "input_ids must be integer token ids of shape [batch, seq_len], got {} {}",
-            input_ids.shape(),
-            input_ids.dtype()
-        )));
+        return Err(config_error(
+            component,
+            format!(
+                "input_ids must be integer token ids of shape [batch, seq_len], got {} {}",
+                input_ids.shape(),
+                input_ids.dtype()
+            ),
+        ));
     }
     if input_ids.numel() == 0 {
-        return Err(bad(format!("input_ids {} is empty", input_ids.shape())));
+        return Err(config_error(
+            component,
+            format!("input_ids {} is empty", input_ids.shape()),
+        ));
     }
+    Ok(())
+}
+
+/// Checks the host copy `host_ids` of `input_ids`: one id per element, each in `0..vocab_size`
+/// (the device gather would clamp an id outside the table instead of failing).
+pub(crate) fn check_host_ids(component: &str, input_ids: &Tensor, host_ids: &[i64], vocab_size: usize) -> Result<()> {
+    check_input_ids(component, input_ids)?;
+    if host_ids.len() != input_ids.numel() {
+        return Err(config_error(
+            component,
+            format!(
+                "{} host token ids given for input_ids of shape {}",
+                host_ids.len(),
+                input_ids.shape()
+            ),
+        ));
+    }
+    if let Some(&id) = host_ids.iter().find(|&&id| id < 0 || id as u64 >= vocab_size as u64) {
+        return Err(config_error(
+            component,
+            format!(
+                "token id {id} is outside the vocabulary 0..{vocab_size}; the tokenizer and the model do not match"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Reads integer ids `[B, L]` to the host, checking the rank, dtype and range `0..vocab_size`.
+pub(crate) fn read_input_ids(component: &str, input_ids: &Tensor, vocab_size: usize) -> Result<Vec<i64>> {
+    check_input_ids(component, input_ids)?;
     let ids = input_ids.to_dtype(DType::I64)?.to_vec::<i64>()?;
-    if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= vocab_size as u64) {
-        return Err(bad(format!(
-            "token id {id} is outside the vocabulary 0..{vocab_size}; the tokenizer and the model do not match"
-        )));
-    }
+    check_host_ids(component, input_ids, &ids, vocab_size)?;
     Ok(ids)
+}
+
+/// The error host-side wrappers return when handed a traced value: they would freeze the host
+/// facts of the first call into the program.
+pub(crate) fn traced_input_error(component: &str, wrapper: &str, traceable: &str) -> Error {
+    config_error(
+        component,
+        format!(
+            "{wrapper} needs concrete input_ids (it prepares inputs on the host); inside a compiled function call \
+             {traceable} with inputs prepared outside it"
+        ),
+    )
+}
+
+fn config_error(component: &str, message: String) -> Error {
+    Error::Config {
+        component: component.to_string(),
+        message,
+    }
 }
 
 /// `CLIPAttention`: multi-head self-attention with q/k/v/out projections (all with bias).
@@ -83,6 +140,13 @@ struct ClipAttention {
     num_heads: usize,
     head_dim: usize,
 }
+
+impl_module!(ClipAttention {
+    q_proj: "q_proj",
+    k_proj: "k_proj",
+    v_proj: "v_proj",
+    out_proj: "out_proj",
+});
 
 impl ClipAttention {
     fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
@@ -119,6 +183,8 @@ struct ClipMlp {
     act: Activation,
 }
 
+impl_module!(ClipMlp { fc1: "fc1", fc2: "fc2" });
+
 impl ClipMlp {
     fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
         Ok(ClipMlp {
@@ -141,6 +207,13 @@ struct ClipEncoderLayer {
     layer_norm2: LayerNorm,
     mlp: ClipMlp,
 }
+
+impl_module!(ClipEncoderLayer {
+    layer_norm1: "layer_norm1",
+    self_attn: "self_attn",
+    layer_norm2: "layer_norm2",
+    mlp: "mlp",
+});
 
 impl ClipEncoderLayer {
     fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
@@ -184,11 +257,58 @@ pub struct ClipTextOutput {
 pub struct ClipTextModel {
     config: ClipTextConfig,
     component: String,
+    /// `text_model`, or empty for files that store the text tower unprefixed (transformers 5).
+    prefix: &'static str,
     token_embedding: Embedding,
     position_embedding: Embedding,
     layers: Vec<ClipEncoderLayer>,
     final_layer_norm: LayerNorm,
     text_projection: Option<Linear>,
+    compile_mode: CompileMode,
+    programs: Arc<Programs>,
+}
+
+/// Every weight under its name in the checkpoint the model was loaded from (with or without the
+/// `text_model.` prefix, as that file has it). Nothing else is kept: positions are `0..L` and the
+/// legacy `embeddings.position_ids` buffer is not loaded.
+impl Module for ClipTextModel {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        let name = |n: &str| join_name(self.prefix, n);
+        visit_child(&name("embeddings.token_embedding"), &self.token_embedding, f);
+        visit_child(&name("embeddings.position_embedding"), &self.position_embedding, f);
+        visit_child(&name("encoder.layers"), &self.layers, f);
+        visit_child(&name("final_layer_norm"), &self.final_layer_norm, f);
+        visit_child("text_projection", &self.text_projection, f);
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        let name = |n: &str| join_name(self.prefix, n);
+        map_child(&name("embeddings.token_embedding"), &mut self.token_embedding, f)?;
+        map_child(&name("embeddings.position_embedding"), &mut self.position_embedding, f)?;
+        map_child(&name("encoder.layers"), &mut self.layers, f)?;
+        map_child(&name("final_layer_norm"), &mut self.final_layer_norm, f)?;
+        map_child("text_projection", &mut self.text_projection, f)
+    }
+}
+
+/// The compiled functions of one CLIP text model (each keeps a program per input signature).
+#[derive(Debug)]
+struct Programs {
+    /// The whole forward, without and with every hidden state among the results.
+    full: [CompiledFunction; 2],
+    /// One encoder layer, called for every layer with its weights.
+    layer: CompiledFunction,
+}
+
+impl Programs {
+    fn new(component: &str) -> Arc<Programs> {
+        Arc::new(Programs {
+            full: [
+                CompiledFunction::new(component),
+                CompiledFunction::new(format!("{component}.with_hidden_states")),
+            ],
+            layer: CompiledFunction::new(format!("{component}.encoder.layers")),
+        })
+    }
 }
 
 impl ClipTextModel {
@@ -207,10 +327,15 @@ impl ClipTextModel {
             });
         }
         let d = config.hidden_size;
-        let w = if weights.contains("text_model.embeddings.token_embedding.weight") {
-            weights.pp("text_model")
+        let prefix = if weights.contains("text_model.embeddings.token_embedding.weight") {
+            "text_model"
         } else {
+            ""
+        };
+        let w = if prefix.is_empty() {
             weights.clone()
+        } else {
+            weights.pp(prefix)
         };
         // A buffer that old checkpoints saved; positions are always 0..L.
         w.mark_used("embeddings.position_ids");
@@ -226,7 +351,9 @@ impl ClipTextModel {
         };
         Ok(ClipTextModel {
             config: config.clone(),
+            programs: Programs::new(&component),
             component,
+            prefix,
             token_embedding: Embedding::load(&w.pp("embeddings.token_embedding"), config.vocab_size, d)?,
             position_embedding: Embedding::load(
                 &w.pp("embeddings.position_embedding"),
@@ -236,6 +363,7 @@ impl ClipTextModel {
             layers,
             final_layer_norm: LayerNorm::load(&w.pp("final_layer_norm"), d, config.layer_norm_eps)?,
             text_projection,
+            compile_mode: CompileMode::None,
         })
     }
 
@@ -248,41 +376,140 @@ impl ClipTextModel {
         self.text_projection.is_some()
     }
 
+    /// Runs the forward as compiled programs from now on — [`CompileMode::Full`]: the whole
+    /// forward as one program; [`CompileMode::RepeatedBlocks`]: one program for the encoder layer,
+    /// called for every layer with its weights, the embeddings, final norm and pooling op by op —
+    /// or op by op again ([`CompileMode::None`]). Programs are compiled on the first call with each
+    /// input shape (and each `output_hidden_states`) and kept, also by clones of this model.
+    pub fn compile(&mut self, mode: CompileMode) {
+        self.compile_mode = mode;
+    }
+
+    pub fn compile_mode(&self) -> CompileMode {
+        self.compile_mode
+    }
+
     /// Encodes token ids `[B, L]` (integer, `L ≤ max_position_embeddings`), with no attention mask.
+    /// Reads the ids back to the host to find the pooled positions; a caller that has the ids on
+    /// the host already calls [`Self::forward_with_host_ids`] instead.
     pub fn forward(&self, input_ids: &Tensor, output_hidden_states: bool) -> Result<ClipTextOutput> {
         let ids = read_input_ids(&self.component, input_ids, self.config.vocab_size)?;
+        self.forward_with_host_ids(input_ids, &ids, output_hidden_states)
+    }
+
+    /// [`Self::forward`] for a caller that has the token ids on the host too: `host_ids` are the
+    /// values of `input_ids` (row-major, `B·L` of them, as the tokenizer returned them). They are
+    /// checked against the vocabulary and give the pooled rows; nothing is read from the device.
+    pub fn forward_with_host_ids(
+        &self,
+        input_ids: &Tensor,
+        host_ids: &[i64],
+        output_hidden_states: bool,
+    ) -> Result<ClipTextOutput> {
+        check_host_ids(&self.component, input_ids, host_ids, self.config.vocab_size)?;
+        if input_ids.is_traced() {
+            return Err(traced_input_error(
+                &self.component,
+                "ClipTextModel::forward_with_host_ids",
+                "ClipTextModel::forward_with_pooled_rows",
+            ));
+        }
         let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
+        self.check_seq_len(l)?;
+        let rows = Tensor::from_slice(&self.pooled_rows(host_ids, l), [b], input_ids.device())?;
+        self.forward_with_pooled_rows(input_ids, &rows, output_hidden_states)
+    }
+
+    /// The row of the flattened `[B·L, hidden]` `last_hidden_state` that is each prompt's pooled
+    /// output (`b·L + ` [`pooled_position`] of row b), for [`Self::forward_with_pooled_rows`].
+    /// `host_ids` holds `B` rows of `seq_len` ids.
+    pub fn pooled_rows(&self, host_ids: &[i64], seq_len: usize) -> Vec<i64> {
+        host_ids
+            .chunks_exact(seq_len.max(1))
+            .enumerate()
+            .map(|(row, row_ids)| (row * seq_len + pooled_position(row_ids, self.config.eos_token_id)) as i64)
+            .collect()
+    }
+
+    /// The forward on device data only (it runs unchanged inside a compiled function):
+    /// `pooled_rows` `[B]` (integer) holds [`Self::pooled_rows`]. Ids are not range-checked here
+    /// (the device gather clamps them); [`Self::forward_with_host_ids`] checks them.
+    pub fn forward_with_pooled_rows(
+        &self,
+        input_ids: &Tensor,
+        pooled_rows: &Tensor,
+        output_hidden_states: bool,
+    ) -> Result<ClipTextOutput> {
+        check_input_ids(&self.component, input_ids)?;
+        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
+        self.check_seq_len(l)?;
+        if pooled_rows.dims() != [b] || !matches!(pooled_rows.dtype(), DType::I64 | DType::I32 | DType::U32) {
+            return Err(config_error(
+                &self.component,
+                format!(
+                    "pooled_rows must be {b} integer row indices (one per prompt), got {} {}",
+                    pooled_rows.shape(),
+                    pooled_rows.dtype()
+                ),
+            ));
+        }
+        if self.compile_mode != CompileMode::Full {
+            return self.forward_graph(input_ids, pooled_rows, output_hidden_states);
+        }
+        let program = &self.programs.full[usize::from(output_hidden_states)];
+        let args = [input_ids.clone(), pooled_rows.clone()];
+        let out = call_compiled(program, self, &args, |m, t| {
+            m.forward_graph(&t[0], &t[1], output_hidden_states)
+                .map(ClipTextOutput::into_vec)
+        })?;
+        Ok(ClipTextOutput::from_vec(out, self.has_projection()))
+    }
+
+    fn check_seq_len(&self, l: usize) -> Result<()> {
         if l > self.config.max_position_embeddings {
-            return Err(Error::Config {
-                component: self.component.clone(),
-                message: format!(
+            return Err(config_error(
+                &self.component,
+                format!(
                     "input_ids has {l} tokens but max_position_embeddings is {}; truncate to that length",
                     self.config.max_position_embeddings
                 ),
-            });
+            ));
         }
+        Ok(())
+    }
+
+    /// The forward's ops, with each layer compiled on its own in [`CompileMode::RepeatedBlocks`].
+    fn forward_graph(
+        &self,
+        input_ids: &Tensor,
+        pooled_rows: &Tensor,
+        output_hidden_states: bool,
+    ) -> Result<ClipTextOutput> {
+        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
         let positions = self.position_embedding.weight.narrow(0, 0, l)?; // [l, d]
         let mut hidden_states = self.token_embedding.forward(input_ids)?.add(&positions)?; // [b, l, d]
+        let per_layer = self.compile_mode == CompileMode::RepeatedBlocks;
         let mut all_hidden_states = Vec::new();
         for layer in &self.layers {
             if output_hidden_states {
                 all_hidden_states.push(hidden_states.clone());
             }
-            hidden_states = layer.forward(&hidden_states)?;
+            hidden_states = if per_layer {
+                let mut out = call_compiled(&self.programs.layer, layer, &[hidden_states], |layer, t| {
+                    Ok(vec![layer.forward(&t[0])?])
+                })?;
+                out.remove(0)
+            } else {
+                layer.forward(&hidden_states)?
+            };
         }
         if output_hidden_states {
             all_hidden_states.push(hidden_states.clone());
         }
         let last_hidden_state = self.final_layer_norm.forward(&hidden_states)?;
 
-        let rows: Vec<i64> = ids
-            .chunks_exact(l)
-            .enumerate()
-            .map(|(row, row_ids)| (row * l + pooled_position(row_ids, self.config.eos_token_id)) as i64)
-            .collect();
-        let rows = Tensor::from_slice(&rows, [b], last_hidden_state.device())?;
         let d = self.config.hidden_size;
-        let pooler_output = last_hidden_state.reshape([b * l, d])?.index_select(0, &rows)?; // [b, d]
+        let pooler_output = last_hidden_state.reshape([b * l, d])?.index_select(0, pooled_rows)?; // [b, d]
         let text_embeds = match &self.text_projection {
             Some(projection) => Some(projection.forward(&pooler_output)?),
             None => None,
@@ -293,6 +520,31 @@ impl ClipTextModel {
             text_embeds,
             hidden_states: all_hidden_states,
         })
+    }
+}
+
+impl ClipTextOutput {
+    /// `[last_hidden_state, pooler_output, text_embeds?, hidden_states...]`: a compiled program's
+    /// results.
+    fn into_vec(self) -> Vec<Tensor> {
+        let mut v = vec![self.last_hidden_state, self.pooler_output];
+        v.extend(self.text_embeds);
+        v.extend(self.hidden_states);
+        v
+    }
+
+    fn from_vec(v: Vec<Tensor>, has_projection: bool) -> Self {
+        let mut it = v.into_iter();
+        let mut next = || it.next().expect("the program returns the outputs it was traced with");
+        let last_hidden_state = next();
+        let pooler_output = next();
+        let text_embeds = has_projection.then(&mut next);
+        ClipTextOutput {
+            last_hidden_state,
+            pooler_output,
+            text_embeds,
+            hidden_states: it.collect(),
+        }
     }
 }
 

@@ -9,12 +9,20 @@
 //! weight dtype, then times the weight); `gelu_new` rounds after every op; in fp16 every
 //! `DenseReluDense.wo` stays f32 (`_keep_in_fp32_modules`), which makes the residual stream f32
 //! from the first feed-forward on, and fp16 hidden states are clamped to the finite range.
+//!
+//! The forward reads nothing back from the device and creates no tensor from host data: the
+//! relative-position bucket of every (query, key) pair depends only on the sequence length and is
+//! computed on the host before the forward ([`T5EncoderModel::position_buckets`]), so the same
+//! code runs op by op or compiled ([`T5EncoderModel::compile`]).
+
+use std::sync::Arc;
 
 use kiln_io::{Activation, T5Config};
-use kiln_nn::{Embedding, Error, Linear, Result, Weights};
-use kiln_tensor::{AttentionMask, DType, Tensor};
+use kiln_nn::module::{map_child, visit_child};
+use kiln_nn::{call_compiled, impl_module, CompileMode, Embedding, Error, Linear, Module, Result, Weights};
+use kiln_tensor::{AttentionMask, CompiledFunction, DType, Device, Tensor};
 
-use crate::clip::{activation, read_input_ids};
+use crate::clip::{activation, check_host_ids, check_input_ids, read_input_ids, traced_input_error};
 
 /// `T5LayerNorm`: `weight * x / sqrt(mean(x²) + eps)`, no mean subtraction and no bias.
 #[derive(Clone, Debug)]
@@ -22,6 +30,8 @@ struct T5LayerNorm {
     weight: Tensor,
     eps: f64,
 }
+
+impl_module!(T5LayerNorm { weight: "weight" });
 
 impl T5LayerNorm {
     fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
@@ -51,6 +61,13 @@ struct T5Attention {
     n_heads: usize,
     d_kv: usize,
 }
+
+impl_module!(T5Attention {
+    q: "q",
+    k: "k",
+    v: "v",
+    o: "o",
+});
 
 impl T5Attention {
     fn load(w: &Weights, config: &T5Config) -> Result<Self> {
@@ -92,7 +109,29 @@ struct T5DenseReluDense {
     act: Activation,
 }
 
+/// `wi_0`, `wi_1`, `wo` when gated; `wi`, `wo` otherwise.
+impl Module for T5DenseReluDense {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        visit_child(self.wi_name(), &self.wi, f);
+        visit_child("wi_1", &self.wi_1, f);
+        visit_child("wo", &self.wo, f);
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        map_child(self.wi_name(), &mut self.wi, f)?;
+        map_child("wi_1", &mut self.wi_1, f)?;
+        map_child("wo", &mut self.wo, f)
+    }
+}
+
 impl T5DenseReluDense {
+    fn wi_name(&self) -> &'static str {
+        if self.wi_1.is_some() {
+            "wi_0"
+        } else {
+            "wi"
+        }
+    }
+
     fn load(w: &Weights, config: &T5Config) -> Result<Self> {
         let (d, ff) = (config.d_model, config.d_ff);
         let (wi, wi_1) = if config.is_gated_act() {
@@ -136,6 +175,13 @@ struct T5Block {
     dense_relu_dense: T5DenseReluDense,
 }
 
+impl_module!(T5Block {
+    attention_norm: "layer.0.layer_norm",
+    self_attention: "layer.0.SelfAttention",
+    ff_norm: "layer.1.layer_norm",
+    dense_relu_dense: "layer.1.DenseReluDense",
+});
+
 impl T5Block {
     fn load(w: &Weights, config: &T5Config) -> Result<Self> {
         let (d, eps) = (config.d_model, config.layer_norm_epsilon);
@@ -171,17 +217,12 @@ fn clamp_fp16(x: &Tensor) -> Result<Tensor> {
     if x.dtype() != DType::F16 {
         return Ok(x.clone());
     }
-    let device = x.device();
+    // Scalars created from `x` (not from a device), so they are part of a compiled program.
+    let scalar = |value: f64| x.new_full(value, [], DType::F16);
     let all: Vec<isize> = (0..x.rank() as isize).collect();
-    let any_inf = x
-        .abs()?
-        .max(&all, false)?
-        .eq(&Tensor::scalar(f64::INFINITY, DType::F16, device)?)?;
+    let any_inf = x.abs()?.max(&all, false)?.eq(&scalar(f64::INFINITY)?)?;
     let max = f64::from(kiln_tensor::f16::MAX);
-    let limit = any_inf.where_cond(
-        &Tensor::scalar(max - 1000.0, DType::F16, device)?,
-        &Tensor::scalar(max, DType::F16, device)?,
-    )?;
+    let limit = any_inf.where_cond(&scalar(max - 1000.0)?, &scalar(max)?)?;
     Ok(x.maximum(&limit.neg()?)?.minimum(&limit)?)
 }
 
@@ -218,11 +259,58 @@ pub struct T5EncoderOutput {
 pub struct T5EncoderModel {
     config: T5Config,
     component: String,
+    /// Where the checkpoint keeps the token embedding: `shared` or its tied alias
+    /// `encoder.embed_tokens`.
+    embedding_name: &'static str,
     shared: Embedding,
     /// `encoder.block.0.layer.0.SelfAttention.relative_attention_bias` `[num_buckets, n_heads]`.
     relative_attention_bias: Embedding,
     block: Vec<T5Block>,
     final_layer_norm: T5LayerNorm,
+    compile_mode: CompileMode,
+    programs: Arc<Programs>,
+}
+
+/// Every weight under its name in the checkpoint the model was loaded from (the token embedding
+/// under the one of its two tied names that was read). Nothing else is kept: the bucket table
+/// is built per call from the sequence length.
+impl Module for T5EncoderModel {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        visit_child(self.embedding_name, &self.shared, f);
+        visit_child(RELATIVE_ATTENTION_BIAS, &self.relative_attention_bias, f);
+        visit_child("encoder.block", &self.block, f);
+        visit_child("encoder.final_layer_norm", &self.final_layer_norm, f);
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        map_child(self.embedding_name, &mut self.shared, f)?;
+        map_child(RELATIVE_ATTENTION_BIAS, &mut self.relative_attention_bias, f)?;
+        map_child("encoder.block", &mut self.block, f)?;
+        map_child("encoder.final_layer_norm", &mut self.final_layer_norm, f)
+    }
+}
+
+/// Block 0's bucket table, which every block uses.
+const RELATIVE_ATTENTION_BIAS: &str = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias";
+
+/// The compiled functions of one T5 encoder (each keeps a program per input signature).
+#[derive(Debug)]
+struct Programs {
+    /// The whole forward, without and with every hidden state among the results.
+    full: [CompiledFunction; 2],
+    /// One `T5Block`, called for every block with its weights.
+    block: CompiledFunction,
+}
+
+impl Programs {
+    fn new(component: &str) -> Arc<Programs> {
+        Arc::new(Programs {
+            full: [
+                CompiledFunction::new(component),
+                CompiledFunction::new(format!("{component}.with_hidden_states")),
+            ],
+            block: CompiledFunction::new(format!("{component}.encoder.block")),
+        })
+    }
 }
 
 impl T5EncoderModel {
@@ -250,16 +338,17 @@ impl T5EncoderModel {
             });
         }
         let (vocab, d) = (config.vocab_size, config.d_model);
-        let shared = if weights.contains("shared.weight") || !weights.contains("encoder.embed_tokens.weight") {
+        let embedding_name = if weights.contains("shared.weight") || !weights.contains("encoder.embed_tokens.weight") {
             // The tied alias, when a checkpoint stores it too, is the same matrix.
             weights.mark_used("encoder.embed_tokens.weight");
-            Embedding::load(&weights.pp("shared"), vocab, d)?
+            "shared"
         } else {
-            Embedding::load(&weights.pp("encoder.embed_tokens"), vocab, d)?
+            "encoder.embed_tokens"
         };
+        let shared = Embedding::load(&weights.pp(embedding_name), vocab, d)?;
         let encoder = weights.pp("encoder");
         let relative_attention_bias = Embedding::load(
-            &encoder.pp("block.0.layer.0.SelfAttention.relative_attention_bias"),
+            &weights.pp(RELATIVE_ATTENTION_BIAS),
             config.relative_attention_num_buckets,
             config.num_heads,
         )?;
@@ -268,11 +357,14 @@ impl T5EncoderModel {
             .collect::<Result<_>>()?;
         Ok(T5EncoderModel {
             config: config.clone(),
+            programs: Programs::new(&component),
             component,
+            embedding_name,
             shared,
             relative_attention_bias,
             block,
             final_layer_norm: T5LayerNorm::load(&encoder.pp("final_layer_norm"), d, config.layer_norm_epsilon)?,
+            compile_mode: CompileMode::None,
         })
     }
 
@@ -280,9 +372,25 @@ impl T5EncoderModel {
         &self.config
     }
 
-    /// The additive attention bias `[1, n_heads, L, L]` in the model dtype: bucket indices are
-    /// computed on the host, the table rows are gathered on the device.
-    pub fn position_bias(&self, seq_len: usize) -> Result<Tensor> {
+    /// Runs the forward as compiled programs from now on — [`CompileMode::Full`]: the whole
+    /// forward as one program; [`CompileMode::RepeatedBlocks`]: one program for the `T5Block`,
+    /// called for every block with its weights, the embedding, position bias and final norm op by
+    /// op — or op by op again ([`CompileMode::None`]). Programs are compiled on the first call
+    /// with each input shape (and each `output_hidden_states`) and kept, also by clones of this
+    /// model. In fp16 the residual stream turns f32 after block 0, so blocks compile twice.
+    pub fn compile(&mut self, mode: CompileMode) {
+        self.compile_mode = mode;
+    }
+
+    pub fn compile_mode(&self) -> CompileMode {
+        self.compile_mode
+    }
+
+    /// The bucket indices `[L, L]` (i64, `[query, key]`) of the relative-position bias for
+    /// sequence length `seq_len`, created on `device`: they depend on the length only, so the
+    /// caller creates them once, outside any compiled function (see
+    /// [`Self::forward_with_position_buckets`]).
+    pub fn position_buckets(&self, seq_len: usize, device: &Device) -> Result<Tensor> {
         let (buckets, max_distance) = (
             self.config.relative_attention_num_buckets,
             self.config.relative_attention_max_distance,
@@ -292,28 +400,117 @@ impl T5EncoderModel {
                 (0..seq_len as i64).map(move |key| relative_position_bucket(key - query, buckets, max_distance) as i64)
             })
             .collect();
-        let table = &self.relative_attention_bias.weight;
-        let indices = Tensor::from_slice(&indices, [seq_len * seq_len], table.device())?;
-        let values = table.index_select(0, &indices)?; // [l * l, h]
+        Ok(Tensor::from_slice(&indices, [seq_len, seq_len], device)?)
+    }
+
+    /// The additive attention bias `[1, n_heads, L, L]` in the model dtype, on the weights' device.
+    pub fn position_bias(&self, seq_len: usize) -> Result<Tensor> {
+        let buckets = self.position_buckets(seq_len, self.relative_attention_bias.weight.device())?;
+        self.position_bias_from_buckets(&buckets)
+    }
+
+    /// Gathers the table rows of `buckets` `[L, L]` into the bias `[1, n_heads, L, L]`.
+    fn position_bias_from_buckets(&self, buckets: &Tensor) -> Result<Tensor> {
+        let seq_len = buckets.dims()[0];
+        let values = self.relative_attention_bias.forward(buckets)?; // [l, l, h]
         let heads = self.config.num_heads;
-        Ok(values
-            .reshape([seq_len, seq_len, heads])?
-            .permute(&[2, 0, 1])?
-            .reshape([1, heads, seq_len, seq_len])?)
+        Ok(values.permute(&[2, 0, 1])?.reshape([1, heads, seq_len, seq_len])?)
     }
 
     /// Encodes token ids `[B, L]` (integer), with no attention mask: padding tokens are attended
-    /// to, as the FLUX and SD3 pipelines call it.
+    /// to, as the FLUX and SD3 pipelines call it. Reads the ids back to the host to check them
+    /// against the vocabulary; a caller that has them on the host already calls
+    /// [`Self::forward_with_host_ids`] instead.
     pub fn forward(&self, input_ids: &Tensor, output_hidden_states: bool) -> Result<T5EncoderOutput> {
-        read_input_ids(&self.component, input_ids, self.config.vocab_size)?;
-        let position_bias = self.position_bias(input_ids.dims()[1])?;
+        let ids = read_input_ids(&self.component, input_ids, self.config.vocab_size)?;
+        self.forward_with_host_ids(input_ids, &ids, output_hidden_states)
+    }
+
+    /// [`Self::forward`] for a caller that has the token ids on the host too: `host_ids` are the
+    /// values of `input_ids` (row-major, `B·L` of them), checked against the vocabulary; nothing is
+    /// read from the device.
+    pub fn forward_with_host_ids(
+        &self,
+        input_ids: &Tensor,
+        host_ids: &[i64],
+        output_hidden_states: bool,
+    ) -> Result<T5EncoderOutput> {
+        check_host_ids(&self.component, input_ids, host_ids, self.config.vocab_size)?;
+        if input_ids.is_traced() {
+            return Err(traced_input_error(
+                &self.component,
+                "T5EncoderModel::forward_with_host_ids",
+                "T5EncoderModel::forward_with_position_buckets",
+            ));
+        }
+        let buckets = self.position_buckets(input_ids.dims()[1], input_ids.device())?;
+        self.forward_with_position_buckets(input_ids, &buckets, output_hidden_states)
+    }
+
+    /// The forward on device data only (it runs unchanged inside a compiled function):
+    /// `position_buckets` `[L, L]` is [`Self::position_buckets`] for `input_ids`' length. Ids
+    /// are not range-checked here (the device gather clamps them); [`Self::forward_with_host_ids`]
+    /// checks them.
+    pub fn forward_with_position_buckets(
+        &self,
+        input_ids: &Tensor,
+        position_buckets: &Tensor,
+        output_hidden_states: bool,
+    ) -> Result<T5EncoderOutput> {
+        check_input_ids(&self.component, input_ids)?;
+        let l = input_ids.dims()[1];
+        if position_buckets.dims() != [l, l] || !matches!(position_buckets.dtype(), DType::I64 | DType::I32) {
+            return Err(Error::Config {
+                component: self.component.clone(),
+                message: format!(
+                    "position_buckets must be the [{l}, {l}] integer bucket table of the input length, got {} {}",
+                    position_buckets.shape(),
+                    position_buckets.dtype()
+                ),
+            });
+        }
+        if self.compile_mode != CompileMode::Full {
+            return self.forward_graph(input_ids, position_buckets, output_hidden_states);
+        }
+        let program = &self.programs.full[usize::from(output_hidden_states)];
+        let args = [input_ids.clone(), position_buckets.clone()];
+        let mut out = call_compiled(program, self, &args, |m, t| {
+            let out = m.forward_graph(&t[0], &t[1], output_hidden_states)?;
+            let mut v = vec![out.last_hidden_state];
+            v.extend(out.hidden_states);
+            Ok(v)
+        })?;
+        let last_hidden_state = out.remove(0);
+        Ok(T5EncoderOutput {
+            last_hidden_state,
+            hidden_states: out,
+        })
+    }
+
+    /// The forward's ops, with each block compiled on its own in [`CompileMode::RepeatedBlocks`].
+    fn forward_graph(
+        &self,
+        input_ids: &Tensor,
+        position_buckets: &Tensor,
+        output_hidden_states: bool,
+    ) -> Result<T5EncoderOutput> {
+        let position_bias = self.position_bias_from_buckets(position_buckets)?;
         let mut hidden_states = self.shared.forward(input_ids)?; // [b, l, d_model]
+        let per_block = self.compile_mode == CompileMode::RepeatedBlocks;
         let mut all_hidden_states = Vec::new();
         for block in &self.block {
             if output_hidden_states {
                 all_hidden_states.push(hidden_states.clone());
             }
-            hidden_states = block.forward(&hidden_states, &position_bias)?;
+            hidden_states = if per_block {
+                let args = [hidden_states, position_bias.clone()];
+                let mut out = call_compiled(&self.programs.block, block, &args, |block, t| {
+                    Ok(vec![block.forward(&t[0], &t[1])?])
+                })?;
+                out.remove(0)
+            } else {
+                block.forward(&hidden_states, &position_bias)?
+            };
         }
         let last_hidden_state = self.final_layer_norm.forward(&hidden_states)?;
         if output_hidden_states {

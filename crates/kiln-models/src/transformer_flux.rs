@@ -4,9 +4,15 @@
 //!
 //! Layout inside attention is heads-first `[batch, heads, seq, head_dim]`, text tokens first.
 
+use std::sync::Arc;
+
 use kiln_io::FluxTransformer2DConfig;
-use kiln_nn::{rope_tables, Error, LayerNorm, Linear, Result, RmsNorm, RopeTables, Weights};
-use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
+use kiln_nn::module::{map_child, visit_child};
+use kiln_nn::{
+    call_compiled, impl_module, rope_tables, CompileMode, Error, LayerNorm, Linear, Module, Result, RmsNorm,
+    RopeTables, Weights,
+};
+use kiln_tensor::{AttentionMask, CompiledFunction, DType, Device, RopeLayout, Tensor};
 
 /// `get_timestep_embedding` frequencies for a 256-d sinusoid (`flip_sin_to_cos=True`,
 /// `downscale_freq_shift=0`), computed in f32 op by op as torch does.
@@ -39,6 +45,11 @@ impl Mlp {
     }
 }
 
+impl_module!(Mlp {
+    linear_1: "linear_1",
+    linear_2: "linear_2"
+});
+
 /// `CombinedTimestep(Guidance)TextProjEmbeddings`.
 #[derive(Clone, Debug)]
 struct TimeTextEmbed {
@@ -67,6 +78,15 @@ impl TimeTextEmbed {
     }
 }
 
+// `frequencies` is kiln's precomputed sinusoid table (not a checkpoint tensor); it is walked so
+// that it moves and is passed like every weight.
+impl_module!(TimeTextEmbed {
+    frequencies: "time_proj.frequencies",
+    timestep_embedder: "timestep_embedder",
+    guidance_embedder: "guidance_embedder",
+    text_embedder: "text_embedder",
+});
+
 /// `x·(1 + scale) + shift` with `[B, D]` scale/shift broadcast over the sequence.
 fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
     let scale = scale.add_scalar(1.0)?.unsqueeze(1)?;
@@ -86,16 +106,38 @@ struct QkvProjection {
     v: Linear,
     norm_q: RmsNorm,
     norm_k: RmsNorm,
+    /// The weight names of q, k, v, norm_q, norm_k (the image and text streams differ).
+    names: [&'static str; 5],
+}
+
+impl Module for QkvProjection {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        let [q, k, v, nq, nk] = self.names;
+        visit_child(q, &self.q, f);
+        visit_child(k, &self.k, f);
+        visit_child(v, &self.v, f);
+        visit_child(nq, &self.norm_q, f);
+        visit_child(nk, &self.norm_k, f);
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        let [q, k, v, nq, nk] = self.names;
+        map_child(q, &mut self.q, f)?;
+        map_child(k, &mut self.k, f)?;
+        map_child(v, &mut self.v, f)?;
+        map_child(nq, &mut self.norm_q, f)?;
+        map_child(nk, &mut self.norm_k, f)
+    }
 }
 
 impl QkvProjection {
-    fn load(w: &Weights, names: [&str; 5], dim: usize, head_dim: usize) -> Result<Self> {
+    fn load(w: &Weights, names: [&'static str; 5], dim: usize, head_dim: usize) -> Result<Self> {
         Ok(QkvProjection {
             q: Linear::load(&w.pp(names[0]), dim, dim, true)?,
             k: Linear::load(&w.pp(names[1]), dim, dim, true)?,
             v: Linear::load(&w.pp(names[2]), dim, dim, true)?,
             norm_q: RmsNorm::load(&w.pp(names[3]), head_dim, 1e-6)?,
             norm_k: RmsNorm::load(&w.pp(names[4]), head_dim, 1e-6)?,
+            names,
         })
     }
 
@@ -137,6 +179,11 @@ impl FeedForward {
         self.proj_out.forward(&self.proj_in.forward(x)?.gelu_tanh()?)
     }
 }
+
+impl_module!(FeedForward {
+    proj_in: "net.0.proj",
+    proj_out: "net.2"
+});
 
 /// `FluxTransformerBlock`: the double-stream block.
 #[derive(Clone, Debug)]
@@ -207,6 +254,17 @@ impl FluxTransformerBlock {
     }
 }
 
+impl_module!(FluxTransformerBlock {
+    norm1: "norm1.linear",
+    norm1_context: "norm1_context.linear",
+    image: "attn",
+    text: "attn",
+    to_out: "attn.to_out.0",
+    to_add_out: "attn.to_add_out",
+    ff: "ff",
+    ff_context: "ff_context",
+});
+
 /// `FluxSingleTransformerBlock`: parallel attention + MLP on the joint sequence.
 #[derive(Clone, Debug)]
 struct FluxSingleTransformerBlock {
@@ -250,6 +308,13 @@ impl FluxSingleTransformerBlock {
     }
 }
 
+impl_module!(FluxSingleTransformerBlock {
+    norm: "norm.linear",
+    qkv: "attn",
+    proj_mlp: "proj_mlp",
+    proj_out: "proj_out",
+});
+
 /// The inputs of one transformer call, as `FluxPipeline` passes them.
 #[derive(Clone, Copy, Debug)]
 pub struct FluxTransformerInputs<'a> {
@@ -278,6 +343,36 @@ pub struct FluxTransformer2DModel {
     single_transformer_blocks: Vec<FluxSingleTransformerBlock>,
     norm_out: Linear,
     proj_out: Linear,
+    compile_mode: CompileMode,
+    programs: Arc<Programs>,
+}
+
+impl_module!(FluxTransformer2DModel {
+    x_embedder: "x_embedder",
+    context_embedder: "context_embedder",
+    time_text_embed: "time_text_embed",
+    transformer_blocks: "transformer_blocks",
+    single_transformer_blocks: "single_transformer_blocks",
+    norm_out: "norm_out.linear",
+    proj_out: "proj_out",
+});
+
+/// The compiled functions of one transformer (each keeps a program per input signature).
+#[derive(Debug)]
+struct Programs {
+    full: CompiledFunction,
+    double_block: CompiledFunction,
+    single_block: CompiledFunction,
+}
+
+impl Programs {
+    fn new() -> Arc<Programs> {
+        Arc::new(Programs {
+            full: CompiledFunction::new("transformer"),
+            double_block: CompiledFunction::new("transformer.transformer_blocks"),
+            single_block: CompiledFunction::new("transformer.single_transformer_blocks"),
+        })
+    }
 }
 
 impl FluxTransformer2DModel {
@@ -329,7 +424,21 @@ impl FluxTransformer2DModel {
             single_transformer_blocks,
             norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, true)?,
             proj_out: Linear::load(&w.pp("proj_out"), dim, config.out_channels(), true)?,
+            compile_mode: CompileMode::None,
+            programs: Programs::new(),
         })
+    }
+
+    /// Runs the forward as compiled programs from now on (`torch.compile(transformer)` for
+    /// [`CompileMode::Full`], `transformer.compile_repeated_blocks()` for
+    /// [`CompileMode::RepeatedBlocks`]) or op by op again ([`CompileMode::None`]). Programs are
+    /// compiled on the first call with each input shape and kept.
+    pub fn compile(&mut self, mode: CompileMode) {
+        self.compile_mode = mode;
+    }
+
+    pub fn compile_mode(&self) -> CompileMode {
+        self.compile_mode
     }
 
     pub fn config(&self) -> &FluxTransformer2DConfig {
@@ -345,17 +454,50 @@ impl FluxTransformer2DModel {
 
     /// Predicts the flow velocity `[B, S_img, out_channels]`.
     pub fn forward(&self, inputs: &FluxTransformerInputs<'_>) -> Result<Tensor> {
+        if self.config.guidance_embeds && inputs.guidance.is_none() {
+            return Err(Error::Config {
+                component: "transformer".into(),
+                message: "this model has guidance_embeds=true and needs a guidance value".into(),
+            });
+        }
+        if self.compile_mode != CompileMode::Full {
+            return self.forward_graph(inputs);
+        }
+        let mut args = vec![
+            inputs.hidden_states.clone(),
+            inputs.encoder_hidden_states.clone(),
+            inputs.pooled_projections.clone(),
+            inputs.timestep.clone(),
+            inputs.rope.cos.clone(),
+            inputs.rope.sin.clone(),
+        ];
+        args.extend(inputs.guidance.filter(|_| self.config.guidance_embeds).cloned());
+        let mut out = call_compiled(&self.programs.full, self, &args, |m, t| {
+            let rope = RopeTables {
+                cos: t[4].clone(),
+                sin: t[5].clone(),
+            };
+            let traced = FluxTransformerInputs {
+                hidden_states: &t[0],
+                encoder_hidden_states: &t[1],
+                pooled_projections: &t[2],
+                timestep: &t[3],
+                guidance: t.get(6),
+                rope: &rope,
+            };
+            Ok(vec![m.forward_graph(&traced)?])
+        })?;
+        Ok(out.remove(0))
+    }
+
+    /// The forward's ops, with each block compiled on its own in [`CompileMode::RepeatedBlocks`].
+    fn forward_graph(&self, inputs: &FluxTransformerInputs<'_>) -> Result<Tensor> {
         let x = inputs.hidden_states;
         let dtype = x.dtype();
-        let guidance = match (self.config.guidance_embeds, inputs.guidance) {
-            (true, None) => {
-                return Err(Error::Config {
-                    component: "transformer".into(),
-                    message: "this model has guidance_embeds=true and needs a guidance value".into(),
-                })
-            }
-            (true, Some(g)) => Some(g),
-            (false, _) => None,
+        let guidance = if self.config.guidance_embeds {
+            inputs.guidance
+        } else {
+            None
         };
         // diffusers: `timestep.to(dtype) * 1000` and `guidance.to(dtype) * 1000` in the model dtype.
         let t = inputs
@@ -370,16 +512,44 @@ impl FluxTransformer2DModel {
             .time_text_embed
             .forward(&t, g.as_ref(), inputs.pooled_projections)?;
         let temb_silu = temb.silu()?;
+        let rope = inputs.rope;
+        let per_block = self.compile_mode == CompileMode::RepeatedBlocks;
 
         let mut x = self.x_embedder.forward(x)?;
         let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?;
         for block in &self.transformer_blocks {
-            (ctx, x) = block.forward(&x, &ctx, &temb_silu, inputs.rope)?;
+            (ctx, x) = if per_block {
+                let args = [x, ctx, temb_silu.clone(), rope.cos.clone(), rope.sin.clone()];
+                let out = call_compiled(&self.programs.double_block, block, &args, |b, t| {
+                    let rope = RopeTables {
+                        cos: t[3].clone(),
+                        sin: t[4].clone(),
+                    };
+                    let (ctx, x) = b.forward(&t[0], &t[1], &t[2], &rope)?;
+                    Ok(vec![ctx, x])
+                })?;
+                let [ctx, x]: [Tensor; 2] = out.try_into().expect("the block program has two results");
+                (ctx, x)
+            } else {
+                block.forward(&x, &ctx, &temb_silu, rope)?
+            };
         }
         let text_len = ctx.dims()[1];
         let mut h = Tensor::cat(&[&ctx, &x], 1)?;
         for block in &self.single_transformer_blocks {
-            h = block.forward(&h, &temb_silu, inputs.rope)?;
+            h = if per_block {
+                let args = [h, temb_silu.clone(), rope.cos.clone(), rope.sin.clone()];
+                let mut out = call_compiled(&self.programs.single_block, block, &args, |b, t| {
+                    let rope = RopeTables {
+                        cos: t[2].clone(),
+                        sin: t[3].clone(),
+                    };
+                    Ok(vec![b.forward(&t[0], &t[1], &rope)?])
+                })?;
+                out.remove(0)
+            } else {
+                block.forward(&h, &temb_silu, rope)?
+            };
         }
         let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;
         // AdaLayerNormContinuous: scale first, then shift.

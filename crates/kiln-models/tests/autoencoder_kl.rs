@@ -5,15 +5,17 @@
 //! a smoke test: torch's bf16 kernels round in places XLA's do not, so it checks only that the
 //! output stays within a few bf16 steps of the golden.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use kiln_io::{load_config, AutoencoderKLConfig, Checkpoint};
 use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::Error;
-use kiln_nn::Weights;
+use kiln_nn::{CompileMode, Module, Weights};
 use kiln_rng::TorchGenerator;
-use kiln_tensor::{DType, Tensor};
+use kiln_tensor::{thread_op_cache_stats, DType, Tensor};
 use kiln_testing::{assert_close, device, goldens, max_abs_diff, oracle, Golden};
 
 const F32_ATOL: f32 = 1e-4;
@@ -279,4 +281,145 @@ fn without_mid_block_attention_its_weights_stay_unused() {
         unused.iter().all(|n| n.contains(".mid_block.attentions.0.")),
         "{unused:?}"
     );
+}
+
+/// `visit` names every checkpoint weight as the file does (`encoder.*`, `decoder.*`, the quant
+/// convs when the config has them), with its shape; `map` walks the same order. FLUX.1 and SD3
+/// weights, and a config without the mid-block attention (whose weights are then not loaded).
+#[test]
+fn module_walk_names_every_checkpoint_weight() {
+    for family in ["flux1", "sd3"] {
+        let dir = module_weights(family, "vae.decode");
+        let (mut vae, weights) = load_vae(&dir, DType::F32);
+        assert!(
+            weights.report().unused.is_empty(),
+            "{family}: unused {:?}",
+            weights.report().unused
+        );
+        let names = common::check_walk(&format!("{family} vae"), &mut vae, weights.checkpoint(), &[]);
+        for name in [
+            "decoder.up_blocks.0.resnets.1.conv1.weight",
+            "decoder.mid_block.attentions.0.to_out.0.weight",
+            "encoder.down_blocks.0.downsamplers.0.conv.weight",
+            "decoder.up_blocks.0.upsamplers.0.conv.bias",
+        ] {
+            assert!(names.iter().any(|n| n == name), "{family}: {name} not visited");
+        }
+    }
+
+    let dir = flux1_vae_dir();
+    let mut config: AutoencoderKLConfig = load_config(dir.join("config.json")).unwrap();
+    config.mid_block_add_attention = false;
+    let checkpoint = Checkpoint::open_component(&dir, "diffusion_pytorch_model").unwrap();
+    let weights = Weights::new(checkpoint, &device(), DType::F32, "vae");
+    let mut vae = AutoencoderKL::load(&config, &weights).unwrap();
+    let unused = weights.report().unused;
+    let skipped: Vec<&str> = unused.iter().map(String::as_str).collect();
+    assert!(
+        skipped.iter().all(|n| n.contains(".mid_block.attentions.0.")),
+        "{skipped:?}"
+    );
+    common::check_walk("vae without attention", &mut vae, weights.checkpoint(), &skipped);
+}
+
+/// Replacing every weight by a copy leaves decode and encode bit-identical; changing any one
+/// visited weight changes the output of the half that reads it.
+#[test]
+fn module_map_reaches_the_weights_the_forward_reads() {
+    let dev = device();
+    let dir = module_weights("flux1", "vae.decode");
+    let (vae, _) = load_vae(&dir, DType::F32);
+    let g = goldens(&oracle().join("modules/flux1/vae.safetensors"));
+    let (z, x) = (
+        g["vae.decode.input"].to_tensor(&dev),
+        g["vae.encode.input"].to_tensor(&dev),
+    );
+    let decoded = vae.decode(&z).unwrap();
+    let encoded = vae.encode(&x).unwrap();
+
+    let mut copy = vae.clone();
+    common::copy_weights(&mut copy);
+    common::assert_identical("decode", &copy.decode(&z).unwrap(), &decoded);
+    let copy_encoded = copy.encode(&x).unwrap();
+    common::assert_identical("encode mean", &copy_encoded.mean, &encoded.mean);
+    common::assert_identical("encode logvar", &copy_encoded.logvar, &encoded.logvar);
+
+    let mut names = Vec::new();
+    vae.visit(&mut |name, _| names.push(name.to_string()));
+    for name in &names {
+        let mut changed = vae.clone();
+        common::perturb(&mut changed, name);
+        let changes = if name.starts_with("encoder.") || name.starts_with("quant_conv.") {
+            let out = changed.encode(&x).unwrap();
+            common::differs(&out.mean, &encoded.mean) || common::differs(&out.logvar, &encoded.logvar)
+        } else {
+            common::differs(&changed.decode(&z).unwrap(), &decoded)
+        };
+        assert!(changes, "changing {name} does not change the output");
+    }
+}
+
+/// Decoding compiled whole or per ResNet gives the eager image (f32: within 1e-5 of max |x|), a
+/// second call compiles nothing, and weights moved by `map` reuse the programs.
+#[test]
+fn compiled_decode_matches_eager() {
+    let dev = device();
+    for family in ["flux1", "sd3"] {
+        let dir = module_weights(family, "vae.decode");
+        let (eager, _) = load_vae(&dir, DType::F32);
+        let g = goldens(&oracle().join("modules").join(family).join("vae.safetensors"));
+        let z = g["vae.decode.input"].to_tensor(&dev);
+        let want = eager.decode(&z).unwrap();
+        for mode in [CompileMode::Full, CompileMode::RepeatedBlocks] {
+            let tag = format!("{family} vae.decode {mode}");
+            let mut vae = eager.clone();
+            vae.compile(mode);
+            assert_eq!(vae.compile_mode(), mode);
+            let got = vae.decode(&z).unwrap();
+            common::check_compiled(&tag, &want, &got, 1e-5);
+
+            let before = thread_op_cache_stats();
+            let again = vae.decode(&z).unwrap();
+            common::assert_served_from_cache(&tag, &before, &thread_op_cache_stats());
+            common::assert_identical(&tag, &again, &got);
+
+            let mut moved = vae.clone();
+            common::copy_weights(&mut moved);
+            let before = thread_op_cache_stats();
+            let out = moved.decode(&z).unwrap();
+            common::assert_served_from_cache(&format!("{tag} moved weights"), &before, &thread_op_cache_stats());
+            common::assert_identical(&format!("{tag} moved weights"), &out, &got);
+
+            // Input checks still apply before the compiled program.
+            let wrong = Tensor::zeros([1, z.dims()[1] + 1, 4, 4], DType::F32, &dev).unwrap();
+            assert!(vae.decode(&wrong).is_err(), "{tag}: wrong channels accepted");
+        }
+    }
+}
+
+/// Another latent size compiles once more; the first size's programs are still used.
+#[test]
+fn compiled_decode_compiles_once_per_latent_shape() {
+    let dev = device();
+    let (eager, _) = load_vae(&flux1_vae_dir(), DType::F32);
+    let c = eager.config().latent_channels;
+    let values = |n: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0).collect() };
+    let small = Tensor::from_f32(&values(c * 16), DType::F32, [1, c, 4, 4], &dev).unwrap();
+    let wide = Tensor::from_f32(&values(c * 24), DType::F32, [1, c, 4, 6], &dev).unwrap();
+    let mut vae = eager.clone();
+    vae.compile(CompileMode::Full);
+    for z in [&small, &wide] {
+        let before = thread_op_cache_stats();
+        let got = vae.decode(z).unwrap();
+        assert_eq!(thread_op_cache_stats().since(&before).compiles, 1, "{}", z.shape());
+        common::check_compiled(
+            &format!("vae.decode full {}", z.shape()),
+            &eager.decode(z).unwrap(),
+            &got,
+            1e-5,
+        );
+    }
+    let before = thread_op_cache_stats();
+    vae.decode(&small).unwrap();
+    common::assert_served_from_cache("vae.decode full, first shape again", &before, &thread_op_cache_stats());
 }

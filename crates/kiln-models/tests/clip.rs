@@ -1,13 +1,15 @@
 //! CLIPTextModel / CLIPTextModelWithProjection against the oracle goldens.
 //! f32: `|a − b| ≤ 2e-4 + 1e-4·|b|` (oracle README, text encoders); bf16: max |Δ| ≤ 5 % of absmax.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use kiln_io::{load_config, Checkpoint, ClipTextConfig};
 use kiln_models::clip::{pooled_position, ClipTextModel};
-use kiln_nn::{Error, Weights};
-use kiln_tensor::{DType, Tensor};
+use kiln_nn::{CompileMode, Error, Module, Weights};
+use kiln_tensor::{thread_op_cache_stats, DType, Tensor};
 use kiln_testing::{assert_close, device, goldens, max_abs_diff, oracle, rel_max_diff, rms_diff, Golden};
 
 const ATOL: f32 = 2e-4;
@@ -355,4 +357,214 @@ fn rejects_bad_input_ids() {
         a.pooler_output.to_f32_vec().unwrap(),
         b.pooler_output.to_f32_vec().unwrap()
     );
+}
+
+/// `visit` names every checkpoint weight as the file does (`text_model.*`, or unprefixed plus
+/// `text_projection`), with its shape; `map` walks the same order; only the legacy
+/// `position_ids` buffer is left out.
+#[test]
+fn module_walk_names_every_checkpoint_weight() {
+    let dir = text_encoder_dir("pipelines/flux1_dev");
+    let config = config_of(&dir);
+    let (mut model, w) = load_dir(&dir, &config, DType::F32).unwrap();
+    assert!(w.report().unused.is_empty(), "unused weights: {:?}", w.report().unused);
+    let names = common::check_walk("clip", &mut model, w.checkpoint(), &[]);
+    assert_eq!(names[0], "text_model.embeddings.token_embedding.weight");
+    assert!(names.contains(&"text_model.encoder.layers.0.self_attn.q_proj.weight".to_string()));
+
+    // transformers-5 layout: no prefix, a stray `position_ids`, and the projection head.
+    let (d, p) = (config.hidden_size, 5);
+    let scratch = scratch_dir("clip-walk");
+    rewrite_checkpoint(
+        &dir.join("model.safetensors"),
+        &scratch,
+        |name| Some(name.strip_prefix("text_model.").unwrap_or(name).to_string()),
+        &[
+            ("text_projection.weight", vec![p, d], vec![0.5; p * d]),
+            ("embeddings.position_ids", vec![1, 4], vec![0.0, 1.0, 2.0, 3.0]),
+        ],
+    );
+    let with_projection = ClipTextConfig {
+        architectures: vec!["CLIPTextModelWithProjection".into()],
+        projection_dim: p,
+        ..config
+    };
+    let (mut model, w) = load_dir(&scratch, &with_projection, DType::F32).unwrap();
+    assert!(w.report().unused.is_empty(), "unused weights: {:?}", w.report().unused);
+    let names = common::check_walk(
+        "clip unprefixed",
+        &mut model,
+        w.checkpoint(),
+        &["embeddings.position_ids"],
+    );
+    assert_eq!(names.last().unwrap(), "text_projection.weight");
+    assert!(names.contains(&"encoder.layers.1.mlp.fc2.bias".to_string()));
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// Replacing every weight by a copy leaves the forward bit-identical; changing any one visited
+/// weight changes it (the walk reaches the tensors the forward reads, not copies of them).
+#[test]
+fn module_map_reaches_the_weights_the_forward_reads() {
+    let dir = text_encoder_dir("pipelines/flux1_dev");
+    let (model, _) = load_dir(&dir, &config_of(&dir), DType::F32).unwrap();
+    let ids = goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["clip.input_ids"].to_tensor(&device());
+    let want = model.forward(&ids, true).unwrap();
+
+    let mut copy = model.clone();
+    common::copy_weights(&mut copy);
+    let got = copy.forward(&ids, true).unwrap();
+    common::assert_identical("last_hidden_state", &got.last_hidden_state, &want.last_hidden_state);
+    common::assert_identical("pooler_output", &got.pooler_output, &want.pooler_output);
+    for (k, (a, b)) in got.hidden_states.iter().zip(&want.hidden_states).enumerate() {
+        common::assert_identical(&format!("hidden_states.{k}"), a, b);
+    }
+
+    let mut names = Vec::new();
+    model.visit(&mut |name, _| names.push(name.to_string()));
+    for name in &names {
+        let mut changed = model.clone();
+        common::perturb(&mut changed, name);
+        let out = changed.forward(&ids, false).unwrap();
+        assert!(
+            common::differs(&out.last_hidden_state, &want.last_hidden_state),
+            "changing {name} does not change the output"
+        );
+    }
+}
+
+/// The pipeline's call: ids on the host and on the device give what `forward` gives (which reads
+/// them back), and bad host ids are refused.
+#[test]
+fn forward_with_host_ids_matches_forward() {
+    let dir = text_encoder_dir("pipelines/flux1_dev");
+    let config = config_of(&dir);
+    let (model, _) = load_dir(&dir, &config, DType::F32).unwrap();
+    let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["clip.input_ids"];
+    let (ids, host) = (golden.to_tensor(&device()), golden.i64());
+    let want = model.forward(&ids, true).unwrap();
+    let got = model.forward_with_host_ids(&ids, &host, true).unwrap();
+    common::assert_identical("last_hidden_state", &got.last_hidden_state, &want.last_hidden_state);
+    common::assert_identical("pooler_output", &got.pooler_output, &want.pooler_output);
+    assert_eq!(got.hidden_states.len(), want.hidden_states.len());
+
+    let l = ids.dims()[1];
+    let rows = model.pooled_rows(&host, l);
+    let positions: Vec<usize> = host
+        .chunks(l)
+        .map(|row| pooled_position(row, config.eos_token_id))
+        .collect();
+    assert_eq!(
+        rows,
+        positions
+            .iter()
+            .enumerate()
+            .map(|(b, &p)| (b * l + p) as i64)
+            .collect::<Vec<_>>()
+    );
+
+    assert!(model.forward_with_host_ids(&ids, &host[1..], false).is_err());
+    let mut out_of_vocab = host.clone();
+    out_of_vocab[0] = config.vocab_size as i64;
+    let err = model.forward_with_host_ids(&ids, &out_of_vocab, false).unwrap_err();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+}
+
+/// Full and per-layer compilation give the eager outputs (f32: within 1e-5 of max |x|), a second
+/// call compiles nothing, and weights moved by `map` reuse the programs.
+#[test]
+fn compiled_forward_matches_eager() {
+    let dir = text_encoder_dir("pipelines/flux1_dev");
+    let (eager, _) = load_dir(&dir, &config_of(&dir), DType::F32).unwrap();
+    let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["clip.input_ids"];
+    let (ids, host) = (golden.to_tensor(&device()), golden.i64());
+    for mode in [CompileMode::Full, CompileMode::RepeatedBlocks] {
+        let mut model = eager.clone();
+        model.compile(mode);
+        assert_eq!(model.compile_mode(), mode);
+        for hidden in [false, true] {
+            let tag = format!("clip {mode} output_hidden_states={hidden}");
+            let want = eager.forward_with_host_ids(&ids, &host, hidden).unwrap();
+            let got = model.forward_with_host_ids(&ids, &host, hidden).unwrap();
+            let mut worst = 0f32;
+            worst = worst.max(common::check_compiled(
+                &format!("{tag} last_hidden_state"),
+                &want.last_hidden_state,
+                &got.last_hidden_state,
+                1e-5,
+            ));
+            worst = worst.max(common::check_compiled(
+                &format!("{tag} pooler_output"),
+                &want.pooler_output,
+                &got.pooler_output,
+                1e-5,
+            ));
+            assert_eq!(got.hidden_states.len(), want.hidden_states.len(), "{tag}");
+            for (k, (a, b)) in want.hidden_states.iter().zip(&got.hidden_states).enumerate() {
+                worst = worst.max(common::check_compiled(&format!("{tag} hidden_states.{k}"), a, b, 1e-5));
+            }
+            println!("{tag}: max |Δ| over all outputs = {worst:.3e}");
+
+            let before = thread_op_cache_stats();
+            let again = model.forward_with_host_ids(&ids, &host, hidden).unwrap();
+            common::assert_served_from_cache(&tag, &before, &thread_op_cache_stats());
+            common::assert_identical(&tag, &again.last_hidden_state, &got.last_hidden_state);
+        }
+        // `forward` (ids read back) takes the same compiled path.
+        let via_forward = model.forward(&ids, false).unwrap();
+        common::assert_identical(
+            &format!("clip {mode} forward"),
+            &via_forward.pooler_output,
+            &model.forward_with_host_ids(&ids, &host, false).unwrap().pooler_output,
+        );
+
+        // Weights are program parameters: new buffers reuse the program.
+        let mut moved = model.clone();
+        common::copy_weights(&mut moved);
+        let before = thread_op_cache_stats();
+        let out = moved.forward_with_host_ids(&ids, &host, false).unwrap();
+        common::assert_served_from_cache(&format!("clip {mode} moved weights"), &before, &thread_op_cache_stats());
+        let want = model.forward_with_host_ids(&ids, &host, false).unwrap();
+        common::assert_identical(
+            &format!("clip {mode} moved weights"),
+            &out.last_hidden_state,
+            &want.last_hidden_state,
+        );
+    }
+}
+
+/// With the projection head the compiled program returns `text_embeds` too.
+#[test]
+fn compiled_forward_with_projection_head() {
+    let dir = text_encoder_dir("pipelines/flux1_dev");
+    let config = config_of(&dir);
+    let (d, p) = (config.hidden_size, 6);
+    let projection: Vec<f32> = (0..p * d).map(|i| ((i * 13 % 17) as f32 - 8.0) / 20.0).collect();
+    let scratch = scratch_dir("clip-compiled-projection");
+    rewrite_checkpoint(
+        &dir.join("model.safetensors"),
+        &scratch,
+        |name| Some(name.to_string()),
+        &[("text_projection.weight", vec![p, d], projection)],
+    );
+    let config = ClipTextConfig {
+        projection_dim: p,
+        ..config
+    };
+    let (eager, _) = load_dir(&scratch, &config, DType::F32).unwrap();
+    assert!(eager.has_projection());
+    let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["clip.input_ids"];
+    let (ids, host) = (golden.to_tensor(&device()), golden.i64());
+    let want = eager.forward_with_host_ids(&ids, &host, true).unwrap();
+    let mut model = eager.clone();
+    model.compile(CompileMode::Full);
+    let got = model.forward_with_host_ids(&ids, &host, true).unwrap();
+    common::check_compiled(
+        "clip full text_embeds",
+        want.text_embeds.as_ref().unwrap(),
+        got.text_embeds.as_ref().unwrap(),
+        1e-5,
+    );
+    assert_eq!(got.hidden_states.len(), want.hidden_states.len());
+    let _ = std::fs::remove_dir_all(&scratch);
 }

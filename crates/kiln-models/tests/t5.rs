@@ -1,13 +1,15 @@
 //! T5EncoderModel against the oracle goldens.
 //! f32: `|a − b| ≤ 2e-4 + 1e-4·|b|` (oracle README, text encoders); bf16: max |Δ| ≤ 5 % of absmax.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use kiln_io::{load_config, Checkpoint, T5Config};
 use kiln_models::t5::T5EncoderModel;
-use kiln_nn::{Error, Weights};
-use kiln_tensor::{DType, Tensor};
+use kiln_nn::{CompileMode, Error, Module, Weights};
+use kiln_tensor::{thread_op_cache_stats, DType, Tensor};
 use kiln_testing::{assert_close, device, goldens, max_abs_diff, oracle, rel_max_diff, rms_diff, Golden};
 
 const ATOL: f32 = 2e-4;
@@ -292,5 +294,193 @@ fn position_bias_gathers_the_bucket_table() {
                 );
             }
         }
+    }
+}
+
+/// `visit` names every checkpoint weight as the file does, with its shape — the token embedding
+/// under the tied name that was read (`shared` when both are stored, the alias left out); `map`
+/// walks the same order.
+#[test]
+fn module_walk_names_every_checkpoint_weight() {
+    let dir = t5_dir("pipelines/flux1_dev");
+    let config = config_of(&dir);
+    let (mut model, w) = load_dir(&dir, &config, DType::F32).unwrap();
+    assert!(w.report().unused.is_empty(), "unused weights: {:?}", w.report().unused);
+    let names = common::check_walk("t5", &mut model, w.checkpoint(), &[]);
+    assert_eq!(names[0], "shared.weight");
+    assert!(names.contains(&"encoder.block.0.layer.0.SelfAttention.q.weight".to_string()));
+    assert!(names.contains(&"encoder.block.1.layer.1.DenseReluDense.wi_1.weight".to_string()));
+
+    // fp16 keeps `wo` in f32; the walk is the same.
+    let (mut fp16, w) = load_dir(&dir, &config, DType::F16).unwrap();
+    assert_eq!(common::check_walk("t5 fp16", &mut fp16, w.checkpoint(), &[]), names);
+
+    for (tag, stored, skipped, embedding) in [
+        (
+            "alias-only",
+            &["encoder.embed_tokens.weight"][..],
+            &[][..],
+            "encoder.embed_tokens.weight",
+        ),
+        (
+            "both",
+            &["shared.weight", "encoder.embed_tokens.weight"][..],
+            &["encoder.embed_tokens.weight"][..],
+            "shared.weight",
+        ),
+    ] {
+        let scratch = std::env::temp_dir().join(format!("kiln-models-t5-walk-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&scratch);
+        rewrite_checkpoint(&dir.join("model.safetensors"), &scratch, |name| {
+            if name == "shared.weight" {
+                stored.iter().map(|n| n.to_string()).collect()
+            } else {
+                vec![name.to_string()]
+            }
+        });
+        let (mut model, w) = load_dir(&scratch, &config, DType::F32).unwrap();
+        assert!(
+            w.report().unused.is_empty(),
+            "{tag}: unused weights: {:?}",
+            w.report().unused
+        );
+        let names = common::check_walk(&format!("t5 {tag}"), &mut model, w.checkpoint(), skipped);
+        assert_eq!(names[0], embedding, "{tag}");
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+}
+
+/// Replacing every weight by a copy leaves the forward bit-identical; changing any one visited
+/// weight changes it (the walk reaches the tensors the forward reads, not copies of them).
+#[test]
+fn module_map_reaches_the_weights_the_forward_reads() {
+    let dir = t5_dir("pipelines/flux1_dev");
+    let (model, _) = load_dir(&dir, &config_of(&dir), DType::F32).unwrap();
+    let ids = goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["t5.input_ids"].to_tensor(&device());
+    let want = model.forward(&ids, true).unwrap();
+
+    let mut copy = model.clone();
+    common::copy_weights(&mut copy);
+    let got = copy.forward(&ids, true).unwrap();
+    common::assert_identical("last_hidden_state", &got.last_hidden_state, &want.last_hidden_state);
+    for (k, (a, b)) in got.hidden_states.iter().zip(&want.hidden_states).enumerate() {
+        common::assert_identical(&format!("hidden_states.{k}"), a, b);
+    }
+
+    let mut names = Vec::new();
+    model.visit(&mut |name, _| names.push(name.to_string()));
+    for name in &names {
+        let mut changed = model.clone();
+        common::perturb(&mut changed, name);
+        let out = changed.forward(&ids, false).unwrap();
+        assert!(
+            common::differs(&out.last_hidden_state, &want.last_hidden_state),
+            "changing {name} does not change the output"
+        );
+    }
+}
+
+/// The pipeline's call: ids on the host and on the device give what `forward` gives; the bucket
+/// table is the host function's.
+#[test]
+fn forward_with_host_ids_matches_forward() {
+    let dir = t5_dir("pipelines/flux1_dev");
+    let config = config_of(&dir);
+    let (model, _) = load_dir(&dir, &config, DType::F32).unwrap();
+    let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["t5.input_ids"];
+    let (ids, host) = (golden.to_tensor(&device()), golden.i64());
+    let want = model.forward(&ids, true).unwrap();
+    let got = model.forward_with_host_ids(&ids, &host, true).unwrap();
+    common::assert_identical("last_hidden_state", &got.last_hidden_state, &want.last_hidden_state);
+    assert_eq!(got.hidden_states.len(), want.hidden_states.len());
+
+    let l = 9;
+    let buckets = model.position_buckets(l, &device()).unwrap();
+    assert_eq!(buckets.dims(), [l, l]);
+    let buckets = buckets.to_vec::<i64>().unwrap();
+    for q in 0..l {
+        for k in 0..l {
+            let want = kiln_models::t5::relative_position_bucket(k as i64 - q as i64, 32, 128) as i64;
+            assert_eq!(buckets[q * l + k], want, "q {q} k {k}");
+        }
+    }
+
+    let mut out_of_vocab = host.clone();
+    out_of_vocab[1] = -1;
+    assert!(model.forward_with_host_ids(&ids, &out_of_vocab, false).is_err());
+    assert!(model.forward_with_host_ids(&ids, &host[..2], false).is_err());
+    let wrong = model.position_buckets(ids.dims()[1] + 1, &device()).unwrap();
+    assert!(model.forward_with_position_buckets(&ids, &wrong, false).is_err());
+}
+
+/// Full and per-block compilation give the eager outputs (f32: within 1e-5 of max |x|), a second
+/// call compiles nothing, and weights moved by `map` reuse the programs.
+#[test]
+fn compiled_forward_matches_eager() {
+    let dir = t5_dir("pipelines/flux1_dev");
+    let (eager, _) = load_dir(&dir, &config_of(&dir), DType::F32).unwrap();
+    let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["t5.input_ids"];
+    let (ids, host) = (golden.to_tensor(&device()), golden.i64());
+    for mode in [CompileMode::Full, CompileMode::RepeatedBlocks] {
+        let mut model = eager.clone();
+        model.compile(mode);
+        assert_eq!(model.compile_mode(), mode);
+        for hidden in [false, true] {
+            let tag = format!("t5 {mode} output_hidden_states={hidden}");
+            let want = eager.forward_with_host_ids(&ids, &host, hidden).unwrap();
+            let got = model.forward_with_host_ids(&ids, &host, hidden).unwrap();
+            let mut worst = common::check_compiled(
+                &format!("{tag} last_hidden_state"),
+                &want.last_hidden_state,
+                &got.last_hidden_state,
+                1e-5,
+            );
+            assert_eq!(got.hidden_states.len(), want.hidden_states.len(), "{tag}");
+            for (k, (a, b)) in want.hidden_states.iter().zip(&got.hidden_states).enumerate() {
+                worst = worst.max(common::check_compiled(&format!("{tag} hidden_states.{k}"), a, b, 1e-5));
+            }
+            println!("{tag}: max |Δ| over all outputs = {worst:.3e}");
+
+            let before = thread_op_cache_stats();
+            let again = model.forward_with_host_ids(&ids, &host, hidden).unwrap();
+            common::assert_served_from_cache(&tag, &before, &thread_op_cache_stats());
+            common::assert_identical(&tag, &again.last_hidden_state, &got.last_hidden_state);
+        }
+
+        let mut moved = model.clone();
+        common::copy_weights(&mut moved);
+        let before = thread_op_cache_stats();
+        let out = moved.forward_with_host_ids(&ids, &host, false).unwrap();
+        common::assert_served_from_cache(&format!("t5 {mode} moved weights"), &before, &thread_op_cache_stats());
+        let want = model.forward_with_host_ids(&ids, &host, false).unwrap();
+        common::assert_identical(
+            &format!("t5 {mode} moved weights"),
+            &out.last_hidden_state,
+            &want.last_hidden_state,
+        );
+    }
+}
+
+/// fp16 compiled (the clamp's scalars are created inside the program; the residual stream turns
+/// f32 after block 0, so per-block compilation has two signatures) stays with the eager fp16
+/// output.
+#[test]
+fn compiled_fp16_forward_matches_eager() {
+    let dir = t5_dir("pipelines/flux1_dev");
+    let (eager, _) = load_dir(&dir, &config_of(&dir), DType::F16).unwrap();
+    let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["t5.input_ids"];
+    let (ids, host) = (golden.to_tensor(&device()), golden.i64());
+    let want = eager.forward_with_host_ids(&ids, &host, false).unwrap();
+    for mode in [CompileMode::Full, CompileMode::RepeatedBlocks] {
+        let mut model = eager.clone();
+        model.compile(mode);
+        let got = model.forward_with_host_ids(&ids, &host, false).unwrap();
+        // fp16 has 11 significant bits: a few ulps at the largest magnitude.
+        common::check_compiled(
+            &format!("t5 fp16 {mode} last_hidden_state"),
+            &want.last_hidden_state,
+            &got.last_hidden_state,
+            4e-3,
+        );
     }
 }

@@ -166,9 +166,21 @@ impl Embedding {
     }
 }
 
-crate::impl_module!(Linear { weight: "weight", bias: "bias" });
-crate::impl_module!(Conv2d { weight: "weight", bias: "bias" });
-crate::impl_module!(LayerNorm { weight: "weight", bias: "bias" });
+crate::impl_module!(Linear {
+    weight: "weight",
+    bias: "bias"
+});
+crate::impl_module!(Conv2d {
+    weight: "weight",
+    bias: "bias"
+});
+crate::impl_module!(LayerNorm {
+    weight: "weight",
+    bias: "bias"
+});
 crate::impl_module!(RmsNorm { weight: "weight" });
-crate::impl_module!(GroupNorm { weight: "weight", bias: "bias" });
+crate::impl_module!(GroupNorm {
+    weight: "weight",
+    bias: "bias"
+});
 crate::impl_module!(Embedding { weight: "weight" });

@@ -12,7 +12,7 @@ mod rope;
 mod weights;
 
 pub use error::{Error, Result};
-pub use module::{call_compiled, CompileMode, Module};
 pub use layers::{Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm};
+pub use module::{call_compiled, CompileMode, Module};
 pub use rope::{rope_tables, RopeTables};
 pub use weights::{Weights, WeightsReport};

@@ -128,12 +128,7 @@ pub fn call_compiled<M: Module + Clone>(
     compiled.call(&args, |traced| {
         let mut stand_ins = traced[n..].iter();
         let mut m = module.clone();
-        m.map(&mut |_, _| {
-            Ok(stand_ins
-                .next()
-                .expect("map walks the same weights as visit")
-                .clone())
-        })?;
+        m.map(&mut |_, _| Ok(stand_ins.next().expect("map walks the same weights as visit").clone()))?;
         forward(&m, &traced[..n])
     })
 }

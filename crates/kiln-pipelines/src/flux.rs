@@ -10,6 +10,7 @@ use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInputs};
+use kiln_nn::CompileMode;
 use kiln_rng::{randn_tensor, TorchGenerator};
 use kiln_schedulers::{flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{DType, Device, Tensor};
@@ -160,6 +161,7 @@ pub struct FluxPipeline {
     checkpoints: [Arc<Checkpoint>; 4],
     device: Option<Device>,
     models: Option<Models>,
+    compile_mode: CompileMode,
 }
 
 struct Encoded {
@@ -221,6 +223,7 @@ impl FluxPipeline {
             root: folder.root,
             device: None,
             models: None,
+            compile_mode: CompileMode::None,
         };
         Ok(pipeline)
     }
@@ -249,7 +252,32 @@ impl FluxPipeline {
         };
         self.models = Some(models);
         self.device = Some(device.clone());
+        self.apply_compile_mode();
         Ok(())
+    }
+
+    /// Compiles the components that benefit: the transformer, which runs once per step, as
+    /// `mode` says (the text encoders and the VAE run once per call and stay eager). Programs are
+    /// compiled on the first call with each size and kept in memory and on disk.
+    pub fn compile(&mut self, mode: CompileMode) {
+        self.compile_mode = mode;
+        self.apply_compile_mode();
+    }
+
+    pub fn compile_mode(&self) -> CompileMode {
+        self.compile_mode
+    }
+
+    fn apply_compile_mode(&mut self) {
+        if let Some(models) = &mut self.models {
+            models.transformer.compile(self.compile_mode);
+        }
+    }
+
+    /// The loaded transformer (`pipe.transformer`), e.g. to compile it alone; `None` before
+    /// [`FluxPipeline::to`].
+    pub fn transformer_mut(&mut self) -> Option<&mut FluxTransformer2DModel> {
+        self.models.as_mut().map(|m| &mut m.transformer)
     }
 
     pub fn root(&self) -> &Path {
@@ -321,7 +349,7 @@ impl FluxPipeline {
         let ids = Tensor::from_slice(&clip_ids.input_ids, clip_ids.shape(), device)?;
         let pooled = models
             .text_encoder
-            .forward(&ids, false)?
+            .forward_with_host_ids(&ids, &clip_ids.input_ids, false)?
             .pooler_output
             .to_dtype(self.dtype)?;
 
@@ -330,7 +358,7 @@ impl FluxPipeline {
         let ids = Tensor::from_slice(&t5_ids.input_ids, t5_ids.shape(), device)?;
         let embeds = models
             .text_encoder_2
-            .forward(&ids, false)?
+            .forward_with_host_ids(&ids, &t5_ids.input_ids, false)?
             .last_hidden_state
             .to_dtype(self.dtype)?;
         Ok(Encoded {

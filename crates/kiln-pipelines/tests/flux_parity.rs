@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 mod common;
 
 use common::{call_from, strings};
+use kiln_nn::CompileMode;
 use kiln_pipelines::{pack_latents, FluxCall, FluxPipeline, LoadOptions, StepState};
 use kiln_rng::{randn_tensor, TorchGenerator};
 use kiln_tensor::{DType, Tensor};
@@ -41,6 +42,11 @@ impl Tolerance {
 }
 
 fn run_case(case: &Path) {
+    run_case_in(case, CompileMode::None)
+}
+
+/// One oracle case with the transformer run as `mode`.
+fn run_case_in(case: &Path, mode: CompileMode) {
     let call_json: Value = serde_json::from_str(&std::fs::read_to_string(case.join("call.json")).unwrap()).unwrap();
     let g = goldens(&case.join("tensors.safetensors"));
     let dtype = match call_json["dtype"].as_str().unwrap() {
@@ -51,13 +57,14 @@ fn run_case(case: &Path) {
     let tol = Tolerance {
         bf16: dtype == DType::BF16,
     };
-    eprintln!("case {}", case.display());
+    eprintln!("case {} (compile: {mode})", case.display());
     let d = device();
     let folder = oracle().join(call_json["pipeline_dir"].as_str().unwrap());
     let mut pipe = FluxPipeline::from_pretrained(folder.to_str().unwrap(), &LoadOptions { dtype, revision: None })
         .unwrap()
         .to(&d)
         .unwrap();
+    pipe.compile(mode);
     let seed = call_json["seed"].as_u64().unwrap();
     let kwargs = &call_json["call_kwargs"];
     let derived = &call_json["derived"];
@@ -193,5 +200,25 @@ fn flux1_dev_cases_match_diffusers() {
 fn flux1_dev_bf16_case_matches_diffusers_loosely() {
     for case in cases("flux1_dev_bf16") {
         run_case(&case);
+    }
+}
+
+/// Compiled mode gives diffusers' images too: every case, with the transformer as one program per
+/// repeated block and as one program for the whole model.
+#[test]
+fn flux1_cases_match_diffusers_with_compiled_blocks() {
+    for pipeline in ["flux1_schnell", "flux1_dev", "flux1_dev_bf16"] {
+        for case in cases(pipeline) {
+            run_case_in(&case, CompileMode::RepeatedBlocks);
+        }
+    }
+}
+
+#[test]
+fn flux1_cases_match_diffusers_with_the_whole_transformer_compiled() {
+    for pipeline in ["flux1_schnell", "flux1_dev", "flux1_dev_bf16"] {
+        for case in cases(pipeline) {
+            run_case_in(&case, CompileMode::Full);
+        }
     }
 }

@@ -124,9 +124,8 @@ impl CompiledFunction {
         let outputs = f(&traced)?;
         let (program, captured) = trace.finish(&outputs)?;
         let exe = compile_or_load(&self.name, device, &program).map_err(|source| Error::CompileFunction {
-            name: self.name.clone(),
-            signature: describe(args),
-            source,
+            function: format!("`{}` for arguments [{}]", self.name, describe(args)).into(),
+            source: Box::new(source),
         })?;
         Ok(Entry {
             exe: Arc::new(exe),
@@ -146,8 +145,8 @@ impl CompiledFunction {
             .exe
             .execute(&[&buffers], &ExecuteOptions::default())
             .map_err(|source| Error::ExecuteFunction {
-                name: self.name.clone(),
-                source,
+                function: self.name.as_str().into(),
+                source: Box::new(source),
             })?;
         let per_device = results.pop().unwrap_or_default();
         Ok(per_device

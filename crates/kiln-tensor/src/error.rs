@@ -28,18 +28,19 @@ pub enum Error {
         #[source]
         source: kiln_pjrt::Error,
     },
-    #[error("compiling `{name}` for arguments [{signature}] failed: {source}")]
+    /// A compiled function's program failed to compile: `function` names the function and the
+    /// argument shapes.
+    #[error("compiling {function} failed: {source}")]
     CompileFunction {
-        name: String,
-        signature: String,
+        function: Box<str>,
         #[source]
-        source: kiln_pjrt::Error,
+        source: Box<kiln_pjrt::Error>,
     },
-    #[error("running compiled `{name}` failed: {source}")]
+    #[error("running compiled `{function}` failed: {source}")]
     ExecuteFunction {
-        name: String,
+        function: Box<str>,
         #[source]
-        source: kiln_pjrt::Error,
+        source: Box<kiln_pjrt::Error>,
     },
     #[error("running `{op}` failed: {source}")]
     Execute {

@@ -23,7 +23,20 @@
 pub mod defaults;
 
 pub use kiln_image::{read_png_parameters, save_png, GenerationParams};
+pub use kiln_nn::{CompileMode, Module};
 pub use kiln_pipelines::{
     FluxCall, FluxOutput, FluxPipeline, LoadOptions, OutputType, PipelineError, StepState, Timings,
 };
-pub use kiln_tensor::{op_cache_stats, DType, Device, DeviceSpec, Platform, Tensor};
+pub use kiln_tensor::{op_cache_stats, CompiledFunction, DType, Device, DeviceSpec, OpCacheStats, Platform, Tensor};
+
+/// The `--compile` value: `none`, `blocks`, `full`, or `auto` — the mode that is fastest end to
+/// end on `device`'s platform for a cold and a warm start (see the README's measurements).
+pub fn compile_mode_for(value: &str, device: &Device) -> anyhow::Result<CompileMode> {
+    if value != "auto" {
+        return value.parse().map_err(|e: String| anyhow::anyhow!("--compile: {e}"));
+    }
+    Ok(match device.platform() {
+        Platform::Cpu => CompileMode::RepeatedBlocks,
+        Platform::Cuda | Platform::Tpu => CompileMode::RepeatedBlocks,
+    })
+}

@@ -26,6 +26,9 @@ pub struct BenchArgs {
     pub dtype: String,
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// none, blocks, full or auto (as `kiln generate --compile`).
+    #[arg(long, default_value = "auto")]
+    pub compile: String,
     /// Timed calls after one warm-up call.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -65,10 +68,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("--runs must be at least 1");
     }
     let device = Device::parse(&args.device)?;
+    let compile = kiln::compile_mode_for(&args.compile, &device)?;
     let t_load = Instant::now();
     let mut pipe = FluxPipeline::from_pretrained(&args.model, &LoadOptions { dtype, revision: None })
         .with_context(|| format!("loading {}", args.model))?
         .to(&device)?;
+    pipe.compile(compile);
     let load_s = secs(t_load.elapsed());
     let call = || FluxCall {
         height: args.height,
@@ -104,6 +109,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     kiln_tensor::set_op_profiling(false);
     profiled?;
     let ops = kiln_tensor::op_profile();
+    let programs = kiln::op_cache_stats();
     let op_total: f64 = ops.iter().map(|(_, _, d)| secs(*d)).sum();
 
     let result = serde_json::json!({
@@ -115,6 +121,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "width": args.width,
         "steps": args.steps,
         "runs": args.runs,
+        "compile": compile.to_string(),
+        "programs_compiled": programs.compiled(),
+        "programs_disk_loaded": programs.disk_loads,
+        "compile_s": programs.compile_seconds(),
         "load_s": load_s,
         "first_call_s": first_call_s,
         "step_s_median": median(step_s.clone()),
@@ -137,6 +147,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     );
     println!("  load               {load_s:8.3} s");
     println!("  first call         {first_call_s:8.3} s (compiles or loads programs)");
+    println!(
+        "  programs ({compile})   {} compiled in {:.2} s, {} loaded from disk",
+        programs.compiled(),
+        programs.compile_seconds(),
+        programs.disk_loads
+    );
     println!(
         "  step (median)      {:8.3} s",
         result["step_s_median"].as_f64().unwrap_or(f64::NAN)

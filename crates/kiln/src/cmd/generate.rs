@@ -43,6 +43,11 @@ pub struct GenerateArgs {
     /// cpu, cuda[:i], tpu[:i] or auto.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// How the transformer runs: none (op by op), blocks (one compiled program per repeated
+    /// block type), full (the whole transformer as one program), or auto (the fastest on the
+    /// device's platform). Compiled programs are kept on disk (KILN_CACHE_DIR).
+    #[arg(long, default_value = "auto")]
+    pub compile: String,
     #[arg(long)]
     pub max_sequence_length: Option<usize>,
     #[arg(long, default_value_t = 1)]
@@ -95,6 +100,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     let t_load = Instant::now();
     let device = Device::parse(&args.device)?;
+    let compile = kiln::compile_mode_for(&args.compile, &device)?;
     let pipe = FluxPipeline::from_pretrained(
         &model,
         &LoadOptions {
@@ -107,6 +113,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut pipe = pipe
         .to(&device)
         .with_context(|| format!("loading {model} onto {device}"))?;
+    pipe.compile(compile);
     eprintln!(
         "loaded {model} ({dtype}) on {device} in {:.2} s",
         t_load.elapsed().as_secs_f64()
@@ -128,7 +135,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     let steps = call.num_inference_steps;
     let guidance = call.guidance_scale;
+    let programs_before = kiln::op_cache_stats();
     let out = pipe.call(call)?;
+    let programs = kiln::op_cache_stats().since(&programs_before);
     let t = &out.timings;
     eprintln!("text encoding   {:8.3} s", t.text_encoding.as_secs_f64());
     for (i, s) in t.steps.iter().enumerate() {
@@ -136,6 +145,13 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     }
     eprintln!("decoding        {:8.3} s", t.decoding.as_secs_f64());
     eprintln!("total           {:8.3} s", t.total.as_secs_f64());
+    eprintln!(
+        "programs ({compile}): {} compiled in {:.2} s, {} loaded from disk, {} cache hits",
+        programs.compiled(),
+        programs.compile_seconds(),
+        programs.disk_loads,
+        programs.hits
+    );
 
     let (height, width) = out.size;
     let params = GenerationParams {
@@ -151,6 +167,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         extras: [
             ("dtype".to_string(), dtype.to_string()),
             ("device".to_string(), device.to_string()),
+            ("compile".to_string(), compile.to_string()),
         ]
         .into_iter()
         .collect(),
