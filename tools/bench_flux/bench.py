@@ -1,26 +1,50 @@
 #!/usr/bin/env python3
-"""kiln vs diffusers (torch eager) on one scaled FLUX.1 model, side by side in one run.
+"""kiln vs diffusers on one scaled FLUX.1 model, eager and compiled, side by side in one run.
 
 Builds (once) a FLUX.1 pipeline with random weights and a scaled config — 2 double + 4 single
 blocks, width 512 (8 heads x 64), a small CLIP, T5 and VAE — saves it with diffusers, then times
-both engines on the same folder, prompt, size and steps, f32 and bf16, each in its own process:
-seconds per denoising step, end-to-end seconds, peak resident memory, and kiln's time per op kind.
+both engines on the same folder, prompt and steps, for each dtype (--dtypes) and square size
+(--sizes), each engine and mode in its own process:
 
-    VENV/bin/python tools/bench_flux/bench.py --kiln target/release/kiln
+  diffusers (--torch-modes): eager; regional = pipe.transformer.compile_repeated_blocks(fullgraph=True)
+      (torch.compile of each repeated transformer block); full = pipe.transformer.compile(fullgraph=True).
+      Every process compiles into a fresh empty TORCHINDUCTOR_CACHE_DIR (and TMPDIR, where inductor
+      keeps precompiled headers), so its first call is a cold compile.
+  kiln (--kiln-modes): `kiln bench --compile none|blocks|full`, each first with a fresh empty
+      KILN_CACHE_DIR (cold start); blocks and full then run a second process on the now filled
+      folder (warm start).
 
-VENV has tools/tiny_flux/requirements.txt installed (torch, diffusers, transformers pinned).
+Per process: seconds per denoising step and end to end (medians of --runs calls after a first call),
+the first call (for compiled modes this includes compiling), peak resident memory; torch.compile's
+compile_s = first call - median end to end; kiln's warm start = load + first call of the warm
+process; kiln's time per op kind. --rounds repeats all processes, alternating engines; the tables
+show medians over rounds. Then the goals, for each compiled kiln mode: step <= 0.7x the best
+torch.compile step; cold compile (first call of the cold process) <= 1/10 of the best torch.compile
+compile_s; warm start <= 2 s. A mode that fails (or a process that crashes) is reported with its
+error and NaNs; the run goes on.
+
+    VENV/bin/python tools/bench_flux/bench.py --kiln target/release/kiln --sizes 512,1024 --out bench.json
+
+VENV has tools/bench_flux/requirements.txt installed (torch, diffusers, transformers pinned);
+torch.compile on CPU also needs a C++ compiler and the Python headers. One diffusers process alone:
+    VENV/bin/python tools/bench_flux/bench.py --engine diffusers --torch-mode full --height 64 --width 64
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 ORACLE_TOKENIZERS = REPO / "fixtures/oracle/tokenizers"
+NAN = float("nan")
+# Every result has these; NaN where a process failed or kiln gave null.
+NUMBERS = ("load_s", "first_call_s", "compile_s", "step_s_median", "e2e_s_median", "peak_rss_mib")
 
 
 def build_model(folder: Path, seed: int = 0) -> None:
@@ -68,15 +92,28 @@ def peak_rss_mib() -> float:
 
 
 def run_diffusers(args) -> dict:
+    # Fresh inductor caches, set before torch is imported, so a compiled mode's first call is a cold compile.
+    # Inductor keeps some (precompiled headers) in TMPDIR/torchinductor_USER whatever TORCHINDUCTOR_CACHE_DIR
+    # says, so TMPDIR moves too, here and for its compile workers.
+    with tempfile.TemporaryDirectory(prefix="bench_flux_inductor_", ignore_cleanup_errors=True) as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "cache")
+        os.environ["TMPDIR"] = tempfile.tempdir = tmp
+        return run_diffusers_in(args)
+
+
+def run_diffusers_in(args) -> dict:
     import torch
     from diffusers import FluxPipeline
 
     torch.set_num_threads(args.threads)
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    result = {"engine": "diffusers", "mode": args.torch_mode, "dtype": args.dtype, "height": args.height,
+              "width": args.width, "steps": args.steps, "runs": args.runs, "torch": torch.__version__,
+              "threads": torch.get_num_threads(), **{k: NAN for k in NUMBERS}}
     t = time.perf_counter()
     pipe = FluxPipeline.from_pretrained(args.model, torch_dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
-    load_s = time.perf_counter() - t
+    result["load_s"] = time.perf_counter() - t
     step_times = []
 
     def call():
@@ -94,95 +131,216 @@ def run_diffusers(args) -> dict:
         # The first mark is the call start; the first step also contains text encoding.
         return e2e, [b - a for a, b in zip(marks[1:], marks[2:])]
 
-    with torch.inference_mode():
-        t = time.perf_counter()
-        call()
-        first_call_s = time.perf_counter() - t
-        e2e = []
-        for _ in range(args.runs):
-            e, steps = call()
-            e2e.append(e)
-            step_times.extend(steps)
-    return {
-        "engine": "diffusers", "dtype": args.dtype, "load_s": load_s, "first_call_s": first_call_s,
-        "step_s_median": statistics.median(step_times) if step_times else float("nan"),
-        "e2e_s_median": statistics.median(e2e), "peak_rss_mib": peak_rss_mib(),
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-    }
-
-
-def run_engine(engine: str, args, dtype: str) -> dict:
-    if engine == "kiln":
-        cmd = [args.kiln, "bench", "--model", str(args.model), "--prompt", args.prompt,
-               "--height", str(args.height), "--width", str(args.width), "--steps", str(args.steps),
-               "--guidance", str(args.guidance), "--max-sequence-length", str(args.max_sequence_length),
-               "--dtype", dtype, "--device", "cpu", "--runs", str(args.runs), "--json"]
+    try:
+        # torch.compile is lazy: these only wrap the modules, the first call compiles.
+        if args.torch_mode == "regional":
+            pipe.transformer.compile_repeated_blocks(fullgraph=True)
+        elif args.torch_mode == "full":
+            pipe.transformer.compile(fullgraph=True)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            call()
+            result["first_call_s"] = time.perf_counter() - t
+            e2e = []
+            for _ in range(args.runs):
+                e, steps = call()
+                e2e.append(e)
+                step_times.extend(steps)
+    except Exception as e:
+        # Inductor errors can be pages long (generated code, compiler command): keep the start.
+        result["error"] = f"{type(e).__name__}: {e}"[:2000]
     else:
-        cmd = [sys.executable, __file__, "--engine", "diffusers", "--model", str(args.model),
-               "--prompt", args.prompt, "--height", str(args.height), "--width", str(args.width),
-               "--steps", str(args.steps), "--guidance", str(args.guidance),
-               "--max-sequence-length", str(args.max_sequence_length), "--dtype", dtype,
-               "--runs", str(args.runs), "--threads", str(args.threads)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    line = [l for l in out.stdout.splitlines() if l.startswith("{")][-1]
-    return json.loads(line)
+        result["step_s_median"] = statistics.median(step_times) if step_times else NAN
+        result["e2e_s_median"] = statistics.median(e2e)
+        if args.torch_mode != "eager":
+            result["compile_s"] = result["first_call_s"] - result["e2e_s_median"]
+    result["peak_rss_mib"] = peak_rss_mib()
+    return result
+
+
+def run_process(cmd: list, env: dict) -> dict:
+    """The last JSON line a process prints, or {"error": ...} when it fails without one."""
+    out = subprocess.run(cmd, capture_output=True, text=True,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env})
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    if out.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"exit status {out.returncode}: {last}"[:2000]}
+
+
+def run_engine(engine: str, mode: str, args, dtype: str, size: int, cache_dir: str = "", start: str = "cold") -> dict:
+    """One process of `engine` in `mode`; kiln compiles into (or loads from) `cache_dir`."""
+    common = ["--model", str(args.model), "--prompt", args.prompt, "--height", str(size), "--width", str(size),
+              "--steps", str(args.steps), "--guidance", str(args.guidance),
+              "--max-sequence-length", str(args.max_sequence_length), "--dtype", dtype, "--runs", str(args.runs)]
+    if engine == "kiln":
+        cmd = [args.kiln, "bench", *common, "--device", "cpu", "--compile", mode, "--json"]
+        r = run_process(cmd, {"KILN_CACHE_DIR": cache_dir})
+    else:
+        cmd = [sys.executable, __file__, "--engine", "diffusers", *common, "--torch-mode", mode,
+               "--threads", str(args.threads)]
+        r = run_process(cmd, {})
+    for k in NUMBERS:
+        if r.get(k) is None:
+            r[k] = NAN
+    # The keys the tables group by, as asked for (kiln reports its mode as "compile").
+    r.update(engine=engine, mode=mode, dtype=dtype, height=size, width=size, start=start)
+    return r
+
+
+def med(values) -> float:
+    """Median of the values that are not NaN; NaN if none is."""
+    v = [x for x in values if not math.isnan(x)]
+    return statistics.median(v) if v else NAN
+
+
+def fmt(x: float, digits: int = 3) -> str:
+    return "" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def summarize(rs: list) -> dict:
+    """One table row from all processes of one engine and mode (all rounds, cold and warm)."""
+    cold = [r for r in rs if r["start"] == "cold"]
+    warm = [r for r in rs if r["start"] == "warm"]
+    row = {k: med(r[k] for r in rs) for k in ("step_s_median", "e2e_s_median", "peak_rss_mib")}
+    row["first_call_s"] = med(r["first_call_s"] for r in cold)
+    row["compile_s"] = med(r["compile_s"] for r in cold)
+    row["warm_start_s"] = med(r["load_s"] + r["first_call_s"] for r in warm)
+    row["errors"] = sorted({r["error"] for r in rs if "error" in r})
+    # kiln: programs compiled and loaded from disk, by the last cold and the last warm process.
+    row["programs"] = [(r["start"], r.get("programs_compiled"), r.get("programs_disk_loaded")) for r in cold[-1:] + warm[-1:]]
+    return row
+
+
+def report(results: list, args, dtype: str, size: int) -> None:
+    """The markdown table, the goals and kiln's op profile for one dtype and size."""
+    torch_modes, kiln_modes = args.torch_modes.split(","), args.kiln_modes.split(",")
+    rows = {}
+    for engine, modes in (("diffusers", torch_modes), ("kiln", kiln_modes)):
+        for mode in modes:
+            rs = [r for r in results if (r["engine"], r["mode"], r["dtype"], r["height"]) == (engine, mode, dtype, size)]
+            if rs:
+                rows[engine, mode] = summarize(rs)
+    nan_row = {k: NAN for k in ("step_s_median", "compile_s")}
+    eager = rows.get(("diffusers", "eager"), nan_row)["step_s_median"]
+    compiled = {m: rows[("diffusers", m)] for m in ("full", "regional") if ("diffusers", m) in rows}
+    # The reference column: torch.compile full, or regional where full failed.
+    ref_mode = next((m for m, row in compiled.items() if not math.isnan(row["step_s_median"])), "full")
+    ref = compiled.get(ref_mode, nan_row)["step_s_median"]
+
+    print(f"\n### {dtype}, {size}x{size}: scaled FLUX.1 (2+4 blocks, width 512), {args.steps} steps, "
+          f"text length {args.max_sequence_length}, {args.threads} torch threads, {args.rounds} round(s)\n")
+    print(f"| engine | mode | s/step | end-to-end s | first call (cold) s | compile s | warm start s | "
+          f"peak RSS MiB | step / torch eager | step / torch.compile {ref_mode} | notes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for (engine, mode), row in rows.items():
+        notes = "; ".join(row["errors"])[:300].replace("|", "/").replace("\n", " ")
+        if engine == "kiln" and not row["errors"]:
+            notes = ", ".join(f"{s}: {c} compiled, {d} from disk" for s, c, d in row["programs"] if c is not None)
+        print(f"| {'torch' if engine == 'diffusers' else 'kiln'} | {mode} | {fmt(row['step_s_median'])} | "
+              f"{fmt(row['e2e_s_median'])} | {fmt(row['first_call_s'], 2)} | {fmt(row['compile_s'], 2)} | "
+              f"{fmt(row['warm_start_s'], 2)} | {fmt(row['peak_rss_mib'], 0)} | "
+              f"{fmt(row['step_s_median'] / eager, 2)} | {fmt(row['step_s_median'] / ref, 2)} | {notes} |")
+    print("\ncompile s: torch = first call - median end to end (cold inductor cache); kiln = seconds in XLA's "
+          "compiler (cold process). warm start: load + first call of a second kiln process on the filled cache.")
+
+    # The goals compare each compiled kiln mode with the best torch.compile mode for that number.
+    def best(key, digits):
+        """The smallest value of `key` over the torch.compile modes, and how to print it."""
+        ok = [(row[key], m) for m, row in compiled.items() if not math.isnan(row[key])]
+        if not ok:
+            return NAN, "no torch.compile result"
+        value, mode = min(ok)
+        return value, f"{fmt(value, digits)} s, {mode}"
+
+    (t_step, step_text), (t_compile, compile_text) = best("step_s_median", 3), best("compile_s", 2)
+    kiln_compiled = [(m, rows["kiln", m]) for m in kiln_modes if m != "none" and ("kiln", m) in rows]
+    goals = [
+        (f"compiled kiln step <= 0.7 x best torch.compile step ({step_text})", "step_s_median", 0.7 * t_step, 3),
+        (f"kiln cold compile (first call) <= 1/10 of best torch.compile compile ({compile_text})",
+         "first_call_s", t_compile / 10, 2),
+        ("kiln warm start (load + first call) <= 2 s", "warm_start_s", 2.0, 2),
+    ]
+    print(f"\ngoals, {dtype} {size}x{size}:")
+    for i, (text, key, limit, digits) in enumerate(goals, 1):
+        verdicts = []
+        for m, row in kiln_compiled:
+            v = row[key]
+            verdict = "n/a" if math.isnan(v) or math.isnan(limit) else ("met" if v <= limit else "NOT met")
+            verdicts.append(f"{m} {fmt(v, digits) + ' s' if not math.isnan(v) else 'failed'}: {verdict}")
+        limit_text = "n/a" if math.isnan(limit) else f"{fmt(limit, digits)} s"
+        print(f"  {i}. {text}, limit {limit_text}: {'; '.join(verdicts) or 'no compiled kiln mode'}")
+
+    for mode in kiln_modes:
+        ks = [r for r in results if (r["engine"], r["mode"], r["dtype"], r["height"]) == ("kiln", mode, dtype, size)
+              and r.get("ops")]
+        if ks:
+            print(f"\nkiln {mode} {dtype} {size}x{size}: time per op kind (one profiled call, {ks[-1]['start']} start)")
+            for o in ks[-1]["ops"][:12]:
+                print(f"  {o['op']:<20} {o['calls']:5} calls {o['total_s']:8.3f} s {100 * o['share']:5.1f} %")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=["both", "diffusers"], default="both")
+    p.add_argument("--engine", choices=["both", "diffusers"], default="both",
+                   help="diffusers: run one diffusers process (--torch-mode, --height, --width, --dtype) and print its JSON")
     p.add_argument("--model", type=Path, default=REPO / "target/bench_flux_model")
     p.add_argument("--kiln", default=str(REPO / "target/release/kiln"))
     p.add_argument("--prompt", default="a photo of a cat holding a sign that says hello world")
-    p.add_argument("--height", type=int, default=512)
-    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--sizes", default="512", help="heights = widths to run, comma separated")
+    p.add_argument("--height", type=int, default=512, help="with --engine diffusers")
+    p.add_argument("--width", type=int, default=512, help="with --engine diffusers")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--guidance", type=float, default=3.5)
     p.add_argument("--max-sequence-length", type=int, default=128)
-    p.add_argument("--dtype", default="f32")
+    p.add_argument("--dtype", default="f32", help="with --engine diffusers")
     p.add_argument("--dtypes", default="f32,bf16")
+    p.add_argument("--torch-modes", default="eager,regional,full")
+    p.add_argument("--torch-mode", choices=["eager", "regional", "full"], default="eager", help="with --engine diffusers")
+    p.add_argument("--kiln-modes", default="none,blocks,full")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="alternate the engines this many times")
-    p.add_argument("--out", type=Path, help="write all results as JSON")
+    p.add_argument("--out", type=Path, help="write all results as JSON (rewritten after each process)")
     args = p.parse_args()
 
+    if not set(args.torch_modes.split(",")) <= {"eager", "regional", "full"}:
+        p.error(f"--torch-modes: {args.torch_modes}: modes are eager, regional, full")
+    if not set(args.kiln_modes.split(",")) <= {"none", "blocks", "full"}:
+        p.error(f"--kiln-modes: {args.kiln_modes}: modes are none, blocks, full")
     if args.engine == "diffusers":
         print(json.dumps(run_diffusers(args)))
         return
     if not (args.model / "model_index.json").is_file():
         print(f"building the scaled model in {args.model}", file=sys.stderr)
         build_model(args.model)
+    sizes, dtypes = [int(s) for s in args.sizes.split(",")], args.dtypes.split(",")
     results = []
-    for dtype in args.dtypes.split(","):
-        for _ in range(args.rounds):
-            for engine in ("diffusers", "kiln"):
-                r = run_engine(engine, args, dtype)
-                results.append(r)
-                print(f"{engine:9} {dtype:4}: step {r['step_s_median']:.3f} s, end to end {r['e2e_s_median']:.3f} s, "
-                      f"peak {r['peak_rss_mib']:.0f} MiB, first call {r['first_call_s']:.2f} s", file=sys.stderr)
-    print(f"\nscaled FLUX.1 (2+4 blocks, width 512), {args.height}x{args.width}, {args.steps} steps, text length "
-          f"{args.max_sequence_length}, {args.threads} threads")
-    print("| dtype | engine | s/step | end-to-end s | peak RSS MiB | kiln/diffusers (step, e2e) |")
-    print("|---|---|---|---|---|---|")
-    for dtype in args.dtypes.split(","):
-        rows = {e: [r for r in results if r["engine"] == e and r["dtype"] == dtype] for e in ("diffusers", "kiln")}
-        med = {e: {k: statistics.median(r[k] for r in rs) for k in ("step_s_median", "e2e_s_median", "peak_rss_mib")}
-               for e, rs in rows.items()}
-        for e in ("diffusers", "kiln"):
-            ratio = ""
-            if e == "kiln":
-                ratio = (f"{med['kiln']['step_s_median'] / med['diffusers']['step_s_median']:.2f}, "
-                         f"{med['kiln']['e2e_s_median'] / med['diffusers']['e2e_s_median']:.2f}")
-            print(f"| {dtype} | {e} | {med[e]['step_s_median']:.3f} | {med[e]['e2e_s_median']:.3f} | "
-                  f"{med[e]['peak_rss_mib']:.0f} | {ratio} |")
-    for dtype in args.dtypes.split(","):
-        k = [r for r in results if r["engine"] == "kiln" and r["dtype"] == dtype][-1]
-        print(f"\nkiln {dtype}: time per op kind (one profiled call)")
-        for o in k["ops"][:12]:
-            print(f"  {o['op']:<20} {o['calls']:5} calls {o['total_s']:8.3f} s {100 * o['share']:5.1f} %")
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+
+    def record(r):
+        results.append(r)
+        status = f"ERROR {r['error'][:200]}" if "error" in r else (
+            f"step {r['step_s_median']:.3f} s, end to end {r['e2e_s_median']:.3f} s, peak {r['peak_rss_mib']:.0f} MiB, "
+            f"load {r['load_s']:.2f} s, first call {r['first_call_s']:.2f} s")
+        print(f"{r['engine']:9} {r['mode']:8} {r['start']:4} {r['dtype']:4} {r['height']:4}: {status}", file=sys.stderr)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
+
+    for size in sizes:
+        for dtype in dtypes:
+            for _ in range(args.rounds):
+                for mode in args.torch_modes.split(","):
+                    record(run_engine("diffusers", mode, args, dtype, size))
+                for mode in args.kiln_modes.split(","):
+                    with tempfile.TemporaryDirectory(prefix="bench_flux_kiln_cache_") as cache:
+                        cold = run_engine("kiln", mode, args, dtype, size, cache, "cold")
+                        record(cold)
+                        if mode != "none" and "error" not in cold:
+                            record(run_engine("kiln", mode, args, dtype, size, cache, "warm"))
+    for size in sizes:
+        for dtype in dtypes:
+            report(results, args, dtype, size)
 
 
 if __name__ == "__main__":

@@ -441,6 +441,12 @@ impl FluxTransformer2DModel {
         self.compile_mode
     }
 
+    /// How many programs the compiled functions hold (one per function and input signature).
+    pub fn compiled_programs(&self) -> usize {
+        let p = &self.programs;
+        p.full.num_programs() + p.double_block.num_programs() + p.single_block.num_programs()
+    }
+
     pub fn config(&self) -> &FluxTransformer2DConfig {
         &self.config
     }

@@ -13,13 +13,13 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::trace::Trace;
 
-/// What a call is keyed on: the device and, per argument, its buffer's shape, its logical shape and
-/// its dtype. Argument values are not part of it: weights and inputs are program parameters.
+/// What a call is keyed on: the device and each argument's shape and dtype. Argument values are
+/// not part of it: weights and inputs are program parameters.
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct Signature {
     client: usize,
     device: usize,
-    args: Vec<(Shape, Shape, DType)>,
+    args: Vec<(Shape, DType)>,
 }
 
 struct Entry {
@@ -82,13 +82,14 @@ impl CompiledFunction {
         }
         let refs: Vec<&Tensor> = args.iter().collect();
         let device = common_device("compiled function", &refs)?;
+        // A reshaped view is copied into a buffer of its own shape first (a cheap one-op program),
+        // so that a view and a plain tensor of one shape share the program.
+        let args = args.iter().map(|t| t.with_own_buffer()).collect::<Result<Vec<_>>>()?;
+        let args = &args[..];
         let signature = Signature {
             client: Arc::as_ptr(device.client()) as usize,
             device: device.index(),
-            args: args
-                .iter()
-                .map(|t| (t.physical_shape().clone(), t.shape().clone(), t.dtype()))
-                .collect(),
+            args: args.iter().map(|t| (t.shape().clone(), t.dtype())).collect(),
         };
         let cached = self
             .entries
@@ -170,4 +171,35 @@ fn describe(args: &[Tensor]) -> String {
         let _ = write!(s, ", ... ({} arguments)", args.len());
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dispatch::apply;
+
+    #[test]
+    fn a_compile_failure_names_the_function_and_shapes_and_caches_nothing() {
+        let device = crate::Device::cpu().expect("the XLA CPU plugin (pip install xla-cpu-pjrt)");
+        let x = Tensor::from_f32(&[1.0; 6], DType::F32, [2, 3], &device).unwrap();
+        let f = CompiledFunction::new("broken.model");
+        let result = f.call(&[x], |t| {
+            // A kernel no plugin has: the builder accepts it, the compiler does not.
+            apply("unknown_kernel", &[&t[0]], |b, p| {
+                Ok(vec![b.custom_call(
+                    "kiln_no_such_kernel",
+                    &p[..1],
+                    [2, 3],
+                    DType::F32,
+                    "",
+                )?])
+            })
+        });
+        let message = result.unwrap_err().to_string();
+        assert!(
+            message.contains("`broken.model`") && message.contains("[2, 3] f32"),
+            "{message}"
+        );
+        assert_eq!(f.num_programs(), 0, "a failed compile leaves no entry");
+    }
 }

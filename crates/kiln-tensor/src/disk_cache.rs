@@ -75,15 +75,18 @@ pub(crate) fn entry_path(client: &Arc<Client>, program: &str, options: &[u8]) ->
             }
         }
     };
+    Some(entry_path_in(root, &id, program, options))
+}
+
+/// `<root>/programs/<plugin identity>/<sha256 of program and options>.bin`.
+fn entry_path_in(root: &Path, plugin_identity: &str, program: &str, options: &[u8]) -> PathBuf {
     let mut h = Sha256::new();
     h.update(program.as_bytes());
     h.update([0u8]);
     h.update(options);
-    Some(
-        root.join("programs")
-            .join(id)
-            .join(format!("{}.bin", hex(&h.finalize()))),
-    )
+    root.join("programs")
+        .join(plugin_identity)
+        .join(format!("{}.bin", hex(&h.finalize())))
 }
 
 /// Loads a cached executable; a missing, unreadable or stale entry is a miss.
@@ -120,6 +123,82 @@ pub(crate) fn store(exe: &LoadedExecutable, path: &Path) {
         })
     })();
     if let Err(e) = result {
+        // An unwritable folder or a full disk costs the next process a compile, nothing more.
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(
+                "the program cache cannot be written ({}: {e}); running without an on-disk cache \
+                 (set KILN_CACHE_DIR to a writable folder, or to `off`)",
+                path.display()
+            )
+        });
         tracing::debug!("could not store {} in the program cache: {e}", path.display());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_of_another_plugin_identity_live_elsewhere() {
+        let root = Path::new("/cache");
+        let a = entry_path_in(root, "plugin-a", "module {}", b"opts");
+        let b = entry_path_in(root, "plugin-b", "module {}", b"opts");
+        assert_ne!(a, b);
+        assert_eq!(a.file_name(), b.file_name(), "same program, same options");
+        assert_ne!(a, entry_path_in(root, "plugin-a", "module {}", b"other options"));
+        assert_ne!(a, entry_path_in(root, "plugin-a", "module { }", b"opts"));
+    }
+
+    #[test]
+    fn the_plugin_identity_covers_the_plugin_file_and_version() {
+        let device = crate::Device::cpu().expect("the XLA CPU plugin (pip install xla-cpu-pjrt)");
+        let id = plugin_identity(device.client());
+        assert_eq!(id, plugin_identity(device.client()), "stable within a process");
+        assert_eq!(id.len(), 24);
+    }
+
+    #[test]
+    fn a_corrupt_or_truncated_entry_is_a_miss_and_is_removed() {
+        let device = crate::Device::cpu().expect("the XLA CPU plugin (pip install xla-cpu-pjrt)");
+        let dir = std::env::temp_dir().join(format!("kiln-disk-cache-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let program = "module @kiln {\n  func.func @main(%v0: tensor<4xf32>) -> (tensor<4xf32>) {\n    return %v0 : tensor<4xf32>\n  }\n}\n";
+        let exe = device
+            .client()
+            .compile(program, &kiln_pjrt::CompileOptions::default())
+            .unwrap();
+        let good = dir.join("good.bin");
+        store(&exe, &good);
+        assert!(load(device.client(), &good).is_some(), "a stored entry loads");
+        let bytes = std::fs::read(&good).unwrap();
+        for (name, content) in [
+            ("truncated.bin", &bytes[..bytes.len() / 2]),
+            ("garbage.bin", &b"not an executable"[..]),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, content).unwrap();
+            assert!(load(device.client(), &path).is_none(), "{name} must be a miss");
+            assert!(!path.exists(), "{name} must be removed");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_unwritable_folder_only_skips_the_store() {
+        let device = crate::Device::cpu().expect("the XLA CPU plugin (pip install xla-cpu-pjrt)");
+        let program = "module @kiln {\n  func.func @main(%v0: tensor<2xf32>) -> (tensor<2xf32>) {\n    return %v0 : tensor<2xf32>\n  }\n}\n";
+        let exe = device
+            .client()
+            .compile(program, &kiln_pjrt::CompileOptions::default())
+            .unwrap();
+        // A path under a regular file can never be created.
+        let file = std::env::temp_dir().join(format!("kiln-not-a-folder-{}", std::process::id()));
+        std::fs::write(&file, b"x").unwrap();
+        let path = file.join("sub").join("entry.bin");
+        store(&exe, &path);
+        assert!(!path.exists());
+        let _ = std::fs::remove_file(&file);
     }
 }

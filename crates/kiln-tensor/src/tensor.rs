@@ -152,6 +152,14 @@ impl Tensor {
         }
     }
 
+    /// This tensor in a buffer of its own (logical) shape: itself unless it is a reshaped view.
+    pub(crate) fn with_own_buffer(&self) -> Result<Tensor> {
+        if self.physical_shape() == self.shape() {
+            return Ok(self.clone());
+        }
+        apply1("reshape", &[self], |_, p| Ok(p[0].clone()))
+    }
+
     /// The trace this tensor belongs to, if it is a traced value.
     pub(crate) fn trace(&self) -> Option<(&Trace, &kiln_hlo::Value)> {
         match &self.0.storage {
