@@ -16,11 +16,10 @@ both engines on the same folder, prompt and steps, for each dtype (--dtypes) and
 
 Per process: seconds per denoising step and end to end (medians of --runs calls after a first call),
 the first call (for compiled modes this includes compiling), peak resident memory; torch.compile's
-compile_s = first call - median end to end; kiln's warm start = load + first call of the warm
-process; kiln's time per op kind. --rounds repeats all processes, alternating engines; the tables
+compile_s = first call - median end to end (both engines, cold process); kiln's warm start =
+load + first call - median end to end of the warm process; kiln's time per op kind. --rounds repeats all processes, alternating engines; the tables
 show medians over rounds. Then the goals, for each compiled kiln mode: step <= 0.7x the best
-torch.compile step; cold compile (first call of the cold process) <= 1/10 of the best torch.compile
-compile_s; warm start <= 2 s. A mode that fails (or a process that crashes) is reported with its
+torch.compile step; cold compile_s <= 1/10 of the best torch.compile compile_s; warm start <= 2 s. A mode that fails (or a process that crashes) is reported with its
 error and NaNs; the run goes on.
 
     VENV/bin/python tools/bench_flux/bench.py --kiln target/release/kiln --sizes 512,1024 --out bench.json
@@ -205,8 +204,11 @@ def summarize(rs: list) -> dict:
     warm = [r for r in rs if r["start"] == "warm"]
     row = {k: med(r[k] for r in rs) for k in ("step_s_median", "e2e_s_median", "peak_rss_mib")}
     row["first_call_s"] = med(r["first_call_s"] for r in cold)
-    row["compile_s"] = med(r["compile_s"] for r in cold)
-    row["warm_start_s"] = med(r["load_s"] + r["first_call_s"] for r in warm)
+    # Both engines: what the first call costs beyond a steady call (compiling or loading programs).
+    row["compile_s"] = med(r["first_call_s"] - r["e2e_s_median"] for r in cold)
+    row["xla_compile_s"] = med(r["compile_s"] for r in cold) if rs[0]["engine"] == "kiln" else NAN
+    # Ready to generate in a new process on a filled cache: load + (first call - steady call).
+    row["warm_start_s"] = med(r["load_s"] + r["first_call_s"] - r["e2e_s_median"] for r in warm)
     row["errors"] = sorted({r["error"] for r in rs if "error" in r})
     # kiln: programs compiled and loaded from disk, by the last cold and the last warm process.
     row["programs"] = [(r["start"], r.get("programs_compiled"), r.get("programs_disk_loaded")) for r in cold[-1:] + warm[-1:]]
@@ -238,12 +240,13 @@ def report(results: list, args, dtype: str, size: int) -> None:
         notes = "; ".join(row["errors"])[:300].replace("|", "/").replace("\n", " ")
         if engine == "kiln" and not row["errors"]:
             notes = ", ".join(f"{s}: {c} compiled, {d} from disk" for s, c, d in row["programs"] if c is not None)
+            notes += f"; {fmt(row['xla_compile_s'], 2)} s in XLA's compiler (cold)"
         print(f"| {'torch' if engine == 'diffusers' else 'kiln'} | {mode} | {fmt(row['step_s_median'])} | "
               f"{fmt(row['e2e_s_median'])} | {fmt(row['first_call_s'], 2)} | {fmt(row['compile_s'], 2)} | "
               f"{fmt(row['warm_start_s'], 2)} | {fmt(row['peak_rss_mib'], 0)} | "
               f"{fmt(row['step_s_median'] / eager, 2)} | {fmt(row['step_s_median'] / ref, 2)} | {notes} |")
-    print("\ncompile s: torch = first call - median end to end (cold inductor cache); kiln = seconds in XLA's "
-          "compiler (cold process). warm start: load + first call of a second kiln process on the filled cache.")
+    print("\ncompile s: first call - median end to end, in a process with an empty cache (inductor's or kiln's). "
+          "warm start: load + first call - median end to end, of a second kiln process on the filled cache.")
 
     # The goals compare each compiled kiln mode with the best torch.compile mode for that number.
     def best(key, digits):
@@ -258,9 +261,9 @@ def report(results: list, args, dtype: str, size: int) -> None:
     kiln_compiled = [(m, rows["kiln", m]) for m in kiln_modes if m != "none" and ("kiln", m) in rows]
     goals = [
         (f"compiled kiln step <= 0.7 x best torch.compile step ({step_text})", "step_s_median", 0.7 * t_step, 3),
-        (f"kiln cold compile (first call) <= 1/10 of best torch.compile compile ({compile_text})",
-         "first_call_s", t_compile / 10, 2),
-        ("kiln warm start (load + first call) <= 2 s", "warm_start_s", 2.0, 2),
+        (f"kiln cold compile <= 1/10 of best torch.compile compile ({compile_text})",
+         "compile_s", t_compile / 10, 2),
+        ("kiln warm start (load + first call - steady call) <= 2 s", "warm_start_s", 2.0, 2),
     ]
     print(f"\ngoals, {dtype} {size}x{size}:")
     for i, (text, key, limit, digits) in enumerate(goals, 1):

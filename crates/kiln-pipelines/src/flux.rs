@@ -256,9 +256,10 @@ impl FluxPipeline {
         Ok(())
     }
 
-    /// Compiles the components that benefit: the transformer, which runs once per step, as
-    /// `mode` says (the text encoders and the VAE run once per call and stay eager). Programs are
-    /// compiled on the first call with each size and kept in memory and on disk.
+    /// Compiles every component as `mode` says: the text encoders, the transformer and the VAE
+    /// decoder (compiling the components that run once per call too means fewer programs to
+    /// compile than their ops one by one, and a faster decode: measured in the README). Programs
+    /// are compiled on the first call with each size and kept in memory and on disk.
     pub fn compile(&mut self, mode: CompileMode) {
         self.compile_mode = mode;
         self.apply_compile_mode();
@@ -270,7 +271,10 @@ impl FluxPipeline {
 
     fn apply_compile_mode(&mut self) {
         if let Some(models) = &mut self.models {
+            models.text_encoder.compile(self.compile_mode);
+            models.text_encoder_2.compile(self.compile_mode);
             models.transformer.compile(self.compile_mode);
+            models.vae.compile(self.compile_mode);
         }
     }
 
