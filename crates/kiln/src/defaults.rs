@@ -54,4 +54,6 @@ pub fn default_model_folder() -> Option<PathBuf> {
         .into_iter()
         .flatten()
         .find(|p| p.join("model_index.json").is_file())
+        // `.../crates/kiln/../../assets/tiny-flux` printed as `.../assets/tiny-flux`.
+        .map(|p| p.canonicalize().unwrap_or(p))
 }

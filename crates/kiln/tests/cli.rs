@@ -35,14 +35,18 @@ fn temp_dir(name: &str) -> PathBuf {
 fn generate(model: &Path, out_dir: &Path, extra: &[&str]) -> (bool, String) {
     let out = out_dir.join("out.png");
     let mut cmd = kiln();
-    cmd.args([
-        "generate", "--prompt", "a cat", "--height", "32", "--width", "32", "--output",
-    ])
-    .arg(&out)
-    .arg("--model")
-    .arg(model)
-    .args(extra);
-    for (flag, value) in [("--device", "cpu"), ("--steps", "1"), ("--max-sequence-length", "16")] {
+    cmd.args(["generate", "--prompt", "a cat", "--output"])
+        .arg(&out)
+        .arg("--model")
+        .arg(model)
+        .args(extra);
+    for (flag, value) in [
+        ("--device", "cpu"),
+        ("--steps", "1"),
+        ("--max-sequence-length", "16"),
+        ("--height", "32"),
+        ("--width", "32"),
+    ] {
         if !extra.contains(&flag) {
             cmd.args([flag, value]);
         }
@@ -135,6 +139,12 @@ fn bad_arguments_are_clear_errors() {
         (&["--max-sequence-length", "513"][..], "cannot be greater than 512"),
         (&["--dtype", "f8"][..], "unknown dtype"),
         (&["--device", "metal"][..], "unknown device"),
+        (&["--height", "0"][..], "--height must be positive"),
+        (&["--width", "0"][..], "--width must be positive"),
+        (&["--guidance", "nan"][..], "--guidance must be a finite number"),
+        (&["--guidance", "inf"][..], "--guidance must be a finite number"),
+        (&["--true-cfg=-inf"][..], "--true-cfg must be a finite number"),
+        (&["--compile", "fast"][..], "unknown compile mode `fast`"),
     ] {
         let (ok, stderr) = generate(&model, &dir, extra);
         assert!(!ok, "{extra:?} was accepted");
@@ -159,5 +169,45 @@ fn bad_arguments_are_clear_errors() {
         stderr.contains("no-such-org/no-such-model") && stderr.contains("huggingface-cli download"),
         "{stderr}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_plugin_path_that_does_not_exist_is_an_error_everywhere() {
+    let dir = temp_dir("plugin");
+    let model = oracle_pipeline("flux1_schnell");
+    let missing = dir.join("no_such_plugin.so");
+    let devices = kiln()
+        .arg("devices")
+        .env("KILN_PJRT_PLUGIN", &missing)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&devices.stderr);
+    assert!(
+        !devices.status.success(),
+        "kiln devices ignored a missing KILN_PJRT_PLUGIN"
+    );
+    assert!(
+        stderr.contains("KILN_PJRT_PLUGIN") && stderr.contains("no_such_plugin.so"),
+        "{stderr}"
+    );
+    let out = dir.join("out.png");
+    let generate = kiln()
+        .args([
+            "generate", "--prompt", "x", "--height", "32", "--width", "32", "--steps", "1", "--output",
+        ])
+        .arg(&out)
+        .arg("--model")
+        .arg(&model)
+        .env("KILN_PJRT_PLUGIN", &missing)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&generate.stderr);
+    assert!(!generate.status.success());
+    assert!(
+        stderr.contains("KILN_PJRT_PLUGIN") && stderr.contains("no_such_plugin.so"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -4,6 +4,12 @@ use anyhow::{bail, Result};
 
 pub fn run() -> Result<()> {
     let paths = kiln_pjrt::SearchPaths::from_environment();
+    if let Some(p) = paths.env_plugin.as_ref().filter(|p| !p.is_file()) {
+        bail!(
+            "KILN_PJRT_PLUGIN is set to {}, which is not a file; point it at a PJRT plugin (.so) or unset it",
+            p.display()
+        );
+    }
     let found = paths.find_all();
     if found.is_empty() {
         bail!(

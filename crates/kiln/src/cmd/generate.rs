@@ -79,6 +79,16 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.num_images == 0 {
         bail!("--num-images must be at least 1");
     }
+    for (flag, value) in [("--height", args.height), ("--width", args.width)] {
+        if value == Some(0) {
+            bail!("{flag} must be positive; leave it out for the model's default size");
+        }
+    }
+    for (flag, value) in [("--guidance", args.guidance), ("--true-cfg", args.true_cfg)] {
+        if let Some(v) = value.filter(|v| !v.is_finite()) {
+            bail!("{flag} must be a finite number, got {v}");
+        }
+    }
     let paths = output_paths(&args.output, args.num_images)?;
     for p in &paths {
         if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
