@@ -103,12 +103,11 @@ pub(crate) fn check_host_ids(component: &str, input_ids: &Tensor, host_ids: &[i6
     Ok(())
 }
 
-/// Reads integer ids `[B, L]` to the host, checking the rank, dtype and range `0..vocab_size`.
-pub(crate) fn read_input_ids(component: &str, input_ids: &Tensor, vocab_size: usize) -> Result<Vec<i64>> {
+/// Reads integer ids `[B, L]` to the host, checking the rank and dtype (`forward_with_host_ids`,
+/// which every caller hands them to, checks the range).
+pub(crate) fn read_input_ids(component: &str, input_ids: &Tensor) -> Result<Vec<i64>> {
     check_input_ids(component, input_ids)?;
-    let ids = input_ids.to_dtype(DType::I64)?.to_vec::<i64>()?;
-    check_host_ids(component, input_ids, &ids, vocab_size)?;
-    Ok(ids)
+    Ok(input_ids.to_dtype(DType::I64)?.to_vec::<i64>()?)
 }
 
 /// The error host-side wrappers return when handed a traced value: they would freeze the host
@@ -393,7 +392,7 @@ impl ClipTextModel {
     /// Reads the ids back to the host to find the pooled positions; a caller that has the ids on
     /// the host already calls [`Self::forward_with_host_ids`] instead.
     pub fn forward(&self, input_ids: &Tensor, output_hidden_states: bool) -> Result<ClipTextOutput> {
-        let ids = read_input_ids(&self.component, input_ids, self.config.vocab_size)?;
+        let ids = read_input_ids(&self.component, input_ids)?;
         self.forward_with_host_ids(input_ids, &ids, output_hidden_states)
     }
 

@@ -422,7 +422,7 @@ impl T5EncoderModel {
     /// against the vocabulary; a caller that has them on the host already calls
     /// [`Self::forward_with_host_ids`] instead.
     pub fn forward(&self, input_ids: &Tensor, output_hidden_states: bool) -> Result<T5EncoderOutput> {
-        let ids = read_input_ids(&self.component, input_ids, self.config.vocab_size)?;
+        let ids = read_input_ids(&self.component, input_ids)?;
         self.forward_with_host_ids(input_ids, &ids, output_hidden_states)
     }
 

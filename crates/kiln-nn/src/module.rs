@@ -104,13 +104,6 @@ pub fn weights_of(module: &dyn Module) -> Vec<Tensor> {
     out
 }
 
-/// Total bytes of `module`'s weights.
-pub fn size_in_bytes(module: &dyn Module) -> usize {
-    let mut total = 0;
-    module.visit(&mut |_, t| total += t.size_in_bytes());
-    total
-}
-
 /// Runs `forward(module, inputs)` as `compiled`: one program per input signature whose
 /// parameters are the inputs followed by the module's weights, so one program serves every
 /// module of the same shapes (every block of a repeated type) and weights may move without
@@ -122,9 +115,8 @@ pub fn call_compiled<M: Module + Clone>(
     inputs: &[Tensor],
     forward: impl FnOnce(&M, &[Tensor]) -> Result<Vec<Tensor>>,
 ) -> Result<Vec<Tensor>> {
-    let mut args = inputs.to_vec();
-    let n = args.len();
-    module.visit(&mut |_, t| args.push(t.clone()));
+    let n = inputs.len();
+    let args = [inputs, &weights_of(module)].concat();
     compiled.call(&args, |traced| {
         let mut stand_ins = traced[n..].iter();
         let mut m = module.clone();

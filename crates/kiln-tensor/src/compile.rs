@@ -84,8 +84,13 @@ impl CompiledFunction {
         let device = common_device("compiled function", &refs)?;
         // A reshaped view is copied into a buffer of its own shape first (a cheap one-op program),
         // so that a view and a plain tensor of one shape share the program.
-        let args = args.iter().map(|t| t.with_own_buffer()).collect::<Result<Vec<_>>>()?;
-        let args = &args[..];
+        let copied;
+        let args = if args.iter().any(|t| t.physical_shape() != t.shape()) {
+            copied = args.iter().map(Tensor::with_own_buffer).collect::<Result<Vec<_>>>()?;
+            &copied[..]
+        } else {
+            args
+        };
         let signature = Signature {
             client: Arc::as_ptr(device.client()) as usize,
             device: device.index(),

@@ -220,23 +220,10 @@ pub(crate) fn common_device(op: &'static str, inputs: &[&Tensor]) -> Result<Devi
     Ok(first)
 }
 
-/// The trace of the traced inputs, if any (an error when they come from two traces).
-fn common_trace(op: &'static str, inputs: &[&Tensor]) -> Result<Option<Trace>> {
-    let mut found: Option<&Trace> = None;
-    for t in inputs {
-        if let Some((trace, _)) = t.trace() {
-            match found {
-                Some(f) if !f.same(trace) => {
-                    return Err(Error::invalid(
-                        op,
-                        "operands come from two different compiled functions being traced",
-                    ))
-                }
-                _ => found = Some(trace),
-            }
-        }
-    }
-    Ok(found.cloned())
+/// The trace of the first traced input, if any (`Trace::apply` checks that the other inputs
+/// belong to it or are concrete tensors on its device).
+fn first_trace(inputs: &[&Tensor]) -> Option<Trace> {
+    inputs.iter().find_map(|t| t.trace().map(|(trace, _)| trace.clone()))
 }
 
 /// Runs an op: the one router. Inside a trace (any input traced) `build` records into the
@@ -271,14 +258,7 @@ pub(crate) fn apply_on(
     inputs: &[&Tensor],
     build: impl FnOnce(&mut Builder, &[Value]) -> kiln_hlo::Result<Vec<Value>>,
 ) -> Result<Vec<Tensor>> {
-    if let Some(trace) = common_trace(op, inputs)? {
-        if trace.device() != device {
-            return Err(Error::DeviceMismatch {
-                op,
-                lhs: device.to_string(),
-                rhs: trace.device().to_string(),
-            });
-        }
+    if let Some(trace) = first_trace(inputs) {
         return trace.apply(op, inputs, build);
     }
     for t in inputs {

@@ -403,9 +403,14 @@ impl Tensor {
                 format!("device {} has no `{kind}` memory space", self.device()),
             )
         })?;
+        let memory_kind = MemoryKind::from_name(kind).ok_or_else(|| {
+            Error::invalid(
+                "to_memory_kind",
+                format!("kiln does not know the memory kind `{kind}` (it knows device, pinned_host and unpinned_host)"),
+            )
+        })?;
         let buffer = self.buffer("to_memory_kind")?.copy_to_memory(memory)?;
-        let kind = MemoryKind::from_name(kind).unwrap_or(MemoryKind::Device);
-        self.with_copied_buffer(buffer, self.device().clone(), kind)
+        self.with_copied_buffer(buffer, self.device().clone(), memory_kind)
     }
 
     /// The memory space the data lives in.

@@ -56,13 +56,11 @@ impl Trace {
         self.0.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Declares the next argument of the program for the concrete tensor `t` (all arguments are
-    /// declared before the first op) and returns the traced value standing for it.
+    /// Declares the next argument of the program for the concrete tensor `t` and returns the
+    /// traced value standing for it. `CompiledFunction` declares every argument before tracing, so
+    /// arguments come first among the parameters and lifted tensors after them.
     pub(crate) fn argument(&self, t: &Tensor) -> Result<Tensor> {
         let mut st = self.state();
-        if !st.captured.is_empty() {
-            return Err(Error::invalid("trace", "arguments must be declared before any op"));
-        }
         let v = parameter_for(&mut st.builder, t).map_err(|source| Error::Build { op: "trace", source })?;
         Ok(Tensor::traced(self.clone(), v))
     }

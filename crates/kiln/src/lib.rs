@@ -29,17 +29,14 @@ pub use kiln_pipelines::{
 };
 pub use kiln_tensor::{op_cache_stats, CompiledFunction, DType, Device, DeviceSpec, OpCacheStats, Platform, Tensor};
 
-/// The `--compile` value: `none`, `blocks`, `full`, or `auto` — the mode that is fastest end to
-/// end on `device`'s platform for a cold and a warm start (see the README's measurements).
-pub fn compile_mode_for(value: &str, device: &Device) -> anyhow::Result<CompileMode> {
+/// The `--compile` value: `none`, `blocks`, `full`, or `auto` — the mode that was fastest end to
+/// end for a cold and a warm start (see the README's measurements).
+pub fn parse_compile_mode(value: &str) -> anyhow::Result<CompileMode> {
     if value != "auto" {
         return value.parse().map_err(|e: String| anyhow::anyhow!("--compile: {e}"));
     }
-    Ok(match device.platform() {
-        // Measured on the scaled FLUX.1 (README): fastest per step and end to end, fewest
-        // programs to compile cold, and a warm start that loads them in well under a second.
-        Platform::Cpu => CompileMode::Full,
-        // Not measured on hardware yet; XLA's GPU and TPU compilers fuse most across a whole graph.
-        Platform::Cuda | Platform::Tpu => CompileMode::Full,
-    })
+    // Measured on CPU with the scaled FLUX.1 (README): full was the fastest or tied per step, the
+    // fastest end to end and compiled the fewest programs cold. GPU and TPU are not measured yet
+    // and get the same default.
+    Ok(CompileMode::Full)
 }

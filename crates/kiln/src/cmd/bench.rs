@@ -68,7 +68,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("--runs must be at least 1");
     }
     let device = Device::parse(&args.device)?;
-    let compile = kiln::compile_mode_for(&args.compile, &device)?;
+    let compile = kiln::parse_compile_mode(&args.compile)?;
     let t_load = Instant::now();
     let mut pipe = FluxPipeline::from_pretrained(&args.model, &LoadOptions { dtype, revision: None })
         .with_context(|| format!("loading {}", args.model))?

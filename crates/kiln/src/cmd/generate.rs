@@ -110,7 +110,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     let t_load = Instant::now();
     let device = Device::parse(&args.device)?;
-    let compile = kiln::compile_mode_for(&args.compile, &device)?;
+    let compile = kiln::parse_compile_mode(&args.compile)?;
     let pipe = FluxPipeline::from_pretrained(
         &model,
         &LoadOptions {
