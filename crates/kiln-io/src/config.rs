@@ -2,8 +2,8 @@
 //!
 //! Every struct is `#[serde(default)]` with a `Default` that spells the Python class defaults, so
 //! a missing key takes the default exactly as `from_pretrained` would; unknown keys are ignored.
-//! A wrong type or a bad value is an error naming the file and the key. To add a model (SD3's
-//! `SD3Transformer2DModel`, FLUX.2's `Flux2Transformer2DModel`), add one more struct like these.
+//! A wrong type or a bad value is an error naming the file and the key. To add a model (FLUX.2's
+//! `Flux2Transformer2DModel`), add one more struct like these.
 
 use std::fmt;
 use std::path::Path;
@@ -330,6 +330,97 @@ impl FluxTransformer2DConfig {
     /// `num_attention_heads * attention_head_dim` (3072 for FLUX.1).
     pub fn inner_dim(&self) -> usize {
         self.num_attention_heads.saturating_mul(self.attention_head_dim)
+    }
+}
+
+/// SD3 / SD3.5 transformer config (diffusers' `SD3Transformer2DModel`). Defaults are the class
+/// defaults, not SD3.5's values (every real `config.json` writes them all).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default)]
+#[allow(missing_docs)]
+pub struct SD3Transformer2DConfig {
+    /// Latent size the model was trained at; the pipelines' default size is
+    /// `sample_size · vae_scale_factor`.
+    pub sample_size: usize,
+    pub patch_size: usize,
+    pub in_channels: usize,
+    pub num_layers: usize,
+    pub attention_head_dim: usize,
+    pub num_attention_heads: usize,
+    pub joint_attention_dim: usize,
+    /// Width of `context_embedder`'s output; the blocks need it to equal
+    /// [`SD3Transformer2DConfig::inner_dim`].
+    pub caption_projection_dim: usize,
+    pub pooled_projection_dim: usize,
+    /// `None` (`null`) means `in_channels`; use [`SD3Transformer2DConfig::out_channels`].
+    pub out_channels: Option<usize>,
+    /// Side of the stored square positional table `pos_embed.pos_embed` (in patches), which is
+    /// center-cropped to the latent grid. diffusers' `null` (a table recomputed per size) is not
+    /// supported.
+    pub pos_embed_max_size: usize,
+    /// Indices of the blocks with a second, image-only attention (`attn2`, SD3.5 medium).
+    pub dual_attention_layers: Vec<usize>,
+    /// `null` or one of diffusers' `qk_norm` names (`"rms_norm"` for SD3.5).
+    #[serde(deserialize_with = "qk_norm")]
+    pub qk_norm: Option<String>,
+}
+
+impl Default for SD3Transformer2DConfig {
+    fn default() -> Self {
+        SD3Transformer2DConfig {
+            sample_size: 128,
+            patch_size: 2,
+            in_channels: 16,
+            num_layers: 18,
+            attention_head_dim: 64,
+            num_attention_heads: 18,
+            joint_attention_dim: 4096,
+            caption_projection_dim: 1152,
+            pooled_projection_dim: 2048,
+            out_channels: Some(16),
+            pos_embed_max_size: 96,
+            dual_attention_layers: Vec::new(),
+            qk_norm: None,
+        }
+    }
+}
+
+impl SD3Transformer2DConfig {
+    /// The `qk_norm` values diffusers' `Attention` accepts.
+    pub const QK_NORMS: [&'static str; 6] = [
+        "layer_norm",
+        "fp32_layer_norm",
+        "layer_norm_across_heads",
+        "rms_norm",
+        "rms_norm_across_heads",
+        "l2",
+    ];
+
+    /// The output channels: `out_channels`, or `in_channels` when it is `null`.
+    pub fn out_channels(&self) -> usize {
+        // diffusers: `out_channels if out_channels is not None else in_channels`.
+        self.out_channels.unwrap_or(self.in_channels)
+    }
+
+    /// `num_attention_heads * attention_head_dim` (1536 for SD3.5 medium, 2432 for large).
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads.saturating_mul(self.attention_head_dim)
+    }
+
+    /// Whether block `index` has the image-only second attention `attn2`.
+    pub fn is_dual_attention_layer(&self, index: usize) -> bool {
+        self.dual_attention_layers.contains(&index)
+    }
+}
+
+fn qk_norm<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
+    let name = Option::<String>::deserialize(deserializer)?;
+    match name {
+        Some(n) if !SD3Transformer2DConfig::QK_NORMS.contains(&n.as_str()) => Err(serde::de::Error::custom(format!(
+            "unknown qk_norm `{n}`, expected null or one of {}",
+            SD3Transformer2DConfig::QK_NORMS.join(", ")
+        ))),
+        other => Ok(other),
     }
 }
 

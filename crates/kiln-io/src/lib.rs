@@ -19,7 +19,8 @@ pub mod model_index;
 pub mod safetensors;
 
 pub use config::{
-    load_config, parse_config, Activation, AutoencoderKLConfig, ClipTextConfig, FluxTransformer2DConfig, T5Config,
+    load_config, parse_config, Activation, AutoencoderKLConfig, ClipTextConfig, FluxTransformer2DConfig,
+    SD3Transformer2DConfig, T5Config,
 };
 pub use error::{IoError, Result};
 pub use hub::{resolve_model, resolve_model_with, HfCacheEnv};

@@ -8,7 +8,7 @@ use common::pipeline;
 use kiln_io::config::{FeedForwardProj, SampleSize};
 use kiln_io::{
     load_config, parse_config, Activation, AutoencoderKLConfig, ClipTextConfig, FluxTransformer2DConfig, IoError,
-    T5Config,
+    SD3Transformer2DConfig, T5Config,
 };
 use serde_json::Value;
 
@@ -229,6 +229,59 @@ fn every_fixture_config_parses() {
     assert_eq!(parsed, 12);
 }
 
+// stabilityai/stable-diffusion-3.5-medium `transformer/config.json` (spec-sd3-flux2.md §A.1).
+const SD35_MEDIUM_TRANSFORMER: &str = r#"{
+  "_class_name": "SD3Transformer2DModel", "_diffusers_version": "0.31.0.dev0",
+  "attention_head_dim": 64, "caption_projection_dim": 1536,
+  "dual_attention_layers": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+  "in_channels": 16, "joint_attention_dim": 4096, "num_attention_heads": 24, "num_layers": 24,
+  "out_channels": 16, "patch_size": 2, "pooled_projection_dim": 2048, "pos_embed_max_size": 384,
+  "qk_norm": "rms_norm", "sample_size": 128 }"#;
+
+#[test]
+fn sd3_transformer_configs_parse() {
+    let medium: SD3Transformer2DConfig = parse(SD35_MEDIUM_TRANSFORMER);
+    assert_eq!((medium.inner_dim(), medium.out_channels()), (1536, 16));
+    assert_eq!(medium.dual_attention_layers, (0..13).collect::<Vec<_>>());
+    assert!(medium.is_dual_attention_layer(12) && !medium.is_dual_attention_layer(13));
+    assert_eq!(medium.qk_norm.as_deref(), Some("rms_norm"));
+    assert_eq!((medium.pos_embed_max_size, medium.sample_size), (384, 128));
+
+    let defaults: SD3Transformer2DConfig = parse("{}");
+    assert_eq!(defaults, SD3Transformer2DConfig::default());
+    assert_eq!(
+        (
+            defaults.num_layers,
+            defaults.inner_dim(),
+            defaults.caption_projection_dim
+        ),
+        (18, 1152, 1152)
+    );
+    assert_eq!((defaults.pos_embed_max_size, defaults.out_channels()), (96, 16));
+    assert!(defaults.dual_attention_layers.is_empty() && defaults.qk_norm.is_none());
+    // `null` falls back to in_channels (diffusers: `out_channels if not None else in_channels`).
+    let null_out: SD3Transformer2DConfig = parse(r#"{"in_channels": 8, "out_channels": null, "qk_norm": null}"#);
+    assert_eq!((null_out.out_channels(), null_out.qk_norm), (8, None));
+
+    let path = pipeline("sd3").join("transformer/config.json");
+    let fixture: SD3Transformer2DConfig = load_config(&path).unwrap();
+    let json: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let n = |v: usize| Value::from(v);
+    let fields = [
+        ("num_layers", n(fixture.num_layers)),
+        ("num_attention_heads", n(fixture.num_attention_heads)),
+        ("attention_head_dim", n(fixture.attention_head_dim)),
+        ("caption_projection_dim", n(fixture.caption_projection_dim)),
+        ("pos_embed_max_size", n(fixture.pos_embed_max_size)),
+        (
+            "dual_attention_layers",
+            Value::from(fixture.dual_attention_layers.clone()),
+        ),
+        ("qk_norm", Value::from(fixture.qk_norm.clone())),
+    ];
+    assert_same(&json, &fields);
+}
+
 fn config_error<T: serde::de::DeserializeOwned + std::fmt::Debug>(json: &str) -> (String, String) {
     let dir = tempfile::tempdir().unwrap();
     let path = common::write(dir.path(), "config.json", json.as_bytes());
@@ -273,6 +326,16 @@ fn wrong_types_and_bad_values_name_file_and_key() {
     let (key, msg) = config_error::<T5Config>(r#"{} {}"#);
     assert_eq!(key, ".");
     assert!(msg.contains("trailing"), "{msg}");
+    let (key, msg) = config_error::<SD3Transformer2DConfig>(r#"{"qk_norm": "rms"}"#);
+    assert_eq!(key, "qk_norm");
+    assert!(
+        msg.contains("unknown qk_norm `rms`") && msg.contains("rms_norm"),
+        "{msg}"
+    );
+    let (key, _) = config_error::<SD3Transformer2DConfig>(r#"{"pos_embed_max_size": null}"#);
+    assert_eq!(key, "pos_embed_max_size");
+    let (key, _) = config_error::<SD3Transformer2DConfig>(r#"{"dual_attention_layers": [0, -1]}"#);
+    assert!(key.starts_with("dual_attention_layers"), "{key}");
     let err = load_config::<T5Config>("/nonexistent/config.json").unwrap_err();
     assert!(matches!(err, IoError::Read { .. }));
 }
