@@ -14,41 +14,7 @@ use kiln_nn::{
 };
 use kiln_tensor::{AttentionMask, CompiledFunction, DType, Device, RopeLayout, Tensor};
 
-/// `get_timestep_embedding` frequencies for a 256-d sinusoid (`flip_sin_to_cos=True`,
-/// `downscale_freq_shift=0`), computed in f32 op by op as torch does.
-fn timestep_frequencies(half: usize) -> Vec<f32> {
-    let neg_log_period = -(10000f64.ln()) as f32;
-    (0..half)
-        .map(|k| {
-            let exponent = (neg_log_period * k as f32) / (half as f32);
-            (exponent as f64).exp() as f32
-        })
-        .collect()
-}
-
-/// diffusers `TimestepEmbedding` / `PixArtAlphaTextProjection` with SiLU: `linear_2(silu(linear_1(x)))`.
-#[derive(Clone, Debug)]
-struct Mlp {
-    linear_1: Linear,
-    linear_2: Linear,
-}
-
-impl Mlp {
-    fn load(w: &Weights, input: usize, dim: usize) -> Result<Self> {
-        Ok(Mlp {
-            linear_1: Linear::load(&w.pp("linear_1"), input, dim, true)?,
-            linear_2: Linear::load(&w.pp("linear_2"), dim, dim, true)?,
-        })
-    }
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.linear_2.forward(&self.linear_1.forward(x)?.silu()?)
-    }
-}
-
-impl_module!(Mlp {
-    linear_1: "linear_1",
-    linear_2: "linear_2"
-});
+use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp};
 
 /// `CombinedTimestep(Guidance)TextProjEmbeddings`.
 #[derive(Clone, Debug)]
@@ -62,8 +28,7 @@ struct TimeTextEmbed {
 impl TimeTextEmbed {
     /// The sinusoidal projection of `t` (`[B]` f32): `[cos(t·f), sin(t·f)]`, f32.
     fn time_proj(&self, t: &Tensor) -> Result<Tensor> {
-        let args = t.unsqueeze(1)?.mul(&self.frequencies.unsqueeze(0)?)?;
-        Ok(Tensor::cat(&[&args.cos()?, &args.sin()?], 1)?)
+        sinusoid(t, &self.frequencies)
     }
 
     fn forward(&self, timestep: &Tensor, guidance: Option<&Tensor>, pooled: &Tensor) -> Result<Tensor> {
@@ -86,17 +51,6 @@ impl_module!(TimeTextEmbed {
     guidance_embedder: "guidance_embedder",
     text_embedder: "text_embedder",
 });
-
-/// `x·(1 + scale) + shift` with `[B, D]` scale/shift broadcast over the sequence.
-fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
-    let scale = scale.add_scalar(1.0)?.unsqueeze(1)?;
-    Ok(x.mul(&scale)?.add(&shift.unsqueeze(1)?)?)
-}
-
-/// `x + gate·y` with a `[B, D]` gate.
-fn gated_residual(x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
-    Ok(x.add(&gate.unsqueeze(1)?.mul(y)?)?)
-}
 
 /// Query/key/value projections of one stream, with per-head RMSNorm on q and k.
 #[derive(Clone, Debug)]
@@ -160,30 +114,6 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Te
     let o = Tensor::scaled_dot_product_attention(&q, &k, v, &AttentionMask::None, None)?;
     Ok(o.transpose(1, 2)?.flatten(2, 3)?)
 }
-
-/// `FeedForward(dim, dim_out=dim, activation_fn="gelu-tanh")`: `net.2(gelu_tanh(net.0.proj(x)))`.
-#[derive(Clone, Debug)]
-struct FeedForward {
-    proj_in: Linear,
-    proj_out: Linear,
-}
-
-impl FeedForward {
-    fn load(w: &Weights, dim: usize) -> Result<Self> {
-        Ok(FeedForward {
-            proj_in: Linear::load(&w.pp("net.0.proj"), dim, 4 * dim, true)?,
-            proj_out: Linear::load(&w.pp("net.2"), 4 * dim, dim, true)?,
-        })
-    }
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.proj_out.forward(&self.proj_in.forward(x)?.gelu_tanh()?)
-    }
-}
-
-impl_module!(FeedForward {
-    proj_in: "net.0.proj",
-    proj_out: "net.2"
-});
 
 /// `FluxTransformerBlock`: the double-stream block.
 #[derive(Clone, Debug)]

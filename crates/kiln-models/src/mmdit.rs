@@ -1,0 +1,85 @@
+//! Pieces the diffusers MMDiT transformers share (FLUX.1's `FluxTransformer2DModel`, SD3's
+//! `SD3Transformer2DModel`): the sinusoidal timestep projection and its MLP
+//! (`diffusers/models/embeddings.py`), the gelu-tanh `FeedForward` (`attention.py`) and the
+//! adaptive-norm modulation (`normalization.py`).
+
+use kiln_nn::{impl_module, Linear, Result, Weights};
+use kiln_tensor::Tensor;
+
+/// `get_timestep_embedding` frequencies for a `2·half`-d sinusoid (`flip_sin_to_cos=True`,
+/// `downscale_freq_shift=0`), computed in f32 op by op as torch does.
+pub(crate) fn timestep_frequencies(half: usize) -> Vec<f32> {
+    let neg_log_period = -(10000f64.ln()) as f32;
+    (0..half)
+        .map(|k| {
+            let exponent = (neg_log_period * k as f32) / (half as f32);
+            (exponent as f64).exp() as f32
+        })
+        .collect()
+}
+
+/// The sinusoidal projection of `t` (`[B]` f32) with `frequencies` (`[half]` f32):
+/// `[cos(t·f), sin(t·f)]`, `[B, 2·half]` f32.
+pub(crate) fn sinusoid(t: &Tensor, frequencies: &Tensor) -> Result<Tensor> {
+    let args = t.unsqueeze(1)?.mul(&frequencies.unsqueeze(0)?)?;
+    Ok(Tensor::cat(&[&args.cos()?, &args.sin()?], 1)?)
+}
+
+/// diffusers `TimestepEmbedding` / `PixArtAlphaTextProjection` with SiLU: `linear_2(silu(linear_1(x)))`.
+#[derive(Clone, Debug)]
+pub(crate) struct Mlp {
+    linear_1: Linear,
+    linear_2: Linear,
+}
+
+impl Mlp {
+    pub(crate) fn load(w: &Weights, input: usize, dim: usize) -> Result<Self> {
+        Ok(Mlp {
+            linear_1: Linear::load(&w.pp("linear_1"), input, dim, true)?,
+            linear_2: Linear::load(&w.pp("linear_2"), dim, dim, true)?,
+        })
+    }
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.linear_2.forward(&self.linear_1.forward(x)?.silu()?)
+    }
+}
+
+impl_module!(Mlp {
+    linear_1: "linear_1",
+    linear_2: "linear_2"
+});
+
+/// `FeedForward(dim, dim_out=dim, activation_fn="gelu-tanh")`: `net.2(gelu_tanh(net.0.proj(x)))`.
+#[derive(Clone, Debug)]
+pub(crate) struct FeedForward {
+    proj_in: Linear,
+    proj_out: Linear,
+}
+
+impl FeedForward {
+    pub(crate) fn load(w: &Weights, dim: usize) -> Result<Self> {
+        Ok(FeedForward {
+            proj_in: Linear::load(&w.pp("net.0.proj"), dim, 4 * dim, true)?,
+            proj_out: Linear::load(&w.pp("net.2"), 4 * dim, dim, true)?,
+        })
+    }
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.proj_out.forward(&self.proj_in.forward(x)?.gelu_tanh()?)
+    }
+}
+
+impl_module!(FeedForward {
+    proj_in: "net.0.proj",
+    proj_out: "net.2"
+});
+
+/// `x·(1 + scale) + shift` with `[B, D]` scale/shift broadcast over the sequence.
+pub(crate) fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    let scale = scale.add_scalar(1.0)?.unsqueeze(1)?;
+    Ok(x.mul(&scale)?.add(&shift.unsqueeze(1)?)?)
+}
+
+/// `x + gate·y` with a `[B, D]` gate.
+pub(crate) fn gated_residual(x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
+    Ok(x.add(&gate.unsqueeze(1)?.mul(y)?)?)
+}
