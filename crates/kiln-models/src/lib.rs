@@ -7,5 +7,6 @@ pub mod clip;
 mod mmdit;
 pub mod t5;
 pub mod transformer_flux;
+pub mod transformer_sd3;
 
 pub use kiln_nn::{Error, Result};

@@ -1,0 +1,734 @@
+//! SD3 / SD3.5 transformer: diffusers' `SD3Transformer2DModel`
+//! (`diffusers/models/transformers/transformer_sd3.py`, diffusers 0.42.1), the MMDiT of
+//! stabilityai/stable-diffusion-3.5-{medium,large} (and SD3 medium). Weight names are diffusers'.
+//!
+//! How it differs from FLUX.1: the latents are patchified by a strided convolution and get a
+//! learned positional table (center-cropped to the latent grid) instead of rotary embeddings;
+//! joint attention orders the sequence **[image, text]**; qk-norm is diffusers' own `RMSNorm`
+//! (optional); blocks listed in `dual_attention_layers` add an image-only attention `attn2`; the
+//! last block is `context_pre_only` (no text output); the output is unpatchified channel-innermost.
+//! Layout inside attention is heads-first `[batch, heads, seq, head_dim]`.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use kiln_io::SD3Transformer2DConfig;
+use kiln_nn::module::{map_child, visit_child};
+use kiln_nn::{call_compiled, impl_module, CompileMode, Conv2d, Error, LayerNorm, Linear, Module, Result, Weights};
+use kiln_tensor::{AttentionMask, CompiledFunction, Conv2dParams, DType, Tensor};
+
+use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp};
+
+/// The eps of every LayerNorm and qk RMSNorm of the model.
+const EPS: f64 = 1e-6;
+
+fn input_error(message: String) -> Error {
+    Error::Tensor(kiln_tensor::Error::Invalid {
+        op: "SD3Transformer2DModel::forward",
+        message,
+    })
+}
+
+/// `PatchEmbed` with a stored positional table: `Conv2d(in → D, kernel = stride = patch_size)`,
+/// tokens row-major, plus the center crop of `pos_embed [1, M·M, D]` for the latent grid.
+#[derive(Clone, Debug)]
+struct PatchEmbed {
+    proj: Conv2d,
+    pos_embed: Tensor,
+    patch_size: usize,
+    max_size: usize,
+}
+
+impl_module!(PatchEmbed {
+    proj: "proj",
+    pos_embed: "pos_embed",
+});
+
+impl PatchEmbed {
+    fn load(w: &Weights, config: &SD3Transformer2DConfig) -> Result<Self> {
+        let (p, m, dim) = (config.patch_size, config.pos_embed_max_size, config.inner_dim());
+        let params = Conv2dParams {
+            stride: p,
+            ..Conv2dParams::default()
+        };
+        Ok(PatchEmbed {
+            proj: Conv2d::load(&w.pp("proj"), config.in_channels, dim, p, params, true)?,
+            pos_embed: w.get("pos_embed", [1, m * m, dim])?,
+            patch_size: p,
+            max_size: m,
+        })
+    }
+
+    /// `[B, C, H, W]` latents → `[B, (H/p)·(W/p), D]` tokens with positions added.
+    fn forward(&self, latent: &Tensor) -> Result<Tensor> {
+        let (h, w) = (latent.dims()[2] / self.patch_size, latent.dims()[3] / self.patch_size);
+        let x = self.proj.forward(latent)?.flatten(2, 3)?.transpose(1, 2)?;
+        let (m, dim) = (self.max_size, x.dims()[2]);
+        // `cropped_pos_embed`: floor-centered crop of the (M, M) table.
+        let (top, left) = ((m - h) / 2, (m - w) / 2);
+        let pos = self
+            .pos_embed
+            .reshape([m, m, dim])?
+            .narrow(0, top, h)?
+            .narrow(1, left, w)?
+            .reshape([1, h * w, dim])?;
+        Ok(x.add(&pos)?)
+    }
+}
+
+/// `CombinedTimestepTextProjEmbeddings`: `timestep_embedder(sinusoid(t)) + text_embedder(pooled)`.
+#[derive(Clone, Debug)]
+struct TimeTextEmbed {
+    timestep_embedder: Mlp,
+    text_embedder: Mlp,
+}
+
+impl_module!(TimeTextEmbed {
+    timestep_embedder: "timestep_embedder",
+    text_embedder: "text_embedder",
+});
+
+impl TimeTextEmbed {
+    fn forward(&self, timestep: &Tensor, pooled: &Tensor) -> Result<Tensor> {
+        // `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` on `timestep.float()`,
+        // then cast to the pooled projections' dtype. The frequency table is a constant made here
+        // (not a weight), so the walk names checkpoint tensors only.
+        let frequencies = Tensor::from_slice(&timestep_frequencies(128), [128], timestep.device())?;
+        let t = sinusoid(&timestep.to_dtype(DType::F32)?, &frequencies)?.to_dtype(pooled.dtype())?;
+        let emb = self.timestep_embedder.forward(&t)?;
+        Ok(emb.add(&self.text_embedder.forward(pooled)?)?)
+    }
+}
+
+/// diffusers' `RMSNorm` (qk-norm over the head dimension): `x·rsqrt(mean(x²) + eps)` rounded to
+/// the model dtype, then times the weight — two roundings in 16-bit, where torch's `nn.RMSNorm`
+/// (FLUX) has one.
+#[derive(Clone, Debug)]
+struct RmsNorm {
+    weight: Tensor,
+}
+
+impl_module!(RmsNorm { weight: "weight" });
+
+impl RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.rms_norm(None, EPS)?.mul(&self.weight)?)
+    }
+}
+
+/// Query/key/value projections of one stream (all with bias), with the optional per-head qk-norm.
+#[derive(Clone, Debug)]
+struct QkvProjection {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    norm_q: Option<RmsNorm>,
+    norm_k: Option<RmsNorm>,
+    /// The weight names of q, k, v, norm_q, norm_k (the image and text streams differ).
+    names: [&'static str; 5],
+}
+
+const IMAGE_QKV: [&str; 5] = ["to_q", "to_k", "to_v", "norm_q", "norm_k"];
+const TEXT_QKV: [&str; 5] = ["add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k"];
+
+impl Module for QkvProjection {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        let [q, k, v, nq, nk] = self.names;
+        visit_child(q, &self.q, f);
+        visit_child(k, &self.k, f);
+        visit_child(v, &self.v, f);
+        visit_child(nq, &self.norm_q, f);
+        visit_child(nk, &self.norm_k, f);
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        let [q, k, v, nq, nk] = self.names;
+        map_child(q, &mut self.q, f)?;
+        map_child(k, &mut self.k, f)?;
+        map_child(v, &mut self.v, f)?;
+        map_child(nq, &mut self.norm_q, f)?;
+        map_child(nk, &mut self.norm_k, f)
+    }
+}
+
+impl QkvProjection {
+    fn load(w: &Weights, names: [&'static str; 5], dim: usize, head_dim: usize, qk_norm: bool) -> Result<Self> {
+        let norm = |name: &str| -> Result<Option<RmsNorm>> {
+            Ok(if qk_norm {
+                Some(RmsNorm {
+                    weight: w.pp(name).get("weight", [head_dim])?,
+                })
+            } else {
+                None
+            })
+        };
+        Ok(QkvProjection {
+            q: Linear::load(&w.pp(names[0]), dim, dim, true)?,
+            k: Linear::load(&w.pp(names[1]), dim, dim, true)?,
+            v: Linear::load(&w.pp(names[2]), dim, dim, true)?,
+            norm_q: norm(names[3])?,
+            norm_k: norm(names[4])?,
+            names,
+        })
+    }
+
+    /// `[B, S, D]` → q, k, v each `[B, H, S, head_dim]`.
+    fn forward(&self, x: &Tensor, heads: usize) -> Result<[Tensor; 3]> {
+        let (b, s) = (x.dims()[0], x.dims()[1]);
+        let split = |t: Tensor| -> Result<Tensor> {
+            Ok(t.reshape_infer(&[b as isize, s as isize, heads as isize, -1])?
+                .transpose(1, 2)?)
+        };
+        let norm = |n: &Option<RmsNorm>, t: Tensor| -> Result<Tensor> {
+            match n {
+                Some(n) => n.forward(&t),
+                None => Ok(t),
+            }
+        };
+        let q = norm(&self.norm_q, split(self.q.forward(x)?)?)?;
+        let k = norm(&self.norm_k, split(self.k.forward(x)?)?)?;
+        let v = split(self.v.forward(x)?)?;
+        Ok([q, k, v])
+    }
+}
+
+/// Softmax attention (scale `1/√head_dim`, no mask, no positions); returns `[B, S, H·head_dim]`.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let o = Tensor::scaled_dot_product_attention(q, k, v, &AttentionMask::None, None)?;
+    Ok(o.transpose(1, 2)?.flatten(2, 3)?)
+}
+
+/// `attn2` of a dual-attention block: self-attention over the image tokens only.
+#[derive(Clone, Debug)]
+struct SelfAttention {
+    qkv: QkvProjection,
+    to_out: Linear,
+}
+
+impl_module!(SelfAttention {
+    qkv: "",
+    to_out: "to_out.0",
+});
+
+impl SelfAttention {
+    fn forward(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
+        let [q, k, v] = self.qkv.forward(x, heads)?;
+        self.to_out.forward(&attention(&q, &k, &v)?)
+    }
+}
+
+/// The block types, each compiled on its own in [`CompileMode::RepeatedBlocks`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BlockKind {
+    Joint,
+    JointContextPreOnly,
+    Dual,
+    DualContextPreOnly,
+}
+
+impl BlockKind {
+    const ALL: [BlockKind; 4] = [
+        BlockKind::Joint,
+        BlockKind::JointContextPreOnly,
+        BlockKind::Dual,
+        BlockKind::DualContextPreOnly,
+    ];
+
+    fn of(dual: bool, context_pre_only: bool) -> BlockKind {
+        match (dual, context_pre_only) {
+            (false, false) => BlockKind::Joint,
+            (false, true) => BlockKind::JointContextPreOnly,
+            (true, false) => BlockKind::Dual,
+            (true, true) => BlockKind::DualContextPreOnly,
+        }
+    }
+
+    fn program_name(self) -> &'static str {
+        match self {
+            BlockKind::Joint => "transformer.transformer_blocks",
+            BlockKind::JointContextPreOnly => "transformer.transformer_blocks.context_pre_only",
+            BlockKind::Dual => "transformer.transformer_blocks.dual_attention",
+            BlockKind::DualContextPreOnly => "transformer.transformer_blocks.dual_attention.context_pre_only",
+        }
+    }
+}
+
+/// `JointTransformerBlock`. `context_pre_only` (the last block): the text stream is normalized
+/// by `AdaLayerNormContinuous` and only feeds the attention; there is no `to_add_out`, no
+/// `ff_context` and no text output. `attn2` (dual-attention layers): `norm1` is
+/// `SD35AdaLayerNormZeroX` (9 modulation vectors instead of 6).
+#[derive(Clone, Debug)]
+struct JointTransformerBlock {
+    norm1: Linear,
+    norm1_context: Linear,
+    image: QkvProjection,
+    text: QkvProjection,
+    to_out: Linear,
+    to_add_out: Option<Linear>,
+    attn2: Option<SelfAttention>,
+    ff: FeedForward,
+    ff_context: Option<FeedForward>,
+    heads: usize,
+}
+
+impl_module!(JointTransformerBlock {
+    norm1: "norm1.linear",
+    norm1_context: "norm1_context.linear",
+    image: "attn",
+    text: "attn",
+    to_out: "attn.to_out.0",
+    to_add_out: "attn.to_add_out",
+    attn2: "attn2",
+    ff: "ff",
+    ff_context: "ff_context",
+});
+
+/// What one block needs to know besides its weights.
+struct BlockSpec {
+    dim: usize,
+    heads: usize,
+    head_dim: usize,
+    qk_norm: bool,
+    dual: bool,
+    context_pre_only: bool,
+}
+
+impl JointTransformerBlock {
+    fn load(w: &Weights, spec: &BlockSpec) -> Result<Self> {
+        let &BlockSpec {
+            dim,
+            heads,
+            head_dim,
+            qk_norm,
+            dual,
+            context_pre_only,
+        } = spec;
+        let attn = w.pp("attn");
+        let attn2 = if dual {
+            let a = w.pp("attn2");
+            Some(SelfAttention {
+                qkv: QkvProjection::load(&a, IMAGE_QKV, dim, head_dim, qk_norm)?,
+                to_out: Linear::load(&a.pp("to_out.0"), dim, dim, true)?,
+            })
+        } else {
+            None
+        };
+        let (context_chunks, to_add_out, ff_context) = if context_pre_only {
+            (2, None, None)
+        } else {
+            (
+                6,
+                Some(Linear::load(&attn.pp("to_add_out"), dim, dim, true)?),
+                Some(FeedForward::load(&w.pp("ff_context"), dim)?),
+            )
+        };
+        Ok(JointTransformerBlock {
+            norm1: Linear::load(&w.pp("norm1.linear"), dim, if dual { 9 } else { 6 } * dim, true)?,
+            norm1_context: Linear::load(&w.pp("norm1_context.linear"), dim, context_chunks * dim, true)?,
+            image: QkvProjection::load(&attn, IMAGE_QKV, dim, head_dim, qk_norm)?,
+            text: QkvProjection::load(&attn, TEXT_QKV, dim, head_dim, qk_norm)?,
+            to_out: Linear::load(&attn.pp("to_out.0"), dim, dim, true)?,
+            to_add_out,
+            attn2,
+            ff: FeedForward::load(&w.pp("ff"), dim)?,
+            ff_context,
+            heads,
+        })
+    }
+
+    fn kind(&self) -> BlockKind {
+        BlockKind::of(self.attn2.is_some(), self.to_add_out.is_none())
+    }
+
+    /// Returns the new text stream (`None` for a `context_pre_only` block) and image stream.
+    fn forward(&self, x: &Tensor, ctx: &Tensor, temb_silu: &Tensor) -> Result<(Option<Tensor>, Tensor)> {
+        let ln = LayerNorm::plain(EPS);
+        // AdaLayerNormZero: shift, scale, gate (attention), shift, scale, gate (MLP); the
+        // dual-attention SD35AdaLayerNormZeroX adds shift, scale, gate of `attn2`, applied to the
+        // same LayerNorm of the block input.
+        let m = self
+            .norm1
+            .forward(temb_silu)?
+            .chunk(if self.attn2.is_some() { 9 } else { 6 }, 1)?;
+        let norm_x = ln.forward(x)?;
+        let nx = modulate(&norm_x, &m[0], &m[1])?;
+        let norm_ctx = ln.forward(ctx)?;
+        let c = self.norm1_context.forward(temb_silu)?;
+        let (nc, c) = if self.to_add_out.is_none() {
+            // AdaLayerNormContinuous: scale first, then shift.
+            let e = c.chunk(2, 1)?;
+            (modulate(&norm_ctx, &e[1], &e[0])?, None)
+        } else {
+            let c = c.chunk(6, 1)?;
+            (modulate(&norm_ctx, &c[0], &c[1])?, Some(c))
+        };
+
+        // Joint attention over [image, text].
+        let [q, k, v] = self.image.forward(&nx, self.heads)?;
+        let [cq, ck, cv] = self.text.forward(&nc, self.heads)?;
+        let q = Tensor::cat(&[&q, &cq], 2)?;
+        let k = Tensor::cat(&[&k, &ck], 2)?;
+        let v = Tensor::cat(&[&v, &cv], 2)?;
+        let o = attention(&q, &k, &v)?;
+        let parts = o.split_sizes(&[x.dims()[1], ctx.dims()[1]], 1)?;
+        let (o_x, o_ctx) = (&parts[0], &parts[1]);
+
+        let mut x = gated_residual(x, &m[2], &self.to_out.forward(o_x)?)?;
+        if let Some(attn2) = &self.attn2 {
+            let nx2 = modulate(&norm_x, &m[6], &m[7])?;
+            x = gated_residual(&x, &m[8], &attn2.forward(&nx2, self.heads)?)?;
+        }
+        let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
+        let x = gated_residual(&x, &m[5], &self.ff.forward(&ff_in)?)?;
+
+        let ctx = match (c, &self.to_add_out, &self.ff_context) {
+            (Some(c), Some(to_add_out), Some(ff_context)) => {
+                let ctx = gated_residual(ctx, &c[2], &to_add_out.forward(o_ctx)?)?;
+                let ff_in = modulate(&ln.forward(&ctx)?, &c[3], &c[4])?;
+                Some(gated_residual(&ctx, &c[5], &ff_context.forward(&ff_in)?)?)
+            }
+            _ => None,
+        };
+        Ok((ctx, x))
+    }
+}
+
+/// The inputs of one transformer call, as `StableDiffusion3Pipeline` passes them.
+#[derive(Clone, Copy, Debug)]
+pub struct SD3TransformerInputs<'a> {
+    /// Latents `[B, in_channels, H, W]` in the model dtype; H and W multiples of `patch_size`.
+    pub hidden_states: &'a Tensor,
+    /// `[B]` (or `[1]`, broadcast) timesteps in [0, 1000], not divided by 1000; cast to f32.
+    pub timestep: &'a Tensor,
+    /// Text embeddings `[B, L, joint_attention_dim]` in the model dtype.
+    pub encoder_hidden_states: &'a Tensor,
+    /// Pooled text embeddings `[B, pooled_projection_dim]` in the model dtype.
+    pub pooled_projections: &'a Tensor,
+    /// diffusers' `skip_layers`: blocks whose whole computation is skipped (both streams pass
+    /// through unchanged). Empty = none; indices past the last block are ignored, as in diffusers.
+    pub skip_layers: &'a [usize],
+}
+
+/// diffusers `SD3Transformer2DModel`.
+#[derive(Clone, Debug)]
+pub struct SD3Transformer2DModel {
+    config: SD3Transformer2DConfig,
+    pos_embed: PatchEmbed,
+    time_text_embed: TimeTextEmbed,
+    context_embedder: Linear,
+    transformer_blocks: Vec<JointTransformerBlock>,
+    norm_out: Linear,
+    proj_out: Linear,
+    compile_mode: CompileMode,
+    programs: Arc<Programs>,
+}
+
+impl_module!(SD3Transformer2DModel {
+    pos_embed: "pos_embed",
+    time_text_embed: "time_text_embed",
+    context_embedder: "context_embedder",
+    transformer_blocks: "transformer_blocks",
+    norm_out: "norm_out.linear",
+    proj_out: "proj_out",
+});
+
+/// The compiled functions of one transformer (each keeps a program per input signature).
+#[derive(Debug)]
+struct Programs {
+    /// The whole forward, one function per set of skipped blocks (the set changes the program
+    /// but not the arguments' shapes).
+    full: Mutex<BTreeMap<Vec<usize>, Arc<CompiledFunction>>>,
+    /// One block of each [`BlockKind`], in [`BlockKind::ALL`] order.
+    blocks: [CompiledFunction; 4],
+}
+
+impl Programs {
+    fn new() -> Arc<Programs> {
+        Arc::new(Programs {
+            full: Mutex::new(BTreeMap::new()),
+            blocks: BlockKind::ALL.map(|kind| CompiledFunction::new(kind.program_name())),
+        })
+    }
+
+    fn full(&self, skip: &[usize]) -> Arc<CompiledFunction> {
+        let mut full = self.full.lock().unwrap_or_else(|e| e.into_inner());
+        full.entry(skip.to_vec())
+            .or_insert_with(|| {
+                let name = if skip.is_empty() {
+                    "transformer".to_string()
+                } else {
+                    let list: Vec<String> = skip.iter().map(usize::to_string).collect();
+                    format!("transformer.skip_layers_{}", list.join("_"))
+                };
+                Arc::new(CompiledFunction::new(name))
+            })
+            .clone()
+    }
+
+    fn block(&self, kind: BlockKind) -> &CompiledFunction {
+        let index = BlockKind::ALL
+            .iter()
+            .position(|&k| k == kind)
+            .expect("ALL lists every kind");
+        &self.blocks[index]
+    }
+}
+
+impl SD3Transformer2DModel {
+    pub fn load(config: &SD3Transformer2DConfig, w: &Weights) -> Result<Self> {
+        check_config(config, w)?;
+        let dim = config.inner_dim();
+        let tte = w.pp("time_text_embed");
+        let time_text_embed = TimeTextEmbed {
+            timestep_embedder: Mlp::load(&tte.pp("timestep_embedder"), 256, dim)?,
+            text_embedder: Mlp::load(&tte.pp("text_embedder"), config.pooled_projection_dim, dim)?,
+        };
+        let transformer_blocks = (0..config.num_layers)
+            .map(|i| {
+                let spec = BlockSpec {
+                    dim,
+                    heads: config.num_attention_heads,
+                    head_dim: config.attention_head_dim,
+                    qk_norm: config.qk_norm.is_some(),
+                    dual: config.is_dual_attention_layer(i),
+                    context_pre_only: i + 1 == config.num_layers,
+                };
+                JointTransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), &spec)
+            })
+            .collect::<Result<_>>()?;
+        let patch_out = config.patch_size * config.patch_size * config.out_channels();
+        Ok(SD3Transformer2DModel {
+            config: config.clone(),
+            pos_embed: PatchEmbed::load(&w.pp("pos_embed"), config)?,
+            time_text_embed,
+            context_embedder: Linear::load(
+                &w.pp("context_embedder"),
+                config.joint_attention_dim,
+                config.caption_projection_dim,
+                true,
+            )?,
+            transformer_blocks,
+            norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, true)?,
+            proj_out: Linear::load(&w.pp("proj_out"), dim, patch_out, true)?,
+            compile_mode: CompileMode::None,
+            programs: Programs::new(),
+        })
+    }
+
+    /// Runs the forward as compiled programs from now on (`torch.compile(transformer)` for
+    /// [`CompileMode::Full`]; one program per block type for [`CompileMode::RepeatedBlocks`],
+    /// which diffusers does not offer for SD3) or op by op again ([`CompileMode::None`]).
+    /// Programs are compiled on the first call with each input shape (and, in full mode, each
+    /// set of skipped layers) and kept.
+    pub fn compile(&mut self, mode: CompileMode) {
+        self.compile_mode = mode;
+    }
+
+    pub fn compile_mode(&self) -> CompileMode {
+        self.compile_mode
+    }
+
+    /// How many programs the compiled functions hold (one per function and input signature).
+    pub fn compiled_programs(&self) -> usize {
+        let p = &self.programs;
+        let full: usize = p
+            .full
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|f| f.num_programs())
+            .sum();
+        full + p.blocks.iter().map(CompiledFunction::num_programs).sum::<usize>()
+    }
+
+    pub fn config(&self) -> &SD3Transformer2DConfig {
+        &self.config
+    }
+
+    /// Predicts the flow velocity `[B, out_channels, H, W]`.
+    pub fn forward(&self, inputs: &SD3TransformerInputs<'_>) -> Result<Tensor> {
+        self.check_inputs(inputs)?;
+        let mut skip: Vec<usize> = inputs
+            .skip_layers
+            .iter()
+            .copied()
+            .filter(|&i| i < self.transformer_blocks.len())
+            .collect();
+        skip.sort_unstable();
+        skip.dedup();
+        if self.compile_mode != CompileMode::Full {
+            return self.forward_graph(inputs, &skip);
+        }
+        let args = [
+            inputs.hidden_states.clone(),
+            inputs.timestep.clone(),
+            inputs.encoder_hidden_states.clone(),
+            inputs.pooled_projections.clone(),
+        ];
+        let mut out = call_compiled(&self.programs.full(&skip), self, &args, |m, t| {
+            let traced = SD3TransformerInputs {
+                hidden_states: &t[0],
+                timestep: &t[1],
+                encoder_hidden_states: &t[2],
+                pooled_projections: &t[3],
+                skip_layers: &skip,
+            };
+            Ok(vec![m.forward_graph(&traced, &skip)?])
+        })?;
+        Ok(out.remove(0))
+    }
+
+    /// The forward's ops, with each block compiled on its own in [`CompileMode::RepeatedBlocks`].
+    /// `skip` is sorted, without duplicates and in range.
+    fn forward_graph(&self, inputs: &SD3TransformerInputs<'_>, skip: &[usize]) -> Result<Tensor> {
+        let [b, _, height, width] = inputs.hidden_states.dims()[..] else {
+            unreachable!("check_inputs requires a rank-4 hidden_states")
+        };
+        let p = self.config.patch_size;
+        let (h, w) = (height / p, width / p);
+
+        let mut x = self.pos_embed.forward(inputs.hidden_states)?; // [B, h·w, D]
+        let temb = self
+            .time_text_embed
+            .forward(inputs.timestep, inputs.pooled_projections)?;
+        let temb_silu = temb.silu()?;
+        let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?; // [B, L, D]
+        let per_block = self.compile_mode == CompileMode::RepeatedBlocks;
+        for (i, block) in self.transformer_blocks.iter().enumerate() {
+            if skip.binary_search(&i).is_ok() {
+                continue;
+            }
+            let (new_ctx, new_x) = if per_block {
+                let args = [x, ctx.clone(), temb_silu.clone()];
+                let mut out = call_compiled(self.programs.block(block.kind()), block, &args, |b, t| {
+                    let (ctx, x) = b.forward(&t[0], &t[1], &t[2])?;
+                    Ok(ctx.into_iter().chain([x]).collect())
+                })?;
+                let x = out.pop().expect("a block program returns the image stream last");
+                (out.pop(), x)
+            } else {
+                block.forward(&x, &ctx, &temb_silu)?
+            };
+            x = new_x;
+            // After a context_pre_only block (the last) the text stream is no longer used.
+            if let Some(new_ctx) = new_ctx {
+                ctx = new_ctx;
+            }
+        }
+
+        // AdaLayerNormContinuous: scale first, then shift.
+        let e = self.norm_out.forward(&temb_silu)?.chunk(2, 1)?;
+        let x = modulate(&LayerNorm::plain(EPS).forward(&x)?, &e[1], &e[0])?;
+        let x = self.proj_out.forward(&x)?; // [B, h·w, p·p·C]
+                                            // Unpatchify, channel innermost: (b, h, w, p, q, c) → (b, c, h, p, w, q).
+        let c = self.config.out_channels();
+        Ok(x.reshape([b, h, w, p, p, c])?
+            .permute(&[0, 5, 1, 3, 2, 4])?
+            .reshape([b, c, h * p, w * p])?)
+    }
+
+    /// Shapes and dtypes of one call, checked before anything runs.
+    fn check_inputs(&self, inputs: &SD3TransformerInputs<'_>) -> Result<()> {
+        let cfg = &self.config;
+        let dtype = self.proj_out.weight.dtype();
+        let x = inputs.hidden_states;
+        if x.rank() != 4 || x.dims()[1] != cfg.in_channels || x.numel() == 0 {
+            return Err(input_error(format!(
+                "hidden_states must be [batch, {}, height, width] latents; got {}",
+                cfg.in_channels,
+                x.shape()
+            )));
+        }
+        let (b, height, width) = (x.dims()[0], x.dims()[2], x.dims()[3]);
+        let (p, m) = (cfg.patch_size, cfg.pos_embed_max_size);
+        if height % p != 0 || width % p != 0 {
+            return Err(input_error(format!(
+                "the latent height and width ({height}×{width}) must be multiples of patch_size {p}"
+            )));
+        }
+        // diffusers' `cropped_pos_embed` raises the same (in patches).
+        for (what, size) in [("Height", height), ("Width", width)] {
+            if size / p > m {
+                return Err(input_error(format!(
+                    "{what} ({}) cannot be greater than `pos_embed_max_size`: {m} (a latent of {height}×{width} \
+                     is {}×{} patches of {p}; this model takes latents of at most {}×{})",
+                    size / p,
+                    height / p,
+                    width / p,
+                    m * p,
+                    m * p
+                )));
+            }
+        }
+        let enc = inputs.encoder_hidden_states;
+        if enc.rank() != 3 || enc.dims()[0] != b || enc.dims()[2] != cfg.joint_attention_dim {
+            return Err(input_error(format!(
+                "encoder_hidden_states must be [{b}, sequence, {}]; got {}",
+                cfg.joint_attention_dim,
+                enc.shape()
+            )));
+        }
+        let pooled = inputs.pooled_projections;
+        if pooled.dims() != [b, cfg.pooled_projection_dim] {
+            return Err(input_error(format!(
+                "pooled_projections must be [{b}, {}]; got {}",
+                cfg.pooled_projection_dim,
+                pooled.shape()
+            )));
+        }
+        let t = inputs.timestep;
+        if t.rank() != 1 || (t.dims()[0] != b && t.dims()[0] != 1) || !t.dtype().is_float() {
+            return Err(input_error(format!(
+                "timestep must be a float [{b}] (or [1]) tensor; got {} {}",
+                t.shape(),
+                t.dtype()
+            )));
+        }
+        for (name, t) in [
+            ("hidden_states", x),
+            ("encoder_hidden_states", enc),
+            ("pooled_projections", pooled),
+        ] {
+            if t.dtype() != dtype {
+                return Err(input_error(format!(
+                    "{name} is {} but the transformer weights are {dtype}; cast it first",
+                    t.dtype()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks what the weight shapes cannot.
+fn check_config(config: &SD3Transformer2DConfig, w: &Weights) -> Result<()> {
+    let config_error = |message: String| Error::Config {
+        component: w.component().to_string(),
+        message,
+    };
+    let dim = config.inner_dim();
+    if dim == 0 {
+        return Err(config_error(format!(
+            "num_attention_heads {} × attention_head_dim {} must be positive",
+            config.num_attention_heads, config.attention_head_dim
+        )));
+    }
+    if config.patch_size == 0 || config.pos_embed_max_size == 0 {
+        return Err(config_error(format!(
+            "patch_size {} and pos_embed_max_size {} must be positive",
+            config.patch_size, config.pos_embed_max_size
+        )));
+    }
+    if config.caption_projection_dim != dim {
+        return Err(config_error(format!(
+            "caption_projection_dim {} must equal num_attention_heads × attention_head_dim = {dim} \
+             (the blocks take the projected text at the model width)",
+            config.caption_projection_dim
+        )));
+    }
+    match config.qk_norm.as_deref() {
+        None | Some("rms_norm") => Ok(()),
+        Some(other) => Err(config_error(format!(
+            "qk_norm `{other}` is not supported (kiln implements null and \"rms_norm\", what SD3 and SD3.5 use)"
+        ))),
+    }
+}
