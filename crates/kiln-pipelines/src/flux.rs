@@ -745,7 +745,7 @@ fn timestep_tensor(t: f32, n: usize, dtype: DType, device: &Device) -> Result<Te
 
 /// `FlowMatchEulerDiscreteScheduler.step`: `x + dt·v` with the sample upcast to f32. On CPU with a
 /// 16-bit model, torch rounds `dt` and `dt·v` to the model dtype before the f32 add.
-fn euler_step(x: &Tensor, v: &Tensor, dt: f32, device: &Device) -> Result<Tensor> {
+pub(crate) fn euler_step(x: &Tensor, v: &Tensor, dt: f32, device: &Device) -> Result<Tensor> {
     let dtype = x.dtype();
     let dt = Tensor::from_f32(&[dt], v.dtype(), [], device)?;
     let update = v.mul(&dt)?;

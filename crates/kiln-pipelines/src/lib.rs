@@ -7,9 +7,11 @@ mod error;
 pub mod flux;
 mod loading;
 mod progress;
+pub mod sd3;
 
 pub use error::{PipelineError, Result};
 pub use flux::{
     pack_latents, unpack_latents, FluxCall, FluxOutput, FluxPipeline, OutputType, StepCallback, StepState, Timings,
 };
 pub use loading::LoadOptions;
+pub use sd3::{StableDiffusion3Call, StableDiffusion3Embeddings, StableDiffusion3Output, StableDiffusion3Pipeline};
