@@ -31,9 +31,22 @@ pub struct GenerationParams {
     /// Model id or path.
     pub model: String,
     pub kiln_version: String,
-    /// Anything else worth recording (dtype, true CFG scale, max sequence length, ...).
+    /// Anything else worth recording (dtype, device, compile mode, ...).
     #[serde(default)]
     pub extras: BTreeMap<String, String>,
+    /// The pipeline class that made the image (`FluxPipeline`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<String>,
+    /// The arguments of the pipeline call that made the image, and every other image of its
+    /// batch, under diffusers' keyword names (`prompt` as a list, `num_inference_steps`,
+    /// `true_cfg_scale`, ...; `seed` for the generator's seed): enough to make the call again.
+    /// Empty for PNGs written before kiln stored it.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub call: serde_json::Map<String, serde_json::Value>,
+    /// This image's place among the call's images: prompt index · images per prompt + image
+    /// index (diffusers' order).
+    #[serde(default)]
+    pub image_index: usize,
 }
 
 impl GenerationParams {
@@ -257,7 +270,7 @@ mod tests {
             height: 768,
             model: "black-forest-labs/FLUX.1-dev".into(),
             kiln_version: "0.1.0".into(),
-            extras: BTreeMap::new(),
+            ..Default::default()
         };
         params.extras.insert("Dtype".into(), "bf16".into());
         params.extras.insert("Note".into(), "a, b: c".into());

@@ -132,6 +132,19 @@ fn sample_params() -> GenerationParams {
         model: "black-forest-labs/FLUX.1-dev".to_string(),
         kiln_version: "0.1.0".to_string(),
         extras,
+        pipeline: Some("FluxPipeline".to_string()),
+        // Lists, unicode and a float that needs all 17 digits come back exactly.
+        call: serde_json::json!({
+            "prompt": ["café naïve résumé, 日本語 🐱", "a dog"],
+            "negative_prompt": ["blurry, ぼやけた"],
+            "sigmas": [1.0, 0.1 + 0.2, 1e-300],
+            "guidance_scale": 3.5,
+            "seed": u64::MAX,
+        })
+        .as_object()
+        .expect("an object")
+        .clone(),
+        image_index: 1,
     }
 }
 
@@ -161,6 +174,7 @@ fn png_round_trip_pixels_and_unicode_parameters() {
         prompt: "a photo of a cat".to_string(),
         negative_prompt: None,
         guidance: None,
+        call: serde_json::Map::new(),
         ..sample_params()
     };
     save_png(&path, &image, &ascii).expect("overwrite");

@@ -2,7 +2,7 @@
 
 mod cmd;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -17,7 +17,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate images from a prompt.
+    /// Generate images from prompts (or again from a PNG kiln wrote, with --from).
     Generate(Box<cmd::generate::GenerateArgs>),
     /// List the PJRT plugins found, their versions and their devices.
     Devices,
@@ -35,9 +35,15 @@ fn main() {
         .with_writer(std::io::stderr)
         .without_time()
         .init();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
-        Command::Generate(args) => cmd::generate::run(*args),
+        Command::Generate(args) => {
+            let generate = matches
+                .subcommand_matches("generate")
+                .expect("clap parsed the generate subcommand");
+            cmd::generate::run(*args, &cmd::generate::Given::of(generate))
+        }
         Command::Devices => cmd::devices::run(),
         Command::Bench(args) => cmd::bench::run(*args),
     };

@@ -141,10 +141,48 @@ fn bad_arguments_are_clear_errors() {
         (&["--device", "metal"][..], "unknown device"),
         (&["--height", "0"][..], "--height must be positive"),
         (&["--width", "0"][..], "--width must be positive"),
-        (&["--guidance", "nan"][..], "--guidance must be a finite number"),
-        (&["--guidance", "inf"][..], "--guidance must be a finite number"),
-        (&["--true-cfg=-inf"][..], "--true-cfg must be a finite number"),
+        (&["--guidance", "nan"][..], "--guidance-scale must be a finite number"),
+        (
+            &["--guidance-scale", "inf"][..],
+            "--guidance-scale must be a finite number",
+        ),
+        (&["--true-cfg=-inf"][..], "--true-cfg-scale must be a finite number"),
         (&["--compile", "fast"][..], "unknown compile mode `fast`"),
+        (
+            &["--num-images-per-prompt", "0"][..],
+            "--num-images-per-prompt must be at least 1",
+        ),
+        (&["--sigmas", "1.0,nan"][..], "--sigmas must be finite numbers"),
+        // The helper passes --steps 1.
+        (
+            &["--sigmas", "1.0,0.5"][..],
+            "--num-inference-steps 1 does not match the 2 --sigmas",
+        ),
+        (
+            &[
+                "--prompt",
+                "a dog",
+                "--negative-prompt",
+                "x",
+                "--negative-prompt",
+                "y",
+                "--negative-prompt",
+                "z",
+            ][..],
+            "--negative-prompt is given 3 times for 2 prompt(s)",
+        ),
+        (
+            &["--skip-guidance-layers", "7,8,9"][..],
+            "--skip-guidance-layers is not an argument of FluxPipeline (model ",
+        ),
+        (
+            &["--prompt-3", "x"][..],
+            "--prompt-3 is not an argument of FluxPipeline",
+        ),
+        (
+            &["--clip-skip", "1"][..],
+            "--clip-skip is not an argument of FluxPipeline",
+        ),
     ] {
         let (ok, stderr) = generate(&model, &dir, extra);
         assert!(!ok, "{extra:?} was accepted");
@@ -167,6 +205,33 @@ fn bad_arguments_are_clear_errors() {
     assert!(!missing.status.success());
     assert!(
         stderr.contains("no-such-org/no-such-model") && stderr.contains("huggingface-cli download"),
+        "{stderr}"
+    );
+    let no_prompt = kiln()
+        .args(["generate", "--model"])
+        .arg(&model)
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&no_prompt.stderr);
+    assert!(!no_prompt.status.success());
+    assert!(stderr.contains("--prompt"), "{stderr}");
+
+    // A pipeline class kiln does not run is named, with the supported ones.
+    let sdxl = dir.join("sdxl");
+    std::fs::create_dir_all(&sdxl).unwrap();
+    let index = std::fs::read_to_string(model.join("model_index.json")).unwrap();
+    std::fs::write(
+        sdxl.join("model_index.json"),
+        index.replace("\"FluxPipeline\"", "\"StableDiffusionXLPipeline\""),
+    )
+    .unwrap();
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let (ok, stderr) = generate(&sdxl, &out, &[]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline)"),
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);
@@ -209,5 +274,249 @@ fn a_plugin_path_that_does_not_exist_is_an_error_everywhere() {
         "{stderr}"
     );
     assert!(!out.exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn oracle_image(case: &str, index: usize) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle/cases"))
+        .join(case)
+        .join(format!("image_{index}.png"))
+}
+
+/// Runs `kiln generate` with these flags and values on the CPU in `dir`; panics with its stderr
+/// unless it succeeds.
+fn generate_ok(dir: &Path, args: &[(&str, &str)]) -> String {
+    let out = kiln()
+        .arg("generate")
+        .args(args.iter().flat_map(|(flag, value)| [flag, value]))
+        .args(["--device", "cpu"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "kiln generate {args:?} failed:\n{stderr}");
+    stderr
+}
+
+fn pixels(path: &Path) -> image::RgbImage {
+    image::open(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .into_rgb8()
+}
+
+/// Within the pipeline parity tolerance for float32 (crates/kiln-pipelines/tests/flux_parity.rs):
+/// at most one level off, in at most 1 % of the values.
+fn assert_matches_golden(got: &Path, golden: &Path) {
+    let (got, want) = (pixels(got), pixels(golden));
+    assert_eq!(got.dimensions(), want.dimensions(), "{}", golden.display());
+    let diffs: Vec<u8> = got
+        .as_raw()
+        .iter()
+        .zip(want.as_raw())
+        .map(|(a, b)| a.abs_diff(*b))
+        .collect();
+    let max = diffs.iter().copied().max().unwrap_or(0);
+    let differing = diffs.iter().filter(|&&d| d > 0).count() as f64 / diffs.len() as f64;
+    assert!(
+        max <= 1 && differing <= 0.01,
+        "{}: max |Δ| {max}, {:.3} % differ",
+        golden.display(),
+        differing * 100.0
+    );
+}
+
+/// One oracle case per flag family, run through the CLI, gives diffusers' images; `--from` makes
+/// the same files again, byte for byte, and a flag given with `--from` overrides the PNG's value.
+#[test]
+fn flags_reach_the_pipeline_and_from_generates_the_same_files() {
+    let dir = temp_dir("oracle");
+    let dev = oracle_pipeline("flux1_dev");
+    let schnell = oracle_pipeline("flux1_schnell");
+    let (dev, schnell) = (dev.to_str().unwrap(), schnell.to_str().unwrap());
+
+    // True CFG with a negative prompt (flux1_dev/true_cfg_negative), under diffusers' names.
+    generate_ok(
+        &dir,
+        &[
+            ("--model", dev),
+            ("--prompt", "a cozy cabin in the woods"),
+            ("--negative-prompt", "blurry, low quality"),
+            ("--true-cfg-scale", "2.5"),
+            ("--height", "32"),
+            ("--width", "32"),
+            ("--num-inference-steps", "2"),
+            ("--guidance-scale", "3.5"),
+            ("--max-sequence-length", "32"),
+            ("--seed", "5"),
+            ("--output", "cfg.png"),
+        ],
+    );
+    assert_matches_golden(&dir.join("cfg.png"), &oracle_image("flux1_dev/true_cfg_negative", 0));
+
+    // A batch of two prompts (flux1_schnell/batch2_prompts), with the sigmas of 2 steps instead
+    // of the steps (the model's default is 28) and the short aliases.
+    generate_ok(
+        &dir,
+        &[
+            ("--model", schnell),
+            ("--prompt", "a red apple on a table"),
+            ("--prompt", "a blue car, 4k"),
+            ("--height", "48"),
+            ("--width", "32"),
+            ("--sigmas", "1.0,0.5"),
+            ("--guidance", "0"),
+            ("--max-sequence-length", "32"),
+            ("--seed", "7"),
+            ("--output", "batch.png"),
+        ],
+    );
+    for k in 0..2 {
+        let path = dir.join(format!("batch-{k}.png"));
+        assert_matches_golden(&path, &oracle_image("flux1_schnell/batch2_prompts", k));
+        let params = kiln::read_png_parameters(&path).unwrap();
+        assert_eq!(params.image_index, k);
+        assert_eq!(params.prompt, ["a red apple on a table", "a blue car, 4k"][k]);
+        assert_eq!(params.steps, 2);
+    }
+
+    // prompt_2 (flux1_dev/prompt2_differs), first with another seed, then --from with the right
+    // one: the override reaches the pipeline and everything else comes from the PNG.
+    generate_ok(
+        &dir,
+        &[
+            ("--model", dev),
+            ("--prompt", "a watercolor fox"),
+            ("--prompt-2", "an oil painting of a wolf"),
+            ("--height", "64"),
+            ("--width", "32"),
+            ("--steps", "1"),
+            ("--guidance", "2.0"),
+            ("--max-sequence-length", "48"),
+            ("--seed", "1"),
+            ("--output", "fox-seed1.png"),
+        ],
+    );
+    generate_ok(
+        &dir,
+        &[("--from", "fox-seed1.png"), ("--seed", "99"), ("--output", "fox.png")],
+    );
+    assert_matches_golden(&dir.join("fox.png"), &oracle_image("flux1_dev/prompt2_differs", 0));
+    assert!(
+        pixels(&dir.join("fox-seed1.png")) != pixels(&dir.join("fox.png")),
+        "--seed did not change the image"
+    );
+    let params = kiln::read_png_parameters(dir.join("fox.png")).unwrap();
+    assert_eq!(params.seed, 99);
+    assert_eq!(
+        params.call["prompt_2"],
+        serde_json::json!(["an oil painting of a wolf"])
+    );
+
+    // Other sigmas (same count) change the images: they reach the pipeline and the PNG.
+    generate_ok(
+        &dir,
+        &[
+            ("--from", "batch-0.png"),
+            ("--sigmas", "1.0,0.25"),
+            ("--output", "sigmas.png"),
+        ],
+    );
+    assert!(
+        pixels(&dir.join("sigmas-0.png")) != pixels(&dir.join("batch-0.png")),
+        "--sigmas did not change the image"
+    );
+    let params = kiln::read_png_parameters(dir.join("sigmas-0.png")).unwrap();
+    assert_eq!(params.call["sigmas"], serde_json::json!([1.0, 0.25]));
+
+    // --from gives the same files: one image, and the whole batch from its second image.
+    let stderr = generate_ok(&dir, &[("--from", "batch-1.png"), ("--output", "again.png")]);
+    assert!(stderr.contains("image 1 of 2"), "{stderr}");
+    generate_ok(&dir, &[("--from", "cfg.png"), ("--output", "cfg-again.png")]);
+    for (a, b) in [
+        ("batch-0.png", "again-0.png"),
+        ("batch-1.png", "again-1.png"),
+        ("cfg.png", "cfg-again.png"),
+    ] {
+        assert!(
+            std::fs::read(dir.join(a)).unwrap() == std::fs::read(dir.join(b)).unwrap(),
+            "{b} differs from {a}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--from` refuses a PNG it cannot make again, naming the file, and writes nothing.
+#[test]
+fn from_errors_name_the_file_and_write_nothing() {
+    let dir = temp_dir("from");
+    let schnell = oracle_pipeline("flux1_schnell").display().to_string();
+    let image = image::RgbImage::new(2, 2);
+    let params = |call: serde_json::Value| kiln::GenerationParams {
+        prompt: "a cat".into(),
+        model: schnell.clone(),
+        call: call.as_object().unwrap().clone(),
+        ..Default::default()
+    };
+    let call = serde_json::json!({"prompt": ["a cat"], "height": 32, "width": 32, "num_inference_steps": 1,
+                                  "max_sequence_length": 16});
+    let mut sd3_call = call.clone();
+    sd3_call["clip_skip"] = 1.into();
+    let mut unknown_call = call.clone();
+    unknown_call["eta"] = 0.5.into();
+    let written = [
+        ("old.png", params(serde_json::json!({}))),
+        ("sd3.png", params(sd3_call)),
+        ("unknown.png", params(unknown_call)),
+        ("ok.png", params(call)),
+    ];
+    for (name, p) in &written {
+        kiln::save_png(dir.join(name), &image, p).unwrap();
+    }
+    let plain = oracle_image("flux1_schnell/basic_square", 0);
+    let plain = plain.to_str().unwrap();
+    for (args, expected) in [
+        (&["--from", "missing.png"][..], "missing.png"),
+        (
+            &["--from", plain][..],
+            "basic_square/image_0.png has no `kiln_parameters`",
+        ),
+        (
+            &["--from", "old.png"][..],
+            "old.png has kiln parameters but not the call's arguments",
+        ),
+        (
+            &["--from", "sd3.png"][..],
+            "--clip-skip (from sd3.png) is not an argument of FluxPipeline",
+        ),
+        (
+            &["--from", "unknown.png"][..],
+            "unknown.png: the stored call arguments are not ones kiln knows",
+        ),
+        (
+            &["--from", "ok.png", "--output", "ok.png"][..],
+            "would overwrite the --from image",
+        ),
+    ] {
+        let out = kiln()
+            .arg("generate")
+            .args(args)
+            .args(["--device", "cpu"])
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        files.sort();
+        assert_eq!(
+            files,
+            ["ok.png", "old.png", "sd3.png", "unknown.png"],
+            "{args:?} wrote a file"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

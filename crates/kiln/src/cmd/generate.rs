@@ -1,60 +1,92 @@
 //! `kiln generate`.
 
+mod call;
+mod from_png;
+
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use clap::parser::ValueSource;
+use clap::ArgMatches;
 use kiln::defaults::{default_model_folder, ModelDefaults};
-use kiln::{DType, Device, FluxCall, FluxPipeline, GenerationParams, LoadOptions};
+use kiln::{CompileMode, DType, Device, FluxPipeline, GenerationParams, LoadOptions, OpCacheStats, Timings};
+use kiln_image::RgbImage;
+use kiln_io::ModelIndex;
+
+pub use call::CallArgs;
+use call::{flag, Pipeline, DRAW, OUTPUT, RUN};
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
+    /// Generate the images of a PNG kiln wrote again: its model, prompts and settings become the
+    /// defaults of the other flags. A PNG from a batch gives the whole batch again.
+    #[arg(long, value_name = "PNG", help_heading = DRAW)]
+    pub from: Option<PathBuf>,
+    #[command(flatten)]
+    pub call: CallArgs,
     /// A diffusers model folder or a Hugging Face repo id in the local cache
     /// (default: kiln's bundled tiny FLUX model).
-    #[arg(long)]
+    #[arg(long, help_heading = RUN)]
     pub model: Option<String>,
     /// Revision of a Hugging Face repo id (branch, tag or commit).
-    #[arg(long)]
+    #[arg(long, help_heading = RUN)]
     pub revision: Option<String>,
-    #[arg(long)]
-    pub prompt: String,
-    /// The T5 prompt (default: --prompt).
-    #[arg(long)]
-    pub prompt_2: Option<String>,
-    /// Enables true classifier-free guidance together with --true-cfg > 1.
-    #[arg(long)]
-    pub negative_prompt: Option<String>,
-    #[arg(long)]
-    pub true_cfg: Option<f64>,
-    #[arg(long)]
-    pub height: Option<usize>,
-    #[arg(long)]
-    pub width: Option<usize>,
-    #[arg(long)]
-    pub steps: Option<usize>,
-    /// Guidance scale (FLUX.1 [dev]; ignored by [schnell]).
-    #[arg(long)]
-    pub guidance: Option<f64>,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", help_heading = RUN)]
     pub dtype: String,
     /// cpu, cuda[:i], tpu[:i] or auto.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", help_heading = RUN)]
     pub device: String,
-    /// How the transformer runs: none (op by op), blocks (one compiled program per repeated
-    /// block type), full (the whole transformer as one program), or auto (the fastest on the
-    /// device's platform). Compiled programs are kept on disk (KILN_CACHE_DIR).
-    #[arg(long, default_value = "auto")]
+    /// How the models run: none (op by op), blocks (one compiled program per repeated block
+    /// type), full (each model as one program), or auto (the fastest on the device's platform).
+    /// Compiled programs are kept on disk (KILN_CACHE_DIR).
+    #[arg(long, default_value = "auto", help_heading = RUN)]
     pub compile: String,
-    #[arg(long)]
-    pub max_sequence_length: Option<usize>,
-    #[arg(long, default_value_t = 1)]
-    pub num_images: usize,
-    /// The PNG to write (with several images: NAME-0.png, NAME-1.png, ...).
-    #[arg(long, default_value = "kiln.png")]
+    /// The PNG to write; several images go to NAME-0.png, NAME-1.png, ... (prompt by prompt).
+    #[arg(long, default_value = "kiln.png", help_heading = OUTPUT)]
     pub output: PathBuf,
+}
+
+/// The flags given on the command line, by clap id (the field name), as opposed to defaults.
+pub struct Given(BTreeSet<String>);
+
+impl Given {
+    pub fn of(matches: &ArgMatches) -> Given {
+        Given(
+            matches
+                .ids()
+                .filter(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+                .map(|id| id.to_string())
+                .collect(),
+        )
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        self.0.contains(id)
+    }
+}
+
+/// What loads and runs the model: everything but the call's arguments and the output.
+pub struct Load {
+    pub model: Option<String>,
+    pub revision: Option<String>,
+    pub dtype: String,
+    pub device: String,
+    pub compile: String,
+}
+
+impl Load {
+    fn of(args: &GenerateArgs) -> Load {
+        Load {
+            model: args.model.clone(),
+            revision: args.revision.clone(),
+            dtype: args.dtype.clone(),
+            device: args.device.clone(),
+            compile: args.compile.clone(),
+        }
+    }
 }
 
 fn output_paths(output: &Path, n: usize) -> Result<Vec<PathBuf>> {
@@ -71,25 +103,106 @@ fn output_paths(output: &Path, n: usize) -> Result<Vec<PathBuf>> {
         .collect())
 }
 
-pub fn run(args: GenerateArgs) -> Result<()> {
-    let dtype: DType = args.dtype.parse()?;
+/// Each argument the pipeline does not take is an error naming it, the pipeline and the model.
+fn check_taken_by(call: &CallArgs, pipeline: Pipeline, root: &Path, from: Option<&Path>, given: &Given) -> Result<()> {
+    for field in call.present() {
+        if pipeline.arguments().contains(&field.as_str()) {
+            continue;
+        }
+        let origin = match from {
+            Some(png) if !given.contains(&field) => format!(" (from {})", png.display()),
+            _ => String::new(),
+        };
+        bail!(
+            "{}{origin} is not an argument of {} (model {})",
+            flag(&field),
+            pipeline.class_name(),
+            root.display()
+        );
+    }
+    Ok(())
+}
+
+/// What a pipeline run gives back to be printed and saved.
+struct Generated {
+    images: Vec<RgbImage>,
+    /// (height, width) after rounding.
+    size: (usize, usize),
+    timings: Timings,
+    programs: OpCacheStats,
+    /// The guidance scale, when the model takes one.
+    guidance: Option<f64>,
+}
+
+/// How to load a pipeline, once checked.
+struct Settings<'a> {
+    model: &'a str,
+    revision: Option<String>,
+    dtype: DType,
+    device: &'a Device,
+    compile: CompileMode,
+}
+
+fn run_flux(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
+    let t_load = Instant::now();
+    let pipe = FluxPipeline::from_pretrained(
+        s.model,
+        &LoadOptions {
+            dtype: s.dtype,
+            revision: s.revision.clone(),
+        },
+    )
+    .with_context(|| format!("loading {}", s.model))?;
+    let mut pipe = pipe
+        .to(s.device)
+        .with_context(|| format!("loading {} onto {}", s.model, s.device))?;
+    pipe.compile(s.compile);
+    eprintln!(
+        "loaded {} ({}) on {} in {:.2} s",
+        s.model,
+        s.dtype,
+        s.device,
+        t_load.elapsed().as_secs_f64()
+    );
+    let flux_call = call.flux_call();
+    let guidance = pipe
+        .transformer_config()
+        .guidance_embeds
+        .then_some(flux_call.guidance_scale);
+    let programs_before = kiln::op_cache_stats();
+    let out = pipe.call(flux_call)?;
+    Ok(Generated {
+        images: out.images,
+        size: out.size,
+        timings: out.timings,
+        programs: kiln::op_cache_stats().since(&programs_before),
+        guidance,
+    })
+}
+
+pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
+    let (mut call, load) = match &args.from {
+        Some(png) => {
+            let from = from_png::read(png, &args, given)?;
+            if from.image_count > 1 {
+                eprintln!(
+                    "{} is image {} of {} from one call: generating all {}",
+                    png.display(),
+                    from.image_index,
+                    from.image_count,
+                    from.image_count
+                );
+            }
+            (from.call, from.load)
+        }
+        None => (args.call.clone(), Load::of(&args)),
+    };
+    let dtype: DType = load.dtype.parse()?;
     if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
-        bail!("--dtype must be f32, bf16 or f16, got {}", args.dtype);
+        bail!("--dtype must be f32, bf16 or f16, got {}", load.dtype);
     }
-    if args.num_images == 0 {
-        bail!("--num-images must be at least 1");
-    }
-    for (flag, value) in [("--height", args.height), ("--width", args.width)] {
-        if value == Some(0) {
-            bail!("{flag} must be positive; leave it out for the model's default size");
-        }
-    }
-    for (flag, value) in [("--guidance", args.guidance), ("--true-cfg", args.true_cfg)] {
-        if let Some(v) = value.filter(|v| !v.is_finite()) {
-            bail!("{flag} must be a finite number, got {v}");
-        }
-    }
-    let paths = output_paths(&args.output, args.num_images)?;
+    call.check()?;
+    let paths = output_paths(&args.output, call.image_count())?;
     for p in &paths {
         if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
             if !dir.is_dir() {
@@ -100,54 +213,47 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 );
             }
         }
+        if let Some(png) = &args.from {
+            if p.canonicalize()
+                .ok()
+                .is_some_and(|p| png.canonicalize().ok() == Some(p))
+            {
+                bail!(
+                    "--output {} would overwrite the --from image; choose another --output",
+                    p.display()
+                );
+            }
+        }
     }
-    let model = match &args.model {
+    let model = match &load.model {
         Some(m) => m.clone(),
         None => default_model_folder()
             .context("the bundled model (assets/tiny-flux) was not found; pass --model or set KILN_DEFAULT_MODEL")?
             .to_string_lossy()
             .into_owned(),
     };
-    let t_load = Instant::now();
-    let device = Device::parse(&args.device)?;
-    let compile = kiln::parse_compile_mode(&args.compile)?;
-    let pipe = FluxPipeline::from_pretrained(
-        &model,
-        &LoadOptions {
-            dtype,
-            revision: args.revision.clone(),
-        },
-    )
-    .with_context(|| format!("loading {model}"))?;
-    let defaults = ModelDefaults::for_folder(pipe.root())?.unwrap_or_default();
-    let mut pipe = pipe
-        .to(&device)
-        .with_context(|| format!("loading {model} onto {device}"))?;
-    pipe.compile(compile);
-    eprintln!(
-        "loaded {model} ({dtype}) on {device} in {:.2} s",
-        t_load.elapsed().as_secs_f64()
-    );
+    let root = kiln_io::resolve_model(&model, load.revision.as_deref()).with_context(|| format!("loading {model}"))?;
+    let pipeline = Pipeline::of(&ModelIndex::load(&root)?)?;
+    check_taken_by(&call, pipeline, &root, args.from.as_deref(), given)?;
+    call.resolve(&ModelDefaults::for_folder(&root)?.unwrap_or_default());
 
-    let call = FluxCall {
-        prompt: Some(vec![args.prompt.clone()]),
-        prompt_2: args.prompt_2.clone().map(|p| vec![p]),
-        negative_prompt: args.negative_prompt.clone().map(|p| vec![p]),
-        true_cfg_scale: args.true_cfg.unwrap_or(1.0),
-        height: args.height.unwrap_or(defaults.height),
-        width: args.width.unwrap_or(defaults.width),
-        num_inference_steps: args.steps.unwrap_or(defaults.num_inference_steps),
-        guidance_scale: args.guidance.unwrap_or(defaults.guidance_scale),
-        max_sequence_length: args.max_sequence_length.unwrap_or(defaults.max_sequence_length),
-        num_images_per_prompt: args.num_images,
-        seed: args.seed,
-        ..Default::default()
+    let device = match &args.from {
+        Some(png) if !given.contains("device") => Device::parse(&load.device)
+            .with_context(|| format!("device {} (from {}; pass --device)", load.device, png.display()))?,
+        _ => Device::parse(&load.device)?,
     };
-    let steps = call.num_inference_steps;
-    let guidance = call.guidance_scale;
-    let programs_before = kiln::op_cache_stats();
-    let out = pipe.call(call)?;
-    let programs = kiln::op_cache_stats().since(&programs_before);
+    let compile = kiln::parse_compile_mode(&load.compile)?;
+    let settings = Settings {
+        model: &model,
+        revision: load.revision.clone(),
+        dtype,
+        device: &device,
+        compile,
+    };
+    let out = match pipeline {
+        Pipeline::Flux => run_flux(&call, &settings)?,
+    };
+
     let t = &out.timings;
     eprintln!("text encoding   {:8.3} s", t.text_encoding.as_secs_f64());
     for (i, s) in t.steps.iter().enumerate() {
@@ -155,6 +261,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     }
     eprintln!("decoding        {:8.3} s", t.decoding.as_secs_f64());
     eprintln!("total           {:8.3} s", t.total.as_secs_f64());
+    let programs = &out.programs;
     eprintln!(
         "programs ({compile}): {} compiled in {:.2} s, {} loaded from disk, {} cache hits",
         programs.compiled(),
@@ -163,28 +270,78 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         programs.hits
     );
 
+    // The PNGs record the call as made (the size after rounding), so that --from makes it again.
     let (height, width) = out.size;
-    let params = GenerationParams {
-        prompt: args.prompt.clone(),
-        negative_prompt: args.negative_prompt.clone(),
-        seed: args.seed,
-        steps,
-        guidance: pipe.transformer_config().guidance_embeds.then_some(guidance),
-        width: width as u32,
-        height: height as u32,
-        model: model.clone(),
-        kiln_version: env!("CARGO_PKG_VERSION").to_string(),
-        extras: [
-            ("dtype".to_string(), dtype.to_string()),
-            ("device".to_string(), device.to_string()),
-            ("compile".to_string(), compile.to_string()),
-        ]
-        .into_iter()
-        .collect(),
+    call.height = Some(height);
+    call.width = Some(width);
+    let serde_json::Value::Object(stored_call) = serde_json::to_value(&call)? else {
+        unreachable!("CallArgs serializes to a JSON object");
     };
-    for (image, path) in out.images.iter().zip(&paths) {
+    // A local folder is recorded as an absolute path, so that --from works from anywhere.
+    let model_record = if Path::new(&model).is_dir() {
+        root.canonicalize().unwrap_or(root).display().to_string()
+    } else {
+        model.clone()
+    };
+    let mut extras: BTreeMap<String, String> = [
+        ("dtype".to_string(), dtype.to_string()),
+        ("device".to_string(), device.to_string()),
+        ("compile".to_string(), compile.to_string()),
+    ]
+    .into_iter()
+    .collect();
+    if let Some(revision) = &load.revision {
+        extras.insert("revision".to_string(), revision.clone());
+    }
+    for (k, (image, path)) in out.images.iter().zip(&paths).enumerate() {
+        let (prompt, negative_prompt) = call.prompts_of_image(k);
+        let params = GenerationParams {
+            prompt,
+            negative_prompt,
+            seed: call.seed.unwrap_or_default(),
+            steps: t.steps.len(),
+            guidance: out.guidance,
+            width: width as u32,
+            height: height as u32,
+            model: model_record.clone(),
+            kiln_version: env!("CARGO_PKG_VERSION").to_string(),
+            extras: extras.clone(),
+            pipeline: Some(pipeline.class_name().to_string()),
+            call: stored_call.clone(),
+            image_index: k,
+        };
         kiln::save_png(path, image, &params)?;
         println!("{}", path.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{Args, Command};
+
+    fn command() -> Command {
+        GenerateArgs::augment_args(Command::new("generate"))
+    }
+
+    #[test]
+    fn every_flag_has_a_help_line_and_a_heading() {
+        let cmd = command();
+        for arg in cmd.get_arguments() {
+            assert!(arg.get_help().is_some(), "{} has no help", arg.get_id());
+            assert!(arg.get_help_heading().is_some(), "{} has no heading", arg.get_id());
+        }
+        cmd.debug_assert();
+    }
+
+    #[test]
+    fn given_means_on_the_command_line() {
+        let m = command()
+            .try_get_matches_from(["generate", "--from", "x.png", "--seed", "3", "--steps", "2"])
+            .unwrap();
+        let given = Given::of(&m);
+        assert!(given.contains("from") && given.contains("seed") && given.contains("num_inference_steps"));
+        assert!(!given.contains("dtype") && !given.contains("output") && !given.contains("prompt"));
+    }
 }

@@ -1,0 +1,75 @@
+//! `kiln generate --from PNG`: the call a PNG kiln wrote records, with the flags given on the
+//! command line taking precedence.
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Result};
+use serde_json::Value;
+
+use super::{CallArgs, GenerateArgs, Given, Load};
+
+/// The call and load settings of `--from`, and which image of the call the PNG is.
+pub struct FromPng {
+    pub call: CallArgs,
+    pub load: Load,
+    pub image_index: usize,
+    pub image_count: usize,
+}
+
+pub fn read(png: &Path, args: &GenerateArgs, given: &Given) -> Result<FromPng> {
+    let params = kiln::read_png_parameters(png)?;
+    if params.call.is_empty() {
+        bail!(
+            "{} has kiln parameters but not the call's arguments (written by an older kiln); it cannot be generated again",
+            png.display()
+        );
+    }
+    let stored: CallArgs = serde_json::from_value(Value::Object(params.call.clone())).map_err(|e| {
+        anyhow!(
+            "{}: the stored call arguments are not ones kiln knows: {e}",
+            png.display()
+        )
+    })?;
+    let mut merged = params.call.clone();
+    // The steps and the sigmas are one setting: either flag replaces both stored values.
+    if given.contains("num_inference_steps") || given.contains("sigmas") {
+        merged.remove("num_inference_steps");
+        merged.remove("sigmas");
+    }
+    let Value::Object(flags) = serde_json::to_value(&args.call)? else {
+        unreachable!("CallArgs serializes to a JSON object");
+    };
+    for (key, value) in flags {
+        if given.contains(&key) {
+            merged.insert(key, value);
+        }
+    }
+    let call: CallArgs = serde_json::from_value(Value::Object(merged))?;
+    let pick = |id: &str, flag: &str| -> String {
+        match params.extras.get(id) {
+            Some(stored) if !given.contains(id) => stored.clone(),
+            _ => flag.to_string(),
+        }
+    };
+    let load = Load {
+        model: if given.contains("model") {
+            args.model.clone()
+        } else {
+            Some(params.model.clone())
+        },
+        revision: if given.contains("revision") {
+            args.revision.clone()
+        } else {
+            params.extras.get("revision").cloned()
+        },
+        dtype: pick("dtype", &args.dtype),
+        device: pick("device", &args.device),
+        compile: pick("compile", &args.compile),
+    };
+    Ok(FromPng {
+        call,
+        load,
+        image_index: params.image_index,
+        image_count: stored.image_count(),
+    })
+}
