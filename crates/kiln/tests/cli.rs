@@ -231,7 +231,7 @@ fn bad_arguments_are_clear_errors() {
     let (ok, stderr) = generate(&sdxl, &out, &[]);
     assert!(!ok);
     assert!(
-        stderr.contains("`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline)"),
+        stderr.contains("`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline)"),
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);
@@ -518,5 +518,78 @@ fn from_errors_name_the_file_and_write_nothing() {
             "{args:?} wrote a file"
         );
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every SD3 oracle case run by `kiln generate` (flags named after the call's keyword arguments)
+/// gives diffusers' images; FLUX.1's `--true-cfg-scale` is not an argument of the SD3 pipeline.
+#[test]
+fn sd3_cases_through_the_cli_give_the_golden_images() {
+    let dir = temp_dir("sd3");
+    let cases = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle/cases/sd3"));
+    let mut names: Vec<String> = std::fs::read_dir(&cases)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert!(names.len() >= 6, "sd3 cases: {names:?}");
+    let model = oracle_pipeline("sd3");
+    let model = model.to_str().unwrap();
+    for name in &names {
+        let call: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(cases.join(name).join("call.json")).unwrap()).unwrap();
+        let mut args: Vec<(String, String)> = vec![
+            ("--model".into(), model.into()),
+            ("--seed".into(), call["seed"].to_string()),
+            ("--compile".into(), "none".into()),
+            ("--output".into(), format!("{name}.png")),
+        ];
+        for (key, value) in call["call_kwargs"].as_object().unwrap() {
+            let flag = format!("--{}", key.replace('_', "-"));
+            match value {
+                serde_json::Value::String(s) => args.push((flag, s.clone())),
+                serde_json::Value::Array(items) if items.iter().all(|v| v.is_string()) => {
+                    args.extend(items.iter().map(|v| (flag.clone(), v.as_str().unwrap().to_string())))
+                }
+                serde_json::Value::Array(items) => {
+                    let list: Vec<String> = items.iter().map(|v| v.to_string()).collect();
+                    args.push((flag, list.join(",")));
+                }
+                other => args.push((flag, other.to_string())),
+            }
+        }
+        let args: Vec<(&str, &str)> = args.iter().map(|(f, v)| (f.as_str(), v.as_str())).collect();
+        generate_ok(&dir, &args);
+        let images = call["derived"]["effective_batch"].as_u64().unwrap() as usize;
+        for k in 0..images {
+            let file = if images == 1 {
+                format!("{name}.png")
+            } else {
+                format!("{name}-{k}.png")
+            };
+            assert_matches_golden(&dir.join(file), &oracle_image(&format!("sd3/{name}"), k));
+        }
+    }
+    let out = kiln()
+        .args([
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "a cat",
+            "--true-cfg-scale",
+            "2",
+        ])
+        .args(["--device", "cpu", "--output"])
+        .arg(dir.join("refused.png"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--true-cfg-scale is not an argument of StableDiffusion3Pipeline"),
+        "{stderr}"
+    );
+    assert!(!dir.join("refused.png").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }

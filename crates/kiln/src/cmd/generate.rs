@@ -11,7 +11,10 @@ use anyhow::{bail, Context, Result};
 use clap::parser::ValueSource;
 use clap::ArgMatches;
 use kiln::defaults::{default_model_folder, ModelDefaults};
-use kiln::{CompileMode, DType, Device, FluxPipeline, GenerationParams, LoadOptions, OpCacheStats, Timings};
+use kiln::{
+    CompileMode, DType, Device, FluxPipeline, GenerationParams, LoadOptions, OpCacheStats, StableDiffusion3Pipeline,
+    Timings,
+};
 use kiln_image::RgbImage;
 use kiln_io::ModelIndex;
 
@@ -180,6 +183,38 @@ fn run_flux(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
     })
 }
 
+fn run_sd3(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
+    let t_load = Instant::now();
+    let options = LoadOptions {
+        dtype: s.dtype,
+        revision: s.revision.clone(),
+    };
+    let pipe =
+        StableDiffusion3Pipeline::from_pretrained(s.model, &options).with_context(|| format!("loading {}", s.model))?;
+    let mut pipe = pipe
+        .to(s.device)
+        .with_context(|| format!("loading {} onto {}", s.model, s.device))?;
+    pipe.compile(s.compile);
+    eprintln!(
+        "loaded {} ({}) on {} in {:.2} s",
+        s.model,
+        s.dtype,
+        s.device,
+        t_load.elapsed().as_secs_f64()
+    );
+    let sd3_call = call.sd3_call();
+    let guidance = Some(sd3_call.guidance_scale);
+    let programs_before = kiln::op_cache_stats();
+    let out = pipe.call(sd3_call)?;
+    Ok(Generated {
+        images: out.images,
+        size: out.size,
+        timings: out.timings,
+        programs: kiln::op_cache_stats().since(&programs_before),
+        guidance,
+    })
+}
+
 pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     let (mut call, load) = match &args.from {
         Some(png) => {
@@ -235,7 +270,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     let root = kiln_io::resolve_model(&model, load.revision.as_deref()).with_context(|| format!("loading {model}"))?;
     let pipeline = Pipeline::of(&ModelIndex::load(&root)?)?;
     check_taken_by(&call, pipeline, &root, args.from.as_deref(), given)?;
-    call.resolve(&ModelDefaults::for_folder(&root)?.unwrap_or_default());
+    call.resolve(&ModelDefaults::for_folder(&root)?.unwrap_or_else(|| pipeline.defaults()));
 
     let device = match &args.from {
         Some(png) if !given.contains("device") => Device::parse(&load.device)
@@ -252,6 +287,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     };
     let out = match pipeline {
         Pipeline::Flux => run_flux(&call, &settings)?,
+        Pipeline::StableDiffusion3 => run_sd3(&call, &settings)?,
     };
 
     let t = &out.timings;

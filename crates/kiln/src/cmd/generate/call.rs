@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 use clap::ArgAction;
 use kiln::defaults::ModelDefaults;
-use kiln::FluxCall;
+use kiln::{FluxCall, StableDiffusion3Call};
 use kiln_io::ModelIndex;
 use serde::{Deserialize, Serialize};
 
@@ -242,6 +242,34 @@ impl CallArgs {
             ..d
         }
     }
+
+    /// The `StableDiffusion3Pipeline` call, like [`CallArgs::flux_call`].
+    pub fn sd3_call(&self) -> StableDiffusion3Call<'static> {
+        let d = StableDiffusion3Call::default();
+        let batch = self.prompt.len();
+        StableDiffusion3Call {
+            prompt: Some(self.prompt.clone()),
+            prompt_2: per_prompt(&self.prompt_2, batch),
+            prompt_3: per_prompt(&self.prompt_3, batch),
+            negative_prompt: per_prompt(&self.negative_prompt, batch),
+            negative_prompt_2: per_prompt(&self.negative_prompt_2, batch),
+            negative_prompt_3: per_prompt(&self.negative_prompt_3, batch),
+            height: self.height.unwrap_or(d.height),
+            width: self.width.unwrap_or(d.width),
+            num_inference_steps: self.num_inference_steps.unwrap_or(d.num_inference_steps),
+            sigmas: self.sigmas.clone(),
+            guidance_scale: self.guidance_scale.unwrap_or(d.guidance_scale),
+            num_images_per_prompt: self.num_images_per_prompt.unwrap_or(d.num_images_per_prompt),
+            seed: self.seed.unwrap_or(d.seed),
+            max_sequence_length: self.max_sequence_length.unwrap_or(d.max_sequence_length),
+            clip_skip: self.clip_skip,
+            skip_guidance_layers: self.skip_guidance_layers.clone(),
+            skip_layer_guidance_scale: self.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
+            skip_layer_guidance_start: self.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
+            skip_layer_guidance_stop: self.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
+            ..d
+        }
+    }
 }
 
 /// The pipelines `kiln generate` runs, chosen by the `_class_name` of the model's
@@ -250,15 +278,18 @@ impl CallArgs {
 pub enum Pipeline {
     /// diffusers' `FluxPipeline` (FLUX.1 [schnell] and [dev]).
     Flux,
+    /// diffusers' `StableDiffusion3Pipeline` (SD3 and SD3.5 [medium, large]).
+    StableDiffusion3,
 }
 
 impl Pipeline {
-    pub const ALL: &'static [Pipeline] = &[Pipeline::Flux];
+    pub const ALL: &'static [Pipeline] = &[Pipeline::Flux, Pipeline::StableDiffusion3];
 
     /// The diffusers class.
     pub fn class_name(self) -> &'static str {
         match self {
             Pipeline::Flux => "FluxPipeline",
+            Pipeline::StableDiffusion3 => "StableDiffusion3Pipeline",
         }
     }
 
@@ -280,6 +311,41 @@ impl Pipeline {
                 "seed",
                 "max_sequence_length",
             ],
+            Pipeline::StableDiffusion3 => &[
+                "prompt",
+                "prompt_2",
+                "prompt_3",
+                "negative_prompt",
+                "negative_prompt_2",
+                "negative_prompt_3",
+                "height",
+                "width",
+                "num_inference_steps",
+                "sigmas",
+                "guidance_scale",
+                "num_images_per_prompt",
+                "seed",
+                "max_sequence_length",
+                "skip_guidance_layers",
+                "skip_layer_guidance_scale",
+                "skip_layer_guidance_start",
+                "skip_layer_guidance_stop",
+                "clip_skip",
+            ],
+        }
+    }
+
+    /// The call defaults of the pipeline (diffusers'), unless the model folder has its own.
+    pub fn defaults(self) -> ModelDefaults {
+        match self {
+            Pipeline::Flux => ModelDefaults::default(),
+            Pipeline::StableDiffusion3 => ModelDefaults {
+                height: 0,
+                width: 0,
+                num_inference_steps: 28,
+                guidance_scale: 7.0,
+                max_sequence_length: 256,
+            },
         }
     }
 
@@ -390,20 +456,11 @@ mod tests {
     }
 
     #[test]
-    fn every_argument_is_taken_by_some_pipeline_or_waits_for_sd3() {
-        let sd3_only = [
-            "prompt_3",
-            "negative_prompt_3",
-            "skip_guidance_layers",
-            "skip_layer_guidance_scale",
-            "skip_layer_guidance_start",
-            "skip_layer_guidance_stop",
-            "clip_skip",
-        ];
+    fn every_argument_is_taken_by_some_pipeline() {
         for arg in CallArgs::augment_args(clap::Command::new("generate")).get_arguments() {
             let id = arg.get_id().as_str();
             assert!(
-                sd3_only.contains(&id) || Pipeline::ALL.iter().any(|p| p.arguments().contains(&id)),
+                Pipeline::ALL.iter().any(|p| p.arguments().contains(&id)),
                 "no pipeline takes {id}"
             );
         }
