@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use kiln_hlo::{Builder, Value};
-use kiln_pjrt::{CompileOptions, ExecuteOptions, LoadedExecutable};
+use kiln_pjrt::{CompileOptions, ExecuteOptions, LoadedExecutable, OptionOverride};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -132,8 +132,42 @@ fn dump_dir() -> Option<&'static std::path::Path> {
 fn single_device_options(device: &Device) -> CompileOptions {
     CompileOptions {
         device_assignment: Some(vec![vec![device.pjrt().id() as i64]]),
+        env_option_overrides: xla_option_overrides().to_vec(),
         ..Default::default()
     }
+}
+
+/// XLA debug options from `KILN_XLA_OPTIONS` (`name=value,name=value`), for measuring compiler
+/// settings: `true`/`false` are booleans, integers and decimals numbers, anything else a string.
+/// A malformed entry is skipped with a warning naming it.
+fn xla_option_overrides() -> &'static [(String, OptionOverride)] {
+    static OVERRIDES: OnceLock<Vec<(String, OptionOverride)>> = OnceLock::new();
+    OVERRIDES.get_or_init(|| {
+        std::env::var("KILN_XLA_OPTIONS")
+            .map(|text| parse_xla_options(&text))
+            .unwrap_or_default()
+    })
+}
+
+fn parse_xla_options(text: &str) -> Vec<(String, OptionOverride)> {
+    let mut out = Vec::new();
+    for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let Some((name, value)) = entry.split_once('=') else {
+            tracing::warn!("KILN_XLA_OPTIONS: `{entry}` is not name=value; ignored");
+            continue;
+        };
+        let value = match value.trim() {
+            "true" => OptionOverride::Bool(true),
+            "false" => OptionOverride::Bool(false),
+            v => v
+                .parse::<i64>()
+                .map(OptionOverride::Int)
+                .or_else(|_| v.parse::<f64>().map(OptionOverride::Double))
+                .unwrap_or_else(|_| OptionOverride::String(v.to_string())),
+        };
+        out.push((name.trim().to_string(), value));
+    }
+    out
 }
 
 /// Loads `program` from the on-disk cache or compiles it (storing it there), counting either as
@@ -358,4 +392,29 @@ pub fn op_profile() -> Vec<(&'static str, u64, std::time::Duration)> {
 
 pub fn reset_op_profile() {
     profile_table().lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xla_options_are_typed_and_malformed_entries_skipped() {
+        let parsed = parse_xla_options(
+            " xla_cpu_prefer_vector_width=512, xla_cpu_experimental_xnn_graph_fusion_mode=XNN_GRAPH_FUSION_MODE_BYPASS_COST_MODEL,\
+             xla_cpu_enable_fast_math=false,junk,x=0.5,",
+        );
+        assert_eq!(
+            parsed,
+            [
+                ("xla_cpu_prefer_vector_width".to_string(), OptionOverride::Int(512)),
+                (
+                    "xla_cpu_experimental_xnn_graph_fusion_mode".to_string(),
+                    OptionOverride::String("XNN_GRAPH_FUSION_MODE_BYPASS_COST_MODEL".into())
+                ),
+                ("xla_cpu_enable_fast_math".to_string(), OptionOverride::Bool(false)),
+                ("x".to_string(), OptionOverride::Double(0.5)),
+            ]
+        );
+    }
 }

@@ -1,0 +1,58 @@
+//! Median times of the ops that dominate a scaled FLUX.1 step and decode on CPU — attention of
+//! the 512² transformer and the VAE's 3×3 convolutions — in f32 and bf16, one line each. Run it
+//! twice, with and without `KILN_XLA_OPTIONS`, to measure an XLA option (alternate the runs).
+//!
+//! Run with `cargo bench -p kiln-tensor --bench op_times`.
+
+use std::time::Instant;
+
+use kiln_tensor::{AttentionMask, Conv2dParams, DType, Device, Tensor};
+
+type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+const RUNS: usize = 9;
+
+fn median_ms(f: impl Fn() -> AnyResult<Tensor>) -> AnyResult<f64> {
+    f()?.wait()?;
+    let mut t = Vec::with_capacity(RUNS);
+    for _ in 0..RUNS {
+        let start = Instant::now();
+        f()?.wait()?;
+        t.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[RUNS / 2])
+}
+
+fn main() -> AnyResult<()> {
+    let dev = Device::cpu()?;
+    let options = std::env::var("KILN_XLA_OPTIONS").unwrap_or_default();
+    println!("KILN_XLA_OPTIONS={options:?}; median of {RUNS} runs, ms");
+    for dtype in [DType::F32, DType::BF16] {
+        let shape = [1usize, 8, 1152, 64];
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let q = Tensor::from_f32(&data, dtype, shape, &dev)?;
+        let ms = median_ms(|| {
+            Ok(Tensor::scaled_dot_product_attention(
+                &q,
+                &q,
+                &q,
+                &AttentionMask::None,
+                None,
+            )?)
+        })?;
+        println!("{dtype} attention {shape:?}: {ms:.1}");
+        let params = Conv2dParams {
+            padding: 1,
+            ..Default::default()
+        };
+        for (c, hw) in [(256usize, 128usize), (128, 256)] {
+            let x = Tensor::from_f32(&vec![0.5; c * hw * hw], dtype, [1, hw, hw, c], &dev)?;
+            let w = Tensor::from_f32(&vec![0.01; c * c * 9], dtype, [c, c, 3, 3], &dev)?;
+            let ms = median_ms(|| Ok(x.conv2d_channels_last(&w, None, params)?))?;
+            println!("{dtype} conv3x3 NHWC c{c} {hw}²: {ms:.1}");
+        }
+    }
+    Ok(())
+}
