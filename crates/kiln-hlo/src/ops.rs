@@ -893,6 +893,40 @@ impl Builder {
             ),
         ))
     }
+
+    /// A call to a native kernel registered through the plugin's XLA FFI (`api_version = 4`),
+    /// with row-major layouts for every operand and the result, and no attributes.
+    pub fn ffi_call(
+        &mut self,
+        target: &str,
+        operands: &[Value],
+        result_shape: impl Into<Shape>,
+        result_dtype: DType,
+    ) -> Result<Value> {
+        for o in operands {
+            self.check("ffi_call", o)?;
+        }
+        let shape = result_shape.into();
+        let layout = |rank: usize| {
+            let dims: Vec<String> = (0..rank).rev().map(|d| d.to_string()).collect();
+            format!("dense<[{}]> : tensor<{rank}xindex>", dims.join(", "))
+        };
+        let out_t = tensor_type(&shape, result_dtype);
+        let names: Vec<String> = operands.iter().map(|x| x.name()).collect();
+        let types: Vec<String> = operands.iter().map(ty).collect();
+        let operand_layouts: Vec<String> = operands.iter().map(|o| layout(o.rank())).collect();
+        let result_layout = layout(shape.rank());
+        Ok(self.emit(
+            shape,
+            result_dtype,
+            format_args!(
+                "stablehlo.custom_call @{target}({}) {{api_version = 4 : i32, backend_config = {{}}, operand_layouts = [{}], result_layouts = [{result_layout}]}} : ({}) -> {out_t}",
+                names.join(", "),
+                operand_layouts.join(", "),
+                types.join(", ")
+            ),
+        ))
+    }
 }
 
 #[cfg(test)]

@@ -135,6 +135,11 @@ impl Plugin {
         Ok(Arc::new(plugin))
     }
 
+    /// The plugin's function table (for the extension chain).
+    pub(crate) fn api_table(&self) -> *const sys::PJRT_Api {
+        self.api
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -12,22 +12,34 @@ type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 const RUNS: usize = 9;
 
-fn median_ms(f: impl Fn() -> AnyResult<Tensor>) -> AnyResult<f64> {
+/// This process's CPU time (user + system) in ms, from `/proc/self/stat` (Linux; 0 elsewhere).
+fn cpu_ms() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.
+    (ticks(11) + ticks(12)) * 10.0
+}
+
+/// Median wall ms of `RUNS` calls, and the mean CPU ms per call (less disturbed by other load).
+fn median_ms(f: impl Fn() -> AnyResult<Tensor>) -> AnyResult<(f64, f64)> {
     f()?.wait()?;
     let mut t = Vec::with_capacity(RUNS);
+    let cpu0 = cpu_ms();
     for _ in 0..RUNS {
         let start = Instant::now();
         f()?.wait()?;
         t.push(start.elapsed().as_secs_f64() * 1e3);
     }
+    let cpu = (cpu_ms() - cpu0) / RUNS as f64;
     t.sort_by(f64::total_cmp);
-    Ok(t[RUNS / 2])
+    Ok((t[RUNS / 2], cpu))
 }
 
 fn main() -> AnyResult<()> {
     let dev = Device::cpu()?;
     let options = std::env::var("KILN_XLA_OPTIONS").unwrap_or_default();
-    println!("KILN_XLA_OPTIONS={options:?}; median of {RUNS} runs, ms");
+    println!("KILN_XLA_OPTIONS={options:?}; median wall ms of {RUNS} runs (mean CPU ms per run)");
     for dtype in [DType::F32, DType::BF16] {
         let shape = [1usize, 8, 1152, 64];
         let n: usize = shape.iter().product();
@@ -42,7 +54,7 @@ fn main() -> AnyResult<()> {
                 None,
             )?)
         })?;
-        println!("{dtype} attention {shape:?}: {ms:.1}");
+        println!("{dtype} attention {shape:?}: {:.1} (cpu {:.1})", ms.0, ms.1);
         let params = Conv2dParams {
             padding: 1,
             ..Default::default()
@@ -51,7 +63,7 @@ fn main() -> AnyResult<()> {
             let x = Tensor::from_f32(&vec![0.5; c * hw * hw], dtype, [1, hw, hw, c], &dev)?;
             let w = Tensor::from_f32(&vec![0.01; c * c * 9], dtype, [c, c, 3, 3], &dev)?;
             let ms = median_ms(|| Ok(x.conv2d_channels_last(&w, None, params)?))?;
-            println!("{dtype} conv3x3 NHWC c{c} {hw}²: {ms:.1}");
+            println!("{dtype} conv3x3 NHWC c{c} {hw}²: {:.1} (cpu {:.1})", ms.0, ms.1);
         }
     }
     Ok(())

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use kiln_hlo::{Builder, Value};
 use kiln_pjrt::{CompileOptions, ExecuteOptions, LoadedExecutable, OptionOverride};
+use kiln_types::DType;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -135,6 +136,36 @@ fn single_device_options(device: &Device) -> CompileOptions {
         env_option_overrides: xla_option_overrides().to_vec(),
         ..Default::default()
     }
+}
+
+/// Compiles `program` (f32 parameters and one f32 result of `out_shape`) without the program
+/// caches and runs it on `inputs`: the start-up probes of native kernels.
+pub(crate) fn run_host_program(
+    device: &Device,
+    name: &str,
+    program: &str,
+    inputs: &[&[f32]],
+    out_shape: [usize; 4],
+) -> std::result::Result<Vec<f32>, kiln_pjrt::Error> {
+    let client = device.client();
+    let exe = client.compile(program, &single_device_options(device))?;
+    let buffers = inputs
+        .iter()
+        .map(|data| client.buffer_from_host(bytemuck::cast_slice(data), DType::F32, &out_shape, device.pjrt(), None))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let args: Vec<&kiln_pjrt::Buffer> = buffers.iter().collect();
+    let mut out = exe.execute(&[&args], &ExecuteOptions::default())?;
+    let result = out
+        .pop()
+        .and_then(|mut v| v.pop())
+        .ok_or_else(|| kiln_pjrt::Error::Mismatch {
+            what: "probe results",
+            expected: format!("one result of {name}"),
+            got: "none".into(),
+        })?;
+    let mut values = vec![0f32; out_shape.iter().product()];
+    result.copy_to_host(bytemuck::cast_slice_mut(&mut values))?;
+    Ok(values)
 }
 
 /// XLA debug options from `KILN_XLA_OPTIONS` (`name=value,name=value`), for measuring compiler

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod compile;
+mod cpu_attention;
 mod device;
 mod disk_cache;
 mod dispatch;
@@ -17,6 +18,7 @@ mod tensor;
 mod trace;
 
 pub use compile::CompiledFunction;
+pub use cpu_attention::{cpu_attention_kernel_active, set_cpu_attention_kernel};
 pub use device::{client_for, Device};
 pub use dispatch::{
     op_cache_stats, op_profile, reset_op_profile, set_op_profiling, thread_op_cache_stats, OpCacheStats,

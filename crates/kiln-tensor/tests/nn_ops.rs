@@ -417,3 +417,58 @@ fn rotary_embedding_both_layouts() {
         );
     }
 }
+
+/// The native CPU attention kernel (an XLA FFI custom call) is active with the installed CPU
+/// plugin and matches the reference on shapes with several heads, query blocks that do not divide
+/// the sequence, keys longer than queries, and enough work to run on several threads; turning it
+/// off gives the plain lowering, which matches too.
+#[test]
+fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
+    let dev = kiln_testing_device();
+    assert!(
+        kiln_tensor::cpu_attention_kernel_active(&dev),
+        "the CPU plugin should run attention as kiln's FFI kernel"
+    );
+    let mut r = rng(241);
+    for (shape_q, shape_k, dv) in [
+        ([1, 4, 300, 64], [1, 4, 333, 64], 64),
+        ([2, 1, 70, 16], [2, 1, 70, 16], 24),
+    ] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let q = Arr::rand(&mut r, &shape_q, -1.0, 1.0, dtype);
+            let k = Arr::rand(&mut r, &shape_k, -1.0, 1.0, dtype);
+            let mut shape_v = shape_k;
+            shape_v[3] = dv;
+            let v = Arr::rand(&mut r, &shape_v, -1.0, 1.0, dtype);
+            let want = attention_ref(&q, &k, &v, None, false, 1.0 / (shape_q[3] as f64).sqrt()).round(dtype);
+            let t = if dtype == DType::F32 {
+                Tol { rtol: 1e-5, atol: 2e-6 }
+            } else {
+                Tol { rtol: 2e-2, atol: 1e-2 }
+            };
+            for native in [true, false] {
+                kiln_tensor::set_cpu_attention_kernel(native);
+                let got = Tensor::scaled_dot_product_attention(
+                    &q.tensor(dtype),
+                    &k.tensor(dtype),
+                    &v.tensor(dtype),
+                    &AttentionMask::None,
+                    None,
+                )
+                .unwrap();
+                assert_close(
+                    &format!("attention {shape_q:?} {dtype} native={native}"),
+                    &got,
+                    &want,
+                    dtype,
+                    t,
+                );
+            }
+            kiln_tensor::set_cpu_attention_kernel(true);
+        }
+    }
+}
+
+fn kiln_testing_device() -> kiln_tensor::Device {
+    kiln_tensor::Device::cpu().unwrap()
+}

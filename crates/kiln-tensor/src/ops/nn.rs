@@ -279,7 +279,9 @@ impl Tensor {
         let causal = matches!(mask, AttentionMask::Causal);
         let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
         let dtype = q.dtype();
+        let native = extra.is_none() && !causal && crate::cpu_attention::available(q.device());
         let chunk = query_chunk(q.device().platform(), hq, sq);
+        let dv = v.dims()[3];
         let mut inputs = vec![q, k, v];
         inputs.extend(extra);
         apply1(op, &inputs, |b, p| {
@@ -291,6 +293,14 @@ impl Tensor {
                 let qs = b.multiply(&qf, &s)?;
                 b.convert(&qs, dtype)?
             };
+            if native {
+                return b.ffi_call(
+                    crate::cpu_attention::TARGET,
+                    &[q, p[1].clone(), p[2].clone()],
+                    [bq, hq, sq, dv],
+                    dtype,
+                );
+            }
             let Some(chunk) = chunk else {
                 let out = attention_rows(b, &q, &p[1], &p[2], p.get(3), causal.then_some(0))?;
                 return b.convert(&out, dtype);

@@ -1,0 +1,383 @@
+//! Attention as a native kernel inside XLA:CPU programs (an XLA FFI custom call).
+//!
+//! XLA:CPU runs attention's two batched products as loops of small matmuls on its slower dot
+//! path; this kernel runs `softmax(q kᵀ) v` per head and block of query rows with a tuned GEMM
+//! (faer), the row softmax in between, never materialising more than a block's scores, on all
+//! cores. Numerics follow the plain lowering in `ops/nn.rs`: products accumulate in f32, the
+//! unnormalised weights take the input dtype before the value product, the f32 row sums divide its
+//! result, which is rounded once to the input dtype. `q` arrives already scaled.
+//!
+//! Registered with the CPU plugin on first use and probed with a one-op program; a plugin
+//! without the FFI extension, a failed probe or `KILN_CPU_ATTENTION=off` keeps the plain
+//! lowering (with one warning when something failed).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use faer::linalg::matmul::matmul;
+use faer::{Accum, MatMut, MatRef, Par};
+use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, Platform};
+use kiln_types::{bf16, f16, DType};
+
+use crate::device::Device;
+
+/// The custom call target.
+pub(crate) const TARGET: &str = "kiln_cpu_attention";
+
+/// Query rows per work item.
+const BLOCK_ROWS: usize = 64;
+/// Below this many multiply-adds one thread does the whole call (thread start-up costs more).
+const PARALLEL_MIN_WORK: usize = 1 << 22;
+
+pub(crate) struct CpuAttention;
+
+impl HostKernel for CpuAttention {
+    const NAME: &'static str = TARGET;
+
+    fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>]) -> Result<(), String> {
+        let counts = (args.len(), rets.len());
+        let ([q, k, v], [out]) = (args, rets) else {
+            return Err(format!(
+                "expects 3 operands (q, k, v) and 1 result, got {} and {}",
+                counts.0, counts.1
+            ));
+        };
+        let dtype = q.dtype;
+        let four = |dims: &[usize], what: &str| -> Result<[usize; 4], String> {
+            <[usize; 4]>::try_from(dims).map_err(|_| format!("{what} must be [batch, heads, seq, dim], got {dims:?}"))
+        };
+        let [b, h, sq, d] = four(&q.dims, "q")?;
+        let [kb, kh, sk, kd] = four(&k.dims, "k")?;
+        let [vb, vh, vs, dv] = four(&v.dims, "v")?;
+        if [kb, kh, kd] != [b, h, d] || [vb, vh, vs] != [b, h, sk] || out.dims != [b, h, sq, dv] {
+            return Err(format!(
+                "shapes do not agree: q {:?}, k {:?}, v {:?}, out {:?}",
+                q.dims, k.dims, v.dims, out.dims
+            ));
+        }
+        if [k.dtype, v.dtype, out.dtype] != [dtype; 3] || !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(format!(
+                "q, k, v and the result must share one of f32, bf16, f16; got {}, {}, {}, {}",
+                dtype, k.dtype, v.dtype, out.dtype
+            ));
+        }
+        let shape = Shape {
+            b: b * h,
+            sq,
+            sk,
+            d,
+            dv,
+        };
+        let (q, k, v) = (to_f32(q)?, to_f32(k)?, to_f32(v)?);
+        attention(&shape, &q, &k, &v, dtype, out.bytes);
+        Ok(())
+    }
+}
+
+struct Shape {
+    /// batch × heads
+    b: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+    dv: usize,
+}
+
+/// The operand as f32 values (a copy for 16-bit inputs, exact).
+fn to_f32<'a>(x: &'a HostBuffer<'_>) -> Result<std::borrow::Cow<'a, [f32]>, String> {
+    let misaligned = |_| "an operand is not aligned for its dtype".to_string();
+    Ok(match x.dtype {
+        DType::F32 => std::borrow::Cow::Borrowed(bytemuck::try_cast_slice(x.bytes).map_err(misaligned)?),
+        DType::BF16 => {
+            let v: &[bf16] = bytemuck::try_cast_slice(x.bytes).map_err(misaligned)?;
+            std::borrow::Cow::Owned(v.iter().map(|x| x.to_f32()).collect())
+        }
+        DType::F16 => {
+            let v: &[f16] = bytemuck::try_cast_slice(x.bytes).map_err(misaligned)?;
+            std::borrow::Cow::Owned(v.iter().map(|x| x.to_f32()).collect())
+        }
+        other => return Err(format!("unsupported dtype {other}")),
+    })
+}
+
+/// Every head and block of query rows, spread over the cores; each writes its own rows of `out`.
+fn attention(s: &Shape, q: &[f32], k: &[f32], v: &[f32], dtype: DType, out: &mut [u8]) {
+    let esize = dtype.size_in_bytes();
+    let mut items: Vec<(usize, usize, &mut [u8])> = Vec::new();
+    if s.sq > 0 && s.dv > 0 {
+        for (head, rows) in out.chunks_mut(s.sq * s.dv * esize).enumerate() {
+            for (block, chunk) in rows.chunks_mut(BLOCK_ROWS * s.dv * esize).enumerate() {
+                items.push((head, block * BLOCK_ROWS, chunk));
+            }
+        }
+    }
+    let work = s.b * s.sq * s.sk * (s.d + s.dv);
+    let threads = if work < PARALLEL_MIN_WORK {
+        1
+    } else {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(items.len())
+    };
+    let run = |items: &mut [(usize, usize, &mut [u8])]| {
+        let mut scratch = Scratch::default();
+        for (head, row0, chunk) in items.iter_mut() {
+            block(s, q, k, v, *head, *row0, dtype, chunk, &mut scratch);
+        }
+    };
+    if threads <= 1 {
+        run(&mut items);
+        return;
+    }
+    let per = items.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for part in items.chunks_mut(per) {
+            scope.spawn(|| run(part));
+        }
+    });
+}
+
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+/// `softmax(q kᵀ) v` for rows `row0..` of one head, written to `out` in `dtype`.
+#[allow(clippy::too_many_arguments)]
+fn block(
+    s: &Shape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    head: usize,
+    row0: usize,
+    dtype: DType,
+    out: &mut [u8],
+    scratch: &mut Scratch,
+) {
+    let rows = out.len() / (s.dv * dtype.size_in_bytes());
+    let q = &q[(head * s.sq + row0) * s.d..][..rows * s.d];
+    let k = &k[head * s.sk * s.d..][..s.sk * s.d];
+    let v = &v[head * s.sk * s.dv..][..s.sk * s.dv];
+    scratch.scores.resize(rows * s.sk, 0.0);
+    scratch.acc.resize(rows * s.dv, 0.0);
+    let scores = &mut scratch.scores[..rows * s.sk];
+    matmul(
+        MatMut::from_row_major_slice_mut(scores, rows, s.sk),
+        Accum::Replace,
+        MatRef::from_row_major_slice(q, rows, s.d),
+        MatRef::from_row_major_slice(k, s.sk, s.d).transpose(),
+        1.0f32,
+        Par::Seq,
+    );
+    let mut sums = [0f32; BLOCK_ROWS];
+    // Compiled for the CPU's vector width (AVX2/FMA where present), chosen at run time.
+    pulp::Arch::new().dispatch(|| softmax_rows(scores, s.sk, dtype, &mut sums));
+    let acc = &mut scratch.acc[..rows * s.dv];
+    matmul(
+        MatMut::from_row_major_slice_mut(acc, rows, s.dv),
+        Accum::Replace,
+        MatRef::from_row_major_slice(scores, rows, s.sk),
+        MatRef::from_row_major_slice(v, s.sk, s.dv),
+        1.0f32,
+        Par::Seq,
+    );
+    for (row, sum) in acc.chunks_exact_mut(s.dv).zip(sums) {
+        row.iter_mut().for_each(|x| *x /= sum);
+    }
+    match dtype {
+        DType::F32 => out.copy_from_slice(bytemuck::cast_slice(acc)),
+        DType::BF16 => {
+            for (o, x) in out.chunks_exact_mut(2).zip(acc.iter()) {
+                o.copy_from_slice(&bf16::from_f32(*x).to_le_bytes());
+            }
+        }
+        _ => {
+            for (o, x) in out.chunks_exact_mut(2).zip(acc.iter()) {
+                o.copy_from_slice(&f16::from_f32(*x).to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Each row of `scores` becomes its unnormalised softmax weights `exp(x − max)` (rounded to
+/// `dtype`, as the value product takes them), its f32 sum (of the unrounded weights) in `sums`.
+#[inline(always)]
+fn softmax_rows(scores: &mut [f32], width: usize, dtype: DType, sums: &mut [f32]) {
+    for (row, sum) in scores.chunks_exact_mut(width).zip(sums.iter_mut()) {
+        let max = row_max(row);
+        row.iter_mut().for_each(|x| *x = exp_nonpositive(*x - max));
+        *sum = row_sum(row);
+        match dtype {
+            DType::BF16 => row.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32()),
+            DType::F16 => row.iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
+            _ => {}
+        }
+    }
+}
+
+/// The sum of a row in 16 lanes (so that it vectorises; the order differs from a serial sum by
+/// f32 rounding only).
+#[inline(always)]
+fn row_sum(row: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &x) in lanes.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    lanes.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+/// The largest value of a row (16 lanes, so that it vectorises).
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    let mut max = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for m in lanes {
+        max = max.max(m);
+    }
+    max
+}
+
+/// `exp(x)` for `x ≤ 0` to about one ulp: `2^n · p(r)` with `x = n·ln2 + r`, `|r| ≤ ln2/2`, and
+/// a degree-7 Taylor polynomial. Written branch-free so that the softmax loop vectorises.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Round to nearest with the 1.5·2^23 trick (exact for |t| < 2^22).
+    const SHIFT: f32 = 12_582_912.0;
+    let x = if x < -87.0 { -87.0 } else { x };
+    let shifted = x * LOG2E + SHIFT;
+    let n = shifted - SHIFT;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    // The integer n sits in the low mantissa bits of `shifted` (no float-to-int conversion).
+    let n_int = (shifted.to_bits() as i32).wrapping_sub(SHIFT.to_bits() as i32);
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let scale = f32::from_bits(((n_int + 127) as u32) << 23);
+    p * scale
+}
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the native CPU attention kernel on or off for attention built from now on (programs
+/// already compiled keep what they were built with). `KILN_CPU_ATTENTION=off` turns it off too.
+pub fn set_cpu_attention_kernel(enabled: bool) {
+    ENABLED.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether attention on `device` runs the native kernel: the CPU plugin, with its FFI extension,
+/// the handler registered and a probe program giving the right numbers (decided once per
+/// plugin), and the kernel not turned off.
+pub fn cpu_attention_kernel_active(device: &Device) -> bool {
+    available(device)
+}
+
+pub(crate) fn available(device: &Device) -> bool {
+    if device.platform() != Platform::Cpu || !ENABLED.load(Ordering::Relaxed) {
+        return false;
+    }
+    if std::env::var("KILN_CPU_ATTENTION").is_ok_and(|v| v == "off" || v == "0") {
+        return false;
+    }
+    static DECIDED: OnceLock<Mutex<HashMap<std::path::PathBuf, bool>>> = OnceLock::new();
+    let plugin = device.client().plugin().clone();
+    let key = plugin.path().to_path_buf();
+    let decided = DECIDED.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(&ok) = decided.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return ok;
+    }
+    let registered = plugin.register_host_kernel::<CpuAttention>("Host");
+    let ok = match registered {
+        Ok(false) => false,
+        Ok(true) => match probe(device) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("the CPU attention kernel failed its probe, attention runs as plain XLA ops: {e}");
+                false
+            }
+        },
+        Err(e) => {
+            tracing::warn!("registering the CPU attention kernel failed, attention runs as plain XLA ops: {e}");
+            false
+        }
+    };
+    decided.lock().unwrap_or_else(|e| e.into_inner()).insert(key, ok);
+    ok
+}
+
+/// Compiles and runs one small custom call and checks it against the softmax computed here.
+fn probe(device: &Device) -> Result<(), String> {
+    use kiln_hlo::Builder;
+    let shape = [1usize, 2, 3, 4];
+    let n: usize = shape.iter().product();
+    let data: Vec<f32> = (0..n).map(|i| ((i * 7) % 11) as f32 / 11.0 - 0.4).collect();
+    let mut b = Builder::new();
+    let q = b.parameter(shape, DType::F32);
+    let k = b.parameter(shape, DType::F32);
+    let v = b.parameter(shape, DType::F32);
+    let out = b
+        .ffi_call(TARGET, &[q, k, v], shape, DType::F32)
+        .map_err(|e| e.to_string())?;
+    let program = b.finish(&[out]).map_err(|e| e.to_string())?;
+    let got = crate::dispatch::run_host_program(device, "cpu_attention_probe", &program, &[&data, &data, &data], shape)
+        .map_err(|e| e.to_string())?;
+    for head in 0..2 {
+        for row in 0..3 {
+            let at = |r: usize| &data[(head * 3 + r) * 4..][..4];
+            let scores: Vec<f32> = (0..3)
+                .map(|c| at(row).iter().zip(at(c)).map(|(a, b)| a * b).sum())
+                .collect();
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f32 = e.iter().sum();
+            for col in 0..4 {
+                let want: f32 = (0..3).map(|c| e[c] * at(c)[col]).sum::<f32>() / total;
+                let have = got[(head * 3 + row) * 4 + col];
+                if (have - want).abs() > 1e-5 {
+                    return Err(format!("the probe gave {have} where {want} was expected"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_two_ulp_on_the_softmax_range() {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -87.0 * i as f32 / 200_000.0;
+            let want = (x as f64).exp();
+            let got = exp_nonpositive(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(worst < 2.5e-7, "relative error {worst}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+    }
+
+    #[test]
+    fn row_max_handles_remainders() {
+        let row: Vec<f32> = (0..37).map(|i| ((i * 13) % 37) as f32 - 20.0).collect();
+        assert_eq!(row_max(&row), 16.0);
+        assert_eq!(row_max(&[-3.0]), -3.0);
+    }
+}
