@@ -595,3 +595,56 @@ fn sd3_cases_through_the_cli_give_the_golden_images() {
     assert!(!dir.join("refused.png").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `kiln bench` runs the pipeline the model folder names, says which in its JSON, and the first
+/// image of its first call is diffusers' image of the same call (an oracle case with seed 0).
+#[test]
+fn bench_runs_the_folders_pipeline_and_its_image_is_diffusers() {
+    let dir = temp_dir("bench");
+    for (pipeline, case, guidance, max_sequence_length, class) in [
+        (
+            "flux1_schnell",
+            "flux1_schnell/basic_square",
+            "0",
+            "256",
+            "FluxPipeline",
+        ),
+        ("sd3", "sd3/cfg_basic", "5", "64", "StableDiffusion3Pipeline"),
+    ] {
+        let image = dir.join(format!("{pipeline}.png"));
+        let out = kiln()
+            .args(["bench", "--model"])
+            .arg(oracle_pipeline(pipeline))
+            .args([
+                "--prompt",
+                "a photo of a cat",
+                "--height",
+                "32",
+                "--width",
+                "32",
+                "--steps",
+                "4",
+            ])
+            .args(["--guidance", guidance, "--max-sequence-length", max_sequence_length])
+            .args([
+                "--runs",
+                "1",
+                "--device",
+                "cpu",
+                "--compile",
+                "none",
+                "--json",
+                "--image",
+            ])
+            .arg(&image)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "kiln bench on {pipeline} failed:\n{stderr}");
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["pipeline"], class, "{json}");
+        assert!(json["step_s_median"].as_f64().is_some_and(|s| s > 0.0), "{json}");
+        assert_matches_golden(&image, &oracle_image(case, 0));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

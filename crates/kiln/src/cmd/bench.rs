@@ -1,13 +1,21 @@
-//! `kiln bench`: times a FLUX pipeline the way `tools/bench_flux/bench.py` times diffusers.
+//! `kiln bench`: times a FLUX.1 or SD3 pipeline the way `tools/bench_flux/bench.py` times diffusers.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use kiln::{DType, Device, FluxCall, FluxPipeline, LoadOptions};
+use kiln::{
+    CompileMode, DType, Device, FluxCall, FluxPipeline, LoadOptions, StableDiffusion3Call, StableDiffusion3Pipeline,
+    Timings,
+};
+use kiln_image::RgbImage;
+
+use super::pipeline::{self, Pipeline};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// A diffusers FLUX.1 model folder or a Hugging Face repo id in the local cache.
+    /// A diffusers model folder or a Hugging Face repo id in the local cache; its
+    /// `model_index.json` names the pipeline (FluxPipeline or StableDiffusion3Pipeline).
     #[arg(long)]
     pub model: String,
     #[arg(long, default_value = "a photo of a cat holding a sign")]
@@ -18,6 +26,8 @@ pub struct BenchArgs {
     pub width: usize,
     #[arg(long, default_value_t = 4)]
     pub steps: usize,
+    /// FLUX.1: the embedded guidance (dev); SD3: the classifier-free guidance scale (above 1 the
+    /// transformer runs on [negative; prompt], twice the batch, as in diffusers).
     #[arg(long, default_value_t = 3.5)]
     pub guidance: f64,
     #[arg(long, default_value_t = 128)]
@@ -32,6 +42,9 @@ pub struct BenchArgs {
     /// Timed calls after one warm-up call.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    /// Save the first image of the first call as a PNG (to compare with another engine's).
+    #[arg(long, value_name = "PNG")]
+    pub image: Option<PathBuf>,
     /// Print the results as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
@@ -62,6 +75,70 @@ fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
+/// A loaded pipeline of the kind the model folder names (boxed: the pipelines are kilobytes).
+enum Loaded {
+    Flux(Box<FluxPipeline>),
+    StableDiffusion3(Box<StableDiffusion3Pipeline>),
+}
+
+impl Loaded {
+    fn load(
+        pipeline: Pipeline,
+        model: &str,
+        options: &LoadOptions,
+        device: &Device,
+        compile: CompileMode,
+    ) -> Result<Self> {
+        let context = || format!("loading {model}");
+        Ok(match pipeline {
+            Pipeline::Flux => {
+                let mut pipe = FluxPipeline::from_pretrained(model, options)
+                    .with_context(context)?
+                    .to(device)?;
+                pipe.compile(compile);
+                Loaded::Flux(Box::new(pipe))
+            }
+            Pipeline::StableDiffusion3 => {
+                let mut pipe = StableDiffusion3Pipeline::from_pretrained(model, options)
+                    .with_context(context)?
+                    .to(device)?;
+                pipe.compile(compile);
+                Loaded::StableDiffusion3(Box::new(pipe))
+            }
+        })
+    }
+
+    /// One call with the bench's arguments: its images and timings.
+    fn call(&mut self, args: &BenchArgs) -> Result<(Vec<RgbImage>, Timings)> {
+        Ok(match self {
+            Loaded::Flux(pipe) => {
+                let out = pipe.call(FluxCall {
+                    height: args.height,
+                    width: args.width,
+                    num_inference_steps: args.steps,
+                    guidance_scale: args.guidance,
+                    max_sequence_length: args.max_sequence_length,
+                    progress: false,
+                    ..FluxCall::prompt(args.prompt.clone())
+                })?;
+                (out.images, out.timings)
+            }
+            Loaded::StableDiffusion3(pipe) => {
+                let out = pipe.call(StableDiffusion3Call {
+                    height: args.height,
+                    width: args.width,
+                    num_inference_steps: args.steps,
+                    guidance_scale: args.guidance,
+                    max_sequence_length: args.max_sequence_length,
+                    progress: false,
+                    ..StableDiffusion3Call::prompt(args.prompt.clone())
+                })?;
+                (out.images, out.timings)
+            }
+        })
+    }
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
     let dtype: DType = args.dtype.parse()?;
     if args.runs == 0 {
@@ -69,25 +146,26 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let device = Device::parse(&args.device)?;
     let compile = kiln::parse_compile_mode(&args.compile)?;
+    let (_, pipeline) = pipeline::resolve(&args.model, None)?;
     let t_load = Instant::now();
-    let mut pipe = FluxPipeline::from_pretrained(&args.model, &LoadOptions { dtype, revision: None })
-        .with_context(|| format!("loading {}", args.model))?
-        .to(&device)?;
-    pipe.compile(compile);
+    let mut pipe = Loaded::load(
+        pipeline,
+        &args.model,
+        &LoadOptions { dtype, revision: None },
+        &device,
+        compile,
+    )?;
     let load_s = secs(t_load.elapsed());
-    let call = || FluxCall {
-        height: args.height,
-        width: args.width,
-        num_inference_steps: args.steps,
-        guidance_scale: args.guidance,
-        max_sequence_length: args.max_sequence_length,
-        progress: false,
-        ..FluxCall::prompt(args.prompt.clone())
-    };
 
     let t_first = Instant::now();
-    pipe.call(call())?;
+    let (images, _) = pipe.call(&args)?;
     let first_call_s = secs(t_first.elapsed());
+    if let Some(path) = &args.image {
+        let image = images.first().context("the call made no image")?;
+        image
+            .save(path)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
 
     let mut step_s = Vec::new();
     let mut e2e_s = Vec::new();
@@ -95,17 +173,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut decode_s = Vec::new();
     for _ in 0..args.runs {
         let t = Instant::now();
-        let out = pipe.call(call())?;
+        let (_, timings) = pipe.call(&args)?;
         e2e_s.push(secs(t.elapsed()));
-        step_s.extend(out.timings.steps.iter().map(|d| secs(*d)));
-        text_s.push(secs(out.timings.text_encoding));
-        decode_s.push(secs(out.timings.decoding));
+        step_s.extend(timings.steps.iter().map(|d| secs(*d)));
+        text_s.push(secs(timings.text_encoding));
+        decode_s.push(secs(timings.decoding));
     }
 
     // One more call with per-op timing (each op waits for its result while profiling).
     kiln_tensor::reset_op_profile();
     kiln_tensor::set_op_profiling(true);
-    let profiled = pipe.call(call());
+    let profiled = pipe.call(&args);
     kiln_tensor::set_op_profiling(false);
     profiled?;
     let ops = kiln_tensor::op_profile();
@@ -114,6 +192,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
 
     let result = serde_json::json!({
         "engine": "kiln",
+        "pipeline": pipeline.class_name(),
         "model": args.model,
         "dtype": dtype.to_string(),
         "device": device.to_string(),
@@ -142,8 +221,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "kiln bench: {} {dtype} on {device}, {}x{}, {} steps",
-        args.model, args.height, args.width, args.steps
+        "kiln bench: {} ({}) {dtype} on {device}, {}x{}, {} steps",
+        args.model,
+        pipeline.class_name(),
+        args.height,
+        args.width,
+        args.steps
     );
     println!("  load               {load_s:8.3} s");
     println!("  first call         {first_call_s:8.3} s (compiles or loads programs)");

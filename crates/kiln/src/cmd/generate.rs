@@ -16,10 +16,10 @@ use kiln::{
     Timings,
 };
 use kiln_image::RgbImage;
-use kiln_io::ModelIndex;
 
+use super::pipeline::{self, Pipeline};
 pub use call::CallArgs;
-use call::{flag, Pipeline, DRAW, OUTPUT, RUN};
+use call::{flag, DRAW, OUTPUT, RUN};
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
@@ -267,8 +267,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
             .to_string_lossy()
             .into_owned(),
     };
-    let root = kiln_io::resolve_model(&model, load.revision.as_deref()).with_context(|| format!("loading {model}"))?;
-    let pipeline = Pipeline::of(&ModelIndex::load(&root)?)?;
+    let (root, pipeline) = pipeline::resolve(&model, load.revision.as_deref())?;
     check_taken_by(&call, pipeline, &root, args.from.as_deref(), given)?;
     call.resolve(&ModelDefaults::for_folder(&root)?.unwrap_or_else(|| pipeline.defaults()));
 
