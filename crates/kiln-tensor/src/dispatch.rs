@@ -132,6 +132,7 @@ fn dump_dir() -> Option<&'static std::path::Path> {
 fn single_device_options(device: &Device) -> CompileOptions {
     CompileOptions {
         device_assignment: Some(vec![vec![device.pjrt().id() as i64]]),
+        env_option_overrides: crate::device::compile_overrides(device.platform()).to_vec(),
         ..Default::default()
     }
 }

@@ -231,7 +231,9 @@ fn bad_arguments_are_clear_errors() {
     let (ok, stderr) = generate(&sdxl, &out, &[]);
     assert!(!ok);
     assert!(
-        stderr.contains("`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline)"),
+        stderr.contains(
+            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline)"
+        ),
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);
