@@ -1,3 +1,4 @@
 pub mod bench;
 pub mod devices;
 pub mod generate;
+pub mod selftest;
