@@ -102,3 +102,66 @@ fn an_oracle_folder_without_cases_is_an_error() {
     assert!(stderr.contains("no cases/flux1_schnell"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `scripts/gpu-check --small`: the GPU run's script on CPU with the fixtures' tiny pipeline. It
+/// needs only python3's standard library; where diffusers is not installed the report says so and
+/// kiln's images are compared with the image diffusers made for the oracle case.
+#[test]
+fn gpu_check_small_writes_the_report_and_the_images_agree() {
+    let dir = temp_dir("gpu-check");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/gpu-check");
+    let out = Command::new(script)
+        .args(["--small", "--kiln", env!("CARGO_BIN_EXE_kiln"), "--out"])
+        .arg(&dir)
+        .env_remove("OUT")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "scripts/gpu-check --small failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for file in [
+        "report.json",
+        "report.txt",
+        "gpu-check.log",
+        "kiln-eager.png",
+        "kiln-compiled.png",
+    ] {
+        assert!(dir.join(file).is_file(), "{file} missing in {}", dir.display());
+    }
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["mode"], "small");
+    assert_eq!(report["failures"], serde_json::json!([]), "{stdout}");
+    assert!(
+        report["selftest"]["summary"].as_str().unwrap().contains(" 0 failed"),
+        "{stdout}"
+    );
+    let images = report["images"].as_object().unwrap();
+    for pair in [
+        "kiln-eager vs kiln-compiled",
+        "kiln-eager vs diffusers' oracle image",
+        "kiln-compiled vs diffusers' oracle image",
+    ] {
+        let d = &images[pair];
+        assert!(d["max_abs"].as_u64().unwrap() <= 1, "{pair}: {d}");
+    }
+    let timings = report["timings"].as_array().unwrap();
+    for mode in ["eager", "compiled"] {
+        let row = timings
+            .iter()
+            .find(|r| r["engine"] == "kiln" && r["mode"] == mode)
+            .unwrap();
+        assert!(
+            row["e2e_s"].as_f64().unwrap() > 0.0 && row["s_per_step"].as_f64().unwrap() > 0.0,
+            "{row}"
+        );
+    }
+    let text = std::fs::read_to_string(dir.join("report.txt")).unwrap();
+    assert!(text.contains("images agree") && text.contains("True"), "{text}");
+    if report["diffusers_note"].is_string() {
+        assert!(text.contains("diffusers: "), "{text}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
