@@ -2,10 +2,12 @@
 """The driver of scripts/gpu-check (read that script's header for the plan and the time budget).
 
 Standard library only, so `--small` runs anywhere; torch is imported by the subprocesses that need it
-(the folder builder with --random-weights, the diffusers worker). Every phase runs in its own
-process with a timeout inside one overall deadline; a phase that fails or runs out of time is
-recorded with its error and the rest go on; the report is always written.
+(the full-size folder builder, the diffusers worker). Every phase runs in its own process with a
+timeout inside one overall deadline; a phase that fails or runs out of time is recorded with its
+error and the rest go on; the report is always written.
 """
+from __future__ import annotations
+
 import argparse
 import json
 import os
@@ -208,9 +210,16 @@ def backend_config_of(line: str) -> dict | None:
     i = line.find(key)
     if i < 0:
         return None
+    # MLIR string escapes: \" and \\ (kiln prints these), or two hex digits (\22 for a quote, as
+    # MLIR's own printer, and so JAX's as_text(), writes them).
     j, s = i + len(key), []
+    hexdigits = "0123456789abcdefABCDEF"
     while j < len(line) and line[j] != '"':
         if line[j] == "\\":
+            if j + 2 < len(line) and line[j + 1] in hexdigits and line[j + 2] in hexdigits:
+                s.append(chr(int(line[j + 1:j + 3], 16)))
+                j += 3
+                continue
             j += 1
         s.append(line[j])
         j += 1
@@ -524,25 +533,31 @@ def main() -> int:
         report["folder"]["path"] = str(model)
         report["folder"]["seconds"] = round(time.time() - t, 1)
 
-        # 5. kiln generate: compiled first (the headline), then eager; each with an empty program cache.
+        # 5. kiln generate, each mode from an empty program cache: compiled now (the headline), eager
+        # after diffusers (the first step cut when the run is late).
         gen = [kiln, "generate", "--model", model, "--prompt", call["prompt"], "--height", call["height"],
                "--width", call["width"], "--num-inference-steps", call["steps"], "--guidance-scale", "0",
                "--max-sequence-length", call["max_sequence_length"], "--seed", call["seed"],
                "--dtype", call["dtype"], "--device", device]
-        for mode, compile_flag, calls, cap in (("compiled", "full", 3, 240), ("eager", "none", 2, 200)):
+
+        def kiln_mode(mode, compile_flag, calls, cap):
             cache = work / f"kiln-cache-{mode}"
             shutil.rmtree(cache, ignore_errors=True)
             timings, png = work / f"kiln-{mode}.json", out / f"kiln-{mode}.png"
             png.unlink(missing_ok=True)
             if left() < 30:
                 report["timings"].append({"engine": "kiln", "mode": mode, "error": "skipped: out of time"})
-                continue
+                return
             r = run(log, f"kiln {mode}", [*gen, "--compile", compile_flag, "--calls", calls, "--timings", timings,
                                           "--output", png], min(cap, left()), env=dict(env, KILN_CACHE_DIR=str(cache)))
             row = {"engine": "kiln", "mode": mode, **summarize_kiln(timings)}
             if r["rc"] != 0:
-                row["error"] = f"rc {r['rc']}: " + r["tail"].strip().splitlines()[-1][:300] if r["tail"].strip() else f"rc {r['rc']}"
+                last = r["tail"].strip().splitlines()[-1][:300] if r["tail"].strip() else ""
+                row["error"] = f"rc {r['rc']}: {last}"
+                failures.append(f"kiln {mode}")
             report["timings"].append(row)
+
+        kiln_mode("compiled", "full", 3, 240)
 
         # 6. diffusers on the same folder, device, call and seed.
         py_env = dict(env)
@@ -564,13 +579,15 @@ def main() -> int:
             else:
                 result = work / "diffusers.json"
                 modes = "eager" if small else "eager,torch.compile"
+                # Leave time for kiln eager after diffusers.
+                diffusers_s = max(left() - (40 if small else 90), 40)
                 worker = [a.python, str(Path(__file__).resolve()), "--diffusers-worker", "--out", out,
                           "--w-model", model, "--w-device", device, "--w-dtype", call["dtype"],
                           "--w-prompt", call["prompt"], "--w-modes", modes, "--w-result", result,
-                          "--w-deadline", deadline - 5, "--w-compile-reserve", 150, "--w-height", call["height"],
+                          "--w-deadline", time.time() + diffusers_s - 5, "--w-compile-reserve", 150, "--w-height", call["height"],
                           "--w-width", call["width"], "--w-steps", call["steps"], "--w-seed", call["seed"],
                           "--w-max-sequence-length", call["max_sequence_length"], "--w-calls", 2 if small else 3]
-                r = run(log, "diffusers", worker, max(left() - 2, 1), env=py_env)
+                r = run(log, "diffusers", worker, diffusers_s, env=py_env)
                 res = json.loads(result.read_text()) if result.is_file() else {}
                 report["diffusers"] = {k: v for k, v in res.items() if k != "modes"}
                 for mode in modes.split(","):
@@ -578,6 +595,8 @@ def main() -> int:
                     report["timings"].append(row)
                 if r["rc"] != 0:
                     report["diffusers_note"] = f"rc {r['rc']}: {r['tail'][-400:]}"
+
+        kiln_mode("eager", "none", 2, 200)
     except Exception as e:  # noqa: BLE001 - the report says what broke
         log(f"stopped: {type(e).__name__}: {e}")
         report["error"] = f"{type(e).__name__}: {e}"
