@@ -1134,7 +1134,7 @@ mod tests {
         let out = b
             .custom_call_full(
                 &call,
-                &[q.clone()],
+                std::slice::from_ref(&q),
                 &[
                     (Shape::new(vec![1, 2, 8, 16]), DType::BF16),
                     (Shape::new(vec![0]), DType::U8),
@@ -1155,7 +1155,7 @@ mod tests {
             ..call.clone()
         };
         assert!(b
-            .custom_call_full(&bad, &[q.clone()], &[(Shape::new(vec![0]), DType::U8)])
+            .custom_call_full(&bad, std::slice::from_ref(&q), &[(Shape::new(vec![0]), DType::U8)])
             .is_err());
     }
 

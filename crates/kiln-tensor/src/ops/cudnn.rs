@@ -237,9 +237,9 @@ mod tests {
         let text = b.finish(&[out]).unwrap();
         let t = "tensor<1x24x4608x128xbf16>";
         assert!(
-            text.contains(&format!(
-                "%v3:2 = stablehlo.custom_call @\"__cudnn$fmhaSoftmax\"(%v0, %v1, %v2) {{api_version = 2 : i32, backend_config = \""
-            )),
+            text.contains(
+                "%v3:2 = stablehlo.custom_call @\"__cudnn$fmhaSoftmax\"(%v0, %v1, %v2) {api_version = 2 : i32, backend_config = \""
+            ),
             "{text}"
         );
         let layouts = "operand_layouts = [dense<[3, 2, 1, 0]> : tensor<4xindex>, dense<[3, 2, 1, 0]> : tensor<4xindex>, \

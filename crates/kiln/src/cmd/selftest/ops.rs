@@ -433,9 +433,7 @@ fn nn(s: &mut Sweep) {
         );
 
         let x = s.rand(&[2, 3, 8], -2.0, 2.0, dtype);
-        let angles: Vec<f64> = (0..3 * 4)
-            .map(|i| (i / 4) as f64 * 0.5f64.powi((i % 4) as i32))
-            .collect();
+        let angles: Vec<f64> = (0..3 * 4).map(|i: i32| f64::from(i / 4) * 0.5f64.powi(i % 4)).collect();
         for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
             // Tables [S, D] with each frequency repeated for the two elements of its pair.
             let pair = |p: usize, j: usize| match layout {
