@@ -15,6 +15,8 @@ static NEXT_BUILDER: AtomicU32 = AtomicU32::new(1);
 pub struct Value {
     pub(crate) builder: u32,
     pub(crate) id: usize,
+    /// For an op with several results: which one (`%v3#1`).
+    pub(crate) result: Option<usize>,
     pub(crate) shape: Shape,
     pub(crate) dtype: DType,
 }
@@ -33,7 +35,10 @@ impl Value {
         self.dtype
     }
     pub(crate) fn name(&self) -> String {
-        format!("%v{}", self.id)
+        match self.result {
+            None => format!("%v{}", self.id),
+            Some(r) => format!("%v{}#{r}", self.id),
+        }
     }
 }
 
@@ -151,11 +156,31 @@ impl Builder {
         let v = Value {
             builder: self.uid,
             id: self.next_id,
+            result: None,
             shape,
             dtype,
         };
         self.next_id += 1;
         v
+    }
+
+    /// The results of one op with several results: `%vN#0`, `%vN#1`, ... (and the name `%vN:k`
+    /// the op's line must define).
+    pub(crate) fn new_values(&mut self, results: &[(Shape, DType)]) -> (String, Vec<Value>) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let values = results
+            .iter()
+            .enumerate()
+            .map(|(r, (shape, dtype))| Value {
+                builder: self.uid,
+                id,
+                result: Some(r),
+                shape: shape.clone(),
+                dtype: *dtype,
+            })
+            .collect();
+        (format!("%v{id}:{}", results.len()), values)
     }
 
     pub(crate) fn check(&self, op: &'static str, v: &Value) -> Result<()> {

@@ -11,6 +11,6 @@ mod ops;
 
 pub use builder::{ArgAttrs, Builder, Value};
 pub use error::HloError;
-pub use ops::{CompareDirection, ConvDims, ConvLayout, DotDims, ReduceKind};
+pub use ops::{CompareDirection, ConvDims, ConvLayout, CustomCall, DotDims, ReduceKind};
 
 pub type Result<T, E = HloError> = std::result::Result<T, E>;

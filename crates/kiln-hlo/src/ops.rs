@@ -929,6 +929,114 @@ impl Builder {
     }
 }
 
+/// A `stablehlo.custom_call` in its full form: any number of results, an API version, and the
+/// operand and result layouts some backend kernels require (cuDNN's fused attention does).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CustomCall {
+    /// The registered target, e.g. `__cudnn$fmhaSoftmax` (printed quoted, so `$` is fine).
+    pub target: String,
+    /// `api_version` (2 = `API_VERSION_STATUS_RETURNING`, what XLA's GPU custom calls use;
+    /// 4 = typed FFI).
+    pub api_version: u32,
+    /// The backend's configuration string (cuDNN: a JSON object), escaped when printed.
+    pub backend_config: String,
+    /// Minor-to-major layout of each operand and each result (`[3, 2, 1, 0]` is row-major for
+    /// rank 4); empty = let the compiler choose.
+    pub operand_layouts: Vec<Vec<usize>>,
+    pub result_layouts: Vec<Vec<usize>>,
+}
+
+/// `dense<[3, 2, 1, 0]> : tensor<4xindex>`, the form layouts take.
+fn layout_attr(layout: &[usize]) -> String {
+    if layout.is_empty() {
+        "dense<> : tensor<0xindex>".to_string()
+    } else {
+        format!("dense<[{}]> : tensor<{}xindex>", join(layout), layout.len())
+    }
+}
+
+fn check_layouts(what: &str, layouts: &[Vec<usize>], shapes: &[&Shape]) -> Result<()> {
+    if layouts.is_empty() {
+        return Ok(());
+    }
+    if layouts.len() != shapes.len() {
+        return Err(HloError::invalid(
+            "custom_call",
+            format!("{} {what} layouts for {} {what}s", layouts.len(), shapes.len()),
+        ));
+    }
+    for (layout, shape) in layouts.iter().zip(shapes) {
+        let mut sorted = layout.clone();
+        sorted.sort_unstable();
+        if sorted != (0..shape.rank()).collect::<Vec<_>>() {
+            return Err(HloError::invalid(
+                "custom_call",
+                format!("{what} layout {layout:?} is not a permutation of the dimensions of {shape}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl Builder {
+    /// Emits `call` on `operands` with results of the given shapes and dtypes (one value each).
+    pub fn custom_call_full(
+        &mut self,
+        call: &CustomCall,
+        operands: &[Value],
+        results: &[(Shape, DType)],
+    ) -> Result<Vec<Value>> {
+        for o in operands {
+            self.check("custom_call", o)?;
+        }
+        if results.is_empty() {
+            return Err(HloError::invalid("custom_call", "needs at least one result"));
+        }
+        let operand_shapes: Vec<&Shape> = operands.iter().map(|o| &o.shape).collect();
+        check_layouts("operand", &call.operand_layouts, &operand_shapes)?;
+        let result_shapes: Vec<&Shape> = results.iter().map(|(s, _)| s).collect();
+        check_layouts("result", &call.result_layouts, &result_shapes)?;
+        if call.operand_layouts.is_empty() != call.result_layouts.is_empty() {
+            return Err(HloError::invalid(
+                "custom_call",
+                "give layouts for both the operands and the results, or for neither",
+            ));
+        }
+        let mut attrs = vec![
+            format!("api_version = {} : i32", call.api_version),
+            format!(
+                "backend_config = \"{}\"",
+                call.backend_config.replace('\\', "\\\\").replace('"', "\\\"")
+            ),
+        ];
+        if !call.operand_layouts.is_empty() {
+            let ops: Vec<String> = call.operand_layouts.iter().map(|l| layout_attr(l)).collect();
+            let res: Vec<String> = call.result_layouts.iter().map(|l| layout_attr(l)).collect();
+            attrs.push(format!("operand_layouts = [{}]", ops.join(", ")));
+            attrs.push(format!("result_layouts = [{}]", res.join(", ")));
+        }
+        let names: Vec<String> = operands.iter().map(|x| x.name()).collect();
+        let types: Vec<String> = operands.iter().map(ty).collect();
+        let result_types: Vec<String> = results.iter().map(|(s, d)| tensor_type(s, *d)).collect();
+        let (defined, values) = if results.len() == 1 {
+            let v = self.new_value(results[0].0.clone(), results[0].1);
+            (v.name(), vec![v])
+        } else {
+            self.new_values(results)
+        };
+        let _ = writeln!(
+            self.body,
+            "    {defined} = stablehlo.custom_call @\"{}\"({}) {{{}}} : ({}) -> ({})",
+            call.target,
+            names.join(", "),
+            attrs.join(", "),
+            types.join(", "),
+            result_types.join(", ")
+        );
+        Ok(values)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -993,6 +1101,7 @@ mod tests {
             Value {
                 builder: self.uid,
                 id: 999,
+                result: None,
                 shape: Shape::new(vec![1]),
                 dtype,
             }
@@ -1043,6 +1152,45 @@ mod tests {
             text.contains(r#"-> (tensor<4x8xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>})"#),
             "{text}"
         );
+    }
+
+    #[test]
+    fn custom_call_with_two_results_and_layouts() {
+        let mut b = Builder::new();
+        let q = b.parameter([1, 2, 8, 16], DType::BF16);
+        let call = CustomCall {
+            target: "__cudnn$fmhaSoftmax".into(),
+            api_version: 2,
+            backend_config: r#"{"a":"b\c"}"#.into(),
+            operand_layouts: vec![vec![3, 2, 1, 0]],
+            result_layouts: vec![vec![3, 2, 1, 0], vec![0]],
+        };
+        let out = b
+            .custom_call_full(
+                &call,
+                std::slice::from_ref(&q),
+                &[
+                    (Shape::new(vec![1, 2, 8, 16]), DType::BF16),
+                    (Shape::new(vec![0]), DType::U8),
+                ],
+            )
+            .unwrap();
+        let y = b.negate(&out[0]).unwrap();
+        let text = b.finish(&[y]).unwrap();
+        assert!(
+            text.contains(
+                r#"%v1:2 = stablehlo.custom_call @"__cudnn$fmhaSoftmax"(%v0) {api_version = 2 : i32, backend_config = "{\"a\":\"b\\c\"}", operand_layouts = [dense<[3, 2, 1, 0]> : tensor<4xindex>], result_layouts = [dense<[3, 2, 1, 0]> : tensor<4xindex>, dense<[0]> : tensor<1xindex>]} : (tensor<1x2x8x16xbf16>) -> (tensor<1x2x8x16xbf16>, tensor<0xui8>)"#
+            ),
+            "{text}"
+        );
+        assert!(text.contains(r#""stablehlo.negate"(%v1#0)"#), "{text}");
+        let bad = CustomCall {
+            operand_layouts: vec![vec![0, 1, 2]],
+            ..call.clone()
+        };
+        assert!(b
+            .custom_call_full(&bad, std::slice::from_ref(&q), &[(Shape::new(vec![0]), DType::U8)])
+            .is_err());
     }
 
     #[test]

@@ -290,20 +290,27 @@ fn kiln_plugin_folder() -> Option<PathBuf> {
 /// CUDA plugin (the plugin finds them by soname). Best effort: missing ones are skipped.
 pub fn preload_cuda_libraries(site_packages: &[PathBuf]) {
     const LIBS: &[(&str, &str)] = &[
+        // CUDA 12 wheels have a folder per library; CUDA 13 wheels put them all in `nvidia/cu13`.
         ("cuda_runtime", "libcudart.so"),
         ("cu13", "libcudart.so"),
+        ("cuda_nvrtc", "libnvrtc.so"),
+        ("cu13", "libnvrtc.so"),
         ("cublas", "libcublasLt.so"),
         ("cublas", "libcublas.so"),
         ("cu13", "libcublasLt.so"),
         ("cu13", "libcublas.so"),
         ("nvjitlink", "libnvJitLink.so"),
+        ("cu13", "libnvJitLink.so"),
         ("cusparse", "libcusparse.so"),
+        ("cu13", "libcusparse.so"),
         ("cufft", "libcufft.so"),
+        ("cu13", "libcufft.so"),
         ("cusolver", "libcusolver.so"),
+        ("cu13", "libcusolver.so"),
         ("cudnn", "libcudnn.so"),
         ("nccl", "libnccl.so"),
         ("cuda_cupti", "libcupti.so"),
-        ("cuda_nvrtc", "libnvrtc.so"),
+        ("cu13", "libcupti.so"),
         ("nvshmem", "libnvshmem_host.so"),
     ];
     for sp in site_packages {
@@ -332,6 +339,20 @@ pub fn preload_cuda_libraries(site_packages: &[PathBuf]) {
             }
         }
     }
+}
+
+/// The CUDA folder XLA's GPU compiler reads `nvvm/libdevice` (and `bin/ptxas`) from, as JAX
+/// passes it in `xla_gpu_cuda_data_dir`: `CUDA_ROOT` when set, else the `nvidia/cu13` (CUDA 13) or
+/// `nvidia/cuda_nvcc` (CUDA 12) folder of a site-packages that has `nvvm/libdevice`; `None` leaves
+/// XLA's own default (`/usr/local/cuda` and the like).
+pub fn cuda_data_dir(site_packages: &[PathBuf]) -> Option<PathBuf> {
+    if let Some(root) = std::env::var_os("CUDA_ROOT").filter(|v| !v.is_empty()) {
+        return Some(PathBuf::from(root));
+    }
+    site_packages
+        .iter()
+        .flat_map(|sp| ["cu13", "cuda_nvcc"].map(|d| sp.join("nvidia").join(d)))
+        .find(|dir| dir.join("nvvm").join("libdevice").is_dir())
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use kiln_pjrt::{Client, DeviceSpec, NamedValue, Platform, Plugin, PluginLocation, SearchPaths};
+use kiln_pjrt::{Client, DeviceSpec, NamedValue, OptionOverride, Platform, Plugin, PluginLocation, SearchPaths};
 
 use crate::error::Result;
 
@@ -67,6 +67,25 @@ fn create_options(platform: Platform) -> Vec<(String, NamedValue)> {
                 NamedValue::String(env!("CARGO_PKG_VERSION").into()),
             ),
         ],
+    }
+}
+
+/// XLA options kiln adds to every compile for a platform. CUDA: the folder with `libdevice`, as
+/// JAX passes it (see `kiln_pjrt::discovery::cuda_data_dir`); nothing elsewhere.
+pub(crate) fn compile_overrides(platform: Platform) -> &'static [(String, OptionOverride)] {
+    static CUDA: OnceLock<Vec<(String, OptionOverride)>> = OnceLock::new();
+    match platform {
+        Platform::Cuda => CUDA.get_or_init(|| {
+            kiln_pjrt::discovery::cuda_data_dir(&SearchPaths::from_environment().site_packages)
+                .map(|dir| {
+                    vec![(
+                        "xla_gpu_cuda_data_dir".to_string(),
+                        OptionOverride::String(dir.to_string_lossy().into_owned()),
+                    )]
+                })
+                .unwrap_or_default()
+        }),
+        Platform::Cpu | Platform::Tpu => &[],
     }
 }
 

@@ -133,7 +133,11 @@ fn dump_dir() -> Option<&'static std::path::Path> {
 fn single_device_options(device: &Device) -> CompileOptions {
     CompileOptions {
         device_assignment: Some(vec![vec![device.pjrt().id() as i64]]),
-        env_option_overrides: xla_option_overrides().to_vec(),
+        env_option_overrides: crate::device::compile_overrides(device.platform())
+            .iter()
+            .chain(xla_option_overrides())
+            .cloned()
+            .collect(),
         ..Default::default()
     }
 }

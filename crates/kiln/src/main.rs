@@ -23,6 +23,9 @@ enum Command {
     Devices,
     /// Time a pipeline: seconds per step, end to end, peak memory and time per op kind.
     Bench(Box<cmd::bench::BenchArgs>),
+    /// Check a plugin and device: every op against an f64 reference, buffers, views, donation,
+    /// memory spaces, serialization and a FLUX.1 oracle case; prints a table of what passed.
+    Selftest(cmd::selftest::SelftestArgs),
 }
 
 fn main() {
@@ -46,6 +49,7 @@ fn main() {
         }
         Command::Devices => cmd::devices::run(),
         Command::Bench(args) => cmd::bench::run(*args),
+        Command::Selftest(args) => cmd::selftest::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -279,6 +279,22 @@ impl Tensor {
         let causal = matches!(mask, AttentionMask::Causal);
         let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
         let dtype = q.dtype();
+        // On CUDA, cuDNN's fused flash attention where it applies (the choice is the platform's,
+        // not the model's; see `cudnn.rs`).
+        let target = super::cudnn::Target::of(q.device());
+        let fused = super::cudnn::FusedAttention::plan(
+            target,
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            dtype,
+            extra.is_some(),
+            causal,
+            scale,
+        );
+        if let Some(fused) = fused {
+            return apply1(op, &[q, k, v], |b, p| fused.emit(b, &p[0], &p[1], &p[2]));
+        }
         let native = extra.is_none() && !causal && crate::cpu_attention::available(q.device());
         let chunk = query_chunk(q.device().platform(), hq, sq);
         let dv = v.dims()[3];

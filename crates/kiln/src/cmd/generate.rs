@@ -50,6 +50,14 @@ pub struct GenerateArgs {
     /// The PNG to write; several images go to NAME-0.png, NAME-1.png, ... (prompt by prompt).
     #[arg(long, default_value = "kiln.png", help_heading = OUTPUT)]
     pub output: PathBuf,
+    /// Call the pipeline N times in this process, for timing: the first call compiles (or loads
+    /// programs from disk), later ones reuse them. The images of the last call are written.
+    #[arg(long, default_value_t = 1, value_name = "N", help_heading = RUN)]
+    pub calls: usize,
+    /// Write every call's timings (text encoding, each step, decoding, end to end, programs
+    /// compiled and seconds compiling) and the device's peak memory to FILE as JSON.
+    #[arg(long, value_name = "FILE", help_heading = OUTPUT)]
+    pub timings: Option<PathBuf>,
 }
 
 /// The flags given on the command line, by clap id (the field name), as opposed to defaults.
@@ -131,8 +139,11 @@ struct Generated {
     images: Vec<RgbImage>,
     /// (height, width) after rounding.
     size: (usize, usize),
+    /// The last call's timings and programs (the steady state when there were several calls).
     timings: Timings,
     programs: OpCacheStats,
+    /// Every call's timings and programs, in order.
+    calls: Vec<(Timings, OpCacheStats)>,
     /// The guidance scale, when the model takes one.
     guidance: Option<f64>,
 }
@@ -144,6 +155,7 @@ struct Settings<'a> {
     dtype: DType,
     device: &'a Device,
     compile: CompileMode,
+    calls: usize,
 }
 
 fn run_flux(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
@@ -172,15 +184,24 @@ fn run_flux(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
         .transformer_config()
         .guidance_embeds
         .then_some(flux_call.guidance_scale);
-    let programs_before = kiln::op_cache_stats();
-    let out = pipe.call(flux_call)?;
-    Ok(Generated {
-        images: out.images,
-        size: out.size,
-        timings: out.timings,
-        programs: kiln::op_cache_stats().since(&programs_before),
-        guidance,
-    })
+    let mut calls = Vec::new();
+    let mut next = Some(flux_call);
+    loop {
+        let programs_before = kiln::op_cache_stats();
+        let out = pipe.call(next.take().unwrap_or_else(|| call.flux_call()))?;
+        let programs = kiln::op_cache_stats().since(&programs_before);
+        calls.push((out.timings.clone(), programs));
+        if calls.len() >= s.calls {
+            return Ok(Generated {
+                images: out.images,
+                size: out.size,
+                timings: out.timings,
+                programs,
+                calls,
+                guidance,
+            });
+        }
+    }
 }
 
 fn run_sd3(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
@@ -204,15 +225,24 @@ fn run_sd3(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
     );
     let sd3_call = call.sd3_call();
     let guidance = Some(sd3_call.guidance_scale);
-    let programs_before = kiln::op_cache_stats();
-    let out = pipe.call(sd3_call)?;
-    Ok(Generated {
-        images: out.images,
-        size: out.size,
-        timings: out.timings,
-        programs: kiln::op_cache_stats().since(&programs_before),
-        guidance,
-    })
+    let mut calls = Vec::new();
+    let mut next = Some(sd3_call);
+    loop {
+        let programs_before = kiln::op_cache_stats();
+        let out = pipe.call(next.take().unwrap_or_else(|| call.sd3_call()))?;
+        let programs = kiln::op_cache_stats().since(&programs_before);
+        calls.push((out.timings.clone(), programs));
+        if calls.len() >= s.calls {
+            return Ok(Generated {
+                images: out.images,
+                size: out.size,
+                timings: out.timings,
+                programs,
+                calls,
+                guidance,
+            });
+        }
+    }
 }
 
 pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
@@ -237,6 +267,9 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
         bail!("--dtype must be f32, bf16 or f16, got {}", load.dtype);
     }
     call.check()?;
+    if args.calls == 0 {
+        bail!("--calls must be at least 1");
+    }
     let paths = output_paths(&args.output, call.image_count())?;
     for p in &paths {
         if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -283,6 +316,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
         dtype,
         device: &device,
         compile,
+        calls: args.calls,
     };
     let out = match pipeline {
         Pipeline::Flux => run_flux(&call, &settings)?,
@@ -290,6 +324,19 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     };
 
     let t = &out.timings;
+    if out.calls.len() > 1 {
+        for (i, (timings, programs)) in out.calls.iter().enumerate() {
+            eprintln!(
+                "call {}/{}: {:8.3} s, {} programs compiled in {:.2} s",
+                i + 1,
+                out.calls.len(),
+                timings.total.as_secs_f64(),
+                programs.compiled(),
+                programs.compile_seconds()
+            );
+        }
+        eprintln!("the last call:");
+    }
     eprintln!("text encoding   {:8.3} s", t.text_encoding.as_secs_f64());
     for (i, s) in t.steps.iter().enumerate() {
         eprintln!("step {:<3}        {:8.3} s", i + 1, s.as_secs_f64());
@@ -304,6 +351,10 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
         programs.disk_loads,
         programs.hits
     );
+
+    if let Some(path) = &args.timings {
+        write_timings(path, &out, &model, dtype, &device, compile)?;
+    }
 
     // The PNGs record the call as made (the size after rounding), so that --from makes it again.
     let (height, width) = out.size;
@@ -349,6 +400,52 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
         println!("{}", path.display());
     }
     Ok(())
+}
+
+/// `--timings FILE`: every call's timings and the device's memory, as JSON.
+fn write_timings(
+    path: &Path,
+    out: &Generated,
+    model: &str,
+    dtype: DType,
+    device: &Device,
+    compile: CompileMode,
+) -> Result<()> {
+    let secs = |d: &std::time::Duration| d.as_secs_f64();
+    let memory = device.client().memory_stats(device.pjrt());
+    let calls: Vec<serde_json::Value> = out
+        .calls
+        .iter()
+        .map(|(t, p)| {
+            serde_json::json!({
+                "total_s": secs(&t.total),
+                "text_encoding_s": secs(&t.text_encoding),
+                "steps_s": t.steps.iter().map(secs).collect::<Vec<_>>(),
+                "decoding_s": secs(&t.decoding),
+                "programs_compiled": p.compiled(),
+                "programs_loaded_from_disk": p.disk_loads,
+                "program_cache_hits": p.hits,
+                "compile_s": p.compile_seconds(),
+            })
+        })
+        .collect();
+    let json = serde_json::json!({
+        "engine": "kiln",
+        "kiln_version": env!("CARGO_PKG_VERSION"),
+        "model": model,
+        "dtype": dtype.to_string(),
+        "device": device.to_string(),
+        "device_kind": device.pjrt().kind(),
+        "compile": compile.to_string(),
+        "height": out.size.0,
+        "width": out.size.1,
+        "calls": calls,
+        "peak_device_bytes": memory.as_ref().and_then(|m| m.peak_bytes_in_use),
+        "device_bytes_in_use": memory.as_ref().map(|m| m.bytes_in_use),
+        "device_bytes_limit": memory.as_ref().and_then(|m| m.bytes_limit),
+    });
+    std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 #[cfg(test)]

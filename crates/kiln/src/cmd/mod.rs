@@ -2,3 +2,4 @@ pub mod bench;
 pub mod devices;
 pub mod generate;
 pub mod pipeline;
+pub mod selftest;

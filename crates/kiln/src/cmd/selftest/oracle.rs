@@ -1,0 +1,146 @@
+//! A FLUX.1 oracle case end to end: the tiny random-weight `flux1_schnell` pipeline diffusers made,
+//! called as diffusers was, eager and compiled, against diffusers' image.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, ensure, Context, Result};
+use kiln::{CompileMode, DType, Device, FluxCall, FluxPipeline, LoadOptions};
+
+use super::{Row, Status};
+
+/// The oracle folder: `--oracle`, else `oracle/` or `fixtures/oracle/` next to the binary or in a
+/// folder above it (a repo checkout's `target/<profile>/kiln` finds the repo's fixtures).
+pub fn find(explicit: Option<&Path>) -> Option<PathBuf> {
+    if let Some(dir) = explicit {
+        return Some(dir.to_path_buf());
+    }
+    let exe = std::env::current_exe().ok()?;
+    exe.ancestors()
+        .skip(1)
+        .take(5)
+        .flat_map(|dir| [dir.join("oracle"), dir.join("fixtures/oracle")])
+        .find(|d| d.join("cases/flux1_schnell").is_dir())
+}
+
+/// The smallest `flux1_schnell` case (by its goldens' size): the quickest end-to-end check.
+fn smallest_case(oracle: &Path) -> Result<PathBuf> {
+    let dir = oracle.join("cases/flux1_schnell");
+    let mut cases: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("call.json").is_file() && p.join("image_0.png").is_file())
+        .map(|p| {
+            let size = std::fs::metadata(p.join("tensors.safetensors")).map_or(u64::MAX, |m| m.len());
+            (size, p)
+        })
+        .collect();
+    cases.sort();
+    cases
+        .into_iter()
+        .next()
+        .map(|(_, p)| p)
+        .with_context(|| format!("no case with call.json and image_0.png in {}", dir.display()))
+}
+
+/// The call of `call.json`, for the arguments a small schnell case uses.
+fn flux_call(call: &serde_json::Value) -> Result<FluxCall<'static>> {
+    let kwargs = call["call_kwargs"]
+        .as_object()
+        .context("call.json has no call_kwargs")?;
+    let mut c = FluxCall {
+        progress: false,
+        seed: call["seed"].as_u64().context("call.json has no seed")?,
+        ..Default::default()
+    };
+    for (key, value) in kwargs {
+        let usize_of = |v: &serde_json::Value| v.as_u64().map(|x| x as usize).context(key.clone());
+        match key.as_str() {
+            "prompt" => {
+                c.prompt = Some(match value {
+                    serde_json::Value::Array(v) => v.iter().map(|s| s.as_str().unwrap_or("").to_string()).collect(),
+                    v => vec![v.as_str().context("prompt")?.to_string()],
+                })
+            }
+            "height" => c.height = usize_of(value)?,
+            "width" => c.width = usize_of(value)?,
+            "num_inference_steps" => c.num_inference_steps = usize_of(value)?,
+            "max_sequence_length" => c.max_sequence_length = usize_of(value)?,
+            "num_images_per_prompt" => c.num_images_per_prompt = usize_of(value)?,
+            "guidance_scale" => c.guidance_scale = value.as_f64().context("guidance_scale")?,
+            other => bail!("the case uses `{other}`, which the self-test does not pass on"),
+        }
+    }
+    Ok(c)
+}
+
+/// Runs the case in `mode` and compares image 0 with diffusers' (f32: at most one level off in at
+/// most 1 % of the values, the pipeline parity tolerance).
+fn run_case(dev: &Device, oracle: &Path, case: &Path, mode: CompileMode) -> Result<String> {
+    let call: serde_json::Value = serde_json::from_slice(&std::fs::read(case.join("call.json"))?)?;
+    let pipeline_dir = oracle.join(call["pipeline_dir"].as_str().context("call.json has no pipeline_dir")?);
+    ensure!(call["dtype"] == "float32", "the self-test expects a float32 case");
+    let mut pipe = FluxPipeline::from_pretrained(
+        &pipeline_dir.to_string_lossy(),
+        &LoadOptions {
+            dtype: DType::F32,
+            revision: None,
+        },
+    )?
+    .to(dev)?;
+    pipe.compile(mode);
+    let out = pipe.call(flux_call(&call)?)?;
+    let got = out.images.first().context("the pipeline returned no image")?;
+    let want = kiln_image::read_png(case.join("image_0.png"))?.image;
+    ensure!(
+        got.dimensions() == want.dimensions(),
+        "image {:?}, diffusers' {:?}",
+        got.dimensions(),
+        want.dimensions()
+    );
+    let diffs: Vec<u8> = got
+        .as_raw()
+        .iter()
+        .zip(want.as_raw())
+        .map(|(a, b)| a.abs_diff(*b))
+        .collect();
+    let max = diffs.iter().copied().max().unwrap_or(0);
+    let differing = diffs.iter().filter(|&&d| d > 0).count() as f64 / diffs.len().max(1) as f64;
+    let summary = format!("max |Δ| {max} levels, {:.2} % of values differ", differing * 100.0);
+    ensure!(max <= 1 && differing <= 0.01, "{summary} (allowed: 1 level, 1 %)");
+    Ok(summary)
+}
+
+pub fn run(dev: &Device, oracle: Option<&Path>) -> Vec<Row> {
+    let name = |mode: &str| format!("FLUX.1 schnell oracle case, {mode}");
+    let Some(oracle) = oracle else {
+        return ["eager", "compiled"]
+            .into_iter()
+            .map(|m| {
+                Row::new(
+                    "oracle",
+                    name(m),
+                    Status::Skip,
+                    "oracle folder not found (pass --oracle DIR: a copy of fixtures/oracle)".into(),
+                )
+            })
+            .collect();
+    };
+    let case = match smallest_case(oracle) {
+        Ok(c) => c,
+        Err(e) => return vec![Row::new("oracle", name("eager"), Status::Fail, format!("{e:#}"))],
+    };
+    let label = case
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    [("eager", CompileMode::None), ("compiled", CompileMode::Full)]
+        .into_iter()
+        .map(|(m, mode)| {
+            super::runtime::row(
+                "oracle",
+                format!("{} ({label})", name(m)),
+                run_case(dev, oracle, &case, mode),
+            )
+        })
+        .collect()
+}
