@@ -28,7 +28,7 @@ pub enum PipelineError {
     #[error("interrupted by the step callback at step {step}")]
     Interrupted { step: usize },
     /// The device cannot hold what the offload mode needs of it at once (checked before any work).
-    #[error("{component} does not fit on {device}: its weights need {} at once and the device has {}; {detail}", crate::offload::bytes(*.needs), crate::offload::bytes(*.has))]
+    #[error("{component} does not fit on {device}: the weights need {} on the device at once and it has {} free; {detail}", crate::offload::bytes(*.needs), crate::offload::bytes(*.has))]
     DeviceTooSmall {
         component: String,
         device: String,

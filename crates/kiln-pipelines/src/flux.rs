@@ -20,7 +20,7 @@ use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 use crate::error::{invalid, PipelineError, Result};
 use crate::loading::{checkpoint_bytes, open_weights, weights_in, LoadOptions, ModelFolder};
 use crate::offload::{
-    plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadMode, OffloadPlan, Offloader, Placing,
+    free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadMode, OffloadPlan, Offloader, Placing,
 };
 
 const PIPELINE_CLASSES: &[&str] = &["FluxPipeline"];
@@ -332,8 +332,9 @@ impl FluxPipeline {
         self.device = Some(device.clone());
         self.offload_mode = mode;
         self.plan = Some(plan.clone());
-        plan.check()?;
         if mode != OffloadMode::None {
+            // (Without offload the device was checked before loading.)
+            plan.check()?;
             self.offloader = Some(Offloader::new(plan, self.offload_log.clone(), placing.streams));
         }
         self.apply_compile_mode();
@@ -552,10 +553,10 @@ impl FluxPipeline {
         let (Some(models), Some(device)) = (self.models.as_ref(), self.device.clone()) else {
             return Err(invalid("the pipeline's models are not loaded; call `to(device)` first"));
         };
-        if let Some(plan) = &self.plan {
-            // The budget may have changed since loading (Device::set_memory_limit).
+        if let Some(plan) = self.plan.as_ref().filter(|p| p.mode != OffloadMode::None) {
+            // What the device has free may have changed since loading.
             OffloadPlan {
-                budget: device.memory_budget(),
+                budget: free_bytes(&device),
                 ..plan.clone()
             }
             .check()?;

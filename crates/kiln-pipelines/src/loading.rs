@@ -74,11 +74,13 @@ pub(crate) fn weights_in(
     Weights::new_in(checkpoint.clone(), device, dtype, component, memory)
 }
 
-/// Bytes a checkpoint's floating-point tensors take in `dtype` (what loading it puts on a device).
+/// Bytes a checkpoint's floating-point tensors take in `dtype`: about what loading it puts on a
+/// device (a model may leave a tensor unused or add a small table of its own).
 pub(crate) fn checkpoint_bytes(checkpoint: &Checkpoint, dtype: DType) -> u64 {
     checkpoint
         .names()
         .filter_map(|n| checkpoint.info(n))
+        .filter(|info| info.dtype.to_dtype().is_some_and(|d| d.is_float()))
         .map(|info| info.shape.numel() as u64 * dtype.size_in_bytes() as u64)
         .sum()
 }

@@ -117,7 +117,8 @@ impl ComponentMemory {
 pub struct OffloadPlan {
     pub mode: OffloadMode,
     pub device: String,
-    /// Bytes the device offers for tensors ([`Device::memory_budget`]); `None` when unknown.
+    /// Bytes the device has free for this pipeline: its budget ([`Device::memory_budget`]) less
+    /// what tensors already hold there ([`Device::memory`]); `None` when the budget is unknown.
     pub budget: Option<u64>,
     pub components: Vec<ComponentMemory>,
 }
@@ -253,14 +254,21 @@ impl Placing {
     }
 }
 
-/// The plan of `mode` on `device` for `components`.
+/// The plan of `mode` on `device` for `components`, with the device's free bytes now.
 pub(crate) fn plan_for(mode: OffloadMode, device: &Device, components: Vec<ComponentMemory>) -> OffloadPlan {
     OffloadPlan {
         mode,
         device: device.to_string(),
-        budget: device.memory_budget(),
+        budget: free_bytes(device),
         components,
     }
+}
+
+/// The device's budget less what tensors hold there now.
+pub(crate) fn free_bytes(device: &Device) -> Option<u64> {
+    device
+        .memory_budget()
+        .map(|b| b.saturating_sub(device.memory().live_bytes))
 }
 
 /// The memory space weights live in under `mode`: the device's without offload, else its host
@@ -450,5 +458,91 @@ impl Drop for FinishOnDrop<'_> {
         if let Some(o) = self.0 {
             o.finish();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(mode: OffloadMode, budget: Option<u64>) -> OffloadPlan {
+        OffloadPlan {
+            mode,
+            device: "cuda:0".into(),
+            budget,
+            components: vec![
+                ComponentMemory {
+                    name: "text_encoder_2",
+                    weight_bytes: 900,
+                    block_bytes: vec![],
+                },
+                ComponentMemory {
+                    name: "transformer",
+                    weight_bytes: 1000,
+                    block_bytes: if mode == OffloadMode::Sequential {
+                        vec![200, 300, 300]
+                    } else {
+                        vec![]
+                    },
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn needs_and_room_follow_the_mode() {
+        let model = plan(OffloadMode::Model, None);
+        assert_eq!(model.largest_need(), 1000);
+        assert_eq!(model.room(), 1000, "an unknown budget: the largest need");
+        let seq = plan(OffloadMode::Sequential, None);
+        assert_eq!(seq.components[1].resident_bytes(), 200);
+        assert_eq!(seq.components[1].needs(), 200 + 600);
+        assert_eq!(seq.largest_need(), 900);
+        assert_eq!(
+            plan(OffloadMode::Model, Some(5000)).room(),
+            4000,
+            "half is left for activations"
+        );
+        assert_eq!(plan(OffloadMode::Model, Some(1500)).room(), 1000);
+    }
+
+    #[test]
+    fn a_device_too_small_names_the_component_what_it_needs_and_what_to_try() {
+        let err = |mode, budget| plan(mode, Some(budget)).check().unwrap_err().to_string();
+        let none = err(OffloadMode::None, 1899);
+        assert!(
+            none.contains("every component together does not fit on cuda:0")
+                && none.contains("the weights need 1.86 KiB (1900 bytes) on the device at once")
+                && none.contains("it has 1.85 KiB (1899 bytes) free")
+                && none.contains("the largest, transformer")
+                && none.contains("--offload model"),
+            "{none}"
+        );
+        let model = err(OffloadMode::Model, 950);
+        assert!(
+            model.starts_with(
+                "transformer does not fit on cuda:0: the weights need 1000 bytes on the device at once and it has 950 \
+                 bytes free"
+            ) && model.contains("--offload sequential"),
+            "{model}"
+        );
+        let seq = err(OffloadMode::Sequential, 850);
+        assert!(
+            seq.starts_with("text_encoder_2 does not fit") && seq.contains("no repeated blocks"),
+            "{seq}"
+        );
+        let mut streamed = plan(OffloadMode::Sequential, Some(700));
+        streamed.components.remove(0);
+        let seq = streamed.check().unwrap_err().to_string();
+        assert!(
+            seq.starts_with("transformer does not fit on cuda:0: the weights need 800 bytes")
+                && seq.contains("outside the blocks (200 bytes) and two blocks (the largest is 300 bytes)"),
+            "{seq}"
+        );
+        assert!(plan(OffloadMode::Sequential, Some(900)).check().is_ok());
+        assert!(
+            plan(OffloadMode::None, None).check().is_ok(),
+            "an unknown budget is not checked"
+        );
     }
 }

@@ -21,7 +21,7 @@ use crate::error::{invalid, PipelineError, Result};
 use crate::flux::{euler_step, OutputType, StepCallback, StepState, Timings};
 use crate::loading::{checkpoint_bytes, open_weights, weights_in, LoadOptions, ModelFolder};
 use crate::offload::{
-    plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadMode, OffloadPlan, Offloader, Placing,
+    free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadMode, OffloadPlan, Offloader, Placing,
 };
 
 const PIPELINE_CLASSES: &[&str] = &["StableDiffusion3Pipeline"];
@@ -386,8 +386,9 @@ impl StableDiffusion3Pipeline {
         self.device = Some(device.clone());
         self.offload_mode = mode;
         self.plan = Some(plan.clone());
-        plan.check()?;
         if mode != OffloadMode::None {
+            // (Without offload the device was checked before loading.)
+            plan.check()?;
             self.offloader = Some(Offloader::new(plan, self.offload_log.clone(), placing.streams));
         }
         self.apply_compile_mode();
@@ -801,10 +802,10 @@ impl StableDiffusion3Pipeline {
         let dtype = self.dtype;
         let (models, device) = self.loaded()?;
         let device = device.clone();
-        if let Some(plan) = &self.plan {
-            // The budget may have changed since loading (Device::set_memory_limit).
+        if let Some(plan) = self.plan.as_ref().filter(|p| p.mode != OffloadMode::None) {
+            // What the device has free may have changed since loading.
             OffloadPlan {
-                budget: device.memory_budget(),
+                budget: free_bytes(&device),
                 ..plan.clone()
             }
             .check()?;
