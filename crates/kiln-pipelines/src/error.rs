@@ -36,8 +36,8 @@ pub enum PipelineError {
         has: u64,
         detail: String,
     },
-    /// A component ran out of device memory while it ran.
-    #[error("{component} ran out of device memory on {device} (offload {mode}); {hint}: {source}")]
+    /// A component ran out of device memory while it ran (`source` says where).
+    #[error("{component} ran out of device memory on {device} (offload {mode}); {hint}")]
     OutOfMemory {
         component: &'static str,
         device: String,

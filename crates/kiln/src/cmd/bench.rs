@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use kiln::{DType, Device, FluxCall, FluxPipeline, LoadOptions};
+use kiln::{DType, Device, FluxCall, FluxPipeline, LoadOptions, OffloadMode};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -29,6 +29,9 @@ pub struct BenchArgs {
     /// none, blocks, full or auto (as `kiln generate --compile`).
     #[arg(long, default_value = "auto")]
     pub compile: String,
+    /// none, model or sequential (as `kiln generate --offload`).
+    #[arg(long, default_value = "none")]
+    pub offload: String,
     /// Timed calls after one warm-up call.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -69,10 +72,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let device = Device::parse(&args.device)?;
     let compile = kiln::parse_compile_mode(&args.compile)?;
+    let offload: OffloadMode = args
+        .offload
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--offload: {e}"))?;
     let t_load = Instant::now();
     let mut pipe = FluxPipeline::from_pretrained(&args.model, &LoadOptions { dtype, revision: None })
-        .with_context(|| format!("loading {}", args.model))?
-        .to(&device)?;
+        .with_context(|| format!("loading {}", args.model))?;
+    pipe.set_offload(offload, &device)?;
     pipe.compile(compile);
     let load_s = secs(t_load.elapsed());
     let call = || FluxCall {
@@ -89,6 +96,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     pipe.call(call())?;
     let first_call_s = secs(t_first.elapsed());
 
+    // Peak device memory of the timed calls (kiln's count of tensors on the device, weights
+    // included when they stay there).
+    device.reset_peak_memory();
     let mut step_s = Vec::new();
     let mut e2e_s = Vec::new();
     let mut text_s = Vec::new();
@@ -101,6 +111,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         text_s.push(secs(out.timings.text_encoding));
         decode_s.push(secs(out.timings.decoding));
     }
+    let peak_device_mib = device.memory().peak_bytes as f64 / (1024.0 * 1024.0);
 
     // One more call with per-op timing (each op waits for its result while profiling).
     kiln_tensor::reset_op_profile();
@@ -122,6 +133,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "steps": args.steps,
         "runs": args.runs,
         "compile": compile.to_string(),
+        "offload": offload.to_string(),
+        "peak_device_mib": peak_device_mib,
         "programs_compiled": programs.compiled(),
         "programs_disk_loaded": programs.disk_loads,
         "compile_s": programs.compile_seconds(),
@@ -164,6 +177,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(m) = peak_rss_mib() {
         println!("  peak RSS           {m:8.0} MiB");
     }
+    println!("  peak device memory {peak_device_mib:8.1} MiB (offload {offload})");
     println!("  time per op kind (profiled call, {op_total:.3} s in ops):");
     for (op, n, d) in ops.iter().take(15) {
         println!(
