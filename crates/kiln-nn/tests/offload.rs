@@ -184,9 +184,11 @@ fn streaming_stops_and_refuses_to_run_inside_a_whole_model_program() {
     let (mut m, _stream) = offloaded(&d, &log);
     let whole = CompiledFunction::new("model");
     let x = input(&d);
-    let err = call_compiled(&whole, &m, &[x.clone()], |m, t| Ok(vec![m.forward(&t[0], None)?]))
-        .unwrap_err()
-        .to_string();
+    let err = call_compiled(&whole, &m, std::slice::from_ref(&x), |m, t| {
+        Ok(vec![m.forward(&t[0], None)?])
+    })
+    .unwrap_err()
+    .to_string();
     assert!(
         err.contains("sequential offload") && err.contains("RepeatedBlocks"),
         "{err}"

@@ -43,9 +43,12 @@ fn flux(folder: &str, dtype: DType) -> FluxPipeline {
     FluxPipeline::from_pretrained(path.to_str().unwrap(), &LoadOptions { dtype, revision: None }).unwrap()
 }
 
+/// (final latents, images) bytes by (case, offload mode).
+type Outputs = BTreeMap<(String, OffloadMode), (Vec<u8>, Vec<u8>)>;
+
 /// Every FLUX.1 case with each offload mode on one pipeline per folder: the final latents and the
 /// images' bytes, by case and mode.
-fn flux_outputs(compile: CompileMode, modes: &[OffloadMode]) -> BTreeMap<(String, OffloadMode), (Vec<u8>, Vec<u8>)> {
+fn flux_outputs(compile: CompileMode, modes: &[OffloadMode]) -> Outputs {
     let d = device();
     let mut pipes: BTreeMap<String, FluxPipeline> = BTreeMap::new();
     let mut out = BTreeMap::new();
@@ -84,7 +87,7 @@ fn flux_outputs(compile: CompileMode, modes: &[OffloadMode]) -> BTreeMap<(String
     out
 }
 
-fn assert_same(outputs: &BTreeMap<(String, OffloadMode), (Vec<u8>, Vec<u8>)>, modes: &[OffloadMode], what: &str) {
+fn assert_same(outputs: &Outputs, modes: &[OffloadMode], what: &str) {
     for ((case, mode), (latents, images)) in outputs {
         let (want_latents, want_images) = &outputs[&(case.clone(), modes[0])];
         assert!(

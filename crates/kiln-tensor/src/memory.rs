@@ -95,7 +95,7 @@ pub fn parse_bytes(text: &str) -> Option<u64> {
         "t" | "tb" | "tib" => 1 << 40,
         _ => return None,
     };
-    (value.is_finite() && value >= 0.0).then(|| (value * scale as f64) as u64)
+    (value.is_finite() && value >= 0.0).then_some((value * scale as f64) as u64)
 }
 
 /// The limit `KILN_DEVICE_MEMORY_LIMIT` gives every device (read once); an unparsable value is
@@ -112,9 +112,12 @@ fn env_limit() -> Option<u64> {
     })
 }
 
+/// Ledgers by (client address, addressable device index).
+type Ledgers = Mutex<HashMap<(usize, usize), Arc<DeviceLedger>>>;
+
 /// The ledger of addressable device `index` of the client at `client` (its address).
 pub(crate) fn device_ledger(client: usize, index: usize) -> Arc<DeviceLedger> {
-    static LEDGERS: OnceLock<Mutex<HashMap<(usize, usize), Arc<DeviceLedger>>>> = OnceLock::new();
+    static LEDGERS: OnceLock<Ledgers> = OnceLock::new();
     let mut map = LEDGERS
         .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()

@@ -623,7 +623,7 @@ fn offload_writes_the_same_png_and_a_device_too_small_is_a_clear_error() {
             ],
         );
         assert!(
-            stderr.contains(&format!("peak device memory")) && stderr.contains(&format!("offload {mode})")),
+            stderr.contains("peak device memory") && stderr.contains(&format!("offload {mode})")),
             "{stderr}"
         );
         assert_eq!(
