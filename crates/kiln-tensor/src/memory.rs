@@ -158,7 +158,7 @@ pub(crate) struct Charge {
 impl Charge {
     /// Charges `bytes` to `ledger` and the calling thread, or fails when the device's limit would
     /// be passed (`device` names the device in the error).
-    pub(crate) fn new(ledger: &Arc<DeviceLedger>, bytes: u64, device: &str) -> Result<Charge> {
+    pub(crate) fn new(ledger: &Arc<DeviceLedger>, bytes: u64, device: &dyn std::fmt::Display) -> Result<Charge> {
         let now = ledger.ledger.add(bytes);
         if let Some(limit) = ledger.limit().filter(|&l| now > l) {
             ledger.ledger.sub(bytes);

@@ -122,7 +122,7 @@ impl Tensor {
         let charge = match memory {
             MemoryKind::Device => {
                 let bytes = (shape.numel() * dtype.size_in_bytes()) as u64;
-                Some(Charge::new(device.ledger(), bytes, &device.to_string())?)
+                Some(Charge::new(device.ledger(), bytes, &device)?)
             }
             MemoryKind::PinnedHost | MemoryKind::UnpinnedHost => None,
         };
