@@ -40,6 +40,16 @@ engines computing different images would be worthless.
     VENV/bin/python tools/bench_flux/bench.py --kiln target/release/kiln --sizes 512,1024 --out bench.json
     VENV/bin/python tools/bench_flux/bench.py --pipeline sd3 --kiln target/release/kiln --sizes 512,1024 --out sd3.json
 
+Offload comparison (--offload-modes none,model,sequential, instead of the compile comparison): kiln
+`bench --offload none|model|sequential` (--offload-compile, default none) against diffusers with no offload,
+`enable_model_cpu_offload()` and `enable_group_offload(onload_device, offload_device=cpu, offload_type="block_level",
+num_blocks_per_group=1, use_stream=True)` (use_stream only where the device has streams: diffusers 0.42.1 refuses
+streams on CPU). Per process: seconds per image and per step, peak device memory (kiln: its count of tensors on the
+device; diffusers: torch.cuda.max_memory_allocated, none on CPU) and peak RSS. Goals: kiln model offload <= 1.10 x
+kiln none end to end; kiln's peak device memory <= diffusers' in the same mode (where diffusers has a device count).
+
+    VENV/bin/python tools/bench_flux/bench.py --kiln target/release/kiln --offload-modes none,model,sequential
+
 VENV has tools/bench_flux/requirements.txt installed (torch, diffusers, transformers pinned);
 torch.compile on CPU also needs a C++ compiler and the Python headers. One diffusers process alone:
     VENV/bin/python tools/bench_flux/bench.py --engine diffusers --torch-mode full --height 64 --width 64
@@ -60,7 +70,9 @@ REPO = Path(__file__).resolve().parents[2]
 ORACLE_TOKENIZERS = REPO / "fixtures/oracle/tokenizers"
 NAN = float("nan")
 # Every result has these; NaN where a process failed or kiln gave null.
-NUMBERS = ("load_s", "first_call_s", "compile_s", "step_s_median", "e2e_s_median", "peak_rss_mib")
+NUMBERS = ("load_s", "first_call_s", "compile_s", "step_s_median", "e2e_s_median", "peak_rss_mib", "peak_device_mib")
+# kiln's offload modes and diffusers' counterparts.
+OFFLOAD_MODES = {"none": "none", "model": "model", "sequential": "group"}
 
 
 def build_flux(folder: Path, seed: int = 0) -> None:
@@ -202,10 +214,22 @@ def run_diffusers_in(args) -> dict:
     result = {"engine": "diffusers", "pipeline": PIPELINES[args.pipeline].class_name, "mode": args.torch_mode,
               "dtype": args.dtype, "height": args.height,
               "width": args.width, "steps": args.steps, "runs": args.runs, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), **{k: NAN for k in NUMBERS}}
+              "threads": torch.get_num_threads(), "offload": args.torch_offload, **{k: NAN for k in NUMBERS}}
     t = time.perf_counter()
     pipe = getattr(diffusers, PIPELINES[args.pipeline].class_name).from_pretrained(args.model, torch_dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
+    # Offload moves weights between the CPU and the accelerator; on a CPU-only machine both are the
+    # CPU (diffusers then offloads to and from the same memory).
+    cuda = torch.cuda.is_available()
+    onload = torch.device("cuda" if cuda else "cpu")
+    if args.torch_offload == "model":
+        pipe.enable_model_cpu_offload(device=onload)
+    elif args.torch_offload == "group":
+        result["use_stream"] = cuda
+        pipe.enable_group_offload(onload_device=onload, offload_device=torch.device("cpu"), offload_type="block_level",
+                                  num_blocks_per_group=1, use_stream=cuda)
+    elif cuda:
+        pipe.to(onload)
     result["load_s"] = time.perf_counter() - t
     step_times = []
 
@@ -236,6 +260,8 @@ def run_diffusers_in(args) -> dict:
             result["first_call_s"] = time.perf_counter() - t
             if args.image:
                 image.save(args.image)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             e2e = []
             for _ in range(args.runs):
                 e, steps, _ = call()
@@ -250,6 +276,8 @@ def run_diffusers_in(args) -> dict:
         if args.torch_mode != "eager":
             result["compile_s"] = result["first_call_s"] - result["e2e_s_median"]
     result["peak_rss_mib"] = peak_rss_mib()
+    if cuda:
+        result["peak_device_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return result
 
 
@@ -265,9 +293,9 @@ def run_process(cmd: list, env: dict) -> dict:
 
 
 def run_engine(engine: str, mode: str, args, dtype: str, size: int, cache_dir: str = "", start: str = "cold",
-               image: str = "") -> dict:
-    """One process of `engine` in `mode`; kiln compiles into (or loads from) `cache_dir`. With `image`,
-    the process saves the first image of its first call there."""
+               image: str = "", offload: str = "none") -> dict:
+    """One process of `engine` in `mode` with kiln's `offload` mode (diffusers' counterpart); kiln compiles into (or
+    loads from) `cache_dir`. With `image`, the process saves the first image of its first call there."""
     common = ["--model", str(args.model), "--prompt", args.prompt, "--height", str(size), "--width", str(size),
               "--steps", str(args.steps), "--guidance", str(args.guidance),
               "--max-sequence-length", str(args.max_sequence_length), "--dtype", dtype, "--runs", str(args.runs)]
@@ -275,18 +303,22 @@ def run_engine(engine: str, mode: str, args, dtype: str, size: int, cache_dir: s
         common += ["--image", image]
     t = time.perf_counter()
     if engine == "kiln":
-        cmd = [args.kiln, "bench", *common, "--device", "cpu", "--compile", mode, "--json"]
+        cmd = [args.kiln, "bench", *common, "--device", args.device, "--compile", mode, "--json"]
+        if offload != "none":
+            cmd += ["--offload", offload]
         r = run_process(cmd, {"KILN_CACHE_DIR": cache_dir})
     else:
         cmd = [sys.executable, __file__, "--engine", "diffusers", "--pipeline", args.pipeline, *common,
                "--torch-mode", mode, "--threads", str(args.threads)]
+        if offload != "none":
+            cmd += ["--torch-offload", OFFLOAD_MODES[offload]]
         r = run_process(cmd, {})
     r["process_s"] = time.perf_counter() - t
     for k in NUMBERS:
         if r.get(k) is None:
             r[k] = NAN
     # The keys the tables group by, as asked for (kiln reports its mode as "compile").
-    r.update(engine=engine, mode=mode, dtype=dtype, height=size, width=size, start=start)
+    r.update(engine=engine, mode=mode, dtype=dtype, height=size, width=size, start=start, offload=offload)
     return r
 
 
@@ -421,6 +453,50 @@ def report(results: list, args, dtype: str, size: int) -> None:
                 print(f"  {o['op']:<20} {o['calls']:5} calls {o['total_s']:8.3f} s {100 * o['share']:5.1f} %")
 
 
+def report_offload(results: list, args, dtype: str, size: int) -> None:
+    """The offload table and its goals for one dtype and size."""
+    modes = args.offload_modes.split(",")
+    rows = {}
+    for engine in ("diffusers", "kiln"):
+        for offload in modes:
+            rs = [r for r in results if (r["engine"], r["offload"], r["dtype"], r["height"]) == (engine, offload, dtype, size)]
+            if rs:
+                row = {k: med(r[k] for r in rs) for k in ("step_s_median", "e2e_s_median", "peak_rss_mib", "peak_device_mib")}
+                row["errors"] = sorted({r["error"] for r in rs if "error" in r})
+                row["use_stream"] = any(r.get("use_stream") for r in rs)
+                rows[engine, offload] = row
+    print(f"\n### offload, {dtype}, {size}x{size}: scaled FLUX.1 (2+4 blocks, width 512), {args.steps} steps, "
+          f"text length {args.max_sequence_length}, kiln --compile {args.offload_compile}, {args.rounds} round(s)\n")
+    print("| engine | offload | s / image | s / step | peak device MiB | peak RSS MiB | s / image vs none | notes |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (engine, offload), row in rows.items():
+        none = rows.get((engine, "none"), {}).get("e2e_s_median", NAN)
+        name = {"none": "none", "model": "enable_model_cpu_offload",
+                "sequential": "enable_group_offload(block_level, 1 block" + (", use_stream)" if row["use_stream"] else ")")}
+        label = name[offload] if engine == "diffusers" else offload
+        notes = "; ".join(row["errors"])[:300].replace("|", "/").replace("\n", " ")
+        if engine == "diffusers" and math.isnan(row["peak_device_mib"]) and not notes:
+            notes = "no device count on CPU (host and device are the same RAM)"
+        print(f"| {'torch' if engine == 'diffusers' else 'kiln'} | {label} | {fmt(row['e2e_s_median'])} | "
+              f"{fmt(row['step_s_median'])} | {fmt(row['peak_device_mib'], 1)} | {fmt(row['peak_rss_mib'], 0)} | "
+              f"{fmt(row['e2e_s_median'] / none, 2)} | {notes} |")
+    print(f"\ngoals, offload {dtype} {size}x{size}:")
+    k_none = rows.get(("kiln", "none"), {}).get("e2e_s_median", NAN)
+    k_model = rows.get(("kiln", "model"), {}).get("e2e_s_median", NAN)
+    ratio = k_model / k_none
+    verdict = "n/a" if math.isnan(ratio) else ("met" if ratio <= 1.10 else "NOT met")
+    print(f"  1. kiln model offload <= 1.10 x kiln none end to end: {fmt(ratio, 2)}: {verdict}")
+    for offload in modes:
+        k = rows.get(("kiln", offload), {}).get("peak_device_mib", NAN)
+        t = rows.get(("diffusers", offload), {}).get("peak_device_mib", NAN)
+        if math.isnan(t) or math.isnan(k):
+            print(f"  2. {offload}: kiln peak device memory {fmt(k, 1) or 'n/a'} MiB <= diffusers': n/a (diffusers "
+                  f"has no device count here; compare peak RSS)")
+        else:
+            verdict = "met" if k <= t else "NOT met"
+            print(f"  2. {offload}: kiln peak device memory {fmt(k, 1)} MiB <= diffusers' {fmt(t, 1)} MiB: {verdict}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=["both", "diffusers"], default="both",
@@ -441,6 +517,12 @@ def main():
     p.add_argument("--torch-modes", help="default: FLUX eager,regional,full; SD3 eager,full (no regional, see above)")
     p.add_argument("--torch-mode", choices=["eager", "regional", "full"], default="eager", help="with --engine diffusers")
     p.add_argument("--kiln-modes", default="none,blocks,full")
+    p.add_argument("--offload-modes", default="",
+                   help="run the offload comparison instead: kiln offload modes (none,model,sequential) against diffusers' "
+                        "no offload, enable_model_cpu_offload and enable_group_offload")
+    p.add_argument("--offload-compile", default="none", help="kiln's --compile in the offload comparison")
+    p.add_argument("--torch-offload", choices=["none", "model", "group"], default="none", help="with --engine diffusers")
+    p.add_argument("--device", default="cpu", help="kiln's --device")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="alternate the engines this many times")
@@ -456,6 +538,8 @@ def main():
         p.error(f"--torch-modes: {args.torch_modes}: modes are eager, regional, full")
     if not set(args.kiln_modes.split(",")) <= {"none", "blocks", "full"}:
         p.error(f"--kiln-modes: {args.kiln_modes}: modes are none, blocks, full")
+    if args.offload_modes and not set(args.offload_modes.split(",")) <= set(OFFLOAD_MODES):
+        p.error(f"--offload-modes: {args.offload_modes}: modes are none, model, sequential")
     if args.engine == "diffusers":
         print(json.dumps(run_diffusers(args)))
         return
@@ -474,10 +558,23 @@ def main():
         status = f"ERROR {r['error'][:200]}" if "error" in r else (
             f"step {r['step_s_median']:.3f} s, end to end {r['e2e_s_median']:.3f} s, peak {r['peak_rss_mib']:.0f} MiB, "
             f"load {r['load_s']:.2f} s, first call {r['first_call_s']:.2f} s")
-        print(f"{r['engine']:9} {r['mode']:8} {r['start']:4} {r['dtype']:4} {r['height']:4}: {status} "
-              f"({r['process_s']:.0f} s)", file=sys.stderr)
+        print(f"{r['engine']:9} {r['mode']:8} {r['start']:4} offload {r['offload']:10} {r['dtype']:4} {r['height']:4}: "
+              f"{status} ({r['process_s']:.0f} s)", file=sys.stderr)
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))
+
+    if args.offload_modes:
+        for size in sizes:
+            for dtype in dtypes:
+                for _ in range(args.rounds):
+                    for offload in args.offload_modes.split(","):
+                        record(run_engine("diffusers", "eager", args, dtype, size, offload=offload))
+                        with tempfile.TemporaryDirectory(prefix="bench_flux_kiln_cache_") as cache:
+                            record(run_engine("kiln", args.offload_compile, args, dtype, size, cache, offload=offload))
+        for size in sizes:
+            for dtype in dtypes:
+                report_offload(results, args, dtype, size)
+        return
 
     def image_of(engine, mode, dtype, size, round_):
         """Where the first round's process saves its first image; compared after the run."""

@@ -19,7 +19,10 @@ use std::sync::Arc;
 
 use kiln_io::{Activation, T5Config};
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::{call_compiled, impl_module, CompileMode, Embedding, Error, Linear, Module, Result, Weights};
+use kiln_nn::offload::BlockList;
+use kiln_nn::{
+    call_compiled, impl_module, Blocks, CompileMode, Embedding, Error, Linear, Module, Result, StreamBlocks, Weights,
+};
 use kiln_tensor::{AttentionMask, CompiledFunction, DType, Device, Tensor};
 
 use crate::clip::{activation, check_host_ids, check_input_ids, read_input_ids, traced_input_error};
@@ -265,7 +268,7 @@ pub struct T5EncoderModel {
     shared: Embedding,
     /// `encoder.block.0.layer.0.SelfAttention.relative_attention_bias` `[num_buckets, n_heads]`.
     relative_attention_bias: Embedding,
-    block: Vec<T5Block>,
+    block: Blocks<T5Block>,
     final_layer_norm: T5LayerNorm,
     compile_mode: CompileMode,
     programs: Arc<Programs>,
@@ -286,6 +289,13 @@ impl Module for T5EncoderModel {
         map_child(RELATIVE_ATTENTION_BIAS, &mut self.relative_attention_bias, f)?;
         map_child("encoder.block", &mut self.block, f)?;
         map_child("encoder.final_layer_norm", &mut self.final_layer_norm, f)
+    }
+}
+
+/// Sequential offload streams `encoder.block` (block 0's bucket table stays with the other weights).
+impl StreamBlocks for T5EncoderModel {
+    fn block_lists(&mut self, f: &mut dyn FnMut(&str, &mut dyn BlockList)) {
+        f("encoder.block", &mut self.block);
     }
 }
 
@@ -498,7 +508,9 @@ impl T5EncoderModel {
         let mut hidden_states = self.shared.forward(input_ids)?; // [b, l, d_model]
         let per_block = self.compile_mode == CompileMode::RepeatedBlocks;
         let mut all_hidden_states = Vec::new();
-        for block in &self.block {
+        for i in 0..self.block.len() {
+            let block = self.block.get(i, &[&hidden_states])?;
+            let block = &*block;
             if output_hidden_states {
                 all_hidden_states.push(hidden_states.clone());
             }

@@ -8,9 +8,10 @@ use std::sync::Arc;
 
 use kiln_io::FluxTransformer2DConfig;
 use kiln_nn::module::{map_child, visit_child};
+use kiln_nn::offload::BlockList;
 use kiln_nn::{
-    call_compiled, impl_module, rope_tables, CompileMode, Error, LayerNorm, Linear, Module, Result, RmsNorm,
-    RopeTables, Weights,
+    call_compiled, impl_module, rope_tables, Blocks, CompileMode, Error, LayerNorm, Linear, Module, Result, RmsNorm,
+    RopeTables, StreamBlocks, Weights,
 };
 use kiln_tensor::{AttentionMask, CompiledFunction, DType, Device, RopeLayout, Tensor};
 
@@ -269,8 +270,8 @@ pub struct FluxTransformer2DModel {
     x_embedder: Linear,
     context_embedder: Linear,
     time_text_embed: TimeTextEmbed,
-    transformer_blocks: Vec<FluxTransformerBlock>,
-    single_transformer_blocks: Vec<FluxSingleTransformerBlock>,
+    transformer_blocks: Blocks<FluxTransformerBlock>,
+    single_transformer_blocks: Blocks<FluxSingleTransformerBlock>,
     norm_out: Linear,
     proj_out: Linear,
     compile_mode: CompileMode,
@@ -286,6 +287,14 @@ impl_module!(FluxTransformer2DModel {
     norm_out: "norm_out.linear",
     proj_out: "proj_out",
 });
+
+/// Sequential offload streams the double blocks, then the single blocks.
+impl StreamBlocks for FluxTransformer2DModel {
+    fn block_lists(&mut self, f: &mut dyn FnMut(&str, &mut dyn BlockList)) {
+        f("transformer_blocks", &mut self.transformer_blocks);
+        f("single_transformer_blocks", &mut self.single_transformer_blocks);
+    }
+}
 
 /// The compiled functions of one transformer (each keeps a program per input signature).
 #[derive(Debug)]
@@ -453,7 +462,9 @@ impl FluxTransformer2DModel {
 
         let mut x = self.x_embedder.forward(x)?;
         let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?;
-        for block in &self.transformer_blocks {
+        for i in 0..self.transformer_blocks.len() {
+            let block = self.transformer_blocks.get(i, &[&x, &ctx])?;
+            let block = &*block;
             (ctx, x) = if per_block {
                 let args = [x, ctx, temb_silu.clone(), rope.cos.clone(), rope.sin.clone()];
                 let out = call_compiled(&self.programs.double_block, block, &args, |b, t| {
@@ -472,7 +483,9 @@ impl FluxTransformer2DModel {
         }
         let text_len = ctx.dims()[1];
         let mut h = Tensor::cat(&[&ctx, &x], 1)?;
-        for block in &self.single_transformer_blocks {
+        for i in 0..self.single_transformer_blocks.len() {
+            let block = self.single_transformer_blocks.get(i, &[&h])?;
+            let block = &*block;
             h = if per_block {
                 let args = [h, temb_silu.clone(), rope.cos.clone(), rope.sin.clone()];
                 let mut out = call_compiled(&self.programs.single_block, block, &args, |b, t| {

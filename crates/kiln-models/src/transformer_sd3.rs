@@ -14,7 +14,11 @@ use std::sync::{Arc, Mutex};
 
 use kiln_io::SD3Transformer2DConfig;
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::{call_compiled, impl_module, CompileMode, Conv2d, Error, LayerNorm, Linear, Module, Result, Weights};
+use kiln_nn::offload::BlockList;
+use kiln_nn::{
+    call_compiled, impl_module, Blocks, CompileMode, Conv2d, Error, LayerNorm, Linear, Module, Result, StreamBlocks,
+    Weights,
+};
 use kiln_tensor::{AttentionMask, CompiledFunction, Conv2dParams, DType, Tensor};
 
 use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp};
@@ -415,7 +419,7 @@ pub struct SD3Transformer2DModel {
     pos_embed: PatchEmbed,
     time_text_embed: TimeTextEmbed,
     context_embedder: Linear,
-    transformer_blocks: Vec<JointTransformerBlock>,
+    transformer_blocks: Blocks<JointTransformerBlock>,
     norm_out: Linear,
     proj_out: Linear,
     compile_mode: CompileMode,
@@ -430,6 +434,13 @@ impl_module!(SD3Transformer2DModel {
     norm_out: "norm_out.linear",
     proj_out: "proj_out",
 });
+
+/// Sequential offload streams the joint blocks (skipped ones are not fetched).
+impl StreamBlocks for SD3Transformer2DModel {
+    fn block_lists(&mut self, f: &mut dyn FnMut(&str, &mut dyn BlockList)) {
+        f("transformer_blocks", &mut self.transformer_blocks);
+    }
+}
 
 /// The compiled functions of one transformer (each keeps a program per input signature).
 #[derive(Debug)]
@@ -593,10 +604,12 @@ impl SD3Transformer2DModel {
         let temb_silu = temb.silu()?;
         let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?; // [B, L, D]
         let per_block = self.compile_mode == CompileMode::RepeatedBlocks;
-        for (i, block) in self.transformer_blocks.iter().enumerate() {
+        for i in 0..self.transformer_blocks.len() {
             if skip.binary_search(&i).is_ok() {
                 continue;
             }
+            let block = self.transformer_blocks.get(i, &[&x, &ctx])?;
+            let block = &*block;
             let (new_ctx, new_x) = if per_block {
                 let args = [x, ctx.clone(), temb_silu.clone()];
                 let mut out = call_compiled(self.programs.block(block.kind()), block, &args, |b, t| {

@@ -8,11 +8,13 @@
 mod error;
 mod layers;
 pub mod module;
+pub mod offload;
 mod rope;
 mod weights;
 
 pub use error::{Error, Result};
 pub use layers::{Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm};
 pub use module::{call_compiled, CompileMode, Module};
+pub use offload::{Blocks, OffloadEvent, OffloadLog, StreamBlocks};
 pub use rope::{rope_tables, RopeTables};
 pub use weights::{Weights, WeightsReport};

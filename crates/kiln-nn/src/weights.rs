@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use kiln_io::Checkpoint;
-use kiln_tensor::{DType, Device, Shape, Tensor};
+use kiln_tensor::{DType, Device, MemoryKind, Shape, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -13,6 +13,7 @@ struct Shared {
     device: Device,
     dtype: DType,
     component: String,
+    memory: MemoryKind,
     used: Mutex<BTreeSet<String>>,
 }
 
@@ -37,12 +38,26 @@ impl Weights {
         dtype: DType,
         component: impl Into<String>,
     ) -> Self {
+        Weights::new_in(checkpoint, device, dtype, component, MemoryKind::Device)
+    }
+
+    /// [`Weights::new`] loading into memory space `memory` of `device` (a host one for offloaded
+    /// weights: a weight already in `dtype` goes there straight from the checkpoint, another is
+    /// cast on the device and moved, so each weight is on the device at most while it is cast).
+    pub fn new_in(
+        checkpoint: impl Into<Arc<Checkpoint>>,
+        device: &Device,
+        dtype: DType,
+        component: impl Into<String>,
+        memory: MemoryKind,
+    ) -> Self {
         Weights {
             shared: Arc::new(Shared {
                 checkpoint: checkpoint.into(),
                 device: device.clone(),
                 dtype,
                 component: component.into(),
+                memory,
                 used: Mutex::new(BTreeSet::new()),
             }),
             prefix: String::new(),
@@ -67,6 +82,10 @@ impl Weights {
     }
     pub fn dtype(&self) -> DType {
         self.shared.dtype
+    }
+    /// The memory space weights are loaded into.
+    pub fn memory(&self) -> MemoryKind {
+        self.shared.memory
     }
     pub fn component(&self) -> &str {
         &self.shared.component
@@ -128,8 +147,14 @@ impl Weights {
             });
         }
         // Straight from the memory map to the device; the cast happens on the device.
-        let t = Tensor::from_bytes(view.data, view.dtype, view.shape.clone(), &self.shared.device)?;
-        let t = t.to_dtype(dtype)?;
+        let (device, memory) = (&self.shared.device, self.shared.memory);
+        let t = if memory.is_host() && view.dtype == dtype {
+            Tensor::from_bytes_in(view.data, view.dtype, view.shape.clone(), device, memory)?
+        } else {
+            Tensor::from_bytes(view.data, view.dtype, view.shape.clone(), device)?
+                .to_dtype(dtype)?
+                .to_memory(memory)?
+        };
         self.shared.used.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
         Ok(t)
     }

@@ -27,6 +27,36 @@ pub enum PipelineError {
     InvalidArgument(String),
     #[error("interrupted by the step callback at step {step}")]
     Interrupted { step: usize },
+    /// The device cannot hold what the offload mode needs of it at once (checked before any work).
+    #[error("{component} does not fit on {device}: the weights need {} on the device at once and it has {} free; {detail}", crate::offload::bytes(*.needs), crate::offload::bytes(*.has))]
+    DeviceTooSmall {
+        component: String,
+        device: String,
+        needs: u64,
+        has: u64,
+        detail: String,
+    },
+    /// A component ran out of device memory while it ran (`source` says where).
+    #[error("{component} ran out of device memory on {device} (offload {mode}); {hint}")]
+    OutOfMemory {
+        component: &'static str,
+        device: String,
+        mode: crate::OffloadMode,
+        hint: &'static str,
+        #[source]
+        source: Box<PipelineError>,
+    },
+}
+
+impl PipelineError {
+    /// Whether the device ran out of memory (kiln's device-memory limit or the plugin's allocator).
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            PipelineError::OutOfMemory { .. } => true,
+            PipelineError::Tensor(e) | PipelineError::Model(kiln_nn::Error::Tensor(e)) => e.is_out_of_memory(),
+            _ => false,
+        }
+    }
 }
 
 pub type Result<T, E = PipelineError> = std::result::Result<T, E>;

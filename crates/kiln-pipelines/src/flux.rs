@@ -1,5 +1,6 @@
 //! diffusers' `FluxPipeline` (FLUX.1 [schnell] and [dev]) text-to-image.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,14 +11,17 @@ use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInputs};
-use kiln_nn::CompileMode;
+use kiln_nn::{CompileMode, Module, OffloadLog};
 use kiln_rng::{randn_tensor, TorchGenerator};
 use kiln_schedulers::{flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{DType, Device, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 
 use crate::error::{invalid, PipelineError, Result};
-use crate::loading::{open_weights, weights, LoadOptions, ModelFolder};
+use crate::loading::{checkpoint_bytes, open_weights, weights_in, LoadOptions, ModelFolder};
+use crate::offload::{
+    free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadMode, OffloadPlan, Offloader, Placing,
+};
 
 const PIPELINE_CLASSES: &[&str] = &["FluxPipeline"];
 
@@ -162,11 +166,26 @@ pub struct FluxPipeline {
     device: Option<Device>,
     models: Option<Models>,
     compile_mode: CompileMode,
+    offload_mode: OffloadMode,
+    offloader: Option<Offloader>,
+    offload_log: OffloadLog,
+    plan: Option<OffloadPlan>,
 }
+
+/// The components in the order a call runs them (checkpoint order of `checkpoints`).
+const COMPONENTS: [&str; 4] = ["text_encoder", "text_encoder_2", "transformer", "vae"];
 
 struct Encoded {
     prompt_embeds: Tensor,
     pooled: Tensor,
+}
+
+/// The prompts of one text encoding.
+struct TextInputs<'a> {
+    prompt: &'a [String],
+    prompt_2: &'a [String],
+    images_per_prompt: usize,
+    max_sequence_length: usize,
 }
 
 fn text_ids_zeros(len: usize) -> Vec<f64> {
@@ -224,36 +243,142 @@ impl FluxPipeline {
             device: None,
             models: None,
             compile_mode: CompileMode::None,
+            offload_mode: OffloadMode::None,
+            offloader: None,
+            offload_log: OffloadLog::new(),
+            plan: None,
         };
         Ok(pipeline)
     }
 
-    /// Loads every component's weights onto `device` (checking each shape against its config).
+    /// Loads every component's weights onto `device` (checking each shape against its config),
+    /// without offload. A device too small for every weight at once is an error before anything
+    /// is loaded.
     pub fn to(mut self, device: &Device) -> Result<Self> {
-        self.load_on(device)?;
+        self.set_offload(OffloadMode::None, device)?;
         Ok(self)
     }
 
-    fn load_on(&mut self, device: &Device) -> Result<()> {
-        if self.device.as_ref() == Some(device) && self.models.is_some() {
+    /// diffusers' `enable_model_cpu_offload`: every component's weights live in host memory of
+    /// `device` (`pinned_host` where the plugin has it) and move to the device right before the
+    /// component runs; they leave when the next component starts, whose transfer is started
+    /// while the current one computes when both fit (see [`crate::offload`]).
+    pub fn enable_model_cpu_offload(&mut self, device: &Device) -> Result<()> {
+        self.set_offload(OffloadMode::Model, device)
+    }
+
+    /// diffusers' `enable_sequential_cpu_offload`, done as its block-level group offload with
+    /// prefetching: as [`Self::enable_model_cpu_offload`], but the transformer's and T5's blocks
+    /// stream one block ahead, so the device holds about two blocks besides the rest of the
+    /// running component. Compiled, those two run their repeated blocks' programs (see
+    /// [`OffloadMode::streamed_compile_mode`]).
+    pub fn enable_sequential_cpu_offload(&mut self, device: &Device) -> Result<()> {
+        self.set_offload(OffloadMode::Sequential, device)
+    }
+
+    /// Places the pipeline on `device` with `mode` (loading the weights if needed, moving them
+    /// between host memory and the device otherwise). The device's budget
+    /// ([`Device::memory_budget`]) is checked against what `mode` needs at once before any work.
+    pub fn set_offload(&mut self, mode: OffloadMode, device: &Device) -> Result<()> {
+        if self.device.as_ref() == Some(device) && self.models.is_some() && self.offload_mode == mode {
             return Ok(());
         }
-        self.models = None;
-        let [te, te2, tr, vae] = &self.checkpoints;
-        let dtype = self.dtype;
-        let models = Models {
-            text_encoder: ClipTextModel::load(&self.clip_config, &weights(te, device, dtype, "text_encoder")?)?,
-            text_encoder_2: T5EncoderModel::load(&self.t5_config, &weights(te2, device, dtype, "text_encoder_2")?)?,
-            transformer: FluxTransformer2DModel::load(
-                &self.transformer_config,
-                &weights(tr, device, dtype, "transformer")?,
-            )?,
-            vae: AutoencoderKL::load(&self.vae_config, &weights(vae, device, dtype, "vae")?)?,
+        let memory = weights_memory(mode, device)?;
+        if mode == OffloadMode::None {
+            let components = COMPONENTS
+                .iter()
+                .zip(&self.checkpoints)
+                .map(|(&name, ckpt)| ComponentMemory {
+                    name,
+                    weight_bytes: checkpoint_bytes(ckpt, self.dtype),
+                    block_bytes: Vec::new(),
+                })
+                .collect();
+            plan_for(mode, device, components).check()?;
+        }
+        // Device weights of a previous placement go first.
+        self.offloader = None;
+        self.plan = None;
+        let mut models = match self.models.take() {
+            Some(models) if self.device.as_ref() == Some(device) => models,
+            _ => {
+                let [te, te2, tr, vae] = &self.checkpoints;
+                let dtype = self.dtype;
+                Models {
+                    text_encoder: ClipTextModel::load(
+                        &self.clip_config,
+                        &weights_in(te, device, dtype, "text_encoder", memory),
+                    )?,
+                    text_encoder_2: T5EncoderModel::load(
+                        &self.t5_config,
+                        &weights_in(te2, device, dtype, "text_encoder_2", memory),
+                    )?,
+                    transformer: FluxTransformer2DModel::load(
+                        &self.transformer_config,
+                        &weights_in(tr, device, dtype, "transformer", memory),
+                    )?,
+                    vae: AutoencoderKL::load(&self.vae_config, &weights_in(vae, device, dtype, "vae", memory))?,
+                }
+            }
         };
+        let log = &self.offload_log;
+        let mut placing = Placing::default();
+        placing.whole("text_encoder", &mut models.text_encoder, memory)?;
+        placing.blocks("text_encoder_2", &mut models.text_encoder_2, memory, mode, log)?;
+        placing.blocks("transformer", &mut models.transformer, memory, mode, log)?;
+        placing.whole("vae", &mut models.vae, memory)?;
+        let plan = placing.plan(mode, device);
         self.models = Some(models);
         self.device = Some(device.clone());
+        self.offload_mode = mode;
+        self.plan = Some(plan.clone());
+        if mode != OffloadMode::None {
+            // (Without offload the device was checked before loading.)
+            plan.check()?;
+            self.offloader = Some(Offloader::new(plan, self.offload_log.clone(), placing.streams));
+        }
         self.apply_compile_mode();
         Ok(())
+    }
+
+    pub fn offload_mode(&self) -> OffloadMode {
+        self.offload_mode
+    }
+
+    /// What each component needs of the device under the current offload mode; `None` before
+    /// the weights are loaded.
+    pub fn offload_plan(&self) -> Option<&OffloadPlan> {
+        self.plan.as_ref()
+    }
+
+    /// The offload log: the device bytes of offloaded weights (now and peak) and, when
+    /// recording, every transfer, await and release.
+    pub fn offload_log(&self) -> &OffloadLog {
+        &self.offload_log
+    }
+
+    /// `model` ready to run as `component` (see [`Offloader::enter`]); itself without offload.
+    fn enter<'m, M: Module + Clone>(
+        &self,
+        component: &'static str,
+        model: &'m M,
+        after: &[&Tensor],
+        next: Option<(&'static str, &dyn Module)>,
+    ) -> Result<Cow<'m, M>> {
+        match &self.offloader {
+            None => Ok(Cow::Borrowed(model)),
+            Some(o) => o
+                .enter(component, model, after, next)
+                .map_err(|e| self.oom(component, e)),
+        }
+    }
+
+    /// `e` from `component`'s work, naming it when the device ran out of memory.
+    fn oom(&self, component: &'static str, e: impl Into<PipelineError>) -> PipelineError {
+        match &self.device {
+            Some(d) => Offloader::name_oom(self.offload_mode, d, component, e.into()),
+            None => e.into(),
+        }
     }
 
     /// Compiles every component as `mode` says: the text encoders, the transformer and the VAE
@@ -270,10 +395,14 @@ impl FluxPipeline {
     }
 
     fn apply_compile_mode(&mut self) {
+        let streamed = self.offload_mode.streamed_compile_mode(self.compile_mode);
+        if let Some(note) = self.offload_mode.compile_note(self.compile_mode) {
+            tracing::info!("{note}");
+        }
         if let Some(models) = &mut self.models {
             models.text_encoder.compile(self.compile_mode);
-            models.text_encoder_2.compile(self.compile_mode);
-            models.transformer.compile(self.compile_mode);
+            models.text_encoder_2.compile(streamed);
+            models.transformer.compile(streamed);
             models.vae.compile(self.compile_mode);
         }
     }
@@ -309,7 +438,7 @@ impl FluxPipeline {
     fn ensure_loaded(&mut self) -> Result<()> {
         if self.models.is_none() {
             let cpu = Device::cpu()?;
-            self.load_on(&cpu)?;
+            self.set_offload(self.offload_mode, &cpu)?;
         }
         Ok(())
     }
@@ -328,43 +457,64 @@ impl FluxPipeline {
         let (Some(models), Some(device)) = (self.models.as_ref(), self.device.as_ref()) else {
             return Err(invalid("the pipeline's models are not loaded; call `to(device)` first"));
         };
+        let _finish = FinishOnDrop(self.offloader.as_ref());
         let e = self.encode_with(
             models,
             device,
-            prompt,
-            prompt_2.unwrap_or(prompt),
-            images_per_prompt,
-            max_sequence_length,
+            TextInputs {
+                prompt,
+                prompt_2: prompt_2.unwrap_or(prompt),
+                images_per_prompt,
+                max_sequence_length,
+            },
+            &[],
+            None,
         )?;
         Ok((e.prompt_embeds, e.pooled))
     }
 
+    /// CLIP then T5 on their prompts. With offload, `after` are the results of the component
+    /// that ran before CLIP and `then` the component that runs after T5 (the transformer when
+    /// `None`).
     fn encode_with(
         &self,
         models: &Models,
         device: &Device,
-        prompt: &[String],
-        prompt_2: &[String],
-        images_per_prompt: usize,
-        max_sequence_length: usize,
+        text: TextInputs<'_>,
+        after: &[&Tensor],
+        then: Option<(&'static str, &dyn Module)>,
     ) -> Result<Encoded> {
+        let TextInputs {
+            prompt,
+            prompt_2,
+            images_per_prompt,
+            max_sequence_length,
+        } = text;
         let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
         let clip_ids = self.tokenizer.encode_batch(&texts, 77)?;
         let ids = Tensor::from_slice(&clip_ids.input_ids, clip_ids.shape(), device)?;
-        let pooled = models
-            .text_encoder
-            .forward_with_host_ids(&ids, &clip_ids.input_ids, false)?
-            .pooler_output
-            .to_dtype(self.dtype)?;
+        let clip = self.enter(
+            "text_encoder",
+            &models.text_encoder,
+            after,
+            Some(("text_encoder_2", &models.text_encoder_2)),
+        )?;
+        let pooled = clip
+            .forward_with_host_ids(&ids, &clip_ids.input_ids, false)
+            .and_then(|o| Ok(o.pooler_output.to_dtype(self.dtype)?))
+            .map_err(|e| self.oom("text_encoder", e))?;
+        drop(clip);
 
         let texts_2: Vec<&str> = prompt_2.iter().map(String::as_str).collect();
         let t5_ids = self.tokenizer_2.encode_batch(&texts_2, max_sequence_length)?;
         let ids = Tensor::from_slice(&t5_ids.input_ids, t5_ids.shape(), device)?;
-        let embeds = models
-            .text_encoder_2
-            .forward_with_host_ids(&ids, &t5_ids.input_ids, false)?
-            .last_hidden_state
-            .to_dtype(self.dtype)?;
+        let then = then.unwrap_or(("transformer", &models.transformer));
+        let t5 = self.enter("text_encoder_2", &models.text_encoder_2, &[&pooled], Some(then))?;
+        let embeds = t5
+            .forward_with_host_ids(&ids, &t5_ids.input_ids, false)
+            .and_then(|o| Ok(o.last_hidden_state.to_dtype(self.dtype)?))
+            .map_err(|e| self.oom("text_encoder_2", e))?;
+        drop(t5);
         Ok(Encoded {
             prompt_embeds: embeds.repeat_interleave(images_per_prompt, 0)?,
             pooled: pooled.repeat_interleave(images_per_prompt, 0)?,
@@ -403,6 +553,15 @@ impl FluxPipeline {
         let (Some(models), Some(device)) = (self.models.as_ref(), self.device.clone()) else {
             return Err(invalid("the pipeline's models are not loaded; call `to(device)` first"));
         };
+        if let Some(plan) = self.plan.as_ref().filter(|p| p.mode != OffloadMode::None) {
+            // What the device has free may have changed since loading.
+            OffloadPlan {
+                budget: free_bytes(&device),
+                ..plan.clone()
+            }
+            .check()?;
+        }
+        let _finish = FinishOnDrop(self.offloader.as_ref());
 
         // 2. Batch size and prompts.
         let batch = match (&args.prompt, &args.prompt_embeds) {
@@ -435,7 +594,9 @@ impl FluxPipeline {
         let encode = |prompt: &Option<Vec<String>>,
                       prompt_2: &Option<Vec<String>>,
                       embeds: &Option<Tensor>,
-                      pooled: &Option<Tensor>|
+                      pooled: &Option<Tensor>,
+                      after: &[&Tensor],
+                      then: Option<(&'static str, &dyn Module)>|
          -> Result<Encoded> {
             match (embeds, pooled) {
                 (Some(e), Some(p)) => Ok(Encoded {
@@ -445,15 +606,25 @@ impl FluxPipeline {
                 _ => {
                     let prompt = prompt.clone().unwrap_or_default();
                     let prompt_2 = prompt_2.clone().unwrap_or_else(|| prompt.clone());
-                    self.encode_with(models, &device, &prompt, &prompt_2, n, args.max_sequence_length)
+                    let text = TextInputs {
+                        prompt: &prompt,
+                        prompt_2: &prompt_2,
+                        images_per_prompt: n,
+                        max_sequence_length: args.max_sequence_length,
+                    };
+                    self.encode_with(models, &device, text, after, then)
                 }
             }
         };
+        // With offload, CLIP comes back after T5 when the negative prompt is encoded next.
+        let negative_encoded = do_true_cfg && args.negative_prompt_embeds.is_none();
         let positive = encode(
             &args.prompt,
             &args.prompt_2,
             &args.prompt_embeds,
             &args.pooled_prompt_embeds,
+            &[],
+            negative_encoded.then_some(("text_encoder", &models.text_encoder as &dyn Module)),
         )?;
         let negative = if do_true_cfg {
             let negative_prompt = args.negative_prompt.clone().map(|neg| {
@@ -470,6 +641,8 @@ impl FluxPipeline {
                 &negative_prompt_2,
                 &args.negative_prompt_embeds,
                 &args.negative_pooled_prompt_embeds,
+                &[&positive.prompt_embeds],
+                None,
             )?)
         } else {
             None
@@ -539,22 +712,31 @@ impl FluxPipeline {
         let timesteps = scheduler.timesteps().to_vec();
         let bar = crate::progress::step_bar(timesteps.len(), args.progress);
         let mut step_times = Vec::with_capacity(timesteps.len());
+        let decodes = args.output_type == OutputType::Image;
         for (i, &t) in timesteps.iter().enumerate() {
             let ts = Instant::now();
             let timestep = timestep_tensor(t, total, dtype, &device)?;
-            let call = |enc: &Encoded| -> Result<Tensor> {
-                Ok(models.transformer.forward(&FluxTransformerInputs {
-                    hidden_states: &latents,
-                    encoder_hidden_states: &enc.prompt_embeds,
-                    pooled_projections: &enc.pooled,
-                    timestep: &timestep,
-                    guidance: guidance.as_ref(),
-                    rope: &rope,
-                })?)
+            let call = |enc: &Encoded, last_call: bool| -> Result<Tensor> {
+                // The VAE's transfer can start during the last transformer call.
+                let next = (last_call && decodes).then_some(("vae", &models.vae as &dyn Module));
+                let last_encoded = negative.as_ref().unwrap_or(&positive);
+                let transformer =
+                    self.enter("transformer", &models.transformer, &[&last_encoded.prompt_embeds], next)?;
+                transformer
+                    .forward(&FluxTransformerInputs {
+                        hidden_states: &latents,
+                        encoder_hidden_states: &enc.prompt_embeds,
+                        pooled_projections: &enc.pooled,
+                        timestep: &timestep,
+                        guidance: guidance.as_ref(),
+                        rope: &rope,
+                    })
+                    .map_err(|e| self.oom("transformer", e))
             };
-            let mut noise_pred = call(&positive)?;
+            let last_step = i + 1 == timesteps.len();
+            let mut noise_pred = call(&positive, last_step && negative.is_none())?;
             if let Some(neg) = &negative {
-                let neg_pred = call(neg)?;
+                let neg_pred = call(neg, last_step)?;
                 // neg + true_cfg_scale·(pos − neg), in the latent dtype.
                 noise_pred = neg_pred.add(&noise_pred.sub(&neg_pred)?.mul_scalar_f32(args.true_cfg_scale)?)?;
             }
@@ -610,6 +792,7 @@ impl FluxPipeline {
         let Some(models) = self.models.as_ref() else {
             return Err(invalid("the pipeline's models are not loaded; call `to(device)` first"));
         };
+        let _finish = FinishOnDrop(self.offloader.as_ref());
         self.decode_with(models, latents, h, w)
     }
 
@@ -620,7 +803,8 @@ impl FluxPipeline {
         // diffusers: latents / scaling_factor + shift_factor (the division in f32, the addition
         // with the shift rounded to the latent dtype first).
         let z = z.div_scalar_f32(scaling)?.add_scalar(shift)?;
-        Ok(models.vae.decode(&z)?)
+        let vae = self.enter("vae", &models.vae, &[latents], None)?;
+        vae.decode(&z).map_err(|e| self.oom("vae", e))
     }
 
     /// diffusers' `check_inputs` (plus the checks `__call__` does early).

@@ -6,6 +6,7 @@
 mod error;
 pub mod flux;
 mod loading;
+pub mod offload;
 mod progress;
 pub mod sd3;
 
@@ -14,4 +15,5 @@ pub use flux::{
     pack_latents, unpack_latents, FluxCall, FluxOutput, FluxPipeline, OutputType, StepCallback, StepState, Timings,
 };
 pub use loading::LoadOptions;
+pub use offload::{ComponentMemory, OffloadMode, OffloadPlan};
 pub use sd3::{StableDiffusion3Call, StableDiffusion3Embeddings, StableDiffusion3Output, StableDiffusion3Pipeline};

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use kiln_io::{Checkpoint, ModelIndex};
 use kiln_nn::Weights;
-use kiln_tensor::{DType, Device};
+use kiln_tensor::{DType, Device, MemoryKind};
 
 use crate::error::{PipelineError, Result};
 
@@ -63,7 +63,24 @@ pub(crate) fn open_weights(dir: &Path, base: &str) -> Result<Arc<Checkpoint>> {
     Ok(Arc::new(Checkpoint::open_component(dir, base)?))
 }
 
-/// Weights of a component for loading onto `device` in `dtype`.
-pub(crate) fn weights(checkpoint: &Arc<Checkpoint>, device: &Device, dtype: DType, component: &str) -> Result<Weights> {
-    Ok(Weights::new(checkpoint.clone(), device, dtype, component))
+/// Weights of a component for loading into `memory` of `device` in `dtype`.
+pub(crate) fn weights_in(
+    checkpoint: &Arc<Checkpoint>,
+    device: &Device,
+    dtype: DType,
+    component: &str,
+    memory: MemoryKind,
+) -> Weights {
+    Weights::new_in(checkpoint.clone(), device, dtype, component, memory)
+}
+
+/// Bytes a checkpoint's floating-point tensors take in `dtype`: about what loading it puts on a
+/// device (a model may leave a tensor unused or add a small table of its own).
+pub(crate) fn checkpoint_bytes(checkpoint: &Checkpoint, dtype: DType) -> u64 {
+    checkpoint
+        .names()
+        .filter_map(|n| checkpoint.info(n))
+        .filter(|info| info.dtype.to_dtype().is_some_and(|d| d.is_float()))
+        .map(|info| info.shape.numel() as u64 * dtype.size_in_bytes() as u64)
+        .sum()
 }

@@ -1,5 +1,6 @@
 //! diffusers' `StableDiffusion3Pipeline` (Stable Diffusion 3 / 3.5 [medium, large]) text-to-image.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,7 +11,7 @@ use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_sd3::{SD3Transformer2DModel, SD3TransformerInputs};
-use kiln_nn::CompileMode;
+use kiln_nn::{CompileMode, Module, OffloadLog};
 use kiln_rng::{randn_tensor, TorchGenerator};
 use kiln_schedulers::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{DType, Device, Tensor};
@@ -18,7 +19,10 @@ use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 
 use crate::error::{invalid, PipelineError, Result};
 use crate::flux::{euler_step, OutputType, StepCallback, StepState, Timings};
-use crate::loading::{open_weights, weights, LoadOptions, ModelFolder};
+use crate::loading::{checkpoint_bytes, open_weights, weights_in, LoadOptions, ModelFolder};
+use crate::offload::{
+    free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadMode, OffloadPlan, Offloader, Placing,
+};
 
 const PIPELINE_CLASSES: &[&str] = &["StableDiffusion3Pipeline"];
 const CLIP_MAX_LENGTH: usize = 77;
@@ -176,6 +180,29 @@ pub struct StableDiffusion3Pipeline {
     device: Option<Device>,
     models: Option<Models>,
     compile_mode: CompileMode,
+    offload_mode: OffloadMode,
+    offloader: Option<Offloader>,
+    offload_log: OffloadLog,
+    plan: Option<OffloadPlan>,
+}
+
+/// How one text encoding runs: per-image repetition, lengths, and with offload the previous
+/// component's results and the component after T5.
+struct TextOptions<'a> {
+    n: usize,
+    max_sequence_length: usize,
+    clip_skip: Option<usize>,
+    after: &'a [&'a Tensor],
+    then: (&'static str, &'a dyn Module),
+}
+
+/// One CLIP encoder's run: the model and tokenizer, and with offload what ran before and after.
+struct ClipBranch<'a> {
+    model: &'a ClipTextModel,
+    tokenizer: &'a ClipTokenizer,
+    component: &'static str,
+    after: &'a [&'a Tensor],
+    next: (&'static str, &'a dyn Module),
 }
 
 /// One branch's text states before assembly.
@@ -284,38 +311,115 @@ impl StableDiffusion3Pipeline {
             device: None,
             models: None,
             compile_mode: CompileMode::None,
+            offload_mode: OffloadMode::None,
+            offloader: None,
+            offload_log: OffloadLog::new(),
+            plan: None,
         })
     }
 
-    /// Loads every component's weights onto `device` (checking each shape against its config).
+    /// Loads every component's weights onto `device` (checking each shape against its config),
+    /// without offload. A device too small for every weight at once is an error before anything
+    /// is loaded.
     pub fn to(mut self, device: &Device) -> Result<Self> {
-        self.load_on(device)?;
+        self.set_offload(OffloadMode::None, device)?;
         Ok(self)
     }
 
-    fn load_on(&mut self, device: &Device) -> Result<()> {
-        if self.device.as_ref() == Some(device) && self.models.is_some() {
+    /// diffusers' `enable_model_cpu_offload`: every component's weights live in host memory of
+    /// `device` and move to the device right before the component runs (see [`crate::offload`]).
+    pub fn enable_model_cpu_offload(&mut self, device: &Device) -> Result<()> {
+        self.set_offload(OffloadMode::Model, device)
+    }
+
+    /// diffusers' `enable_sequential_cpu_offload`, done as block-level group offload with
+    /// prefetching: the transformer's and T5's blocks stream one block ahead (see
+    /// [`crate::offload`]).
+    pub fn enable_sequential_cpu_offload(&mut self, device: &Device) -> Result<()> {
+        self.set_offload(OffloadMode::Sequential, device)
+    }
+
+    /// Places the pipeline on `device` with `mode` (see `FluxPipeline::set_offload`).
+    pub fn set_offload(&mut self, mode: OffloadMode, device: &Device) -> Result<()> {
+        if self.device.as_ref() == Some(device) && self.models.is_some() && self.offload_mode == mode {
             return Ok(());
         }
-        self.models = None;
+        let memory = weights_memory(mode, device)?;
+        if mode == OffloadMode::None {
+            let [te, te2, tr, vae] = &self.checkpoints;
+            let named = [
+                ("text_encoder", Some(te)),
+                ("text_encoder_2", Some(te2)),
+                ("text_encoder_3", self.t5_checkpoint.as_ref()),
+                ("transformer", Some(tr)),
+                ("vae", Some(vae)),
+            ];
+            let components = named
+                .into_iter()
+                .filter_map(|(name, ckpt)| {
+                    Some(ComponentMemory {
+                        name,
+                        weight_bytes: checkpoint_bytes(ckpt?, self.dtype),
+                        block_bytes: Vec::new(),
+                    })
+                })
+                .collect();
+            plan_for(mode, device, components).check()?;
+        }
+        self.offloader = None;
+        self.plan = None;
+        let mut models = match self.models.take() {
+            Some(models) if self.device.as_ref() == Some(device) => models,
+            _ => self.load_models(device, memory)?,
+        };
+        let log = &self.offload_log;
+        let mut placing = Placing::default();
+        placing.whole("text_encoder", &mut models.text_encoder, memory)?;
+        placing.whole("text_encoder_2", &mut models.text_encoder_2, memory)?;
+        if let Some(t5) = &mut models.text_encoder_3 {
+            placing.blocks("text_encoder_3", t5, memory, mode, log)?;
+        }
+        placing.blocks("transformer", &mut models.transformer, memory, mode, log)?;
+        placing.whole("vae", &mut models.vae, memory)?;
+        let plan = placing.plan(mode, device);
+        self.models = Some(models);
+        self.device = Some(device.clone());
+        self.offload_mode = mode;
+        self.plan = Some(plan.clone());
+        if mode != OffloadMode::None {
+            // (Without offload the device was checked before loading.)
+            plan.check()?;
+            self.offloader = Some(Offloader::new(plan, self.offload_log.clone(), placing.streams));
+        }
+        self.apply_compile_mode();
+        Ok(())
+    }
+
+    fn load_models(&self, device: &Device, memory: kiln_tensor::MemoryKind) -> Result<Models> {
         let [te, te2, tr, vae] = &self.checkpoints;
         let dtype = self.dtype;
         let text_encoder_3 = match (&self.t5_config, &self.t5_checkpoint) {
             (Some(config), Some(ckpt)) => Some(T5EncoderModel::load(
                 config,
-                &weights(ckpt, device, dtype, "text_encoder_3")?,
+                &weights_in(ckpt, device, dtype, "text_encoder_3", memory),
             )?),
             _ => None,
         };
         let models = Models {
-            text_encoder: ClipTextModel::load(&self.clip_config, &weights(te, device, dtype, "text_encoder")?)?,
-            text_encoder_2: ClipTextModel::load(&self.clip_2_config, &weights(te2, device, dtype, "text_encoder_2")?)?,
+            text_encoder: ClipTextModel::load(
+                &self.clip_config,
+                &weights_in(te, device, dtype, "text_encoder", memory),
+            )?,
+            text_encoder_2: ClipTextModel::load(
+                &self.clip_2_config,
+                &weights_in(te2, device, dtype, "text_encoder_2", memory),
+            )?,
             text_encoder_3,
             transformer: SD3Transformer2DModel::load(
                 &self.transformer_config,
-                &weights(tr, device, dtype, "transformer")?,
+                &weights_in(tr, device, dtype, "transformer", memory),
             )?,
-            vae: AutoencoderKL::load(&self.vae_config, &weights(vae, device, dtype, "vae")?)?,
+            vae: AutoencoderKL::load(&self.vae_config, &weights_in(vae, device, dtype, "vae", memory))?,
         };
         for (name, model) in [
             ("text_encoder", &models.text_encoder),
@@ -328,10 +432,46 @@ impl StableDiffusion3Pipeline {
                 )));
             }
         }
-        self.models = Some(models);
-        self.device = Some(device.clone());
-        self.apply_compile_mode();
-        Ok(())
+        Ok(models)
+    }
+
+    pub fn offload_mode(&self) -> OffloadMode {
+        self.offload_mode
+    }
+
+    /// What each component needs of the device under the current offload mode; `None` before
+    /// the weights are loaded.
+    pub fn offload_plan(&self) -> Option<&OffloadPlan> {
+        self.plan.as_ref()
+    }
+
+    /// The offload log (see `FluxPipeline::offload_log`).
+    pub fn offload_log(&self) -> &OffloadLog {
+        &self.offload_log
+    }
+
+    /// `model` ready to run as `component`; itself without offload.
+    fn enter<'m, M: Module + Clone>(
+        &self,
+        component: &'static str,
+        model: &'m M,
+        after: &[&Tensor],
+        next: Option<(&'static str, &dyn Module)>,
+    ) -> Result<Cow<'m, M>> {
+        match &self.offloader {
+            None => Ok(Cow::Borrowed(model)),
+            Some(o) => o
+                .enter(component, model, after, next)
+                .map_err(|e| self.oom(component, e)),
+        }
+    }
+
+    /// `e` from `component`'s work, naming it when the device ran out of memory.
+    fn oom(&self, component: &'static str, e: impl Into<PipelineError>) -> PipelineError {
+        match &self.device {
+            Some(d) => Offloader::name_oom(self.offload_mode, d, component, e.into()),
+            None => e.into(),
+        }
     }
 
     /// Compiles every component as `mode` says: the three text encoders, the transformer and the
@@ -347,13 +487,17 @@ impl StableDiffusion3Pipeline {
     }
 
     fn apply_compile_mode(&mut self) {
+        let streamed = self.offload_mode.streamed_compile_mode(self.compile_mode);
+        if let Some(note) = self.offload_mode.compile_note(self.compile_mode) {
+            tracing::info!("{note}");
+        }
         if let Some(models) = &mut self.models {
             models.text_encoder.compile(self.compile_mode);
             models.text_encoder_2.compile(self.compile_mode);
             if let Some(t5) = &mut models.text_encoder_3 {
-                t5.compile(self.compile_mode);
+                t5.compile(streamed);
             }
-            models.transformer.compile(self.compile_mode);
+            models.transformer.compile(streamed);
             models.vae.compile(self.compile_mode);
         }
     }
@@ -388,7 +532,7 @@ impl StableDiffusion3Pipeline {
     fn ensure_loaded(&mut self) -> Result<()> {
         if self.models.is_none() {
             let cpu = Device::cpu()?;
-            self.load_on(&cpu)?;
+            self.set_offload(self.offload_mode, &cpu)?;
         }
         Ok(())
     }
@@ -405,6 +549,7 @@ impl StableDiffusion3Pipeline {
     /// `to` was not called.
     pub fn encode_prompt(&mut self, call: &StableDiffusion3Call<'_>) -> Result<StableDiffusion3Embeddings> {
         self.ensure_loaded()?;
+        let _finish = FinishOnDrop(self.offloader.as_ref());
         self.encode_with(call)
     }
 
@@ -432,13 +577,24 @@ impl StableDiffusion3Pipeline {
             (Some(prompt), None) => {
                 let prompt_2 = call.prompt_2.as_ref().unwrap_or(prompt);
                 let prompt_3 = call.prompt_3.as_ref().unwrap_or(prompt);
+                // With offload, CLIP-L comes back after T5 when the negative prompts are encoded next.
+                let then: (&'static str, &dyn Module) =
+                    if call.do_classifier_free_guidance() && call.negative_prompt_embeds.is_none() {
+                        ("text_encoder", &models.text_encoder)
+                    } else {
+                        ("transformer", &models.transformer)
+                    };
                 self.encode_texts(
                     models,
                     device,
                     [prompt, prompt_2, prompt_3],
-                    n,
-                    call.max_sequence_length,
-                    call.clip_skip,
+                    TextOptions {
+                        n,
+                        max_sequence_length: call.max_sequence_length,
+                        clip_skip: call.clip_skip,
+                        after: &[],
+                        then,
+                    },
                 )?
             }
             (None, None) => unreachable!("checked above"),
@@ -482,9 +638,13 @@ impl StableDiffusion3Pipeline {
                     models,
                     device,
                     [&negative, &negative_2, &negative_3],
-                    n,
-                    call.max_sequence_length,
-                    None,
+                    TextOptions {
+                        n,
+                        max_sequence_length: call.max_sequence_length,
+                        clip_skip: None,
+                        after: &[&prompt_embeds],
+                        then: ("transformer", &models.transformer),
+                    },
                 )?;
                 negative_prompt_embeds = Some(e);
                 negative_pooled_prompt_embeds = Some(p);
@@ -504,10 +664,15 @@ impl StableDiffusion3Pipeline {
         models: &Models,
         device: &Device,
         [prompt, prompt_2, prompt_3]: [&Vec<String>; 3],
-        n: usize,
-        max_sequence_length: usize,
-        clip_skip: Option<usize>,
+        options: TextOptions<'_>,
     ) -> Result<(Tensor, Tensor)> {
+        let TextOptions {
+            n,
+            max_sequence_length,
+            clip_skip,
+            after,
+            then,
+        } = options;
         for (name, v) in [("prompt_2", prompt_2), ("prompt_3", prompt_3)] {
             if v.len() != prompt.len() {
                 return Err(invalid(format!(
@@ -518,17 +683,29 @@ impl StableDiffusion3Pipeline {
             }
         }
         let clip_l = self.clip_states(
-            &models.text_encoder,
-            &self.tokenizer,
-            "text_encoder",
+            ClipBranch {
+                model: &models.text_encoder,
+                tokenizer: &self.tokenizer,
+                component: "text_encoder",
+                after,
+                next: ("text_encoder_2", &models.text_encoder_2),
+            },
             prompt,
             device,
             clip_skip,
         )?;
+        let after_g = match &models.text_encoder_3 {
+            Some(t5) => ("text_encoder_3", t5 as &dyn Module),
+            None => then,
+        };
         let clip_g = self.clip_states(
-            &models.text_encoder_2,
-            &self.tokenizer_2,
-            "text_encoder_2",
+            ClipBranch {
+                model: &models.text_encoder_2,
+                tokenizer: &self.tokenizer_2,
+                component: "text_encoder_2",
+                after: &[&clip_l.embeds],
+                next: after_g,
+            },
             prompt_2,
             device,
             clip_skip,
@@ -539,10 +716,11 @@ impl StableDiffusion3Pipeline {
                 let texts: Vec<&str> = prompt_3.iter().map(String::as_str).collect();
                 let ids = tokenizer.encode_batch(&texts, max_sequence_length)?;
                 let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
+                let model = self.enter("text_encoder_3", model, &[&clip_g.embeds], Some(then))?;
                 model
-                    .forward_with_host_ids(&t, &ids.input_ids, false)?
-                    .last_hidden_state
-                    .to_dtype(self.dtype)?
+                    .forward_with_host_ids(&t, &ids.input_ids, false)
+                    .and_then(|o| Ok(o.last_hidden_state.to_dtype(self.dtype)?))
+                    .map_err(|e| self.oom("text_encoder_3", e))?
             }
             // No T5: zeros of the sequence length still take positions 77.. (diffusers).
             _ => Tensor::zeros([prompt_3.len(), max_sequence_length, joint], self.dtype, device)?,
@@ -559,17 +737,25 @@ impl StableDiffusion3Pipeline {
     /// final LayerNorm) and the projected pooled output.
     fn clip_states(
         &self,
-        model: &ClipTextModel,
-        tokenizer: &ClipTokenizer,
-        component: &str,
+        branch: ClipBranch<'_>,
         prompt: &[String],
         device: &Device,
         clip_skip: Option<usize>,
     ) -> Result<Encoded> {
+        let ClipBranch {
+            model,
+            tokenizer,
+            component,
+            after,
+            next,
+        } = branch;
         let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
         let ids = tokenizer.encode_batch(&texts, CLIP_MAX_LENGTH)?;
         let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
-        let mut out = model.forward_with_host_ids(&t, &ids.input_ids, true)?;
+        let model = self.enter(component, model, after, Some(next))?;
+        let mut out = model
+            .forward_with_host_ids(&t, &ids.input_ids, true)
+            .map_err(|e| self.oom(component, e))?;
         let back = clip_skip.unwrap_or(0) + 2;
         let layers = out.hidden_states.len() - 1;
         if back > out.hidden_states.len() {
@@ -616,6 +802,15 @@ impl StableDiffusion3Pipeline {
         let dtype = self.dtype;
         let (models, device) = self.loaded()?;
         let device = device.clone();
+        if let Some(plan) = self.plan.as_ref().filter(|p| p.mode != OffloadMode::None) {
+            // What the device has free may have changed since loading.
+            OffloadPlan {
+                budget: free_bytes(&device),
+                ..plan.clone()
+            }
+            .check()?;
+        }
+        let _finish = FinishOnDrop(self.offloader.as_ref());
 
         // 2-3. Batch and text encoding.
         let batch = match (&args.prompt, &args.prompt_embeds) {
@@ -704,6 +899,12 @@ impl StableDiffusion3Pipeline {
         let mut latents = latents;
         let bar = crate::progress::step_bar(timesteps.len(), args.progress);
         let mut step_times = Vec::with_capacity(timesteps.len());
+        let decodes = args.output_type == OutputType::Image;
+        let transformer_at = |last: bool| {
+            // The VAE's transfer can start during the last transformer call.
+            let next = (last && decodes).then_some(("vae", &models.vae as &dyn Module));
+            self.enter("transformer", &models.transformer, &[&embeds], next)
+        };
         for (i, &t) in timesteps.iter().enumerate() {
             let ts = Instant::now();
             let input = if do_cfg {
@@ -711,31 +912,37 @@ impl StableDiffusion3Pipeline {
             } else {
                 latents.clone()
             };
+            // diffusers: strict inequalities on the float products.
+            let fi = i as f64;
+            let in_window = fi > num_inference_steps * args.skip_layer_guidance_start
+                && fi < num_inference_steps * args.skip_layer_guidance_stop;
+            let skip_call = do_cfg && args.skip_guidance_layers.is_some() && in_window;
+            let last_step = i + 1 == timesteps.len();
             let timestep = Tensor::from_f32(&vec![t; input.dims()[0]], DType::F32, [input.dims()[0]], &device)?;
-            let mut noise_pred = models.transformer.forward(&SD3TransformerInputs {
-                hidden_states: &input,
-                timestep: &timestep,
-                encoder_hidden_states: &embeds,
-                pooled_projections: &pooled,
-                skip_layers: &[],
-            })?;
+            let mut noise_pred = transformer_at(last_step && !skip_call)?
+                .forward(&SD3TransformerInputs {
+                    hidden_states: &input,
+                    timestep: &timestep,
+                    encoder_hidden_states: &embeds,
+                    pooled_projections: &pooled,
+                    skip_layers: &[],
+                })
+                .map_err(|e| self.oom("transformer", e))?;
             if do_cfg {
                 let halves = noise_pred.chunk(2, 0)?;
                 let (uncond, text) = (&halves[0], &halves[1]);
                 noise_pred = uncond.add(&text.sub(uncond)?.mul_scalar_f32(args.guidance_scale)?)?;
-                // diffusers: strict inequalities on the float products.
-                let fi = i as f64;
-                let in_window = fi > num_inference_steps * args.skip_layer_guidance_start
-                    && fi < num_inference_steps * args.skip_layer_guidance_stop;
-                if args.skip_guidance_layers.is_some() && in_window {
+                if skip_call {
                     let timestep = Tensor::from_f32(&vec![t; total], DType::F32, [total], &device)?;
-                    let skipped = models.transformer.forward(&SD3TransformerInputs {
-                        hidden_states: &latents,
-                        timestep: &timestep,
-                        encoder_hidden_states: &encoded.prompt_embeds,
-                        pooled_projections: &encoded.pooled_prompt_embeds,
-                        skip_layers: &skip_layers,
-                    })?;
+                    let skipped = transformer_at(last_step)?
+                        .forward(&SD3TransformerInputs {
+                            hidden_states: &latents,
+                            timestep: &timestep,
+                            encoder_hidden_states: &encoded.prompt_embeds,
+                            pooled_projections: &encoded.pooled_prompt_embeds,
+                            skip_layers: &skip_layers,
+                        })
+                        .map_err(|e| self.oom("transformer", e))?;
                     noise_pred =
                         noise_pred.add(&text.sub(&skipped)?.mul_scalar_f32(args.skip_layer_guidance_scale)?)?;
                 }
@@ -788,6 +995,7 @@ impl StableDiffusion3Pipeline {
     pub fn decode_latents(&mut self, latents: &Tensor) -> Result<Tensor> {
         self.ensure_loaded()?;
         let (models, _) = self.loaded()?;
+        let _finish = FinishOnDrop(self.offloader.as_ref());
         self.decode_with(models, latents)
     }
 
@@ -795,7 +1003,8 @@ impl StableDiffusion3Pipeline {
         let scaling = self.vae_config.scaling_factor;
         let shift = self.vae_config.shift_factor.unwrap_or(0.0);
         let z = latents.div_scalar_f32(scaling)?.add_scalar(shift)?;
-        Ok(models.vae.decode(&z)?)
+        let vae = self.enter("vae", &models.vae, &[latents], None)?;
+        vae.decode(&z).map_err(|e| self.oom("vae", e))
     }
 
     /// diffusers' `check_inputs` (plus the checks `__call__` makes early).

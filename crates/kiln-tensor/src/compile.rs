@@ -145,7 +145,7 @@ impl CompiledFunction {
         let buffers = args
             .iter()
             .chain(&entry.captured)
-            .map(|t| t.buffer(OP))
+            .map(|t| t.device_buffer(OP))
             .collect::<Result<Vec<_>>>()?;
         let mut results = entry
             .exe
@@ -155,11 +155,11 @@ impl CompiledFunction {
                 source: Box::new(source),
             })?;
         let per_device = results.pop().unwrap_or_default();
-        Ok(per_device
+        per_device
             .into_iter()
             .zip(&entry.outputs)
             .map(|(buf, (shape, dtype))| Tensor::from_buffer(buf, shape.clone(), *dtype, device.clone()))
-            .collect())
+            .collect()
     }
 }
 

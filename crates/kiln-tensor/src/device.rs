@@ -8,11 +8,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use kiln_pjrt::{Client, DeviceSpec, NamedValue, OptionOverride, Platform, Plugin, PluginLocation, SearchPaths};
 
 use crate::error::Result;
+use crate::memory::{device_ledger, DeviceLedger, DeviceMemory};
+use crate::tensor::MemoryKind;
 
 struct DeviceInner {
     client: Arc<Client>,
     index: usize,
     platform: Platform,
+    ledger: Arc<DeviceLedger>,
 }
 
 /// One addressable device of a PJRT plugin. Cheap to clone.
@@ -110,11 +113,17 @@ impl Device {
         let location = SearchPaths::from_environment().find(spec.platform)?;
         let client = client_for(&location)?;
         client.addressable_device(spec.index)?;
-        Ok(Device(Arc::new(DeviceInner {
+        Ok(Device::new(client, spec.index, location.platform))
+    }
+
+    fn new(client: Arc<Client>, index: usize, platform: Platform) -> Device {
+        let ledger = device_ledger(Arc::as_ptr(&client) as usize, index);
+        Device(Arc::new(DeviceInner {
             client,
-            index: spec.index,
-            platform: location.platform,
-        })))
+            index,
+            platform,
+            ledger,
+        }))
     }
 
     /// Parses and opens a `--device` string.
@@ -130,11 +139,7 @@ impl Device {
     /// Another addressable device of the same client.
     pub fn sibling(&self, index: usize) -> Result<Device> {
         self.0.client.addressable_device(index)?;
-        Ok(Device(Arc::new(DeviceInner {
-            client: self.0.client.clone(),
-            index,
-            platform: self.0.platform,
-        })))
+        Ok(Device::new(self.0.client.clone(), index, self.0.platform))
     }
 
     pub fn client(&self) -> &Arc<Client> {
@@ -155,5 +160,64 @@ impl Device {
             .client
             .addressable_device(self.0.index)
             .expect("the index was checked when the Device was created")
+    }
+
+    pub(crate) fn ledger(&self) -> &Arc<DeviceLedger> {
+        &self.0.ledger
+    }
+
+    /// Device bytes held by tensors on this device, all threads together (kiln's own count: see
+    /// the `memory` module). The peak runs from the first tensor or the last
+    /// [`Device::reset_peak_memory`].
+    pub fn memory(&self) -> DeviceMemory {
+        self.0.ledger.snapshot()
+    }
+
+    /// Starts a new peak for [`Device::memory`] at the bytes held now.
+    pub fn reset_peak_memory(&self) {
+        self.0.ledger.reset_peak()
+    }
+
+    /// The plugin's own memory statistics (bytes in use, peak, limit); `None` where the plugin
+    /// reports none, as the CPU plugin does.
+    pub fn plugin_memory_stats(&self) -> Option<kiln_pjrt::MemoryStats> {
+        self.0.client.memory_stats(self.pjrt())
+    }
+
+    /// kiln's limit on the device bytes tensors may hold on this device: `KILN_DEVICE_MEMORY_LIMIT`
+    /// or [`Device::set_memory_limit`]; `None` when unlimited.
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.0.ledger.limit()
+    }
+
+    /// Sets (or with `None` lifts) kiln's device-memory limit for this device, for every handle
+    /// of it. A tensor that would pass it is refused with [`crate::Error::OutOfMemory`], as a
+    /// device of that size would refuse it.
+    pub fn set_memory_limit(&self, limit: Option<u64>) {
+        self.0.ledger.set_limit(limit)
+    }
+
+    /// How many bytes the device offers for tensors: kiln's limit if one is set, else the limit
+    /// the plugin reports; `None` when neither is known (the CPU plugin without a limit).
+    pub fn memory_budget(&self) -> Option<u64> {
+        self.memory_limit().or_else(|| {
+            self.plugin_memory_stats()
+                .and_then(|s| s.bytes_limit)
+                .and_then(|b| u64::try_from(b).ok())
+                .filter(|&b| b > 0)
+        })
+    }
+
+    /// Whether the device has the memory space `kind`.
+    pub fn has_memory(&self, kind: MemoryKind) -> bool {
+        self.pjrt().memory(kind.name()).is_some()
+    }
+
+    /// The host memory space offloaded data lives in: `pinned_host` where the plugin has it (fast,
+    /// asynchronous transfers), else `unpinned_host`; `None` for a plugin with neither.
+    pub fn host_memory_kind(&self) -> Option<MemoryKind> {
+        [MemoryKind::PinnedHost, MemoryKind::UnpinnedHost]
+            .into_iter()
+            .find(|&k| self.has_memory(k))
     }
 }

@@ -349,7 +349,7 @@ pub(crate) fn apply_on(
     let exe = executable(op, device, program)?;
     let buffers = inputs
         .iter()
-        .map(|t| t.buffer(op))
+        .map(|t| t.device_buffer(op))
         .collect::<Result<Vec<&kiln_pjrt::Buffer>>>()?;
     let profile_start = profiling().then(std::time::Instant::now);
     let mut results = exe
@@ -362,11 +362,11 @@ pub(crate) fn apply_on(
         }
         record_profile(op, start.elapsed());
     }
-    Ok(per_device
+    per_device
         .into_iter()
         .zip(outputs)
         .map(|(buf, v)| Tensor::from_buffer(buf, v.shape().clone(), v.dtype(), device.clone()))
-        .collect())
+        .collect()
 }
 
 /// Declares a program parameter for a concrete tensor: with its buffer's physical shape (which

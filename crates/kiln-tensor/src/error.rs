@@ -48,9 +48,31 @@ pub enum Error {
         #[source]
         source: kiln_pjrt::Error,
     },
+    /// A tensor would pass the device's memory limit (`KILN_DEVICE_MEMORY_LIMIT` or
+    /// `Device::set_memory_limit`); the plugin's own out-of-memory errors are
+    /// [`kiln_pjrt::Error::OutOfMemory`] (see [`Error::is_out_of_memory`]).
+    #[error("out of device memory on {device}: {requested} more bytes requested with {in_use} in use, over the limit of {limit} bytes")]
+    OutOfMemory {
+        device: String,
+        requested: u64,
+        in_use: u64,
+        limit: u64,
+    },
 }
 
 impl Error {
+    /// Whether the device ran out of memory: kiln's limit, or the plugin's allocator (PJRT
+    /// `RESOURCE_EXHAUSTED`), however the error was wrapped.
+    pub fn is_out_of_memory(&self) -> bool {
+        let pjrt_oom = |e: &kiln_pjrt::Error| matches!(e, kiln_pjrt::Error::OutOfMemory { .. });
+        match self {
+            Error::OutOfMemory { .. } => true,
+            Error::Pjrt(e) | Error::Compile { source: e, .. } | Error::Execute { source: e, .. } => pjrt_oom(e),
+            Error::CompileFunction { source, .. } | Error::ExecuteFunction { source, .. } => pjrt_oom(source),
+            _ => false,
+        }
+    }
+
     pub(crate) fn invalid(op: &'static str, message: impl Into<String>) -> Self {
         Error::Invalid {
             op,

@@ -13,6 +13,7 @@ mod device;
 mod disk_cache;
 mod dispatch;
 mod error;
+mod memory;
 mod ops;
 mod tensor;
 mod trace;
@@ -26,5 +27,6 @@ pub use dispatch::{
 pub use error::{Error, Result};
 pub use kiln_pjrt::{DeviceSpec, Platform};
 pub use kiln_types::{bf16, f16, DType, Element, Shape};
+pub use memory::{parse_bytes, reset_thread_peak_device_memory, thread_device_memory, DeviceMemory};
 pub use ops::{AttentionMask, Conv2dParams, RopeLayout};
 pub use tensor::{MemoryKind, Placement, Tensor};

@@ -8,6 +8,7 @@ use kiln_types::{bytes_to_f32, DType, Element, Shape};
 use crate::device::Device;
 use crate::dispatch::{apply1, apply_like, apply_on};
 use crate::error::{Error, Result};
+use crate::memory::Charge;
 use crate::trace::Trace;
 
 /// Where a concrete tensor's data lives: a device and one of its memory spaces.
@@ -41,6 +42,24 @@ impl MemoryKind {
             .into_iter()
             .find(|k| k.name() == name)
     }
+
+    /// Whether this is a host memory space (data there cannot be computed on).
+    pub fn is_host(self) -> bool {
+        self != MemoryKind::Device
+    }
+}
+
+impl fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A PJRT buffer and, for one in device memory, its charge to the device-memory count (released
+/// after the buffer is destroyed).
+pub(crate) struct Held {
+    buffer: kiln_pjrt::Buffer,
+    _charge: Option<Charge>,
 }
 
 enum Storage {
@@ -50,7 +69,7 @@ enum Storage {
     /// cost nothing on their own.
     Buffer {
         placement: Placement,
-        buffer: Arc<kiln_pjrt::Buffer>,
+        buffer: Arc<Held>,
         physical: Shape,
     },
     /// A value of a program being traced (inside a compiled function): ops on it record into the
@@ -87,7 +106,9 @@ impl fmt::Debug for Tensor {
 }
 
 impl Tensor {
-    pub(crate) fn from_buffer(buffer: kiln_pjrt::Buffer, shape: Shape, dtype: DType, device: Device) -> Tensor {
+    /// A tensor over a new device buffer (an op's result), charged to the device-memory count; an
+    /// error (the buffer freed) when that passes the device's memory limit.
+    pub(crate) fn from_buffer(buffer: kiln_pjrt::Buffer, shape: Shape, dtype: DType, device: Device) -> Result<Tensor> {
         Tensor::from_buffer_in(buffer, shape, dtype, device, MemoryKind::Device)
     }
 
@@ -97,16 +118,26 @@ impl Tensor {
         dtype: DType,
         device: Device,
         memory: MemoryKind,
-    ) -> Tensor {
-        Tensor(Arc::new(Inner {
+    ) -> Result<Tensor> {
+        let charge = match memory {
+            MemoryKind::Device => {
+                let bytes = (shape.numel() * dtype.size_in_bytes()) as u64;
+                Some(Charge::new(device.ledger(), bytes, &device)?)
+            }
+            MemoryKind::PinnedHost | MemoryKind::UnpinnedHost => None,
+        };
+        Ok(Tensor(Arc::new(Inner {
             shape: shape.clone(),
             dtype,
             storage: Storage::Buffer {
                 placement: Placement { device, memory },
-                buffer: Arc::new(buffer),
+                buffer: Arc::new(Held {
+                    buffer,
+                    _charge: charge,
+                }),
                 physical: shape,
             },
-        }))
+        })))
     }
 
     pub(crate) fn traced(trace: Trace, value: kiln_hlo::Value) -> Tensor {
@@ -120,7 +151,7 @@ impl Tensor {
     /// A tensor over a copy of this tensor's buffer (same physical shape, this logical shape).
     fn with_copied_buffer(&self, buffer: kiln_pjrt::Buffer, device: Device, memory: MemoryKind) -> Result<Tensor> {
         let physical = self.physical_shape().clone();
-        Tensor::from_buffer_in(buffer, physical, self.dtype(), device, memory).view_as(self.shape().clone())
+        Tensor::from_buffer_in(buffer, physical, self.dtype(), device, memory)?.view_as(self.shape().clone())
     }
 
     /// The same data seen with another shape of the same element count (no device work for a
@@ -181,6 +212,12 @@ impl Tensor {
         }
     }
 
+    /// An identity of the buffer behind this tensor (views and clones share it), to recognise one
+    /// weight in two walks; `None` for a traced value.
+    pub fn storage_key(&self) -> Option<usize> {
+        self.buffer_id()
+    }
+
     /// A key for the buffer behind this tensor (views share it); `None` for a traced value.
     pub(crate) fn buffer_id(&self) -> Option<usize> {
         match &self.0.storage {
@@ -218,7 +255,7 @@ impl Tensor {
     /// The buffer, or an error naming `op` for a traced value (which has no data yet).
     pub(crate) fn buffer(&self, op: &'static str) -> Result<&kiln_pjrt::Buffer> {
         match &self.0.storage {
-            Storage::Buffer { buffer, .. } => Ok(buffer),
+            Storage::Buffer { buffer, .. } => Ok(&buffer.buffer),
             Storage::Traced { .. } => Err(Error::invalid(
                 op,
                 "this tensor is a traced value inside a compiled function and has no data; \
@@ -226,7 +263,31 @@ impl Tensor {
             )),
         }
     }
-    /// Bytes of device memory the data takes.
+    /// The buffer of an operand a program computes on, which must be in device memory (an error
+    /// naming `op` for data offloaded to a host memory space, or a traced value).
+    pub(crate) fn device_buffer(&self, op: &'static str) -> Result<&kiln_pjrt::Buffer> {
+        if let Some(p) = self.placement().filter(|p| p.memory.is_host()) {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "an operand ({} {}) lives in {} memory of {}, where nothing computes on it; \
+                     move it to the device first (`to_memory(MemoryKind::Device)`)",
+                    self.shape(),
+                    self.dtype(),
+                    p.memory,
+                    p.device
+                ),
+            ));
+        }
+        self.buffer(op)
+    }
+
+    /// The memory space the data lives in; `None` for a traced value.
+    pub fn memory(&self) -> Option<MemoryKind> {
+        self.placement().map(|p| p.memory)
+    }
+
+    /// Bytes of memory the data takes.
     pub fn size_in_bytes(&self) -> usize {
         self.numel() * self.dtype().size_in_bytes()
     }
@@ -248,6 +309,17 @@ impl Tensor {
 
     /// Copies little-endian host bytes of `dtype` to a new tensor on `device`.
     pub fn from_bytes(bytes: &[u8], dtype: DType, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+        Tensor::from_bytes_in(bytes, dtype, shape, device, MemoryKind::Device)
+    }
+
+    /// [`Tensor::from_bytes`] into one of `device`'s memory spaces (a host one for offloaded data).
+    pub fn from_bytes_in(
+        bytes: &[u8],
+        dtype: DType,
+        shape: impl Into<Shape>,
+        device: &Device,
+        memory: MemoryKind,
+    ) -> Result<Tensor> {
         let shape = shape.into();
         let expected = shape.numel() * dtype.size_in_bytes();
         if bytes.len() != expected {
@@ -259,10 +331,16 @@ impl Tensor {
                 ),
             ));
         }
+        let space = match memory {
+            MemoryKind::Device => None,
+            kind => Some(device.pjrt().memory(kind.name()).ok_or_else(|| {
+                Error::invalid("from_bytes", format!("device {device} has no `{kind}` memory space"))
+            })?),
+        };
         let buffer = device
             .client()
-            .buffer_from_host(bytes, dtype, shape.dims(), device.pjrt(), None)?;
-        Ok(Tensor::from_buffer(buffer, shape, dtype, device.clone()))
+            .buffer_from_host(bytes, dtype, shape.dims(), device.pjrt(), space)?;
+        Tensor::from_buffer_in(buffer, shape, dtype, device.clone(), memory)
     }
 
     /// Copies a host slice to a new tensor on `device`.
@@ -393,6 +471,22 @@ impl Tensor {
             return self.with_copied_buffer(buffer, device.clone(), MemoryKind::Device);
         }
         Tensor::from_bytes(&self.to_bytes()?, self.dtype(), self.shape().clone(), device)
+    }
+
+    /// This tensor in memory space `kind` of its device: itself if it is there already, else a
+    /// copy. PJRT starts the copy and returns at once; programs that read the copy wait for it.
+    /// This is how offload moves weights (`pinned_host` ↔ `device`).
+    pub fn to_memory(&self, kind: MemoryKind) -> Result<Tensor> {
+        let placement = self.placement().ok_or_else(|| {
+            Error::invalid(
+                "to_memory",
+                "a traced value has no memory to move; move tensors outside the compiled function",
+            )
+        })?;
+        if placement.memory == kind {
+            return Ok(self.clone());
+        }
+        self.to_memory_kind(kind.name())
     }
 
     /// Copies the tensor into another memory space of its device (`"pinned_host"`, `"device"`).

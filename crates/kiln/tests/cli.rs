@@ -148,6 +148,7 @@ fn bad_arguments_are_clear_errors() {
         ),
         (&["--true-cfg=-inf"][..], "--true-cfg-scale must be a finite number"),
         (&["--compile", "fast"][..], "unknown compile mode `fast`"),
+        (&["--offload", "disk"][..], "--offload: unknown offload mode `disk`"),
         (
             &["--num-images-per-prompt", "0"][..],
             "--num-images-per-prompt must be at least 1",
@@ -645,6 +646,90 @@ fn bench_runs_the_folders_pipeline_and_its_image_is_diffusers() {
         assert_eq!(json["pipeline"], class, "{json}");
         assert!(json["step_s_median"].as_f64().is_some_and(|s| s > 0.0), "{json}");
         assert_matches_golden(&image, &oracle_image(case, 0));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--offload model` and `--offload sequential` write the same PNG bytes as no offload, print the
+/// run's peak device memory, and a device too small is named before any work (with
+/// `KILN_DEVICE_MEMORY_LIMIT` standing in for a small device).
+#[test]
+fn offload_writes_the_same_png_and_a_device_too_small_is_a_clear_error() {
+    let dir = temp_dir("offload");
+    let model = oracle_pipeline("flux1_dev");
+    let model = model.to_str().unwrap();
+    let mut pngs = Vec::new();
+    for mode in ["none", "model", "sequential"] {
+        let out = format!("{mode}.png");
+        let stderr = generate_ok(
+            &dir,
+            &[
+                ("--model", model),
+                ("--prompt", "a red circle"),
+                ("--steps", "2"),
+                ("--height", "32"),
+                ("--width", "32"),
+                ("--max-sequence-length", "16"),
+                ("--compile", "full"),
+                ("--offload", mode),
+                ("--output", &out),
+            ],
+        );
+        assert!(
+            stderr.contains("peak device memory") && stderr.contains(&format!("offload {mode})")),
+            "{stderr}"
+        );
+        assert_eq!(
+            stderr.contains("note: sequential offload streams"),
+            mode == "sequential",
+            "sequential with --compile full says what it compiles: {stderr}"
+        );
+        pngs.push(std::fs::read(dir.join(&out)).unwrap());
+    }
+    assert!(pngs[1] == pngs[0] && pngs[2] == pngs[0], "offload changed the image");
+
+    // The oracle CLIP's weights (6402688 bytes) are the largest component.
+    for (limit, mode, expected) in [
+        ("1MiB", "none", "every component together does not fit on cpu:0"),
+        ("1MiB", "model", "text_encoder does not fit on cpu:0"),
+        (
+            "6403712",
+            "model",
+            "text_encoder ran out of device memory on cpu:0 (offload model); try --offload sequential",
+        ),
+    ] {
+        let out = dir.join("small.png");
+        let result = kiln()
+            .args([
+                "generate",
+                "--prompt",
+                "a red circle",
+                "--steps",
+                "1",
+                "--height",
+                "32",
+                "--width",
+                "32",
+            ])
+            .args([
+                "--device",
+                "cpu",
+                "--compile",
+                "none",
+                "--model",
+                model,
+                "--offload",
+                mode,
+                "--output",
+            ])
+            .arg(&out)
+            .env("KILN_DEVICE_MEMORY_LIMIT", limit)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&result.stderr);
+        assert!(!result.status.success(), "{limit} {mode}: {stderr}");
+        assert!(stderr.contains(expected), "{limit} {mode}: {stderr}");
+        assert!(!out.exists());
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

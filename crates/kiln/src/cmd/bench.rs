@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use kiln::{
-    CompileMode, DType, Device, FluxCall, FluxPipeline, LoadOptions, StableDiffusion3Call, StableDiffusion3Pipeline,
-    Timings,
+    CompileMode, DType, Device, FluxCall, FluxPipeline, LoadOptions, OffloadMode, StableDiffusion3Call,
+    StableDiffusion3Pipeline, Timings,
 };
 use kiln_image::RgbImage;
 
@@ -39,6 +39,9 @@ pub struct BenchArgs {
     /// none, blocks, full or auto (as `kiln generate --compile`).
     #[arg(long, default_value = "auto")]
     pub compile: String,
+    /// none, model or sequential (as `kiln generate --offload`).
+    #[arg(long, default_value = "none")]
+    pub offload: String,
     /// Timed calls after one warm-up call.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -88,20 +91,19 @@ impl Loaded {
         options: &LoadOptions,
         device: &Device,
         compile: CompileMode,
+        offload: OffloadMode,
     ) -> Result<Self> {
         let context = || format!("loading {model}");
         Ok(match pipeline {
             Pipeline::Flux => {
-                let mut pipe = FluxPipeline::from_pretrained(model, options)
-                    .with_context(context)?
-                    .to(device)?;
+                let mut pipe = FluxPipeline::from_pretrained(model, options).with_context(context)?;
+                pipe.set_offload(offload, device)?;
                 pipe.compile(compile);
                 Loaded::Flux(Box::new(pipe))
             }
             Pipeline::StableDiffusion3 => {
-                let mut pipe = StableDiffusion3Pipeline::from_pretrained(model, options)
-                    .with_context(context)?
-                    .to(device)?;
+                let mut pipe = StableDiffusion3Pipeline::from_pretrained(model, options).with_context(context)?;
+                pipe.set_offload(offload, device)?;
                 pipe.compile(compile);
                 Loaded::StableDiffusion3(Box::new(pipe))
             }
@@ -146,6 +148,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let device = Device::parse(&args.device)?;
     let compile = kiln::parse_compile_mode(&args.compile)?;
+    let offload: OffloadMode = args
+        .offload
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--offload: {e}"))?;
     let (_, pipeline) = pipeline::resolve(&args.model, None)?;
     let t_load = Instant::now();
     let mut pipe = Loaded::load(
@@ -154,6 +160,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         &LoadOptions { dtype, revision: None },
         &device,
         compile,
+        offload,
     )?;
     let load_s = secs(t_load.elapsed());
 
@@ -167,6 +174,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
 
+    // Peak device memory of the timed calls (kiln's count of tensors on the device, weights
+    // included when they stay there).
+    device.reset_peak_memory();
     let mut step_s = Vec::new();
     let mut e2e_s = Vec::new();
     let mut text_s = Vec::new();
@@ -179,6 +189,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         text_s.push(secs(timings.text_encoding));
         decode_s.push(secs(timings.decoding));
     }
+    let peak_device_mib = device.memory().peak_bytes as f64 / (1024.0 * 1024.0);
 
     // One more call with per-op timing (each op waits for its result while profiling).
     kiln_tensor::reset_op_profile();
@@ -201,6 +212,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "steps": args.steps,
         "runs": args.runs,
         "compile": compile.to_string(),
+        "offload": offload.to_string(),
+        "peak_device_mib": peak_device_mib,
         "programs_compiled": programs.compiled(),
         "programs_disk_loaded": programs.disk_loads,
         "compile_s": programs.compile_seconds(),
@@ -247,6 +260,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(m) = peak_rss_mib() {
         println!("  peak RSS           {m:8.0} MiB");
     }
+    println!("  peak device memory {peak_device_mib:8.1} MiB (offload {offload})");
     println!("  time per op kind (profiled call, {op_total:.3} s in ops):");
     for (op, n, d) in ops.iter().take(15) {
         println!(

@@ -12,8 +12,8 @@ use clap::parser::ValueSource;
 use clap::ArgMatches;
 use kiln::defaults::{default_model_folder, ModelDefaults};
 use kiln::{
-    CompileMode, DType, Device, FluxPipeline, GenerationParams, LoadOptions, OpCacheStats, StableDiffusion3Pipeline,
-    Timings,
+    CompileMode, DType, Device, FluxPipeline, GenerationParams, LoadOptions, OffloadMode, OpCacheStats,
+    StableDiffusion3Pipeline, Timings,
 };
 use kiln_image::RgbImage;
 
@@ -47,6 +47,12 @@ pub struct GenerateArgs {
     /// Compiled programs are kept on disk (KILN_CACHE_DIR).
     #[arg(long, default_value = "auto", help_heading = RUN)]
     pub compile: String,
+    /// Where the weights wait while they are not used: none (all on the device), model (each
+    /// component moves to the device when it runs, as diffusers' enable_model_cpu_offload), or
+    /// sequential (the transformer's and T5's blocks also stream one block ahead, as diffusers'
+    /// block-level group offload). The images are the same bit for bit.
+    #[arg(long, default_value = "none", value_name = "MODE", help_heading = RUN)]
+    pub offload: String,
     /// The PNG to write; several images go to NAME-0.png, NAME-1.png, ... (prompt by prompt).
     #[arg(long, default_value = "kiln.png", help_heading = OUTPUT)]
     pub output: PathBuf,
@@ -148,6 +154,36 @@ struct Generated {
     guidance: Option<f64>,
 }
 
+/// The most device memory the call held: kiln's count of the tensors on the device, and the
+/// plugin's own peak where it reports one.
+fn print_peak_memory(device: &Device, offload: OffloadMode) {
+    let mib = |b: f64| b / (1024.0 * 1024.0);
+    let peak = device.memory().peak_bytes;
+    let plugin = device
+        .plugin_memory_stats()
+        .and_then(|s| s.peak_bytes_in_use)
+        .map(|p| format!("; the plugin reports a peak of {:.1} MiB", mib(p as f64)))
+        .unwrap_or_default();
+    eprintln!(
+        "peak device memory {:.1} MiB (tensors on {device}, offload {offload}){plugin}",
+        mib(peak as f64)
+    );
+}
+
+/// Loads `pipe` onto the device with the offload mode and the compile mode, telling the user
+/// when sequential offload changes what is compiled.
+macro_rules! place {
+    ($pipe:expr, $s:expr) => {{
+        $pipe
+            .set_offload($s.offload, $s.device)
+            .with_context(|| format!("loading {} onto {} (offload {})", $s.model, $s.device, $s.offload))?;
+        $pipe.compile($s.compile);
+        if let Some(note) = $s.offload.compile_note($s.compile) {
+            eprintln!("note: {note}");
+        }
+    }};
+}
+
 /// How to load a pipeline, once checked.
 struct Settings<'a> {
     model: &'a str,
@@ -156,11 +192,12 @@ struct Settings<'a> {
     device: &'a Device,
     compile: CompileMode,
     calls: usize,
+    offload: OffloadMode,
 }
 
 fn run_flux(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
     let t_load = Instant::now();
-    let pipe = FluxPipeline::from_pretrained(
+    let mut pipe = FluxPipeline::from_pretrained(
         s.model,
         &LoadOptions {
             dtype: s.dtype,
@@ -168,10 +205,7 @@ fn run_flux(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
         },
     )
     .with_context(|| format!("loading {}", s.model))?;
-    let mut pipe = pipe
-        .to(s.device)
-        .with_context(|| format!("loading {} onto {}", s.model, s.device))?;
-    pipe.compile(s.compile);
+    place!(pipe, s);
     eprintln!(
         "loaded {} ({}) on {} in {:.2} s",
         s.model,
@@ -188,7 +222,9 @@ fn run_flux(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
     let mut next = Some(flux_call);
     loop {
         let programs_before = kiln::op_cache_stats();
+        s.device.reset_peak_memory();
         let out = pipe.call(next.take().unwrap_or_else(|| call.flux_call()))?;
+        print_peak_memory(s.device, s.offload);
         let programs = kiln::op_cache_stats().since(&programs_before);
         calls.push((out.timings.clone(), programs));
         if calls.len() >= s.calls {
@@ -210,12 +246,9 @@ fn run_sd3(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
         dtype: s.dtype,
         revision: s.revision.clone(),
     };
-    let pipe =
+    let mut pipe =
         StableDiffusion3Pipeline::from_pretrained(s.model, &options).with_context(|| format!("loading {}", s.model))?;
-    let mut pipe = pipe
-        .to(s.device)
-        .with_context(|| format!("loading {} onto {}", s.model, s.device))?;
-    pipe.compile(s.compile);
+    place!(pipe, s);
     eprintln!(
         "loaded {} ({}) on {} in {:.2} s",
         s.model,
@@ -229,7 +262,9 @@ fn run_sd3(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
     let mut next = Some(sd3_call);
     loop {
         let programs_before = kiln::op_cache_stats();
+        s.device.reset_peak_memory();
         let out = pipe.call(next.take().unwrap_or_else(|| call.sd3_call()))?;
+        print_peak_memory(s.device, s.offload);
         let programs = kiln::op_cache_stats().since(&programs_before);
         calls.push((out.timings.clone(), programs));
         if calls.len() >= s.calls {
@@ -270,6 +305,11 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     if args.calls == 0 {
         bail!("--calls must be at least 1");
     }
+    // Offload is how this run uses the device, not part of the image: --from does not set it.
+    let offload: OffloadMode = args
+        .offload
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--offload: {e}"))?;
     let paths = output_paths(&args.output, call.image_count())?;
     for p in &paths {
         if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -317,6 +357,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
         device: &device,
         compile,
         calls: args.calls,
+        offload,
     };
     let out = match pipeline {
         Pipeline::Flux => run_flux(&call, &settings)?,
