@@ -12,13 +12,14 @@ use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInputs};
 use kiln_nn::{CompileMode, Module, OffloadLog};
-use kiln_rng::{randn_tensor, TorchGenerator};
 use kiln_schedulers::{flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{DType, Device, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 
 use crate::error::{invalid, PipelineError, Result};
-use crate::loading::{checkpoint_bytes, open_weights, weights_in, LoadOptions, ModelFolder};
+use crate::loading::{
+    check_generator_count, checkpoint_bytes, initial_noise, open_weights, weights_in, LoadOptions, ModelFolder,
+};
 use crate::offload::{
     free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadMode, OffloadPlan, Offloader, Placing,
 };
@@ -668,15 +669,7 @@ impl FluxPipeline {
             }
             None => {
                 let shape = [total, channels, h, w];
-                let noise = match &args.seeds {
-                    Some(seeds) => {
-                        let mut gens: Vec<TorchGenerator> =
-                            seeds.iter().map(|&s| TorchGenerator::manual_seed(s)).collect();
-                        randn_tensor(&shape, &mut gens, dtype)?
-                    }
-                    None => randn_tensor(&shape, &mut TorchGenerator::manual_seed(args.seed), dtype)?,
-                };
-                let noise = Tensor::from_bytes(noise.as_bytes(), dtype, shape, &device)?;
+                let noise = initial_noise(shape, args.seed, args.seeds.as_deref(), dtype, &device)?;
                 pack_latents(&noise)?
             }
         };
@@ -886,20 +879,11 @@ impl FluxPipeline {
         if args.num_images_per_prompt == 0 {
             return Err(invalid("`num_images_per_prompt` must be at least 1"));
         }
-        if let Some(seeds) = &args.seeds {
-            let batch = args
-                .prompt
-                .as_ref()
-                .map_or_else(|| args.prompt_embeds.as_ref().map_or(0, |e| e.dims()[0]), |p| p.len());
-            let effective = batch * args.num_images_per_prompt;
-            if seeds.len() != effective {
-                return Err(invalid(format!(
-                    "You have passed a list of generators of length {}, but requested an effective batch size of {effective}. Make sure the batch size matches the length of the generators.",
-                    seeds.len()
-                )));
-            }
-        }
-        Ok(())
+        let batch = args
+            .prompt
+            .as_ref()
+            .map_or_else(|| args.prompt_embeds.as_ref().map_or(0, |e| e.dims()[0]), |p| p.len());
+        check_generator_count(args.seeds.as_deref(), batch, args.num_images_per_prompt)
     }
 }
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use kiln_io::{Checkpoint, ModelIndex};
 use kiln_nn::Weights;
+use kiln_rng::{randn_tensor, TorchGenerator};
 use kiln_tensor::{DType, Device, MemoryKind};
 
 use crate::error::{PipelineError, Result};
@@ -83,4 +84,35 @@ pub(crate) fn checkpoint_bytes(checkpoint: &Checkpoint, dtype: DType) -> u64 {
         .filter(|info| info.dtype.to_dtype().is_some_and(|d| d.is_float()))
         .map(|info| info.shape.numel() as u64 * dtype.size_in_bytes() as u64)
         .sum()
+}
+
+/// The initial noise `[N, C, h, w]` on `device`: diffusers' `randn_tensor` with one
+/// `torch.Generator('cpu')` seeded `seed`, or one generator per image when `seeds` is given.
+pub(crate) fn initial_noise(
+    shape: [usize; 4],
+    seed: u64,
+    seeds: Option<&[u64]>,
+    dtype: DType,
+    device: &Device,
+) -> Result<kiln_tensor::Tensor> {
+    let noise = match seeds {
+        Some(seeds) => {
+            let mut gens: Vec<TorchGenerator> = seeds.iter().map(|&s| TorchGenerator::manual_seed(s)).collect();
+            randn_tensor(&shape, &mut gens, dtype)?
+        }
+        None => randn_tensor(&shape, &mut TorchGenerator::manual_seed(seed), dtype)?,
+    };
+    Ok(kiln_tensor::Tensor::from_bytes(noise.as_bytes(), dtype, shape, device)?)
+}
+
+/// diffusers' check of a generator list against the effective batch (prompts × images).
+pub(crate) fn check_generator_count(seeds: Option<&[u64]>, batch: usize, images_per_prompt: usize) -> Result<()> {
+    let effective = batch * images_per_prompt;
+    match seeds {
+        Some(seeds) if seeds.len() != effective => Err(crate::error::invalid(format!(
+            "You have passed a list of generators of length {}, but requested an effective batch size of {effective}. Make sure the batch size matches the length of the generators.",
+            seeds.len()
+        ))),
+        _ => Ok(()),
+    }
 }
