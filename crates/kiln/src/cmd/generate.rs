@@ -195,6 +195,34 @@ struct Settings<'a> {
     offload: OffloadMode,
 }
 
+/// `s.calls` calls of `call_once`, each with the device's peak memory reset and printed and the
+/// programs it compiled counted; the last call's images.
+fn timed_calls(
+    s: &Settings<'_>,
+    guidance: Option<f64>,
+    mut call_once: impl FnMut() -> Result<(Vec<RgbImage>, (usize, usize), Timings)>,
+) -> Result<Generated> {
+    let mut calls = Vec::new();
+    loop {
+        let programs_before = kiln::op_cache_stats();
+        s.device.reset_peak_memory();
+        let (images, size, timings) = call_once()?;
+        print_peak_memory(s.device, s.offload);
+        let programs = kiln::op_cache_stats().since(&programs_before);
+        calls.push((timings.clone(), programs));
+        if calls.len() >= s.calls {
+            return Ok(Generated {
+                images,
+                size,
+                timings,
+                programs,
+                calls,
+                guidance,
+            });
+        }
+    }
+}
+
 fn run_flux(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
     let t_load = Instant::now();
     let mut pipe = FluxPipeline::from_pretrained(
@@ -213,31 +241,14 @@ fn run_flux(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
         s.device,
         t_load.elapsed().as_secs_f64()
     );
-    let flux_call = call.flux_call();
     let guidance = pipe
         .transformer_config()
         .guidance_embeds
-        .then_some(flux_call.guidance_scale);
-    let mut calls = Vec::new();
-    let mut next = Some(flux_call);
-    loop {
-        let programs_before = kiln::op_cache_stats();
-        s.device.reset_peak_memory();
-        let out = pipe.call(next.take().unwrap_or_else(|| call.flux_call()))?;
-        print_peak_memory(s.device, s.offload);
-        let programs = kiln::op_cache_stats().since(&programs_before);
-        calls.push((out.timings.clone(), programs));
-        if calls.len() >= s.calls {
-            return Ok(Generated {
-                images: out.images,
-                size: out.size,
-                timings: out.timings,
-                programs,
-                calls,
-                guidance,
-            });
-        }
-    }
+        .then_some(call.flux_call().guidance_scale);
+    timed_calls(s, guidance, || {
+        let out = pipe.call(call.flux_call())?;
+        Ok((out.images, out.size, out.timings))
+    })
 }
 
 fn run_sd3(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
@@ -256,28 +267,11 @@ fn run_sd3(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
         s.device,
         t_load.elapsed().as_secs_f64()
     );
-    let sd3_call = call.sd3_call();
-    let guidance = Some(sd3_call.guidance_scale);
-    let mut calls = Vec::new();
-    let mut next = Some(sd3_call);
-    loop {
-        let programs_before = kiln::op_cache_stats();
-        s.device.reset_peak_memory();
-        let out = pipe.call(next.take().unwrap_or_else(|| call.sd3_call()))?;
-        print_peak_memory(s.device, s.offload);
-        let programs = kiln::op_cache_stats().since(&programs_before);
-        calls.push((out.timings.clone(), programs));
-        if calls.len() >= s.calls {
-            return Ok(Generated {
-                images: out.images,
-                size: out.size,
-                timings: out.timings,
-                programs,
-                calls,
-                guidance,
-            });
-        }
-    }
+    let guidance = Some(call.sd3_call().guidance_scale);
+    timed_calls(s, guidance, || {
+        let out = pipe.call(call.sd3_call())?;
+        Ok((out.images, out.size, out.timings))
+    })
 }
 
 pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
