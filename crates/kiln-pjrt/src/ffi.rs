@@ -4,8 +4,10 @@
 //! Facts (design/cpu-kernels.md, read from the CPU plugin): the extension is type 5 in the
 //! `PJRT_Api` extension chain with `type_id_register`, `user_data_add`, `register_handler`;
 //! registration errors may be swallowed (a missing handler shows at compile time), so callers
-//! probe with a one-op program. At registration XLA calls the handler once with `api == NULL`
-//! and a metadata extension asking for the handler's FFI API version; at execution it passes a
+//! probe with a one-op program. At registration XLA calls the handler once with a metadata
+//! extension in the frame asking for the handler's FFI API version (answered whenever that
+//! extension is present: checking `api == NULL` instead left this plugin's registration
+//! silently failing); at execution it passes a
 //! call frame with buffer arguments and results. Layouts below mirror `xla/ffi/api/c_api.h`.
 
 use std::ffi::{c_char, c_int, c_void, CString};
