@@ -11,6 +11,9 @@
 //! call frame with buffer arguments and results. Layouts below mirror `xla/ffi/api/c_api.h`.
 
 use std::ffi::{c_char, c_int, c_void, CString};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
 use kiln_types::DType;
 
@@ -23,8 +26,144 @@ use crate::sys;
 pub trait HostKernel {
     /// The custom call target name (`stablehlo.custom_call @NAME`).
     const NAME: &'static str;
-    /// Reads `args` and writes every byte of `rets`.
-    fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>]) -> std::result::Result<(), String>;
+    /// Reads `args` and writes every byte of `rets`; parallel work goes to `pool`.
+    fn run(
+        args: &[HostBuffer<'_>],
+        rets: &mut [HostBufferMut<'_>],
+        pool: &HostPool<'_>,
+    ) -> std::result::Result<(), String>;
+}
+
+/// XLA's intra-op thread pool as the call frame offers it (`XLA_FFI_ThreadPool_Schedule`), so a
+/// kernel's parallel work shares the threads XLA runs its own ops on instead of starting more.
+pub struct HostPool<'a> {
+    schedule: Option<(FfiThreadPoolSchedule, *mut c_void)>,
+    error_destroy: Option<FfiErrorDestroy>,
+    _frame: PhantomData<&'a ()>,
+}
+
+/// The work of one [`HostPool::for_each`] call, shared with the pool tasks. A task that starts
+/// after every item was claimed touches only the counters, never `body`.
+struct PoolWork {
+    next: AtomicUsize,
+    n: usize,
+    done: Mutex<usize>,
+    all_done: Condvar,
+    panicked: AtomicBool,
+    /// `&(dyn Fn(usize) + Sync)` with its lifetime erased; called only for claimed items
+    /// `< n`, all of which finish before `for_each` returns.
+    body: *const (dyn Fn(usize) + Sync + 'static),
+}
+
+// SAFETY: `body` is a `Sync` closure (see `for_each`); the rest is atomics and a mutex.
+unsafe impl Send for PoolWork {}
+// SAFETY: as above.
+unsafe impl Sync for PoolWork {}
+
+impl PoolWork {
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.n {
+                return;
+            }
+            // SAFETY: item `i < n` was claimed here and `for_each` waits for it to finish.
+            let body = unsafe { &*self.body };
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(i))).is_err() {
+                self.panicked.store(true, Ordering::Relaxed);
+            }
+            let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+            *done += 1;
+            if *done == self.n {
+                self.all_done.notify_all();
+            }
+        }
+    }
+}
+
+static POOL_TASKS_RUN: AtomicUsize = AtomicUsize::new(0);
+
+/// How many [`HostPool`] tasks XLA's thread pool has run in this process (for tests and benches).
+pub fn host_pool_tasks_run() -> usize {
+    POOL_TASKS_RUN.load(Ordering::Relaxed)
+}
+
+unsafe extern "C" fn pool_task(data: *mut c_void) {
+    POOL_TASKS_RUN.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: `data` is an `Arc<PoolWork>` leaked by `for_each` for this task.
+    let work = unsafe { Arc::from_raw(data.cast_const().cast::<PoolWork>()) };
+    work.work();
+}
+
+impl HostPool<'_> {
+    /// A pool that runs everything on the calling thread.
+    pub fn caller_only() -> HostPool<'static> {
+        HostPool {
+            schedule: None,
+            error_destroy: None,
+            _frame: PhantomData,
+        }
+    }
+
+    /// Whether XLA gave this call a thread pool.
+    pub fn has_threads(&self) -> bool {
+        self.schedule.is_some()
+    }
+
+    /// Calls `body(i)` for every `i < n` on the calling thread and up to `workers - 1` pool
+    /// tasks, and returns when every call has returned. A panic in `body` is raised again here.
+    pub fn for_each(&self, n: usize, workers: usize, body: &(dyn Fn(usize) + Sync)) {
+        // SAFETY: only the lifetime is erased; `body` outlives every call made through it (see
+        // `PoolWork::body`).
+        let body: &(dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(body) };
+        let work = Arc::new(PoolWork {
+            next: AtomicUsize::new(0),
+            n,
+            done: Mutex::new(0),
+            all_done: Condvar::new(),
+            panicked: AtomicBool::new(false),
+            body,
+        });
+        if let Some((schedule, ctx)) = self.schedule {
+            for _ in 1..workers.min(n) {
+                let data = Arc::into_raw(work.clone()).cast_mut().cast::<c_void>();
+                let mut args = FfiThreadPoolScheduleArgs {
+                    struct_size: std::mem::size_of::<FfiThreadPoolScheduleArgs>(),
+                    extension_start: std::ptr::null_mut(),
+                    ctx,
+                    task: pool_task,
+                    data,
+                };
+                // SAFETY: the frame's schedule function and context, a correctly sized argument
+                // struct; the task owns the leaked `Arc`.
+                let error = unsafe { schedule(&mut args) };
+                if !error.is_null() {
+                    // No pool after all: take the task's reference back and run on this thread.
+                    // SAFETY: the task was not scheduled, so the reference is still ours.
+                    drop(unsafe { Arc::from_raw(data.cast_const().cast::<PoolWork>()) });
+                    if let Some(destroy) = self.error_destroy {
+                        let mut d = FfiErrorDestroyArgs {
+                            struct_size: std::mem::size_of::<FfiErrorDestroyArgs>(),
+                            extension_start: std::ptr::null_mut(),
+                            error,
+                        };
+                        // SAFETY: the error was returned to us and is destroyed once.
+                        unsafe { destroy(&mut d) };
+                    }
+                    break;
+                }
+            }
+        }
+        work.work();
+        let mut done = work.done.lock().unwrap_or_else(|e| e.into_inner());
+        while *done < n {
+            done = work.all_done.wait(done).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(done);
+        if work.panicked.load(Ordering::Relaxed) {
+            panic!("a parallel part of the kernel panicked");
+        }
+    }
 }
 
 /// A read-only argument of a custom call: dtype, dims, and its row-major bytes.
@@ -88,7 +227,28 @@ struct FfiErrorCreateArgs {
 
 type FfiErrorCreate = unsafe extern "C" fn(*mut FfiErrorCreateArgs) -> *mut c_void;
 
-/// The head of `XLA_FFI_Api`: kiln uses `XLA_FFI_Error_Create` only.
+#[repr(C)]
+struct FfiErrorDestroyArgs {
+    struct_size: usize,
+    extension_start: *mut FfiExtensionBase,
+    error: *mut c_void,
+}
+
+type FfiErrorDestroy = unsafe extern "C" fn(*mut FfiErrorDestroyArgs);
+
+#[repr(C)]
+struct FfiThreadPoolScheduleArgs {
+    struct_size: usize,
+    extension_start: *mut FfiExtensionBase,
+    ctx: *mut c_void,
+    task: unsafe extern "C" fn(*mut c_void),
+    data: *mut c_void,
+}
+
+type FfiThreadPoolSchedule = unsafe extern "C" fn(*mut FfiThreadPoolScheduleArgs) -> *mut c_void;
+
+/// The head of `XLA_FFI_Api` (API 0.1 order; later versions append): kiln uses error creation and
+/// destruction and the thread pool.
 #[repr(C)]
 struct FfiApi {
     struct_size: usize,
@@ -96,6 +256,24 @@ struct FfiApi {
     api_version: FfiApiVersion,
     internal_api: *mut c_void,
     error_create: Option<FfiErrorCreate>,
+    error_get_message: *const c_void,
+    error_destroy: Option<FfiErrorDestroy>,
+    handler_register: *const c_void,
+    stream_get: *const c_void,
+    type_id_register: *const c_void,
+    execution_context_get: *const c_void,
+    state_set: *const c_void,
+    state_get: *const c_void,
+    device_memory_allocate: *const c_void,
+    device_memory_free: *const c_void,
+    thread_pool_schedule: Option<FfiThreadPoolSchedule>,
+}
+
+impl FfiApi {
+    /// Whether the table is long enough to hold the field ending at `end` bytes.
+    fn has(&self, end: usize) -> bool {
+        self.struct_size >= end
+    }
 }
 
 #[repr(C)]
@@ -288,7 +466,21 @@ unsafe extern "C" fn trampoline<K: HostKernel>(frame: *mut FfiCallFrame) -> *mut
         })
         .collect();
     let mut rets = rets;
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| K::run(&args, &mut rets)));
+    // SAFETY: `api` is non-null and XLA's table; fields are read only when its size covers them.
+    let api = unsafe { &*frame.api };
+    let end_of = |offset: usize| offset + std::mem::size_of::<usize>();
+    let pool = HostPool {
+        schedule: (api.has(end_of(std::mem::offset_of!(FfiApi, thread_pool_schedule))) && !frame.ctx.is_null())
+            .then_some(api.thread_pool_schedule)
+            .flatten()
+            .map(|f| (f, frame.ctx)),
+        error_destroy: api
+            .has(end_of(std::mem::offset_of!(FfiApi, error_destroy)))
+            .then_some(api.error_destroy)
+            .flatten(),
+        _frame: PhantomData,
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| K::run(&args, &mut rets, &pool)));
     match result {
         Ok(Ok(())) => std::ptr::null_mut(),
         // SAFETY: `api` is non-null here.

@@ -18,5 +18,5 @@ pub use client::{Client, Device, Memory, MemoryStats};
 pub use discovery::{DeviceSpec, Platform, PluginLocation, PluginSource, SearchPaths};
 pub use error::{Error, ErrorCode, Result};
 pub use executable::{CompileOptions, CompiledMemoryStats, ExecuteOptions, LoadedExecutable, OptionOverride};
-pub use ffi::{HostBuffer, HostBufferMut, HostKernel};
+pub use ffi::{host_pool_tasks_run, HostBuffer, HostBufferMut, HostKernel, HostPool};
 pub use plugin::{check_api_version, NamedValue, Plugin, MIN_API_MINOR, REQUIRED_API_MAJOR};

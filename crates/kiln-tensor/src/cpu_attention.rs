@@ -17,7 +17,7 @@ use std::sync::{Mutex, OnceLock};
 
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
-use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, Platform};
+use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool, Platform};
 use kiln_types::{bf16, f16, DType};
 
 use crate::device::Device;
@@ -35,7 +35,7 @@ pub(crate) struct CpuAttention;
 impl HostKernel for CpuAttention {
     const NAME: &'static str = TARGET;
 
-    fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>]) -> Result<(), String> {
+    fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
         let counts = (args.len(), rets.len());
         let ([q, k, v], [out]) = (args, rets) else {
             return Err(format!(
@@ -70,7 +70,7 @@ impl HostKernel for CpuAttention {
             dv,
         };
         let (q, k, v) = (to_f32(q)?, to_f32(k)?, to_f32(v)?);
-        attention(&shape, &q, &k, &v, dtype, out.bytes);
+        attention(&shape, &q, &k, &v, dtype, out.bytes, pool);
         Ok(())
     }
 }
@@ -101,8 +101,9 @@ fn to_f32<'a>(x: &'a HostBuffer<'_>) -> Result<std::borrow::Cow<'a, [f32]>, Stri
     })
 }
 
-/// Every head and block of query rows, spread over the cores; each writes its own rows of `out`.
-fn attention(s: &Shape, q: &[f32], k: &[f32], v: &[f32], dtype: DType, out: &mut [u8]) {
+/// Every head and block of query rows, spread over the cores (XLA's intra-op pool when the call
+/// has one, else threads of its own); each writes its own rows of `out`.
+fn attention(s: &Shape, q: &[f32], k: &[f32], v: &[f32], dtype: DType, out: &mut [u8], pool: &HostPool<'_>) {
     let esize = dtype.size_in_bytes();
     let mut items: Vec<(usize, usize, &mut [u8])> = Vec::new();
     if s.sq > 0 && s.dv > 0 {
@@ -121,13 +122,22 @@ fn attention(s: &Shape, q: &[f32], k: &[f32], v: &[f32], dtype: DType, out: &mut
             .min(items.len())
     };
     let run = |items: &mut [(usize, usize, &mut [u8])]| {
-        let mut scratch = Scratch::default();
-        for (head, row0, chunk) in items.iter_mut() {
-            block(s, q, k, v, *head, *row0, dtype, chunk, &mut scratch);
-        }
+        SCRATCH.with_borrow_mut(|scratch| {
+            for (head, row0, chunk) in items.iter_mut() {
+                block(s, q, k, v, *head, *row0, dtype, chunk, scratch);
+            }
+        })
     };
     if threads <= 1 {
         run(&mut items);
+        return;
+    }
+    if pool.has_threads() {
+        let items: Vec<Mutex<(usize, usize, &mut [u8])>> = items.into_iter().map(Mutex::new).collect();
+        pool.for_each(items.len(), threads, &|i| {
+            let mut item = items[i].lock().unwrap_or_else(|e| e.into_inner());
+            run(std::slice::from_mut(&mut *item));
+        });
         return;
     }
     let per = items.len().div_ceil(threads);
@@ -136,6 +146,10 @@ fn attention(s: &Shape, q: &[f32], k: &[f32], v: &[f32], dtype: DType, out: &mut
             scope.spawn(|| run(part));
         }
     });
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 #[derive(Default)]

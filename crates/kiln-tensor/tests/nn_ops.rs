@@ -421,7 +421,7 @@ fn rotary_embedding_both_layouts() {
 /// The native CPU attention kernel (an XLA FFI custom call) is active with the installed CPU
 /// plugin and matches the reference on shapes with several heads, query blocks that do not divide
 /// the sequence, keys longer than queries, and enough work to run on several threads; turning it
-/// off gives the plain lowering, which matches too.
+/// off gives the plain lowering, which matches too. The parallel work runs on XLA's thread pool.
 #[test]
 fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
     let dev = kiln_testing_device();
@@ -466,6 +466,12 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
             }
             kiln_tensor::set_cpu_attention_kernel(true);
         }
+    }
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {
+        assert!(
+            kiln_pjrt::host_pool_tasks_run() > 0,
+            "the kernel's parallel work should run on XLA's intra-op thread pool"
+        );
     }
 }
 
