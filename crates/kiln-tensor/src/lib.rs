@@ -28,5 +28,5 @@ pub use error::{Error, Result};
 pub use kiln_pjrt::{DeviceSpec, Platform};
 pub use kiln_types::{bf16, f16, DType, Element, Shape};
 pub use memory::{parse_bytes, reset_thread_peak_device_memory, thread_device_memory, DeviceMemory};
-pub use ops::{set_cpu_bf16_conv_in_f32, AttentionMask, Conv2dParams, RopeLayout};
+pub use ops::{AttentionMask, Conv2dParams, RopeLayout};
 pub use tensor::{MemoryKind, Placement, Tensor};

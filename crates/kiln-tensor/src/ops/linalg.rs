@@ -1,7 +1,5 @@
 //! Matrix products and convolution.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use kiln_hlo::{ConvDims, ConvLayout, DotDims};
 use kiln_types::DType;
 
@@ -9,15 +7,6 @@ use super::emit::{broadcast_shapes, broadcast_to};
 use crate::dispatch::apply1;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-
-static WIDEN_CPU_BF16_CONV: AtomicBool = AtomicBool::new(true);
-
-/// Whether bf16 convolutions on CPU convolve their operands widened to f32 (the default, faster
-/// on XLA:CPU) or in bf16 with f32 accumulation; for benchmarks comparing the two. Programs
-/// already compiled keep what they were built with.
-pub fn set_cpu_bf16_conv_in_f32(enabled: bool) {
-    WIDEN_CPU_BF16_CONV.store(enabled, Ordering::Relaxed);
-}
 
 /// The dtype a dot/convolution accumulates in: f32 for 16-bit floats, else the input dtype.
 fn accumulation_dtype(dtype: DType) -> DType {
@@ -178,22 +167,11 @@ impl Tensor {
             ConvLayout::Nhwc => 3,
         };
         let dtype = self.dtype();
-        // XLA:CPU's bf16 convolution is slower than its f32 one (`benches/conv_layout.rs`): on CPU
-        // the bf16 operands are widened and convolved in f32. Same numbers as a bf16 convolution
-        // with f32 accumulation: every bf16 product is exact in f32.
-        let widen = dtype == DType::BF16
-            && self.device().platform() == kiln_pjrt::Platform::Cpu
-            && WIDEN_CPU_BF16_CONV.load(Ordering::Relaxed);
         let mut inputs = vec![self, weight];
         inputs.extend(bias);
         apply1(op, &inputs, |b, p| {
             let acc = accumulation_dtype(dtype);
-            let mut y = if widen {
-                let (x, w) = (b.convert(&p[0], acc)?, b.convert(&p[1], acc)?);
-                b.convolution(&x, &w, &dims, acc)?
-            } else {
-                b.convolution(&p[0], &p[1], &dims, acc)?
-            };
+            let mut y = b.convolution(&p[0], &p[1], &dims, acc)?;
             if let Some(bias) = p.get(2) {
                 let bias = b.convert(bias, acc)?;
                 let shape = y.dims().to_vec();

@@ -8,5 +8,5 @@ mod nn;
 mod reduce;
 mod shape;
 
-pub use linalg::{set_cpu_bf16_conv_in_f32, Conv2dParams};
+pub use linalg::Conv2dParams;
 pub use nn::{AttentionMask, RopeLayout};
