@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 ORACLE_TOKENIZERS = REPO / "fixtures" / "oracle" / "tokenizers"
 
 HEIGHT = WIDTH = shapes.IMAGE_SIZE
-MAX_SEQUENCE_LENGTH = 32
+MAX_SEQUENCE_LENGTH = 40  # the longest caption is 37 T5 tokens (incl. </s>)
 CLIP_LENGTH = 77  # CLIPTokenizer.model_max_length; FluxPipeline always pads CLIP to it
 DEFAULT_STEPS = 8
 
@@ -157,11 +157,30 @@ class Budget:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def edge_mask(images: np.ndarray, attrs: list[dict]) -> torch.Tensor:
+    """(N, 1, H, W) 1 where a 3x3 neighbourhood holds both shape and background pixels (the outline)."""
+    shape = shape_mask(images, attrs)
+    return F.max_pool2d(shape, 3, 1, 1) + F.max_pool2d(-shape, 3, 1, 1)
+
+
+def shape_mask(images: np.ndarray, attrs: list[dict]) -> torch.Tensor:
+    """(N, 1, H, W) 1 on the pixels farther than the check's threshold from the background colour."""
+    bg = np.array([shapes.PALETTE[a["background"]] for a in attrs], dtype=np.float32)[:, None, None, :]
+    far = np.linalg.norm(images.astype(np.float32) - bg, axis=3) > shapes.SHAPE_THRESHOLD
+    return torch.from_numpy(far.astype(np.float32))[:, None]
+
+
 def train_vae(args, images: np.ndarray, captions_attrs: list[dict]) -> AutoencoderKL:
     torch.manual_seed(args.seed + 10)
-    vae = AutoencoderKL(**VAE_CONFIG)
-    with torch.no_grad():  # start with a small posterior std (logvar half of conv_out) so that the decoder
-        vae.encoder.conv_out.bias[VAE_CONFIG["latent_channels"] :] = -6.0  # is not first drowned in noise
+    if args.vae_init is not None:  # fine-tune a saved VAE (stored in bf16)
+        vae = AutoencoderKL.from_pretrained(args.vae_init, torch_dtype=torch.float32)
+        log(f"vae: starting from {args.vae_init}")
+    else:
+        vae = AutoencoderKL(**VAE_CONFIG)
+        with torch.no_grad():  # start with a small posterior std (logvar half of conv_out) so that the decoder
+            vae.encoder.conv_out.bias[VAE_CONFIG["latent_channels"] :] = -6.0  # is not first drowned in noise
+    # outline-weighted reconstruction: 1 + vae_edge_weight on the pixels along the shape's outline
+    pixel_weights = 1.0 + args.vae_edge_weight * edge_mask(images, captions_attrs)
     opt = torch.optim.Adam(vae.parameters(), lr=args.vae_lr)
     gen = torch.Generator("cpu").manual_seed(args.seed + 11)
     n_train = len(images) - 256
@@ -177,7 +196,11 @@ def train_vae(args, images: np.ndarray, captions_attrs: list[dict]) -> Autoencod
         post = vae.encode(x).latent_dist
         z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
         y = vae.decode(z).sample
-        rec = F.mse_loss(y, x) + 0.5 * F.l1_loss(y, x)
+        if args.vae_edge_weight == 0:  # the loss stages 1-3 used
+            rec = F.mse_loss(y, x) + 0.5 * F.l1_loss(y, x)
+        else:
+            w = pixel_weights[idx]
+            rec = (w * ((y - x) ** 2 + 0.5 * (y - x).abs())).mean() / w.mean()
         kl = post.kl().mean() / z[0].numel()
         loss = rec + args.vae_kl * kl
         opt.zero_grad(set_to_none=True)
@@ -228,15 +251,17 @@ def tokenize(captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     return clip_ids, t5_ids
 
 
-def shape_weights(images: np.ndarray, attrs: list[dict], factor: int, weight: float) -> torch.Tensor:
-    """Per-latent-pixel loss weights (N, 1, H/f, W/f): 1 + weight x the fraction of shape pixels.
+def shape_weights(images: np.ndarray, attrs: list[dict], factor: int, weight: float,
+                  edge_weight: float) -> torch.Tensor:
+    """Per-latent-pixel loss weights (N, 1, H/f, W/f): 1 + weight x the fraction of shape pixels + edge_weight x
+    the fraction of outline pixels under each latent pixel.
 
     A small shape covers a few % of the image, so an unweighted loss is dominated by the plain background; this
-    focuses the flow objective on the part the caption is mostly about."""
-    bg = np.array([shapes.PALETTE[a["background"]] for a in attrs], dtype=np.float32)[:, None, None, :]
-    far = np.linalg.norm(images.astype(np.float32) - bg, axis=3) > shapes.SHAPE_THRESHOLD
-    mask = torch.from_numpy(far.astype(np.float32))[:, None]
-    return 1.0 + weight * F.avg_pool2d(mask, factor)
+    focuses the flow objective on the part the caption is mostly about, and on the outline that tells the shapes
+    apart."""
+    shape = F.avg_pool2d(shape_mask(images, attrs), factor)
+    edge = F.avg_pool2d(edge_mask(images, attrs), factor)
+    return 1.0 + weight * shape + edge_weight * edge
 
 
 def zero_init_modulation(transformer: FluxTransformer2DModel) -> None:
@@ -313,7 +338,7 @@ def train_transformer(args, latents: torch.Tensor, weights: torch.Tensor, clip_i
         pooled = clip(clip_ids[cap]).pooler_output if clip_pooled is None else clip_pooled[cap]
         v = transformer(hidden_states=x_t, timestep=sigma, guidance=None, pooled_projections=pooled,
                         encoder_hidden_states=text, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
-        if args.shape_weight == 0:
+        if args.shape_weight == 0 and args.edge_weight == 0:
             loss = F.mse_loss(v, noise - x0)
         else:
             loss = (weight * (v - (noise - x0)) ** 2).mean() / weight.mean()
@@ -398,11 +423,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="1 is faster when the 2 cores are shared")
     ap.add_argument("--n-images", type=int, default=24000)
+    ap.add_argument("--layout", choices=("fixed", "open"), default="fixed",
+                    help="data layout (shapes.sample); stage 4 of the shipped model used 'open'")
     ap.add_argument("--vae-steps", type=int, default=1000)
     ap.add_argument("--vae-batch", type=int, default=32)
     ap.add_argument("--vae-lr", type=float, default=2e-3)
     ap.add_argument("--vae-kl", type=float, default=1e-4, help="weight of the KL term (per latent element)")
     ap.add_argument("--reuse-vae", action="store_true", help="load --work/vae if it exists instead of training")
+    ap.add_argument("--vae-init", type=Path, default=None, help="fine-tune this saved VAE folder instead of a new one")
+    ap.add_argument("--vae-edge-weight", type=float, default=4.0, help="extra reconstruction weight on outlines")
     ap.add_argument("--dit-steps", type=int, default=3000)
     ap.add_argument("--dit-batch", type=int, default=32)
     ap.add_argument("--dit-lr", type=float, default=7e-4)
@@ -410,6 +439,7 @@ def main() -> None:
                     help="start the transformer and T5 from this saved folder (second training stage)")
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--shape-weight", type=float, default=8.0, help="extra loss weight on shape pixels")
+    ap.add_argument("--edge-weight", type=float, default=0.0, help="extra flow loss weight on outline pixels")
     ap.add_argument("--train-clip", action=argparse.BooleanOptionalAction, default=True,
                     help="train CLIP's layers with the transformer (its token table stays fixed)")
     ap.add_argument("--max-minutes-vae", type=float, default=None, help="stop VAE training early (not reproducible)")
@@ -426,7 +456,7 @@ def main() -> None:
     images, captions_attrs, captions = [], [], []
     rng = np.random.default_rng(args.seed)
     for _ in range(args.n_images):
-        img, text, attrs = shapes.sample(rng)
+        img, text, attrs = shapes.sample(rng, args.layout)
         images.append(img)
         captions.append(text)
         captions_attrs.append(attrs)
@@ -462,8 +492,9 @@ def main() -> None:
     t5 = T5EncoderModel(T5Config(**T5_CONFIG))
     reinit_random(t5, args.seed + 31)
     factor = images.shape[1] // latents.shape[2]
-    weights = shape_weights(images, captions_attrs, factor, args.shape_weight)
-    log(f"shape-weighted loss: weight 1 + {args.shape_weight} x shape fraction, mean {weights.mean():.3f}")
+    weights = shape_weights(images, captions_attrs, factor, args.shape_weight, args.edge_weight)
+    log(f"shape-weighted loss: weight 1 + {args.shape_weight} x shape fraction + {args.edge_weight} x outline "
+        f"fraction, mean {weights.mean():.3f}")
 
     transformer, t5, clip = train_transformer(args, latents, weights, clip_ids, t5_ids, caption_index, clip, t5)
     t_dit = time.time()
