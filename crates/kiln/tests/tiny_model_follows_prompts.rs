@@ -292,20 +292,21 @@ fn the_check_reads_shapes_off_the_pixels() {
         })
     };
     let (cx, cy, r) = (16.0, 48.0, 9.0);
-    let cases: [(&str, Box<dyn Fn(f64, f64) -> bool>, Option<&str>); 5] = [
+    type Inside = Box<dyn Fn(f64, f64) -> bool>;
+    let cases: [(&str, Inside, Option<&str>); 5] = [
         (
             "square",
-            Box::new(|x: f64, y: f64| (x - cx).abs() <= r && (y - cy).abs() <= r),
+            Box::new(move |x: f64, y: f64| (x - cx).abs() <= r && (y - cy).abs() <= r),
             Some("square"),
         ),
         (
             "circle",
-            Box::new(|x: f64, y: f64| (x - cx).powi(2) + (y - cy).powi(2) <= r * r),
+            Box::new(move |x: f64, y: f64| (x - cx).powi(2) + (y - cy).powi(2) <= r * r),
             Some("circle"),
         ),
         (
             "triangle",
-            Box::new(|x: f64, y: f64| {
+            Box::new(move |x: f64, y: f64| {
                 let t = (y - (cy - r)) / (2.0 * r);
                 (0.0..=1.0).contains(&t) && (x - cx).abs() <= r * t
             }),
@@ -313,7 +314,7 @@ fn the_check_reads_shapes_off_the_pixels() {
         ),
         (
             "upside-down triangle",
-            Box::new(|x: f64, y: f64| {
+            Box::new(move |x: f64, y: f64| {
                 let t = ((cy + r) - y) / (2.0 * r);
                 (0.0..=1.0).contains(&t) && (x - cx).abs() <= r * t
             }),
@@ -321,7 +322,7 @@ fn the_check_reads_shapes_off_the_pixels() {
         ),
         (
             "bar",
-            Box::new(|x: f64, y: f64| (x - cx).abs() <= 2.0 * r && (y - cy).abs() <= r / 2.0),
+            Box::new(move |x: f64, y: f64| (x - cx).abs() <= 2.0 * r && (y - cy).abs() <= r / 2.0),
             None,
         ),
     ];
