@@ -270,7 +270,7 @@ fn bundled_model_follows_its_prompts() {
         "background, shape colour and position: {:.1} % is below 90 %",
         colour_place_accuracy * 100.0
     );
-    // The goal is 90 % on all four properties; the shipped model gets about half the shape types right
+    // The goal is 90 % on all four properties; the shipped model gets 57 % of the shape types right
     // (tools/tiny_flux/README.md). This floor keeps it from sliding back to blobs.
     assert!(
         accuracy >= 0.4,
