@@ -96,22 +96,9 @@ unsafe extern "C" fn pool_task(data: *mut c_void) {
 }
 
 impl HostPool<'_> {
-    /// A pool that runs everything on the calling thread.
-    pub fn caller_only() -> HostPool<'static> {
-        HostPool {
-            schedule: None,
-            error_destroy: None,
-            _frame: PhantomData,
-        }
-    }
-
-    /// Whether XLA gave this call a thread pool.
-    pub fn has_threads(&self) -> bool {
-        self.schedule.is_some()
-    }
-
-    /// Calls `body(i)` for every `i < n` on the calling thread and up to `workers - 1` pool
-    /// tasks, and returns when every call has returned. A panic in `body` is raised again here.
+    /// Calls `body(i)` for every `i < n` on the calling thread and up to `workers - 1` helpers,
+    /// and returns when every call has returned: the helpers are XLA pool tasks, or threads of
+    /// our own where the runtime offers no pool. A panic in `body` is raised again here.
     pub fn for_each(&self, n: usize, workers: usize, body: &(dyn Fn(usize) + Sync)) {
         // SAFETY: only the lifetime is erased; `body` outlives every call made through it (see
         // `PoolWork::body`).
@@ -124,8 +111,9 @@ impl HostPool<'_> {
             panicked: AtomicBool::new(false),
             body,
         });
+        let mut helpers = workers.min(n).saturating_sub(1);
         if let Some((schedule, ctx)) = self.schedule {
-            for _ in 1..workers.min(n) {
+            while helpers > 0 {
                 let data = Arc::into_raw(work.clone()).cast_mut().cast::<c_void>();
                 let mut args = FfiThreadPoolScheduleArgs {
                     struct_size: std::mem::size_of::<FfiThreadPoolScheduleArgs>(),
@@ -138,7 +126,7 @@ impl HostPool<'_> {
                 // struct; the task owns the leaked `Arc`.
                 let error = unsafe { schedule(&mut args) };
                 if !error.is_null() {
-                    // No pool after all: take the task's reference back and run on this thread.
+                    // No pool after all: take the task's reference back; own threads do the rest.
                     // SAFETY: the task was not scheduled, so the reference is still ours.
                     drop(unsafe { Arc::from_raw(data.cast_const().cast::<PoolWork>()) });
                     if let Some(destroy) = self.error_destroy {
@@ -152,9 +140,15 @@ impl HostPool<'_> {
                     }
                     break;
                 }
+                helpers -= 1;
             }
         }
-        work.work();
+        std::thread::scope(|scope| {
+            for _ in 0..helpers {
+                scope.spawn(|| work.work());
+            }
+            work.work();
+        });
         let mut done = work.done.lock().unwrap_or_else(|e| e.into_inner());
         while *done < n {
             done = work.all_done.wait(done).unwrap_or_else(|e| e.into_inner());

@@ -101,8 +101,8 @@ fn to_f32<'a>(x: &'a HostBuffer<'_>) -> Result<std::borrow::Cow<'a, [f32]>, Stri
     })
 }
 
-/// Every head and block of query rows, spread over the cores (XLA's intra-op pool when the call
-/// has one, else threads of its own); each writes its own rows of `out`.
+/// Every head and block of query rows, spread over the cores through `pool` (XLA's intra-op
+/// pool); each writes its own rows of `out`.
 fn attention(s: &Shape, q: &[f32], k: &[f32], v: &[f32], dtype: DType, out: &mut [u8], pool: &HostPool<'_>) {
     let esize = dtype.size_in_bytes();
     let mut items: Vec<(usize, usize, &mut [u8])> = Vec::new();
@@ -121,30 +121,11 @@ fn attention(s: &Shape, q: &[f32], k: &[f32], v: &[f32], dtype: DType, out: &mut
             .map_or(1, |n| n.get())
             .min(items.len())
     };
-    let run = |items: &mut [(usize, usize, &mut [u8])]| {
-        SCRATCH.with_borrow_mut(|scratch| {
-            for (head, row0, chunk) in items.iter_mut() {
-                block(s, q, k, v, *head, *row0, dtype, chunk, scratch);
-            }
-        })
-    };
-    if threads <= 1 {
-        run(&mut items);
-        return;
-    }
-    if pool.has_threads() {
-        let items: Vec<Mutex<(usize, usize, &mut [u8])>> = items.into_iter().map(Mutex::new).collect();
-        pool.for_each(items.len(), threads, &|i| {
-            let mut item = items[i].lock().unwrap_or_else(|e| e.into_inner());
-            run(std::slice::from_mut(&mut *item));
-        });
-        return;
-    }
-    let per = items.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        for part in items.chunks_mut(per) {
-            scope.spawn(|| run(part));
-        }
+    let items: Vec<Mutex<(usize, usize, &mut [u8])>> = items.into_iter().map(Mutex::new).collect();
+    pool.for_each(items.len(), threads, &|i| {
+        let mut item = items[i].lock().unwrap_or_else(|e| e.into_inner());
+        let (head, row0, ref mut chunk) = *item;
+        SCRATCH.with_borrow_mut(|scratch| block(s, q, k, v, head, row0, dtype, chunk, scratch));
     });
 }
 
