@@ -100,12 +100,7 @@ def sample(rng: np.random.Generator, layout: str = "fixed") -> tuple[np.ndarray,
     left" / "in the middle" / "on the right", anywhere when no position is named."""
     if layout == "open":
         return _sample_open(rng)
-    colors = list(PALETTE)
-    shape = SHAPES[rng.integers(len(SHAPES))]
-    color = colors[rng.integers(len(colors))]
-    background = color
-    while background == color:
-        background = colors[rng.integers(len(colors))]
+    shape, color, background = _draw_shape_and_colours(rng)
     # size / position not named: medium / in the middle, so that every caption names one narrow distribution
     size = list(SIZES)[rng.integers(len(SIZES))]
     say_size = size if rng.random() < 0.5 else None
@@ -122,13 +117,19 @@ def sample(rng: np.random.Generator, layout: str = "fixed") -> tuple[np.ndarray,
     return _finish(shape, color, background, cx, cy, r, say_size, say_position)
 
 
-def _sample_open(rng: np.random.Generator) -> tuple[np.ndarray, str, dict]:
+def _draw_shape_and_colours(rng: np.random.Generator) -> tuple[str, str, str]:
+    """Shape, its colour and a different background colour (the first draws of every sample)."""
     colors = list(PALETTE)
     shape = SHAPES[rng.integers(len(SHAPES))]
     color = colors[rng.integers(len(colors))]
     background = color
     while background == color:
         background = colors[rng.integers(len(colors))]
+    return shape, color, background
+
+
+def _sample_open(rng: np.random.Generator) -> tuple[np.ndarray, str, dict]:
+    shape, color, background = _draw_shape_and_colours(rng)
     size = list(SIZES)[rng.integers(len(SIZES))]
     lo, hi = SIZES[size]
     r = float(rng.uniform(lo, hi + 1))
@@ -170,8 +171,6 @@ def make_dataset(n: int, seed: int) -> tuple[np.ndarray, list[str]]:
 
 # ---------------------------------------------------------------------------------------------------------
 # Evaluation prompts and the pixel check
-
-
 
 
 def eval_prompts() -> list[dict]:

@@ -157,9 +157,8 @@ class Budget:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def edge_mask(images: np.ndarray, attrs: list[dict]) -> torch.Tensor:
-    """(N, 1, H, W) 1 where a 3x3 neighbourhood holds both shape and background pixels (the outline)."""
-    shape = shape_mask(images, attrs)
+def edge_mask(shape: torch.Tensor) -> torch.Tensor:
+    """(N, 1, H, W) 1 where a 3x3 neighbourhood of the shape mask holds both shape and background (the outline)."""
     return F.max_pool2d(shape, 3, 1, 1) + F.max_pool2d(-shape, 3, 1, 1)
 
 
@@ -179,8 +178,6 @@ def train_vae(args, images: np.ndarray, captions_attrs: list[dict]) -> Autoencod
         vae = AutoencoderKL(**VAE_CONFIG)
         with torch.no_grad():  # start with a small posterior std (logvar half of conv_out) so that the decoder
             vae.encoder.conv_out.bias[VAE_CONFIG["latent_channels"] :] = -6.0  # is not first drowned in noise
-    # outline-weighted reconstruction: 1 + vae_edge_weight on the pixels along the shape's outline
-    pixel_weights = 1.0 + args.vae_edge_weight * edge_mask(images, captions_attrs)
     opt = torch.optim.Adam(vae.parameters(), lr=args.vae_lr)
     gen = torch.Generator("cpu").manual_seed(args.seed + 11)
     n_train = len(images) - 256
@@ -199,7 +196,8 @@ def train_vae(args, images: np.ndarray, captions_attrs: list[dict]) -> Autoencod
         if args.vae_edge_weight == 0:  # the loss stages 1-3 used
             rec = F.mse_loss(y, x) + 0.5 * F.l1_loss(y, x)
         else:
-            w = pixel_weights[idx]
+            # outline-weighted reconstruction: 1 + vae_edge_weight on the pixels along the shape's outline
+            w = 1.0 + args.vae_edge_weight * edge_mask(shape_mask(images[idx], [captions_attrs[i] for i in idx]))
             rec = (w * ((y - x) ** 2 + 0.5 * (y - x).abs())).mean() / w.mean()
         kl = post.kl().mean() / z[0].numel()
         loss = rec + args.vae_kl * kl
@@ -259,9 +257,8 @@ def shape_weights(images: np.ndarray, attrs: list[dict], factor: int, weight: fl
     A small shape covers a few % of the image, so an unweighted loss is dominated by the plain background; this
     focuses the flow objective on the part the caption is mostly about, and on the outline that tells the shapes
     apart."""
-    shape = F.avg_pool2d(shape_mask(images, attrs), factor)
-    edge = F.avg_pool2d(edge_mask(images, attrs), factor)
-    return 1.0 + weight * shape + edge_weight * edge
+    shape = shape_mask(images, attrs)
+    return 1.0 + weight * F.avg_pool2d(shape, factor) + edge_weight * F.avg_pool2d(edge_mask(shape), factor)
 
 
 def zero_init_modulation(transformer: FluxTransformer2DModel) -> None:
