@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+import eval_prompts  # beside this script, on sys.path when it runs
+import shapes
+
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [
     "a red circle on a blue background",
@@ -41,9 +44,6 @@ def compare(a: np.ndarray, b: np.ndarray) -> tuple[int, float, float]:
 
 def kiln_eval_accuracy(kiln: str, model: Path, tmp: Path) -> float:
     """Accuracy of `kiln generate` (bf16, the folder's defaults) on every eval prompt x seed."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import shapes
-
     spec = json.loads((model / "eval.json").read_text())
     passed = total = 0
     for i, p in enumerate(spec["prompts"]):
@@ -87,9 +87,6 @@ def main() -> None:
                     failures += not ok
                     print(f"{'ok  ' if ok else 'FAIL'} {dtype:4} seed {seed} {prompt!r}: max |Δ| {mx}, "
                           f"{100 * frac:.2f} % differ, mean |Δ| {mean:.3f}")
-        sys.path.insert(0, str(Path(__file__).parent))
-        import eval_prompts
-
         ours = kiln_eval_accuracy(args.kiln, args.model, tmp)
         theirs = eval_prompts.run(args.model, dtype="bf16")
         gap = 100 * abs(ours - theirs)
