@@ -11,9 +11,8 @@
 //! without the FFI extension, a failed probe or `KILN_CPU_ATTENTION=off` keeps the plain
 //! lowering (with one warning when something failed).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
@@ -289,30 +288,7 @@ pub(crate) fn available(device: &Device) -> bool {
     if std::env::var("KILN_CPU_ATTENTION").is_ok_and(|v| v == "off" || v == "0") {
         return false;
     }
-    static DECIDED: OnceLock<Mutex<HashMap<std::path::PathBuf, bool>>> = OnceLock::new();
-    let plugin = device.client().plugin().clone();
-    let key = plugin.path().to_path_buf();
-    let decided = DECIDED.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(&ok) = decided.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-        return ok;
-    }
-    let registered = plugin.register_host_kernel::<CpuAttention>("Host");
-    let ok = match registered {
-        Ok(false) => false,
-        Ok(true) => match probe(device) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!("the CPU attention kernel failed its probe, attention runs as plain XLA ops: {e}");
-                false
-            }
-        },
-        Err(e) => {
-            tracing::warn!("registering the CPU attention kernel failed, attention runs as plain XLA ops: {e}");
-            false
-        }
-    };
-    decided.lock().unwrap_or_else(|e| e.into_inner()).insert(key, ok);
-    ok
+    crate::native_kernels::registered_and_probed::<CpuAttention>(device, "the CPU attention kernel", "attention", probe)
 }
 
 /// Compiles and runs one small custom call and checks it against the softmax computed here.
@@ -329,8 +305,9 @@ fn probe(device: &Device) -> Result<(), String> {
         .ffi_call(TARGET, &[q, k, v], shape, DType::F32)
         .map_err(|e| e.to_string())?;
     let program = b.finish(&[out]).map_err(|e| e.to_string())?;
-    let got = crate::dispatch::run_host_program(device, "cpu_attention_probe", &program, &[&data, &data, &data], shape)
-        .map_err(|e| e.to_string())?;
+    let got =
+        crate::dispatch::run_host_program(device, "cpu_attention_probe", &program, &[(&data[..], shape); 3], shape)
+            .map_err(|e| e.to_string())?;
     for head in 0..2 {
         for row in 0..3 {
             let at = |r: usize| &data[(head * 3 + r) * 4..][..4];

@@ -142,20 +142,22 @@ fn single_device_options(device: &Device) -> CompileOptions {
     }
 }
 
-/// Compiles `program` (f32 parameters and one f32 result of `out_shape`) without the program
-/// caches and runs it on `inputs`: the start-up probes of native kernels.
+/// Compiles `program` (f32 parameters, given as (values, shape), and one f32 result of
+/// `out_shape`) without the program caches and runs it: the start-up probes of native kernels.
 pub(crate) fn run_host_program(
     device: &Device,
     name: &str,
     program: &str,
-    inputs: &[&[f32]],
+    inputs: &[(&[f32], [usize; 4])],
     out_shape: [usize; 4],
 ) -> std::result::Result<Vec<f32>, kiln_pjrt::Error> {
     let client = device.client();
     let exe = client.compile(program, &single_device_options(device))?;
     let buffers = inputs
         .iter()
-        .map(|data| client.buffer_from_host(bytemuck::cast_slice(data), DType::F32, &out_shape, device.pjrt(), None))
+        .map(|(data, shape)| {
+            client.buffer_from_host(bytemuck::cast_slice(data), DType::F32, shape, device.pjrt(), None)
+        })
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let args: Vec<&kiln_pjrt::Buffer> = buffers.iter().collect();
     let mut out = exe.execute(&[&args], &ExecuteOptions::default())?;

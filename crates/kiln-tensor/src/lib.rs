@@ -9,17 +9,20 @@
 
 mod compile;
 mod cpu_attention;
+mod cpu_im2col;
 mod device;
 mod disk_cache;
 mod dispatch;
 mod error;
 mod memory;
+mod native_kernels;
 mod ops;
 mod tensor;
 mod trace;
 
 pub use compile::CompiledFunction;
 pub use cpu_attention::{cpu_attention_kernel_active, set_cpu_attention_kernel};
+pub use cpu_im2col::{cpu_conv_kernel_active, set_cpu_conv_kernel};
 pub use device::{client_for, Device};
 pub use dispatch::{
     op_cache_stats, op_profile, reset_op_profile, set_op_profiling, thread_op_cache_stats, OpCacheStats,
