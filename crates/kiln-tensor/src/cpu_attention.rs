@@ -305,9 +305,14 @@ fn probe(device: &Device) -> Result<(), String> {
         .ffi_call(TARGET, &[q, k, v], shape, DType::F32)
         .map_err(|e| e.to_string())?;
     let program = b.finish(&[out]).map_err(|e| e.to_string())?;
-    let got =
-        crate::dispatch::run_host_program(device, "cpu_attention_probe", &program, &[(&data[..], shape); 3], shape)
-            .map_err(|e| e.to_string())?;
+    let got = crate::dispatch::run_host_program(
+        device,
+        "cpu_attention_probe",
+        &program,
+        &[(&data[..], &shape[..]); 3],
+        &shape,
+    )
+    .map_err(|e| e.to_string())?;
     for head in 0..2 {
         for row in 0..3 {
             let at = |r: usize| &data[(head * 3 + r) * 4..][..4];

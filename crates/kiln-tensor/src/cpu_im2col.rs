@@ -182,8 +182,8 @@ fn probe(device: &Device) -> Result<(), String> {
         .ffi_call(TARGET, &[x, wt], output, DType::F32)
         .map_err(|e| e.to_string())?;
     let program = b.finish(&[cols]).map_err(|e| e.to_string())?;
-    let inputs = [(&data[..], input), (&weights[..], weight)];
-    let got = crate::dispatch::run_host_program(device, "cpu_im2col_probe", &program, &inputs, output)
+    let inputs: [(&[f32], &[usize]); 2] = [(&data, &input), (&weights, &weight)];
+    let got = crate::dispatch::run_host_program(device, "cpu_im2col_probe", &program, &inputs, &output)
         .map_err(|e| e.to_string())?;
     for y in 0..h {
         for x in 0..w {

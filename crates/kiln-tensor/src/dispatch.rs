@@ -148,8 +148,8 @@ pub(crate) fn run_host_program(
     device: &Device,
     name: &str,
     program: &str,
-    inputs: &[(&[f32], [usize; 4])],
-    out_shape: [usize; 4],
+    inputs: &[(&[f32], &[usize])],
+    out_shape: &[usize],
 ) -> std::result::Result<Vec<f32>, kiln_pjrt::Error> {
     let client = device.client();
     let exe = client.compile(program, &single_device_options(device))?;
