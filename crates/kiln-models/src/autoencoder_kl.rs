@@ -48,7 +48,7 @@ const DOWN_BLOCK: &str = "DownEncoderBlock2D";
 const UP_BLOCK: &str = "UpDecoderBlock2D";
 
 /// The ResNet nonlinearity (`act_fn`, through diffusers' `get_activation`).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Nonlinearity {
     Silu,
     Gelu,
@@ -68,7 +68,12 @@ impl Nonlinearity {
         }
     }
 
-    fn forward(self, x: &Tensor) -> Result<Tensor> {
+    /// The nonlinearity of `norm(x)` (channels-last); SiLU in the same op as the norm.
+    fn after_norm(self, norm: &GroupNorm, x: &Tensor) -> Result<Tensor> {
+        if self == Nonlinearity::Silu {
+            return norm.forward_channels_last_silu(x);
+        }
+        let x = norm.forward_channels_last(x)?;
         Ok(match self {
             Nonlinearity::Silu => x.silu()?,
             Nonlinearity::Gelu => x.gelu()?,
@@ -138,11 +143,9 @@ impl ResnetBlock2D {
 
     /// `input_tensor` is channels-last.
     fn forward(&self, input_tensor: &Tensor) -> Result<Tensor> {
-        let hidden_states = self.norm1.forward_channels_last(input_tensor)?;
-        let hidden_states = self.nonlinearity.forward(&hidden_states)?;
+        let hidden_states = self.nonlinearity.after_norm(&self.norm1, input_tensor)?;
         let hidden_states = self.conv1.forward_channels_last(&hidden_states)?;
-        let hidden_states = self.norm2.forward_channels_last(&hidden_states)?;
-        let hidden_states = self.nonlinearity.forward(&hidden_states)?;
+        let hidden_states = self.nonlinearity.after_norm(&self.norm2, &hidden_states)?;
         let hidden_states = self.conv2.forward_channels_last(&hidden_states)?;
         let input_tensor = match &self.conv_shortcut {
             Some(conv) => conv.forward_channels_last(input_tensor)?,
@@ -447,9 +450,8 @@ impl Encoder {
             sample = down_block.forward(&sample, None)?;
         }
         let sample = self.mid_block.forward(&sample, None)?;
-        let sample = self.conv_norm_out.forward_channels_last(&sample)?;
         // diffusers' Encoder/Decoder use nn.SiLU here whatever act_fn says.
-        let sample = sample.silu()?;
+        let sample = self.conv_norm_out.forward_channels_last_silu(&sample)?;
         self.conv_out.forward_channels_last(&sample)
     }
 }
@@ -513,8 +515,7 @@ impl Decoder {
         for up_block in &self.up_blocks {
             sample = up_block.forward(&sample, resnet)?;
         }
-        let sample = self.conv_norm_out.forward_channels_last(&sample)?;
-        let sample = sample.silu()?;
+        let sample = self.conv_norm_out.forward_channels_last_silu(&sample)?;
         self.conv_out.forward_channels_last(&sample)
     }
 }

@@ -19,18 +19,21 @@ use kiln_types::{f16, DType};
 
 use crate::device::Device;
 
-/// The custom call target.
+/// The custom call targets: the norm, and the norm followed by SiLU.
 pub(crate) const TARGET: &str = "kiln_cpu_group_norm";
+pub(crate) const TARGET_SILU: &str = "kiln_cpu_group_norm_silu";
 
 /// Positions per work item of both passes.
 const BLOCK_POSITIONS: usize = 512;
 /// Below this many elements one thread does the whole call.
 const PARALLEL_MIN_ELEMENTS: usize = 1 << 16;
 
-pub(crate) struct CpuGroupNorm;
+/// The kernel; with `SILU`, `silu` of the norm rounded to the dtype (the two ops diffusers runs,
+/// each rounding its result), in the same pass.
+pub(crate) struct CpuGroupNorm<const SILU: bool>;
 
-impl HostKernel for CpuGroupNorm {
-    const NAME: &'static str = TARGET;
+impl<const SILU: bool> HostKernel for CpuGroupNorm<SILU> {
+    const NAME: &'static str = if SILU { TARGET_SILU } else { TARGET };
 
     fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
         let counts = (args.len(), rets.len());
@@ -62,7 +65,7 @@ impl HostKernel for CpuGroupNorm {
         let eps = f32::from_le_bytes(eps.bytes[..4].try_into().map_err(|_| "eps has no value")?);
         let shape = Shape { n, s, g, cg };
         let (weight, bias) = (read_f32(dtype, weight.bytes), read_f32(dtype, bias.bytes));
-        group_norm(&shape, x.bytes, &weight, &bias, eps, dtype, out.bytes, pool);
+        group_norm(&shape, x.bytes, &weight, &bias, eps, dtype, SILU, out.bytes, pool);
         Ok(())
     }
 }
@@ -122,6 +125,7 @@ fn group_norm(
     bias: &[f32],
     eps: f32,
     dtype: DType,
+    silu: bool,
     out: &mut [u8],
     pool: &HostPool<'_>,
 ) {
@@ -200,10 +204,25 @@ fn group_norm(
                 for ch in 0..c {
                     row[ch] = (row[ch] - m[ch]) * r[ch] * weight[ch] + bias[ch];
                 }
+                if silu {
+                    for v in row.iter_mut() {
+                        let y = round_to(dtype, *v);
+                        *v = y * (1.0 / (1.0 + (-y).exp()));
+                    }
+                }
             }
             write_as(dtype, values, &mut chunk);
         });
     });
+}
+
+/// `v` rounded to `dtype` and back to f32.
+fn round_to(dtype: DType, v: f32) -> f32 {
+    match dtype {
+        DType::BF16 => f32::from_bits((bf16_bits(v) as u32) << 16),
+        DType::F16 => f16::from_f32(v).to_f32(),
+        _ => v,
+    }
 }
 
 /// Writes f32 values into `out` in `dtype` (round to nearest even for 16-bit floats).
@@ -235,30 +254,40 @@ pub fn set_cpu_group_norm_kernel(enabled: bool) {
     ENABLED.store(enabled, Ordering::Relaxed);
 }
 
-/// Whether channels-last group norm on `device` runs the native kernel: the CPU plugin with the
-/// handler registered and its probe right, and the kernel not turned off.
+/// Whether channels-last group norm (and group norm + SiLU) on `device` runs the native
+/// kernel: the CPU plugin with the handlers registered and their probes right, and the kernel
+/// not turned off.
 pub fn cpu_group_norm_kernel_active(device: &Device) -> bool {
-    available(device)
+    available(device, false) && available(device, true)
 }
 
-pub(crate) fn available(device: &Device) -> bool {
+pub(crate) fn available(device: &Device, silu: bool) -> bool {
     if device.platform() != Platform::Cpu || !ENABLED.load(Ordering::Relaxed) {
         return false;
     }
     if std::env::var("KILN_CPU_GROUP_NORM").is_ok_and(|v| v == "off" || v == "0") {
         return false;
     }
-    crate::native_kernels::registered_and_probed::<CpuGroupNorm>(
-        device,
-        "the CPU group-norm kernel",
-        "group_norm_channels_last",
-        probe,
-    )
+    if silu {
+        crate::native_kernels::registered_and_probed::<CpuGroupNorm<true>>(
+            device,
+            "the CPU group-norm + SiLU kernel",
+            "group_norm_silu_channels_last",
+            |d| probe(d, true),
+        )
+    } else {
+        crate::native_kernels::registered_and_probed::<CpuGroupNorm<false>>(
+            device,
+            "the CPU group-norm kernel",
+            "group_norm_channels_last",
+            |d| probe(d, false),
+        )
+    }
 }
 
-/// Normalises a `[1, 3, 2, 2]` input (2 groups of 2 channels) and checks it against the
-/// definition computed here.
-fn probe(device: &Device) -> Result<(), String> {
+/// Normalises a `[1, 3, 2, 2]` input (2 groups of 2 channels), with SiLU after if `silu`, and
+/// checks it against the definition computed here.
+fn probe(device: &Device, silu: bool) -> Result<(), String> {
     use kiln_hlo::Builder;
     let shape = [1usize, 3, 2, 2];
     let data: Vec<f32> = (0..12).map(|i| ((i * 5) % 7) as f32 - 2.5).collect();
@@ -269,7 +298,12 @@ fn probe(device: &Device) -> Result<(), String> {
     let bb = b.parameter([4usize], DType::F32);
     let e = b.parameter([1usize], DType::F32);
     let out = b
-        .ffi_call(TARGET, &[x, w, bb, e], shape, DType::F32)
+        .ffi_call(
+            if silu { TARGET_SILU } else { TARGET },
+            &[x, w, bb, e],
+            shape,
+            DType::F32,
+        )
         .map_err(|e| e.to_string())?;
     let program = b.finish(&[out]).map_err(|e| e.to_string())?;
     let inputs: [(&[f32], &[usize]); 4] = [(&data, &shape), (&weight, &[4]), (&bias, &[4]), (&eps, &[1])];
@@ -283,7 +317,10 @@ fn probe(device: &Device) -> Result<(), String> {
         let var = members.iter().map(|&i| (data[i] as f64 - mean).powi(2)).sum::<f64>() / 6.0;
         for &i in &members {
             let ch = i % 4;
-            let want = (data[i] as f64 - mean) / (var + 1e-5).sqrt() * weight[ch] as f64 + bias[ch] as f64;
+            let mut want = (data[i] as f64 - mean) / (var + 1e-5).sqrt() * weight[ch] as f64 + bias[ch] as f64;
+            if silu {
+                want /= 1.0 + (-want).exp();
+            }
             if (got[i] as f64 - want).abs() > 1e-5 {
                 return Err(format!("the probe gave {} where {want} was expected", got[i]));
             }

@@ -180,6 +180,20 @@ fn group_norm_matches_the_reference() {
                 dtype,
                 tol(dtype),
             );
+            // with SiLU fused: silu of the rounded norm, rounded again
+            let (w_opt, b_opt) = if affine { (Some(&tw), Some(&tb)) } else { (None, None) };
+            for native in [true, false] {
+                kiln_tensor::set_cpu_group_norm_kernel(native);
+                let got = x_last.group_norm_silu_channels_last(groups, w_opt, b_opt, eps);
+                kiln_tensor::set_cpu_group_norm_kernel(true);
+                let silu = want
+                    .permute(&nhwc)
+                    .round(dtype)
+                    .map(|v| v / (1.0 + (-v).exp()))
+                    .round(dtype);
+                let what = format!("group_norm_silu_channels_last g={groups} affine={affine} {dtype} native={native}");
+                assert_close(&what, &got.unwrap(), &silu, dtype, tol(dtype));
+            }
         }
     }
     // [N, C] input (no spatial dims) and an empty batch.

@@ -4,7 +4,7 @@
 use kiln_hlo::{Builder, CompareDirection, DotDims, ReduceKind, Value};
 use kiln_types::DType;
 
-use super::emit::{broadcast_shapes, broadcast_to, full_like, normalize, reduce_keep, upcast};
+use super::emit::{broadcast_shapes, broadcast_to, full_like, normalize, reduce_keep, upcast, x_sigmoid};
 use crate::dispatch::apply1;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -150,7 +150,7 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
-        self.group_norm_in("group_norm", false, groups, weight, bias, eps)
+        self.group_norm_in("group_norm", false, false, groups, weight, bias, eps)
     }
 
     /// [`Tensor::group_norm`] on a channels-last `[N, ..., C]` tensor: the groups are runs of
@@ -162,13 +162,27 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
-        self.group_norm_in("group_norm_channels_last", true, groups, weight, bias, eps)
+        self.group_norm_in("group_norm_channels_last", true, false, groups, weight, bias, eps)
     }
 
+    /// `silu(group_norm_channels_last(..))` as one op, each rounding its result to the dtype as
+    /// the two ops would (the VAE's resnets run them back to back); one pass on CPU.
+    pub fn group_norm_silu_channels_last(
+        &self,
+        groups: usize,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Tensor> {
+        self.group_norm_in("group_norm_silu_channels_last", true, true, groups, weight, bias, eps)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn group_norm_in(
         &self,
         op: &'static str,
         channels_last: bool,
+        silu: bool,
         groups: usize,
         weight: Option<&Tensor>,
         bias: Option<&Tensor>,
@@ -200,7 +214,7 @@ impl Tensor {
         inputs.extend(bias);
         let inputs_len = inputs.len();
         let (has_w, has_b) = (weight.is_some(), bias.is_some());
-        let native = channels_last && crate::cpu_group_norm::available(self.device());
+        let native = channels_last && crate::cpu_group_norm::available(self.device(), silu);
         apply1(op, &inputs, |b, p| {
             if native {
                 // channels last: after = 1, so `grouped` is [N, positions, groups, C / groups]
@@ -212,7 +226,12 @@ impl Tensor {
                     b.splat(0.0, [c], dtype)
                 };
                 let eps = b.splat(eps, [1usize], DType::F32);
-                let y = b.ffi_call(crate::cpu_group_norm::TARGET, &[x, w, bias, eps], grouped, dtype)?;
+                let target = if silu {
+                    crate::cpu_group_norm::TARGET_SILU
+                } else {
+                    crate::cpu_group_norm::TARGET
+                };
+                let y = b.ffi_call(target, &[x, w, bias, eps], grouped, dtype)?;
                 return b.reshape(&y, dims.clone());
             }
             let x = upcast(b, &p[0])?;
@@ -231,6 +250,12 @@ impl Tensor {
                 let bb = b.broadcast_in_dim(&bb, dims.clone(), &[axis])?;
                 y = b.add(&y, &bb)?;
             }
+            let y = b.convert(&y, dtype)?;
+            if !silu {
+                return Ok(y);
+            }
+            let y = upcast(b, &y)?;
+            let y = x_sigmoid(b, &y, 1.0)?;
             b.convert(&y, dtype)
         })
     }
