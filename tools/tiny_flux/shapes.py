@@ -96,7 +96,8 @@ def render(shape: str, color: str, background: str, cx: float, cy: float, r: flo
 
 def sample(rng: np.random.Generator, layout: str = "fixed") -> tuple[np.ndarray, str, dict]:
     """One random (image, caption, attributes). Size is named half of the time (else medium), position 80 % (else in
-    the middle). layout "open" is the data of training stage 4: any size when none is named, any row for "on the
+    the middle). layout "exact": the same captions, each always drawn at the middle of its size and position
+    ranges (one image per caption). layout "open" is the data of training stage 4: any size when none is named, any row for "on the
     left" / "in the middle" / "on the right", anywhere when no position is named."""
     if layout == "open":
         return _sample_open(rng)
@@ -111,6 +112,14 @@ def sample(rng: np.random.Generator, layout: str = "fixed") -> tuple[np.ndarray,
     _, column, row = POSITIONS[position if say_position is not None else "middle"]
     cx = float(rng.uniform(*CENTRE_RANGES[column]))
     cy = float(rng.uniform(*CENTRE_RANGES[row]))
+    if layout == "exact":
+        # one image per caption: the middle of each range (the draws above still happen, so that the shape,
+        # colour and wording of sample i are the same in every layout but "open")
+        r = (lo + hi + 1) / 2
+        cx = sum(CENTRE_RANGES[column]) / 2
+        cy = sum(CENTRE_RANGES[row]) / 2
+    elif layout != "fixed":
+        raise ValueError(f"unknown layout {layout!r}")
     if shape == "triangle":
         cy -= r / 3  # the drawn point is the triangle's centroid, which lies r/3 below its box centre
     cx, cy = (float(np.clip(v, r + 2, IMAGE_SIZE - r - 2)) for v in (cx, cy))  # 2 px clear of the edge

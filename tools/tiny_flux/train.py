@@ -420,7 +420,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="1 is faster when the 2 cores are shared")
     ap.add_argument("--n-images", type=int, default=24000)
-    ap.add_argument("--layout", choices=("fixed", "open"), default="fixed",
+    ap.add_argument("--layout", choices=("fixed", "exact", "open"), default="fixed",
                     help="data layout (shapes.sample); stage 4 of the shipped model used 'open'")
     ap.add_argument("--vae-steps", type=int, default=1000)
     ap.add_argument("--vae-batch", type=int, default=32)

@@ -270,11 +270,10 @@ fn bundled_model_follows_its_prompts() {
         "background, shape colour and position: {:.1} % is below 90 %",
         colour_place_accuracy * 100.0
     );
-    // The goal is 90 % on all four properties; the shipped model gets 57 % of the shape types right
-    // (tools/tiny_flux/README.md). This floor keeps it from sliding back to blobs.
+    // The goal: 90 % of the images right on all four properties (tools/tiny_flux/README.md).
     assert!(
-        accuracy >= 0.4,
-        "all four properties: {:.1} % is below the shipped model's floor of 40 %",
+        accuracy >= 0.9,
+        "all four properties: {:.1} % is below 90 %",
         accuracy * 100.0
     );
 }
