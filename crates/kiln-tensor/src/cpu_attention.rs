@@ -17,9 +17,10 @@ use std::sync::Mutex;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool, Platform};
-use kiln_types::{bf16, f16, DType};
+use kiln_types::DType;
 
 use crate::device::Device;
+use crate::native_kernels::{read_f32, round_to, write_as};
 
 /// The custom call target.
 pub(crate) const TARGET: &str = "kiln_cpu_attention";
@@ -85,17 +86,11 @@ struct Shape {
 
 /// The operand as f32 values (a copy for 16-bit inputs, exact).
 fn to_f32<'a>(x: &'a HostBuffer<'_>) -> Result<std::borrow::Cow<'a, [f32]>, String> {
-    let misaligned = |_| "an operand is not aligned for its dtype".to_string();
     Ok(match x.dtype {
-        DType::F32 => std::borrow::Cow::Borrowed(bytemuck::try_cast_slice(x.bytes).map_err(misaligned)?),
-        DType::BF16 => {
-            let v: &[bf16] = bytemuck::try_cast_slice(x.bytes).map_err(misaligned)?;
-            std::borrow::Cow::Owned(v.iter().map(|x| x.to_f32()).collect())
-        }
-        DType::F16 => {
-            let v: &[f16] = bytemuck::try_cast_slice(x.bytes).map_err(misaligned)?;
-            std::borrow::Cow::Owned(v.iter().map(|x| x.to_f32()).collect())
-        }
+        DType::F32 => std::borrow::Cow::Borrowed(
+            bytemuck::try_cast_slice(x.bytes).map_err(|_| "an operand is not aligned for its dtype".to_string())?,
+        ),
+        DType::BF16 | DType::F16 => std::borrow::Cow::Owned(read_f32(x.dtype, x.bytes)),
         other => return Err(format!("unsupported dtype {other}")),
     })
 }
@@ -181,19 +176,7 @@ fn block(
     for (row, sum) in acc.chunks_exact_mut(s.dv).zip(sums) {
         row.iter_mut().for_each(|x| *x /= sum);
     }
-    match dtype {
-        DType::F32 => out.copy_from_slice(bytemuck::cast_slice(acc)),
-        DType::BF16 => {
-            for (o, x) in out.chunks_exact_mut(2).zip(acc.iter()) {
-                o.copy_from_slice(&bf16::from_f32(*x).to_le_bytes());
-            }
-        }
-        _ => {
-            for (o, x) in out.chunks_exact_mut(2).zip(acc.iter()) {
-                o.copy_from_slice(&f16::from_f32(*x).to_le_bytes());
-            }
-        }
-    }
+    write_as(dtype, acc, out);
 }
 
 /// Each row of `scores` becomes its unnormalised softmax weights `exp(x − max)` (rounded to
@@ -204,10 +187,8 @@ fn softmax_rows(scores: &mut [f32], width: usize, dtype: DType, sums: &mut [f32]
         let max = row_max(row);
         row.iter_mut().for_each(|x| *x = exp_nonpositive(*x - max));
         *sum = row_sum(row);
-        match dtype {
-            DType::BF16 => row.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32()),
-            DType::F16 => row.iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
-            _ => {}
+        if dtype != DType::F32 {
+            row.iter_mut().for_each(|x| *x = round_to(dtype, *x));
         }
     }
 }

@@ -15,9 +15,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool, Platform};
-use kiln_types::{f16, DType};
+use kiln_types::DType;
 
 use crate::device::Device;
+use crate::native_kernels::{read_f32, read_f32_into, round_to, write_as};
 
 /// The custom call targets: the norm, and the norm followed by SiLU.
 pub(crate) const TARGET: &str = "kiln_cpu_group_norm";
@@ -75,42 +76,6 @@ struct Shape {
     s: usize,
     g: usize,
     cg: usize,
-}
-
-/// `bytes` of `dtype` values as f32 (exact for 16-bit floats).
-fn read_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
-    let mut out = Vec::new();
-    read_f32_into(dtype, bytes, &mut out);
-    out
-}
-
-fn read_f32_into(dtype: DType, bytes: &[u8], out: &mut Vec<f32>) {
-    out.clear();
-    match dtype {
-        // bf16 is the top half of an f32: a shift, which vectorises
-        DType::BF16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)),
-        ),
-        DType::F16 => out.extend(bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())),
-        _ => out.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        ),
-    }
-}
-
-/// f32 → bf16 bits, rounding to nearest even (as `half`, in integer ops that vectorise); NaN
-/// stays NaN.
-fn bf16_bits(v: f32) -> u16 {
-    let bits = v.to_bits();
-    if v.is_nan() {
-        return ((bits >> 16) | 0x40) as u16;
-    }
-    let round = 0x7fff + ((bits >> 16) & 1);
-    (bits.wrapping_add(round) >> 16) as u16
 }
 
 thread_local! {
@@ -216,36 +181,6 @@ fn group_norm(
     });
 }
 
-/// `v` rounded to `dtype` and back to f32.
-fn round_to(dtype: DType, v: f32) -> f32 {
-    match dtype {
-        DType::BF16 => f32::from_bits((bf16_bits(v) as u32) << 16),
-        DType::F16 => f16::from_f32(v).to_f32(),
-        _ => v,
-    }
-}
-
-/// Writes f32 values into `out` in `dtype` (round to nearest even for 16-bit floats).
-fn write_as(dtype: DType, values: &[f32], out: &mut [u8]) {
-    match dtype {
-        DType::BF16 => {
-            for (dst, &v) in out.chunks_exact_mut(2).zip(values) {
-                dst.copy_from_slice(&bf16_bits(v).to_le_bytes());
-            }
-        }
-        DType::F16 => {
-            for (dst, &v) in out.chunks_exact_mut(2).zip(values) {
-                dst.copy_from_slice(&f16::from_f32(v).to_le_bytes());
-            }
-        }
-        _ => {
-            for (dst, &v) in out.chunks_exact_mut(4).zip(values) {
-                dst.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-    }
-}
-
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
 /// Turns the native CPU group-norm kernel on or off for programs built from now on (compiled
@@ -327,33 +262,4 @@ fn probe(device: &Device, silu: bool) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bf16_rounding_matches_half() {
-        let specials = [
-            0.0f32,
-            -0.0,
-            1.0,
-            f32::MAX,
-            f32::MIN_POSITIVE,
-            1e-40,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-        ];
-        let samples = (0..200_000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761)));
-        for v in specials.into_iter().chain(samples) {
-            let want = kiln_types::bf16::from_f32(v);
-            let got = bf16_bits(v);
-            if v.is_nan() {
-                assert!(kiln_types::bf16::from_bits(got).is_nan(), "{v}");
-            } else {
-                assert_eq!(got, want.to_bits(), "{v:e}");
-            }
-        }
-    }
 }
