@@ -4,9 +4,9 @@
 //! XLA:CPU runs the plain lowering (mean, centred squares, mean again, scale) as several passes
 //! with reductions over the non-minor position axis, well below memory speed on the VAE's
 //! `[1, 512², 64]` activations. This kernel reads the input twice and writes it once: per block
-//! of positions, per-channel sums and sums of squares (f32 within a block, f64 across blocks);
-//! then `(x − mean) · rstd · weight + bias` per element, computed in f32 and rounded once to the
-//! dtype, as the plain lowering does. Both passes are spread over XLA's intra-op pool.
+//! of positions (in cache), per-channel mean and squared deviations, combined across blocks in
+//! f64; then `(x − mean) · rstd · weight + bias` per element, computed in f32 and rounded once to
+//! the dtype, as the plain lowering does. Both passes are spread over XLA's intra-op pool.
 //!
 //! Operands: the input as `[N, S, G, C/G]` (`G` groups of consecutive channels, `S` positions),
 //! the weight and bias `[C]` in the input's dtype, `eps` as an f32 `[1]`.
@@ -78,6 +78,14 @@ struct Shape {
     cg: usize,
 }
 
+/// One block's positions: their count, and per channel the mean and the sum of squared deviations.
+#[derive(Default)]
+struct BlockMoments {
+    count: f64,
+    mean: Vec<f64>,
+    m2: Vec<f64>,
+}
+
 thread_local! {
     static ROWS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -108,47 +116,63 @@ fn group_norm(
     } else {
         std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
     };
-    // Pass 1: per block of one image's positions, per-channel sum and sum of squares.
-    let partials: Vec<Mutex<Vec<f64>>> = (0..items).map(|_| Mutex::new(Vec::new())).collect();
+    // Pass 1: per block of one image's positions (converted once, kept in cache), per-channel
+    // mean (f64 sums) and the squared deviations from it: no cancellation when the mean is large.
+    let partials: Vec<Mutex<BlockMoments>> = (0..items).map(|_| Mutex::new(BlockMoments::default())).collect();
     pool.for_each(items, threads, &|i| {
         let (image, block) = (i / blocks_per_image, i % blocks_per_image);
         let first = block * BLOCK_POSITIONS;
         let count = BLOCK_POSITIONS.min(sh.s - first);
         let bytes = &x[(image * sh.s + first) * row_bytes..][..count * row_bytes];
-        let (mut sum, mut sq) = (vec![0f32; c], vec![0f32; c]);
+        let (mut sum, mut m2) = (vec![0f64; c], vec![0f32; c]);
         ROWS.with_borrow_mut(|values| {
             read_f32_into(dtype, bytes, values);
             for row in values.chunks_exact(c) {
-                for ((s, q), &v) in sum.iter_mut().zip(sq.iter_mut()).zip(row) {
-                    *s += v;
-                    *q += v * v;
+                sum.iter_mut().zip(row).for_each(|(s, &v)| *s += v as f64);
+            }
+            let mean: Vec<f32> = sum.iter().map(|&s| (s / count as f64) as f32).collect();
+            for row in values.chunks_exact(c) {
+                for ((q, &m), &v) in m2.iter_mut().zip(&mean).zip(row) {
+                    *q += (v - m) * (v - m);
                 }
             }
+            let moments = BlockMoments {
+                count: count as f64,
+                mean: mean.iter().map(|&v| v as f64).collect(),
+                m2: m2.iter().map(|&v| v as f64).collect(),
+            };
+            *partials[i].lock().unwrap_or_else(|e| e.into_inner()) = moments;
         });
-        let mut partial: Vec<f64> = sum.iter().map(|&v| v as f64).collect();
-        partial.extend(sq.iter().map(|&v| v as f64));
-        *partials[i].lock().unwrap_or_else(|e| e.into_inner()) = partial;
     });
-    // Per image and group: mean and 1/sqrt(var + eps), spread to the group's channels.
-    let per_group = (sh.s * sh.cg) as f64;
+    // Per image and group: the blocks' and channels' moments combined (Chan et al.), then
+    // 1/sqrt(var + eps), spread to the group's channels.
     let mut mean = vec![0f32; sh.n * c];
     let mut rstd = vec![0f32; sh.n * c];
     for image in 0..sh.n {
+        let blocks: Vec<_> = (0..blocks_per_image)
+            .map(|b| {
+                partials[image * blocks_per_image + b]
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+            })
+            .collect();
         for group in 0..sh.g {
             let channels = group * sh.cg..(group + 1) * sh.cg;
-            let (mut sum, mut sq) = (0f64, 0f64);
-            for block in 0..blocks_per_image {
-                let p = partials[image * blocks_per_image + block]
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
+            let (mut total, mut weighted) = (0f64, 0f64);
+            for p in &blocks {
                 for ch in channels.clone() {
-                    sum += p[ch];
-                    sq += p[c + ch];
+                    total += p.count;
+                    weighted += p.count * p.mean[ch];
                 }
             }
-            let m = sum / per_group;
-            let var = (sq / per_group - m * m).max(0.0);
-            let r = 1.0 / (var as f32 + eps).sqrt();
+            let m = weighted / total;
+            let mut m2 = 0f64;
+            for p in &blocks {
+                for ch in channels.clone() {
+                    m2 += p.m2[ch] + p.count * (p.mean[ch] - m) * (p.mean[ch] - m);
+                }
+            }
+            let r = 1.0 / ((m2 / total) as f32 + eps).sqrt();
             for ch in channels {
                 mean[image * c + ch] = m as f32;
                 rstd[image * c + ch] = r;

@@ -196,6 +196,21 @@ fn group_norm_matches_the_reference() {
             }
         }
     }
+    // A large mean beside a small spread (sums of squares would cancel), channels-last in f32,
+    // with and without the kernel. f32 resolves 1000 ± 1 to 6e-5, so outputs are good to ~1e-4.
+    let x = Arr::rand(&mut r, &[1, 4, 40, 40], 999.0, 1001.0, DType::F32);
+    let want = normalize_ref(&x.reshape(&[1, 2, 3200]), &[2], eps).reshape(&[1, 4, 40, 40]);
+    for native in [true, false] {
+        kiln_tensor::set_cpu_group_norm_kernel(native);
+        let got = x
+            .permute(&[0, 2, 3, 1])
+            .tensor(DType::F32)
+            .group_norm_channels_last(2, None, None, eps);
+        kiln_tensor::set_cpu_group_norm_kernel(true);
+        let what = format!("group_norm_channels_last around 1000, native={native}");
+        let t = Tol { rtol: 1e-5, atol: 2e-4 };
+        assert_close(&what, &got.unwrap(), &want.permute(&[0, 2, 3, 1]), DType::F32, t);
+    }
     // [N, C] input (no spatial dims) and an empty batch.
     let x = Arr::rand(&mut r, &[3, 4], -1.0, 1.0, DType::F32);
     let want = normalize_ref(&x.reshape(&[3, 2, 2]), &[2], eps).reshape(&[3, 4]);
