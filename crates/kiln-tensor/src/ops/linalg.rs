@@ -269,7 +269,7 @@ fn conv_as_columns_dot(b: &mut Builder, x: &Value, w: &Value, padding: usize, ac
 
 /// A 1×1 channels-last convolution (stride 1, no padding, groups 1) as the dot it is:
 /// `[N, H, W, C] · [O, C]ᵀ`. XLA:CPU runs a bf16 × bf16 → f32 dot on YNNPACK but widens a bf16
-/// convolution to f32 first (3× slower, `benches/conv_bf16.rs`); the numbers are the same (exact
+/// convolution to f32 first (1.7–2.4× slower, `benches/conv_bf16.rs`); the numbers are the same (exact
 /// products, f32 sums).
 fn pointwise_conv_as_dot(b: &mut Builder, x: &Value, w: &Value, acc: DType) -> kiln_hlo::Result<Value> {
     let (o, i) = (w.dims()[0], w.dims()[1]);
