@@ -48,7 +48,7 @@ const DOWN_BLOCK: &str = "DownEncoderBlock2D";
 const UP_BLOCK: &str = "UpDecoderBlock2D";
 
 /// The ResNet nonlinearity (`act_fn`, through diffusers' `get_activation`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 enum Nonlinearity {
     Silu,
     Gelu,
@@ -70,14 +70,10 @@ impl Nonlinearity {
 
     /// The nonlinearity of `norm(x)` (channels-last); SiLU in the same op as the norm.
     fn after_norm(self, norm: &GroupNorm, x: &Tensor) -> Result<Tensor> {
-        if self == Nonlinearity::Silu {
-            return norm.forward_channels_last_silu(x);
-        }
-        let x = norm.forward_channels_last(x)?;
         Ok(match self {
-            Nonlinearity::Silu => x.silu()?,
-            Nonlinearity::Gelu => x.gelu()?,
-            Nonlinearity::Relu => x.maximum_scalar(0.0)?,
+            Nonlinearity::Silu => norm.forward_channels_last_silu(x)?,
+            Nonlinearity::Gelu => norm.forward_channels_last(x)?.gelu()?,
+            Nonlinearity::Relu => norm.forward_channels_last(x)?.maximum_scalar(0.0)?,
         })
     }
 }
