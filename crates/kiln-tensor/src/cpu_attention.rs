@@ -16,7 +16,7 @@ use std::sync::Mutex;
 
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
-use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool, Platform};
+use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
 
 use crate::device::Device;
@@ -263,13 +263,14 @@ pub fn cpu_attention_kernel_active(device: &Device) -> bool {
 }
 
 pub(crate) fn available(device: &Device) -> bool {
-    if device.platform() != Platform::Cpu || !ENABLED.load(Ordering::Relaxed) {
-        return false;
-    }
-    if std::env::var("KILN_CPU_ATTENTION").is_ok_and(|v| v == "off" || v == "0") {
-        return false;
-    }
-    crate::native_kernels::registered_and_probed::<CpuAttention>(device, "the CPU attention kernel", "attention", probe)
+    crate::native_kernels::active::<CpuAttention>(
+        device,
+        ENABLED.load(Ordering::Relaxed),
+        "KILN_CPU_ATTENTION",
+        "the CPU attention kernel",
+        "attention",
+        probe,
+    )
 }
 
 /// Compiles and runs one small custom call and checks it against the softmax computed here.

@@ -2,9 +2,10 @@
 //! custom call), so that a bf16 convolution can run as one bf16 × bf16 → f32 dot.
 //!
 //! XLA:CPU widens a bf16 convolution to f32 and runs it on Eigen; its bf16 dots with f32 results
-//! run on YNNPACK, 2–4× faster at VAE sizes. The columns (`[N, H', W', kh·kw·C]`, the kernel's
-//! taps side by side, zeros where the kernel overhangs the input) could be built from XLA pads,
-//! slices and a concatenate, but XLA:CPU concatenates at well under 1 GB/s; this kernel copies
+//! run on YNNPACK, the dot alone 2–4× faster at VAE sizes. The columns (`[N, H', W', kh·kw·C]`,
+//! the kernel's taps side by side, zeros where the kernel overhangs the input) could be built
+//! from XLA pads, slices and a concatenate, but XLA:CPU concatenated them at ~0.4 GB/s (bf16,
+//! measured under load; the whole convolution came out 1.5–4.8× slower); this kernel copies
 //! each run of `kw·C` values with one `memcpy`, on XLA's intra-op pool. Operands: the input
 //! `[N, H, W, C]` and the OIHW weight, read for its kernel size only; the symmetric padding
 //! follows from the result's shape (stride and dilation 1).
@@ -12,7 +13,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool, Platform};
+use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
 
 use crate::device::Device;
@@ -149,18 +150,21 @@ pub fn cpu_conv_kernel_active(device: &Device) -> bool {
     available(device)
 }
 
+/// Whether the dot lowering of bf16 convolutions is switched on (here and by `KILN_CPU_CONV`);
+/// 1×1 convolutions need no kernel.
 pub(crate) fn enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed) && !std::env::var("KILN_CPU_CONV").is_ok_and(|v| v == "off" || v == "0")
+    ENABLED.load(Ordering::Relaxed) && !crate::native_kernels::turned_off(ENV_SWITCH)
 }
+
+const ENV_SWITCH: &str = "KILN_CPU_CONV";
 
 /// Whether the column kernel runs on `device`: the CPU plugin with the handler registered and
 /// its probe right, and the kernel not turned off (here or by `KILN_CPU_CONV=off`).
 pub(crate) fn available(device: &Device) -> bool {
-    if device.platform() != Platform::Cpu || !enabled() {
-        return false;
-    }
-    crate::native_kernels::registered_and_probed::<CpuIm2col>(
+    crate::native_kernels::active::<CpuIm2col>(
         device,
+        ENABLED.load(Ordering::Relaxed),
+        ENV_SWITCH,
         "the CPU convolution column kernel",
         "conv2d",
         probe,

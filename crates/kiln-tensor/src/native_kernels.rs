@@ -1,28 +1,41 @@
-//! What the native CPU kernels (XLA FFI custom calls) share: registration with the plugin and a
-//! probe program, decided once per plugin and kernel; reading and writing 16-bit floats.
+//! What the native CPU kernels (XLA FFI custom calls) share: whether one runs (its switches,
+//! registration with the plugin and a probe program, decided once per plugin and kernel); reading
+//! and writing 16-bit floats.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
-use kiln_pjrt::HostKernel;
+use kiln_pjrt::{HostKernel, Platform};
 use kiln_types::{f16, DType};
 
 use crate::device::Device;
 
-/// Whether kernel `K` is registered with `device`'s plugin and its probe gives the right numbers.
-/// A failure warns once (naming `what` and the `fallback` op that runs instead) and is `false`.
-pub(crate) fn registered_and_probed<K: HostKernel>(
+/// Whether kernel `K` runs on `device`: the CPU plugin, `enabled` (the kernel's own switch), the
+/// environment variable `env_switch` not `off` or `0`, and the kernel registered with the plugin
+/// with its probe giving the right numbers (decided once per plugin and kernel). A failure warns
+/// once (naming `what` and the `fallback` op that runs instead) and is `false`.
+pub(crate) fn active<K: HostKernel>(
     device: &Device,
+    enabled: bool,
+    env_switch: &str,
     what: &str,
     fallback: &str,
     probe: fn(&Device) -> Result<(), String>,
 ) -> bool {
-    static DECIDED: OnceLock<Mutex<HashMap<(PathBuf, &'static str), bool>>> = OnceLock::new();
-    let plugin = device.client().plugin().clone();
-    let key = (plugin.path().to_path_buf(), K::NAME);
+    if device.platform() != Platform::Cpu || !enabled || turned_off(env_switch) {
+        return false;
+    }
+    static DECIDED: OnceLock<Mutex<HashMap<PathBuf, HashMap<&'static str, bool>>>> = OnceLock::new();
+    let plugin = device.client().plugin();
     let decided = DECIDED.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(&ok) = decided.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+    let known = |decided: &HashMap<PathBuf, HashMap<&'static str, bool>>| {
+        decided
+            .get(plugin.path())
+            .and_then(|kernels| kernels.get(K::NAME))
+            .copied()
+    };
+    if let Some(ok) = known(&decided.lock().unwrap_or_else(|e| e.into_inner())) {
         return ok;
     }
     let ok = match plugin.register_host_kernel::<K>("Host") {
@@ -39,8 +52,17 @@ pub(crate) fn registered_and_probed<K: HostKernel>(
             false
         }
     };
-    decided.lock().unwrap_or_else(|e| e.into_inner()).insert(key, ok);
+    let mut decided = decided.lock().unwrap_or_else(|e| e.into_inner());
+    decided
+        .entry(plugin.path().to_path_buf())
+        .or_default()
+        .insert(K::NAME, ok);
     ok
+}
+
+/// Whether the environment variable `name` is `off` or `0`.
+pub(crate) fn turned_off(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "off" || v == "0")
 }
 
 /// `bytes` of `dtype` values as f32 (exact for 16-bit floats).
