@@ -421,7 +421,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="1 is faster when the 2 cores are shared")
     ap.add_argument("--n-images", type=int, default=24000)
     ap.add_argument("--layout", choices=("fixed", "exact", "open"), default="fixed",
-                    help="data layout (shapes.sample); stage 4 of the shipped model used 'open'")
+                    help="data layout (shapes.sample); the shipped model: stage 4 'open', 5-6 'fixed', 7-8 'exact'")
     ap.add_argument("--vae-steps", type=int, default=1000)
     ap.add_argument("--vae-batch", type=int, default=32)
     ap.add_argument("--vae-lr", type=float, default=2e-3)
