@@ -113,7 +113,7 @@ pub fn postprocess(decoded: DecodedPixels<'_>, shape: &Shape) -> Result<Vec<RgbI
 /// [`postprocess`] on raw host bytes (native endianness, any alignment) of the given dtype.
 pub fn postprocess_bytes(bytes: &[u8], dtype: DType, shape: &Shape) -> Result<Vec<RgbImage>, ImageError> {
     let element_size = dtype.size_in_bytes();
-    if bytes.len() % element_size != 0 {
+    if !bytes.len().is_multiple_of(element_size) {
         return Err(ImageError::ByteLength {
             dtype,
             got: bytes.len(),

@@ -316,7 +316,7 @@ impl ClipTextModel {
     /// `CLIPTextModelWithProjection`.
     pub fn load(config: &ClipTextConfig, weights: &Weights) -> Result<Self> {
         let component = weights.component().to_string();
-        if config.num_attention_heads == 0 || config.hidden_size % config.num_attention_heads != 0 {
+        if config.num_attention_heads == 0 || !config.hidden_size.is_multiple_of(config.num_attention_heads) {
             return Err(Error::Config {
                 component,
                 message: format!(

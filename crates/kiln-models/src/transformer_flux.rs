@@ -323,7 +323,7 @@ impl FluxTransformer2DModel {
             component: w.component().to_string(),
             message,
         };
-        if dim == 0 || head_dim % 2 != 0 {
+        if dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(config_error(format!(
                 "num_attention_heads {heads} × attention_head_dim {head_dim} must be positive with an even head_dim"
             )));

@@ -809,7 +809,7 @@ impl FluxPipeline {
         warn: &mut impl FnMut(String),
     ) -> Result<()> {
         let multiple = self.vae_scale_factor() * 2;
-        if height % multiple != 0 || width % multiple != 0 {
+        if !height.is_multiple_of(multiple) || !width.is_multiple_of(multiple) {
             warn(format!(
                 "`height` and `width` have to be divisible by {multiple} but are {height} and {width}. Dimensions will be resized accordingly"
             ));

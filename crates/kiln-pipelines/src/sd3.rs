@@ -1003,7 +1003,7 @@ impl StableDiffusion3Pipeline {
     /// diffusers' `check_inputs` (plus the checks `__call__` makes early).
     fn check_inputs(&self, args: &StableDiffusion3Call<'_>, height: usize, width: usize) -> Result<()> {
         let multiple = self.vae_scale_factor() * self.transformer_config.patch_size;
-        if height % multiple != 0 || width % multiple != 0 {
+        if !height.is_multiple_of(multiple) || !width.is_multiple_of(multiple) {
             // diffusers' message, missing space included.
             return Err(invalid(format!(
                 "`height` and `width` have to be divisible by {multiple} but are {height} and {width}.You can use height {} and width {}.",

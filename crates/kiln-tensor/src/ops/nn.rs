@@ -377,7 +377,7 @@ impl Tensor {
         let op = "rotary_emb";
         check_float(op, self)?;
         let r = self.rank();
-        if r < 2 || self.dims()[r - 1] % 2 != 0 {
+        if r < 2 || !self.dims()[r - 1].is_multiple_of(2) {
             return Err(Error::invalid(
                 op,
                 format!("needs [..., seq, even dim], got {}", self.shape()),

@@ -28,7 +28,7 @@ impl Tensor {
         let bad = || Error::invalid("reshape", format!("cannot reshape {} to {dims:?}", self.shape()));
         let shape: Vec<usize> = match unknown {
             0 => dims.iter().map(|&d| d as usize).collect(),
-            1 if known > 0 && self.numel() % known == 0 => dims
+            1 if known > 0 && self.numel().is_multiple_of(known) => dims
                 .iter()
                 .map(|&d| if d < 0 { self.numel() / known } else { d as usize })
                 .collect(),
@@ -162,7 +162,7 @@ impl Tensor {
     /// Splits along `dim` into `n` equal parts (`torch.chunk` when divisible).
     pub fn chunk(&self, n: usize, dim: isize) -> Result<Vec<Tensor>> {
         let d = self.resolve_dim("chunk", dim)?;
-        if n == 0 || self.dims()[d] % n != 0 {
+        if n == 0 || !self.dims()[d].is_multiple_of(n) {
             return Err(Error::invalid(
                 "chunk",
                 format!("dimension {dim} of {} is not divisible into {n} parts", self.shape()),
