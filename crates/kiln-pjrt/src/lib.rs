@@ -1,7 +1,8 @@
 //! Safe Rust over the PJRT C API: plugins, clients, devices, memories, buffers, executables.
 //!
-//! This is the only crate of kiln with `unsafe` code. Every raw pointer stays inside it; every
-//! PJRT error becomes an [`Error`] carrying the plugin's message and code.
+//! With `kiln-x86` (inline assembly and intrinsics for the native CPU kernels), the only crate of
+//! kiln with `unsafe` code. Every raw pointer stays inside it; every PJRT error becomes an
+//! [`Error`] carrying the plugin's message and code.
 
 mod buffer;
 mod client;

@@ -5,7 +5,9 @@
 //! (faer), the row softmax in between, never materialising more than a block's scores, on all
 //! cores. Numerics follow the plain lowering in `ops/nn.rs`: products accumulate in f32, the
 //! unnormalised weights take the input dtype before the value product, the f32 row sums divide its
-//! result, which is rounded once to the input dtype. `q` arrives already scaled.
+//! result, which is rounded once to the input dtype. `q` arrives already scaled. bf16 runs both
+//! products on AMX tiles and the softmax with AVX-512 where the CPU has them (`kiln-x86`), the same
+//! numerics in another order of sums; `KILN_CPU_AMX=off` keeps it on the f32 loops.
 //!
 //! Registered with the CPU plugin on first use and probed with a one-op program; a plugin
 //! without the FFI extension, a failed probe or `KILN_CPU_ATTENTION=off` keeps the plain
@@ -18,9 +20,10 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
+use kiln_x86::{Amx, Avx512, PackedB};
 
 use crate::device::Device;
-use crate::native_kernels::{read_f32, round_to, write_as};
+use crate::native_kernels::{bf16_bits, read_f32, round_to, write_as};
 
 /// The custom call target.
 pub(crate) const TARGET: &str = "kiln_cpu_attention";
@@ -69,6 +72,11 @@ impl HostKernel for CpuAttention {
             d,
             dv,
         };
+        if let (DType::BF16, Some(amx), Some(avx)) = (dtype, Amx::get(), Avx512::get()) {
+            let (q, k, v) = (as_u16(q), as_u16(k), as_u16(v));
+            attention_bf16_amx((amx, avx), &shape, &q, &k, &v, out.bytes, pool);
+            return Ok(());
+        }
         let (q, k, v) = (to_f32(q)?, to_f32(k)?, to_f32(v)?);
         attention(&shape, &q, &k, &v, dtype, out.bytes, pool);
         Ok(())
@@ -95,6 +103,137 @@ fn to_f32<'a>(x: &'a HostBuffer<'_>) -> Result<std::borrow::Cow<'a, [f32]>, Stri
     })
 }
 
+/// A 16-bit operand's bits (borrowed when aligned).
+fn as_u16<'a>(x: &'a HostBuffer<'_>) -> std::borrow::Cow<'a, [u16]> {
+    match bytemuck::try_cast_slice(x.bytes) {
+        Ok(bits) => std::borrow::Cow::Borrowed(bits),
+        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(x.bytes)),
+    }
+}
+
+/// The number of threads for `work` multiply-adds over `items` work items.
+fn threads_for(work: usize, items: usize) -> usize {
+    if work < PARALLEL_MIN_WORK {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
+    }
+}
+
+/// Query rows per work item on AMX (two tile rows).
+const AMX_ROWS: usize = 32;
+
+/// bf16 attention with both products on AMX tiles: each head's `kᵀ` and `v` are packed for the
+/// tiles once (zero-padded to multiples of 32), then every head and block of 32 query rows computes
+/// its scores, softmax weights and values with the numerics of the f32 path.
+fn attention_bf16_amx(
+    x86: (Amx, Avx512),
+    s: &Shape,
+    q: &[u16],
+    k: &[u16],
+    v: &[u16],
+    out: &mut [u8],
+    pool: &HostPool<'_>,
+) {
+    if s.sq == 0 || s.dv == 0 || s.b == 0 {
+        return;
+    }
+    let work = s.b * s.sq * s.sk * (s.d + s.dv);
+    let packed: Vec<Mutex<Packed>> = (0..s.b).map(|_| Mutex::default()).collect();
+    pool.for_each(s.b, threads_for(work, s.b), &|head| {
+        let mut packed = packed[head].lock().unwrap_or_else(|e| e.into_inner());
+        let k = &k[head * s.sk * s.d..][..s.sk * s.d];
+        let v = &v[head * s.sk * s.dv..][..s.sk * s.dv];
+        packed.keys.pack_transposed(k, s.sk, s.d, s.d);
+        packed.values.pack(v, s.sk, s.dv, s.dv);
+    });
+    let packed: Vec<Packed> = packed
+        .into_iter()
+        .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
+        .collect();
+    let mut items: Vec<(usize, usize, &mut [u8])> = Vec::new();
+    for (head, rows) in out.chunks_mut(s.sq * s.dv * 2).enumerate() {
+        for (block, chunk) in rows.chunks_mut(AMX_ROWS * s.dv * 2).enumerate() {
+            items.push((head, block * AMX_ROWS, chunk));
+        }
+    }
+    let threads = threads_for(work, items.len());
+    let items: Vec<Mutex<(usize, usize, &mut [u8])>> = items.into_iter().map(Mutex::new).collect();
+    pool.for_each(items.len(), threads, &|i| {
+        let mut item = items[i].lock().unwrap_or_else(|e| e.into_inner());
+        let (head, row0, ref mut chunk) = *item;
+        let q = &q[(head * s.sq + row0) * s.d..];
+        AMX_SCRATCH.with_borrow_mut(|scratch| block_amx(x86, s, q, &packed[head], chunk, scratch));
+    });
+}
+
+/// One head's keys (as `kᵀ`) and values, packed for the tiles.
+#[derive(Default)]
+struct Packed {
+    keys: PackedB,
+    values: PackedB,
+}
+
+thread_local! {
+    static AMX_SCRATCH: std::cell::RefCell<AmxScratch> = std::cell::RefCell::new(AmxScratch::default());
+}
+
+#[derive(Default)]
+struct AmxScratch {
+    q: Vec<u16>,
+    scores: Vec<f32>,
+    weights: Vec<u16>,
+    acc: Vec<f32>,
+}
+
+/// At most 32 query rows of one head on AMX: `q` starts at the first row, `out` holds the rows'
+/// bf16 results.
+fn block_amx((amx, avx): (Amx, Avx512), s: &Shape, q: &[u16], kv: &Packed, out: &mut [u8], scratch: &mut AmxScratch) {
+    let rows = out.len() / (s.dv * 2);
+    let (d_pad, sk_pad, dv_pad) = (kv.keys.k_pad(), kv.keys.n_pad(), kv.values.n_pad());
+    scratch.q.clear();
+    scratch.q.resize(AMX_ROWS * d_pad, 0);
+    for (dst, src) in scratch.q.chunks_exact_mut(d_pad).zip(q[..rows * s.d].chunks_exact(s.d)) {
+        dst[..s.d].copy_from_slice(src);
+    }
+    scratch.scores.resize(AMX_ROWS * sk_pad, 0.0);
+    scratch.weights.resize(AMX_ROWS * sk_pad, 0);
+    scratch.acc.resize(AMX_ROWS * dv_pad, 0.0);
+    let tiles = amx.tiles();
+    for col in (0..sk_pad).step_by(32) {
+        tiles.gemm_32x32(&scratch.q, d_pad, &kv.keys, col, &mut scratch.scores[col..], sk_pad);
+    }
+    let mut sums = [0f32; AMX_ROWS];
+    let rows_of_scores = scratch.scores.chunks_exact(sk_pad);
+    for ((row, weights), sum) in rows_of_scores
+        .zip(scratch.weights.chunks_exact_mut(sk_pad))
+        .zip(&mut sums)
+    {
+        *sum = avx.softmax_weights_bf16(&row[..s.sk], weights);
+        weights[s.sk..].fill(0);
+    }
+    for col in (0..dv_pad).step_by(32) {
+        tiles.gemm_32x32(
+            &scratch.weights,
+            sk_pad,
+            &kv.values,
+            col,
+            &mut scratch.acc[col..],
+            dv_pad,
+        );
+    }
+    drop(tiles);
+    for ((dst, acc), sum) in out
+        .chunks_exact_mut(s.dv * 2)
+        .zip(scratch.acc.chunks_exact(dv_pad))
+        .zip(sums)
+    {
+        for (d, &x) in dst.chunks_exact_mut(2).zip(&acc[..s.dv]) {
+            d.copy_from_slice(&bf16_bits(x / sum).to_le_bytes());
+        }
+    }
+}
+
 /// Every head and block of query rows, spread over the cores through `pool` (XLA's intra-op
 /// pool); each writes its own rows of `out`.
 fn attention(s: &Shape, q: &[f32], k: &[f32], v: &[f32], dtype: DType, out: &mut [u8], pool: &HostPool<'_>) {
@@ -107,14 +246,7 @@ fn attention(s: &Shape, q: &[f32], k: &[f32], v: &[f32], dtype: DType, out: &mut
             }
         }
     }
-    let work = s.b * s.sq * s.sk * (s.d + s.dv);
-    let threads = if work < PARALLEL_MIN_WORK {
-        1
-    } else {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(items.len())
-    };
+    let threads = threads_for(s.b * s.sq * s.sk * (s.d + s.dv), items.len());
     let items: Vec<Mutex<(usize, usize, &mut [u8])>> = items.into_iter().map(Mutex::new).collect();
     pool.for_each(items.len(), threads, &|i| {
         let mut item = items[i].lock().unwrap_or_else(|e| e.into_inner());

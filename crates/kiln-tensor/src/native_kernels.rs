@@ -86,7 +86,7 @@ pub(crate) fn read_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
 
 /// f32 → bf16 bits, rounding to nearest even (as `half`, in integer ops that vectorise); NaN
 /// stays NaN.
-fn bf16_bits(v: f32) -> u16 {
+pub(crate) fn bf16_bits(v: f32) -> u16 {
     let bits = v.to_bits();
     if v.is_nan() {
         return ((bits >> 16) | 0x40) as u16;

@@ -435,7 +435,8 @@ fn rotary_embedding_both_layouts() {
 /// The native CPU attention kernel (an XLA FFI custom call) is active with the installed CPU
 /// plugin and matches the reference on shapes with several heads, query blocks that do not divide
 /// the sequence, keys longer than queries, and enough work to run on several threads; turning it
-/// off gives the plain lowering, which matches too. The parallel work runs on XLA's thread pool.
+/// off gives the plain lowering, which matches too; bf16 runs on AMX tiles where the CPU has them
+/// and on f32 loops with AMX turned off. The parallel work runs on XLA's thread pool.
 #[test]
 fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
     let dev = kiln_testing_device();
@@ -443,10 +444,17 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
         kiln_tensor::cpu_attention_kernel_active(&dev),
         "the CPU plugin should run attention as kiln's FFI kernel"
     );
+    if kiln_tensor::cpu_has_amx_bf16() && std::env::var("KILN_CPU_AMX").is_err() {
+        assert!(
+            kiln_tensor::cpu_amx_active(),
+            "this CPU has AMX-BF16 but kiln does not use it"
+        );
+    }
     let mut r = rng(241);
     for (shape_q, shape_k, dv) in [
         ([1, 4, 300, 64], [1, 4, 333, 64], 64),
         ([2, 1, 70, 16], [2, 1, 70, 16], 24),
+        ([1, 2, 40, 128], [1, 2, 40, 128], 128),
     ] {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let q = Arr::rand(&mut r, &shape_q, -1.0, 1.0, dtype);
@@ -460,8 +468,10 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
             } else {
                 Tol { rtol: 2e-2, atol: 1e-2 }
             };
-            for native in [true, false] {
+            // the kernel with AMX tiles (bf16, where the CPU has them), on f32 loops, and off
+            for (native, amx) in [(true, true), (true, false), (false, false)] {
                 kiln_tensor::set_cpu_attention_kernel(native);
+                kiln_tensor::set_cpu_amx(amx);
                 let got = Tensor::scaled_dot_product_attention(
                     &q.tensor(dtype),
                     &k.tensor(dtype),
@@ -471,7 +481,7 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
                 )
                 .unwrap();
                 assert_close(
-                    &format!("attention {shape_q:?} {dtype} native={native}"),
+                    &format!("attention {shape_q:?} {dtype} native={native} amx={amx}"),
                     &got,
                     &want,
                     dtype,
@@ -479,6 +489,7 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
                 );
             }
             kiln_tensor::set_cpu_attention_kernel(true);
+            kiln_tensor::set_cpu_amx(true);
         }
     }
     if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {

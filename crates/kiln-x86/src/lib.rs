@@ -1,0 +1,14 @@
+//! x86 kernels for kiln's native CPU ops (the XLA FFI custom calls of `kiln-tensor`): bf16
+//! products on AMX tiles ([`Amx`]) and AVX-512 softmax rows ([`Avx512`]).
+//!
+//! With kiln-pjrt, the only crate of kiln with `unsafe` code: here the inline assembly of the tile
+//! instructions, the intrinsics and one system call, behind a safe API that checks every bound.
+//! Each unit is reached through a token that exists only once the CPU (and the OS) support it.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod amx;
+mod softmax;
+
+pub use amx::{active, cpu_has_amx_bf16, set_enabled, Amx, PackedB, Tiles};
+pub use softmax::Avx512;
