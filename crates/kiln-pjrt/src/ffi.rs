@@ -95,6 +95,18 @@ unsafe extern "C" fn pool_task(data: *mut c_void) {
     work.work();
 }
 
+impl HostPool<'static> {
+    /// A pool outside any XLA call: [`for_each`](HostPool::for_each) runs on threads of its own
+    /// (to run a kernel's code directly, in tests).
+    pub fn own_threads() -> HostPool<'static> {
+        HostPool {
+            schedule: None,
+            error_destroy: None,
+            _frame: PhantomData,
+        }
+    }
+}
+
 impl HostPool<'_> {
     /// Calls `body(i)` for every `i < n` on the calling thread and up to `workers - 1` helpers,
     /// and returns when every call has returned: the helpers are XLA pool tasks, or threads of

@@ -1,13 +1,14 @@
 //! bf16 convolutions of VAE-decoder sizes (3×3, and 1×1 as in the resnet shortcuts), stride 1,
 //! channels-last: XLA's convolution (which widens bf16 to f32) against kiln's dot lowering
-//! (the native column kernel for 3×3, then a bf16 × bf16 → f32 dot on YNNPACK), with the f32
-//! convolution for scale. Interleaved, median of N, each run waited for.
+//! (the native column kernel for 3×3, then a bf16 × bf16 → f32 dot on YNNPACK) and kiln's AMX
+//! convolution kernel (where the CPU has AMX), with the f32 convolution for scale. Interleaved,
+//! median of N, each run waited for.
 //!
 //! Run with `cargo bench -p kiln-tensor --bench conv_bf16`.
 
 use std::time::Instant;
 
-use kiln_tensor::{set_cpu_conv_kernel, Conv2dParams, DType, Device, Tensor};
+use kiln_tensor::{set_cpu_conv_kernel, set_cpu_direct_conv_kernel, Conv2dParams, DType, Device, Tensor};
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -28,8 +29,8 @@ fn main() -> AnyResult<()> {
     let dev = Device::cpu()?;
     println!("NHWC conv, stride 1, batch 1: {RUNS} interleaved runs each, median ms");
     println!(
-        "{:>6} {:>5} {:>5} {:>5} {:>9} {:>9} {:>9} {:>9}",
-        "kernel", "in", "out", "size", "f32 conv", "bf16 conv", "bf16 dot", "conv/dot"
+        "{:>6} {:>5} {:>5} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "kernel", "in", "out", "size", "f32 conv", "bf16 conv", "bf16 dot", "bf16 amx", "conv/dot", "conv/amx"
     );
     let shapes = [
         (3usize, 256usize, 256usize, 128usize),
@@ -55,32 +56,34 @@ fn main() -> AnyResult<()> {
         let f32_conv = || Ok(x32.conv2d_channels_last(&w32, Some(&b32), params)?);
         let bf16 = || Ok(x16.conv2d_channels_last(&w16, Some(&b16), params)?);
         // the lowering is chosen when the op is built, so each run sets it first
-        let bf16_conv = || {
-            set_cpu_conv_kernel(false);
+        let with = |columns: bool, direct: bool| {
+            set_cpu_conv_kernel(columns);
+            set_cpu_direct_conv_kernel(direct);
             bf16()
         };
-        let bf16_dot = || {
-            set_cpu_conv_kernel(true);
-            bf16()
-        };
-        let variants: [&dyn Fn() -> AnyResult<Tensor>; 3] = [&f32_conv, &bf16_conv, &bf16_dot];
+        let bf16_conv = || with(false, false);
+        let bf16_dot = || with(true, false);
+        let bf16_amx = || with(true, true);
+        let variants: [&dyn Fn() -> AnyResult<Tensor>; 4] = [&f32_conv, &bf16_conv, &bf16_dot, &bf16_amx];
         for f in variants {
             seconds(f)?;
         }
-        let mut times = vec![Vec::new(); 3];
+        let mut times = vec![Vec::new(); 4];
         for run in 0..RUNS {
-            for v in 0..3 {
-                let v = (v + run) % 3;
+            for v in 0..4 {
+                let v = (v + run) % 4;
                 times[v].push(seconds(variants[v])?);
             }
         }
-        let [a, b, d] = [0, 1, 2].map(|v| median(times[v].clone()) * 1e3);
+        let [a, b, d, e] = [0, 1, 2, 3].map(|v| median(times[v].clone()) * 1e3);
         println!(
-            "{:>6} {c:>5} {o:>5} {hw:>5} {a:>9.1} {b:>9.1} {d:>9.1} {:>9.2}",
+            "{:>6} {c:>5} {o:>5} {hw:>5} {a:>9.1} {b:>9.1} {d:>9.1} {e:>9.1} {:>9.2} {:>9.2}",
             format!("{k}x{k}"),
-            b / d
+            b / d,
+            b / e
         );
     }
     set_cpu_conv_kernel(true);
+    set_cpu_direct_conv_kernel(true);
     Ok(())
 }

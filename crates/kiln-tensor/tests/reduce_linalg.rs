@@ -267,17 +267,38 @@ fn conv2d_matches_the_reference() {
             p: params(1, 1, 1, 1),
             bias: true,
         },
+        // input channels a multiple of 32: bf16 channels-last 3×3 runs on AMX tiles where the CPU
+        // has them (a partial block of pixels and of output channels); 1×1 stays a dot
+        ConvCase {
+            x: [1, 32, 3, 37],
+            w: [40, 32, 3, 3],
+            p: params(1, 1, 1, 1),
+            bias: true,
+        },
+        ConvCase {
+            x: [2, 64, 2, 35],
+            w: [8, 64, 1, 1],
+            p: params(1, 0, 1, 1),
+            bias: false,
+        },
     ];
     let device = kiln_tensor::Device::cpu().unwrap();
     assert!(
         kiln_tensor::cpu_conv_kernel_active(&device),
         "the column kernel did not register or failed its probe"
     );
+    if kiln_tensor::cpu_has_amx_bf16() && std::env::var("KILN_CPU_AMX").is_err() {
+        assert!(
+            kiln_tensor::cpu_direct_conv_kernel_active(&device),
+            "the AMX convolution kernel did not register or failed its probe"
+        );
+    }
     let mut r = rng(80);
     for (i, case) in cases.iter().enumerate() {
         for dtype in FLOATS {
             // bf16 NCHW uses the same program as f32; bf16 channels-last with stride 1 and one
-            // group is a dot on CPU (cases 0, 5 and 6; case 2 is dilated, 1, 3 and 4 keep XLA's).
+            // group is a dot on CPU (cases 0, 5 and 6; case 2 is dilated, 1, 3 and 4 keep XLA's),
+            // or the AMX kernel (case 7).
             if dtype == DType::BF16 && (2..5).contains(&i) {
                 continue;
             }
@@ -303,15 +324,19 @@ fn conv2d_matches_the_reference() {
             let what = format!("conv2d_channels_last case {i} {dtype}");
             assert_close(&what, &got, &want.permute(&nhwc), dtype, t);
             if dtype == DType::BF16 {
-                // the same case through XLA's convolution instead of a dot
-                kiln_tensor::set_cpu_conv_kernel(false);
-                let got = x
-                    .permute(&nhwc)
-                    .tensor(dtype)
-                    .conv2d_channels_last(&w.tensor(dtype), bias.as_ref(), case.p);
-                kiln_tensor::set_cpu_conv_kernel(true);
-                let what = format!("conv2d_channels_last case {i} {dtype} as a convolution");
-                assert_close(&what, &got.unwrap(), &want.permute(&nhwc), dtype, t);
+                // the same case as a dot (no AMX kernel), then through XLA's convolution
+                for (direct, columns, how) in [(false, true, "as a dot"), (false, false, "as a convolution")] {
+                    kiln_tensor::set_cpu_direct_conv_kernel(direct);
+                    kiln_tensor::set_cpu_conv_kernel(columns);
+                    let got =
+                        x.permute(&nhwc)
+                            .tensor(dtype)
+                            .conv2d_channels_last(&w.tensor(dtype), bias.as_ref(), case.p);
+                    kiln_tensor::set_cpu_direct_conv_kernel(true);
+                    kiln_tensor::set_cpu_conv_kernel(true);
+                    let what = format!("conv2d_channels_last case {i} {dtype} {how}");
+                    assert_close(&what, &got.unwrap(), &want.permute(&nhwc), dtype, t);
+                }
             }
         }
     }

@@ -84,19 +84,57 @@ impl Tiles {
     /// row `i` at `a[i·a_stride..]`; `c`: f32, row `i` at `c[i·c_stride..]`. Panics when `col0` is not
     /// a multiple of 16, the columns pass `b.n_pad()`, or `a` or `c` is too short.
     pub fn gemm_32x32(&self, a: &[u16], a_stride: usize, b: &PackedB, col0: usize, c: &mut [f32], c_stride: usize) {
-        let k = b.k_pad;
+        self.gemm_32x32_segments(&[(a, a_stride)], b, col0, c, c_stride);
+    }
+
+    /// As [`gemm_32x32`](Self::gemm_32x32) with `A` in column segments: the `k` rows of `B` split
+    /// into `segments.len()` equal parts (each a multiple of 32), part `t` multiplied by the 32 rows
+    /// of `segments[t] = (a, a_stride)`. A convolution's taps are such segments: one shifted view
+    /// of the input each.
+    pub fn gemm_32x32_segments(
+        &self,
+        segments: &[(&[u16], usize)],
+        b: &PackedB,
+        col0: usize,
+        c: &mut [f32],
+        c_stride: usize,
+    ) {
+        let parts = segments.len();
+        assert!(
+            parts > 0 && b.k_pad.is_multiple_of(parts),
+            "{parts} segments do not split k = {}",
+            b.k_pad
+        );
+        let seg_k = b.k_pad / parts;
+        assert!(
+            seg_k.is_multiple_of(32),
+            "segments of {seg_k} rows are not multiples of 32"
+        );
         assert!(
             col0.is_multiple_of(16) && col0 + 32 <= b.n_pad,
             "columns {col0}..+32 of {}",
             b.n_pad
         );
-        assert!(a_stride >= k && a.len() >= 31 * a_stride + k, "a is too short");
         assert!(c_stride >= 32 && c.len() >= 31 * c_stride + 32, "c is too short");
+        for &(a, a_stride) in segments {
+            assert!(
+                a_stride >= seg_k && a.len() >= 31 * a_stride + seg_k,
+                "a segment is too short"
+            );
+        }
         let block = b.block_len();
         let b0 = &b.data[col0 / 16 * block..][..2 * block];
         // SAFETY: the tile layout is loaded on this thread (`self`); every tile row read or written
-        // lies inside `a`, `b0` (two column blocks of `k / 2` pair-rows of 32) and `c` (checked above).
-        unsafe { imp::gemm_32x32(k, a.as_ptr(), a_stride, b0.as_ptr(), block, c.as_mut_ptr(), c_stride) }
+        // lies inside a segment, `b0` (two column blocks of `k / 2` pair-rows of 32; segment `t`
+        // reads pair-rows `t·seg_k/2..(t + 1)·seg_k/2` of each) or `c` (checked above).
+        unsafe {
+            imp::zero_c();
+            for (t, &(a, a_stride)) in segments.iter().enumerate() {
+                let b_part = b0.as_ptr().add(t * seg_k / 2 * 32);
+                imp::accumulate(seg_k / 32, a.as_ptr(), a_stride, b_part, block);
+            }
+            imp::store_c(c.as_mut_ptr(), c_stride);
+        }
     }
 }
 
@@ -239,30 +277,30 @@ mod imp {
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     }
 
-    /// Safety: the tile layout is loaded on this thread; 32 rows of `k` elements of `a`, two
-    /// column blocks of `b` (`k / 2` pair-rows of 32 elements each, the second `b_block` elements
-    /// after the first) and 32 rows of 32 elements of `c` are in bounds.
+    /// Zeroes the result tiles. Safety: the tile layout is loaded on this thread.
     #[inline]
-    pub(super) unsafe fn gemm_32x32(
-        k: usize,
-        a: *const u16,
-        a_stride: usize,
-        b: *const u16,
-        b_block: usize,
-        c: *mut f32,
-        c_stride: usize,
-    ) {
-        // SAFETY: the caller's contract: the layout is loaded and every tile row is in bounds.
+    pub(super) unsafe fn zero_c() {
+        // SAFETY: the caller's contract.
         unsafe {
-            let (a_bytes, b_bytes, c_bytes) = (a_stride * 2, 64usize, c_stride * 4);
             asm!(
                 "tilezero tmm0",
                 "tilezero tmm1",
                 "tilezero tmm2",
                 "tilezero tmm3",
                 options(nostack, nomem)
-            );
-            for chunk in 0..k / 32 {
+            )
+        };
+    }
+
+    /// Adds `A[32 × 32·chunks] · B` to the result tiles. Safety: the tile layout is loaded on this
+    /// thread; 32 rows (stride `a_stride` elements) of `32·chunks` elements of `a`, and
+    /// `16·chunks` pair-rows of 32 elements from `b` and from `b + b_block` are in bounds.
+    #[inline]
+    pub(super) unsafe fn accumulate(chunks: usize, a: *const u16, a_stride: usize, b: *const u16, b_block: usize) {
+        let (a_bytes, b_bytes) = (a_stride * 2, 64usize);
+        for chunk in 0..chunks {
+            // SAFETY: the caller's contract.
+            unsafe {
                 let a0 = a.add(chunk * 32);
                 let a1 = a0.add(16 * a_stride);
                 let b0 = b.add(chunk * 16 * 32);
@@ -285,6 +323,15 @@ mod imp {
                     options(nostack, readonly),
                 );
             }
+        }
+    }
+
+    /// Stores the result tiles as `c[32×32]` (row stride `c_stride` f32). Safety: the tile layout
+    /// is loaded on this thread; 32 rows of 32 f32 of `c` are in bounds.
+    #[inline]
+    pub(super) unsafe fn store_c(c: *mut f32, c_stride: usize) {
+        // SAFETY: the caller's contract.
+        unsafe {
             let c1 = c.add(16);
             let c2 = c.add(16 * c_stride);
             let c3 = c2.add(16);
@@ -297,7 +344,7 @@ mod imp {
                 c1 = in(reg) c1,
                 c2 = in(reg) c2,
                 c3 = in(reg) c3,
-                sc = in(reg) c_bytes,
+                sc = in(reg) c_stride * 4,
                 options(nostack),
             );
         }
@@ -314,7 +361,13 @@ mod imp {
     }
     pub(super) fn load_config() {}
     pub(super) fn release() {}
-    pub(super) unsafe fn gemm_32x32(_: usize, _: *const u16, _: usize, _: *const u16, _: usize, _: *mut f32, _: usize) {
+    pub(super) unsafe fn zero_c() {
+        unreachable!("Amx is never constructed off x86_64 Linux")
+    }
+    pub(super) unsafe fn accumulate(_: usize, _: *const u16, _: usize, _: *const u16, _: usize) {
+        unreachable!("Amx is never constructed off x86_64 Linux")
+    }
+    pub(super) unsafe fn store_c(_: *mut f32, _: usize) {
         unreachable!("Amx is never constructed off x86_64 Linux")
     }
 }
@@ -357,6 +410,30 @@ mod tests {
                     want,
                     "({i}, {j})"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn segments_multiply_their_own_rows_of_b() {
+        let Some(amx) = Amx::get() else { return };
+        let bf = |v: f32| (v.to_bits() >> 16) as u16;
+        let f = |x: u16| f32::from_bits((x as u32) << 16);
+        let (seg_k, n) = (32usize, 32usize);
+        let a0: Vec<u16> = (0..32 * seg_k).map(|i| bf((i % 5) as f32 - 2.0)).collect();
+        let a1: Vec<u16> = (0..32 * 40).map(|i| bf((i % 7) as f32 - 3.0)).collect();
+        let b: Vec<u16> = (0..2 * seg_k * n).map(|i| bf((i % 3) as f32 - 1.0)).collect();
+        let mut packed = PackedB::default();
+        packed.pack(&b, 2 * seg_k, n, n);
+        let mut c = vec![0f32; 32 * n];
+        amx.tiles()
+            .gemm_32x32_segments(&[(&a0, seg_k), (&a1, 40)], &packed, 0, &mut c, n);
+        for i in 0..32 {
+            for j in 0..n {
+                let want: f32 = (0..seg_k)
+                    .map(|l| f(a0[i * seg_k + l]) * f(b[l * n + j]) + f(a1[i * 40 + l]) * f(b[(seg_k + l) * n + j]))
+                    .sum();
+                assert_eq!(c[i * n + j], want, "c[{i}][{j}]");
             }
         }
     }

@@ -173,11 +173,19 @@ impl Tensor {
         let mut inputs = vec![self, weight];
         inputs.extend(bias);
         apply1(op, &inputs, |b, p| {
+            if lowering == ConvLowering::Direct {
+                let [n, h, w, _] = [p[0].dims()[0], p[0].dims()[1], p[0].dims()[2], p[0].dims()[3]];
+                let [o, _, kh, kw] = [p[1].dims()[0], p[1].dims()[1], p[1].dims()[2], p[1].dims()[3]];
+                let pad = 2 * params.padding + 1;
+                let shape = [n, h + pad - kh, w + pad - kw, o];
+                return b.ffi_call(crate::cpu_conv::TARGET, p, shape, dtype);
+            }
             let acc = accumulation_dtype(dtype);
             let mut y = match lowering {
                 ConvLowering::Convolution => b.convolution(&p[0], &p[1], &dims, acc)?,
                 ConvLowering::PointwiseDot => pointwise_conv_as_dot(b, &p[0], &p[1], acc)?,
                 ConvLowering::ColumnsDot => conv_as_columns_dot(b, &p[0], &p[1], params.padding, acc)?,
+                ConvLowering::Direct => unreachable!("returned above"),
             };
             if let Some(bias) = p.get(2) {
                 let bias = b.convert(bias, acc)?;
@@ -199,12 +207,15 @@ enum ConvLowering {
     PointwiseDot,
     /// The input's columns (native kernel, `cpu_im2col.rs`) times the weight as a matrix.
     ColumnsDot,
+    /// The native convolution kernel on AMX tiles (`cpu_conv.rs`), bias included.
+    Direct,
 }
 
 impl ConvLowering {
-    /// bf16 channels-last convolutions with stride and dilation 1 and one group run as dots on
-    /// CPU: XLA:CPU widens a bf16 convolution to f32 (Eigen) but runs bf16 × bf16 → f32 dots on
-    /// YNNPACK (`benches/conv_bf16.rs`). The numbers are the same: exact products, f32 sums.
+    /// bf16 channels-last convolutions with stride and dilation 1 and one group run on AMX tiles
+    /// where the CPU has them (input channels a multiple of 32), else as dots on CPU: XLA:CPU
+    /// widens a bf16 convolution to f32 (Eigen) but runs bf16 × bf16 → f32 dots on YNNPACK
+    /// (`benches/conv_bf16.rs`). The numbers are the same: exact products, f32 sums.
     fn choose(
         layout: ConvLayout,
         dtype: DType,
@@ -221,6 +232,9 @@ impl ConvLowering {
             && device.platform() == Platform::Cpu;
         if !eligible {
             ConvLowering::Convolution
+        } else if weight[2..] != [1, 1] && crate::cpu_conv::available(device, input[3]) {
+            // a 1×1 kernel is a plain dot, which YNNPACK runs a little faster (`conv_bf16`)
+            ConvLowering::Direct
         } else if weight[2..] == [1, 1] && p.padding == 0 && crate::cpu_im2col::enabled() {
             ConvLowering::PointwiseDot
         } else if columns_bytes(input, weight, p.padding, dtype) <= MAX_COLUMNS_BYTES

@@ -1,0 +1,388 @@
+//! A stride-1 channels-last convolution as a native kernel inside XLA:CPU programs (an XLA FFI
+//! custom call), computed on AMX tiles straight from the input: no columns in memory.
+//!
+//! The product is `out[pixel, o] = Σ_taps Σ_c x[pixel + tap, c] · w[o, c, tap]`: for 32 output
+//! pixels of a row and 32 output channels, each kernel tap is a 32 × C view of the (padded) input
+//! with rows one pixel apart — an AMX `A` operand as it lies in memory — against that tap's rows of
+//! the packed weight. Numerics of a bf16 convolution with f32 accumulation: exact products, f32
+//! sums, the f32 bias added, one rounding to bf16. Operands: the input `[N, H, W, C]`, the OIHW
+//! weight and optionally the bias `[O]`; the symmetric padding follows from the result's shape.
+//!
+//! Used for bf16 with `C` a multiple of 32 when AMX is active (`kiln-x86`). The kernel also
+//! computes any other case (another dtype, AMX off when a program compiled with it runs) with f32
+//! loops, slowly but with the same numbers, so that a cached program never gives a wrong answer.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use faer::linalg::matmul::matmul;
+use faer::{Accum, MatMut, MatRef, Par};
+use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
+use kiln_types::DType;
+use kiln_x86::{Amx, PackedB};
+
+use crate::device::Device;
+use crate::native_kernels::{bf16_bits, read_f32, write_as};
+
+/// The custom call target.
+pub(crate) const TARGET: &str = "kiln_cpu_conv";
+
+/// Output pixels and channels per tile product.
+const TILE: usize = 32;
+
+pub(crate) struct CpuConv;
+
+impl HostKernel for CpuConv {
+    const NAME: &'static str = TARGET;
+
+    fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
+        let counts = (args.len(), rets.len());
+        let ((x, w, bias), [out]) = (
+            match args {
+                [x, w] => (x, w, None),
+                [x, w, b] => (x, w, Some(b)),
+                _ => {
+                    return Err(format!(
+                        "expects 2 or 3 operands (input, weight, bias), got {}",
+                        counts.0
+                    ))
+                }
+            },
+            rets,
+        ) else {
+            return Err(format!("expects 1 result, got {}", counts.1));
+        };
+        let four = |dims: &[usize], what: &str| -> Result<[usize; 4], String> {
+            <[usize; 4]>::try_from(dims).map_err(|_| format!("{what} must have rank 4, got {dims:?}"))
+        };
+        let [n, h, wd, c] = four(&x.dims, "the input")?;
+        let [o, wc, kh, kw] = four(&w.dims, "the weight")?;
+        let [on, ho, wo, oo] = four(&out.dims, "the result")?;
+        let dtype = x.dtype;
+        if [w.dtype, out.dtype] != [dtype; 2] || bias.is_some_and(|b| b.dtype != dtype) {
+            return Err(format!(
+                "operands and result must share one dtype, got {dtype}, {}, {}",
+                w.dtype, out.dtype
+            ));
+        }
+        if bias.is_some_and(|b| b.dims != [o]) {
+            return Err(format!("the bias must be [{o}]"));
+        }
+        // output size = input + 2·padding − kernel + 1
+        let padding = |input: usize, output: usize, kernel: usize| {
+            let twice = (output + kernel).checked_sub(input + 1)?;
+            (twice % 2 == 0).then_some(twice / 2)
+        };
+        let (Some(ph), Some(pw)) = (padding(h, ho, kh), padding(wd, wo, kw)) else {
+            return Err(format!(
+                "result {:?} is not a stride-1 convolution of input {:?} with kernel {kh}x{kw}",
+                out.dims, x.dims
+            ));
+        };
+        if on != n || wc != c || oo != o || ph != pw || kh == 0 || kw == 0 {
+            return Err(format!(
+                "result {:?} is not the convolution of input {:?} with weight {:?}",
+                out.dims, x.dims, w.dims
+            ));
+        }
+        let g = Geometry {
+            n,
+            h,
+            w: wd,
+            c,
+            o,
+            kh,
+            kw,
+            ho,
+            wo,
+            pad: ph,
+        };
+        let bias = bias.map_or_else(|| vec![0.0; o], |b| read_f32(dtype, b.bytes));
+        match Amx::get() {
+            Some(amx) if dtype == DType::BF16 && c.is_multiple_of(TILE) && !out.bytes.is_empty() => {
+                conv_amx(amx, &g, &as_u16(x.bytes), &as_u16(w.bytes), &bias, out.bytes, pool)
+            }
+            _ => conv_f32(
+                &g,
+                &read_f32(dtype, x.bytes),
+                &read_f32(dtype, w.bytes),
+                &bias,
+                dtype,
+                out.bytes,
+                pool,
+            ),
+        }
+        Ok(())
+    }
+}
+
+struct Geometry {
+    n: usize,
+    h: usize,
+    w: usize,
+    c: usize,
+    o: usize,
+    kh: usize,
+    kw: usize,
+    ho: usize,
+    wo: usize,
+    pad: usize,
+}
+
+fn as_u16(bytes: &[u8]) -> std::borrow::Cow<'_, [u16]> {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(bits) => std::borrow::Cow::Borrowed(bits),
+        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}
+
+fn threads(items: usize) -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
+}
+
+/// The AMX path: the weight packed once (`[taps·C, O]`), the input copied with its padding (and
+/// enough zero columns that every 32-pixel block can be read whole), then one work item per
+/// output row.
+fn conv_amx(amx: Amx, g: &Geometry, x: &[u16], w: &[u16], bias: &[f32], out: &mut [u8], pool: &HostPool<'_>) {
+    let taps = g.kh * g.kw;
+    let k = taps * g.c;
+    let mut rows_by_o = vec![0u16; g.o * k];
+    for (o, row) in rows_by_o.chunks_exact_mut(k).enumerate() {
+        for ci in 0..g.c {
+            for tap in 0..taps {
+                row[tap * g.c + ci] = w[(o * g.c + ci) * taps + tap];
+            }
+        }
+    }
+    let mut weight = PackedB::default();
+    weight.pack_transposed(&rows_by_o, g.o, k, k);
+    drop(rows_by_o);
+
+    let hp = g.h + 2 * g.pad;
+    let wp = (g.w + 2 * g.pad).max(g.wo.div_ceil(TILE) * TILE + g.kw - 1);
+    let mut padded = vec![0u16; g.n * hp * wp * g.c];
+    {
+        let rows: Vec<Mutex<&mut [u16]>> = padded.chunks_mut(wp * g.c).map(Mutex::new).collect();
+        pool.for_each(rows.len(), threads(rows.len()), &|r| {
+            let (image, yy) = (r / hp, r % hp);
+            let Some(y) = yy.checked_sub(g.pad).filter(|&y| y < g.h) else {
+                return;
+            };
+            let mut row = rows[r].lock().unwrap_or_else(|e| e.into_inner());
+            let src = &x[(image * g.h + y) * g.w * g.c..][..g.w * g.c];
+            row[g.pad * g.c..][..g.w * g.c].copy_from_slice(src);
+        });
+    }
+
+    let out_row = g.wo * g.o * 2;
+    let rows: Vec<Mutex<&mut [u8]>> = out.chunks_mut(out_row).map(Mutex::new).collect();
+    pool.for_each(rows.len(), threads(rows.len()), &|r| {
+        let mut row = rows[r].lock().unwrap_or_else(|e| e.into_inner());
+        let (image, y) = (r / g.ho, r % g.ho);
+        let tiles = amx.tiles();
+        let mut c = [0f32; TILE * TILE];
+        let mut segments: Vec<(&[u16], usize)> = Vec::with_capacity(taps);
+        for o0 in (0..g.o).step_by(TILE) {
+            for x0 in (0..g.wo).step_by(TILE) {
+                segments.clear();
+                for i in 0..g.kh {
+                    let line = &padded[(image * hp + y + i) * wp * g.c..][..wp * g.c];
+                    for j in 0..g.kw {
+                        segments.push((&line[(x0 + j) * g.c..], g.c));
+                    }
+                }
+                tiles.gemm_32x32_segments(&segments, &weight, o0, &mut c, TILE);
+                let (pixels, channels) = ((g.wo - x0).min(TILE), (g.o - o0).min(TILE));
+                for (p, values) in c.chunks_exact(TILE).take(pixels).enumerate() {
+                    let dst = &mut row[((x0 + p) * g.o + o0) * 2..][..channels * 2];
+                    for ((d, &v), &b) in dst.chunks_exact_mut(2).zip(values).zip(&bias[o0..]) {
+                        d.copy_from_slice(&bf16_bits(v + b).to_le_bytes());
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Any dtype, without AMX: per output row, its columns in f32 times the weight as a
+/// `[taps·C, O]` matrix (faer), plus the bias, rounded to `dtype`.
+fn conv_f32(g: &Geometry, x: &[f32], w: &[f32], bias: &[f32], dtype: DType, out: &mut [u8], pool: &HostPool<'_>) {
+    let taps = g.kh * g.kw;
+    let k = taps * g.c;
+    let mut matrix = vec![0f32; k * g.o];
+    for o in 0..g.o {
+        for ci in 0..g.c {
+            for tap in 0..taps {
+                matrix[(tap * g.c + ci) * g.o + o] = w[(o * g.c + ci) * taps + tap];
+            }
+        }
+    }
+    let out_row = g.wo * g.o * dtype.size_in_bytes();
+    if out_row == 0 {
+        return;
+    }
+    let rows: Vec<Mutex<&mut [u8]>> = out.chunks_mut(out_row).map(Mutex::new).collect();
+    pool.for_each(rows.len(), threads(rows.len()), &|r| {
+        let mut row = rows[r].lock().unwrap_or_else(|e| e.into_inner());
+        let (image, y) = (r / g.ho, r % g.ho);
+        let mut columns = vec![0f32; g.wo * k];
+        for (xo, pixel) in columns.chunks_exact_mut(k).enumerate() {
+            for i in 0..g.kh {
+                let Some(yy) = (y + i).checked_sub(g.pad).filter(|&yy| yy < g.h) else {
+                    continue;
+                };
+                for j in 0..g.kw {
+                    let Some(xx) = (xo + j).checked_sub(g.pad).filter(|&xx| xx < g.w) else {
+                        continue;
+                    };
+                    let src = &x[((image * g.h + yy) * g.w + xx) * g.c..][..g.c];
+                    pixel[(i * g.kw + j) * g.c..][..g.c].copy_from_slice(src);
+                }
+            }
+        }
+        let mut result: Vec<f32> = (0..g.wo).flat_map(|_| bias.iter().copied()).collect();
+        matmul(
+            MatMut::from_row_major_slice_mut(&mut result, g.wo, g.o),
+            Accum::Add,
+            MatRef::from_row_major_slice(&columns, g.wo, k),
+            MatRef::from_row_major_slice(&matrix, k, g.o),
+            1.0f32,
+            Par::Seq,
+        );
+        write_as(dtype, &result, &mut row);
+    });
+}
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the native convolution kernel on or off for programs built from now on (compiled
+/// programs keep theirs); with it off, bf16 convolutions fall back to the column kernel's dots.
+pub fn set_cpu_direct_conv_kernel(enabled: bool) {
+    ENABLED.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether bf16 channels-last convolutions (stride 1, one group, input channels a multiple of 32)
+/// on `device` run as the native kernel on AMX tiles.
+pub fn cpu_direct_conv_kernel_active(device: &Device) -> bool {
+    available(device, TILE)
+}
+
+/// Whether a bf16 channels-last convolution with `channels` input channels runs as the native
+/// kernel on AMX on `device`: AMX active, `channels` a multiple of 32, the handler registered with
+/// its probe right, and the kernel not turned off (here or by `KILN_CPU_CONV=off`).
+pub(crate) fn available(device: &Device, channels: usize) -> bool {
+    channels.is_multiple_of(TILE)
+        && kiln_x86::active()
+        && crate::native_kernels::active::<CpuConv>(
+            device,
+            ENABLED.load(Ordering::Relaxed) && crate::cpu_im2col::enabled(),
+            "KILN_CPU_CONV",
+            "the CPU convolution kernel",
+            "conv2d",
+            probe,
+        )
+}
+
+/// A 3×3 convolution (padding 1, bias) of a 3×5 input with 32 channels into 3 channels, in bf16
+/// inside the program (the AMX path where it is active), checked against f64 sums of the same
+/// bf16 values.
+fn probe(device: &Device) -> Result<(), String> {
+    use kiln_hlo::Builder;
+    let (h, w, c, o, k) = (3usize, 5usize, 32usize, 3usize, 3usize);
+    let (input, weight, output) = ([1, h, w, c], [o, c, k, k], [1, h, w, o]);
+    let bf = |v: f32| kiln_types::bf16::from_f32(v).to_f32();
+    let data: Vec<f32> = (0..h * w * c).map(|i| bf(((i * 7) % 23) as f32 / 23.0 - 0.5)).collect();
+    let weights: Vec<f32> = (0..o * c * k * k)
+        .map(|i| bf(((i * 5) % 19) as f32 / 19.0 - 0.5))
+        .collect();
+    let biases = [0.25f32, -0.5, 1.0];
+    let mut b = Builder::new();
+    let params = [input.to_vec(), weight.to_vec(), vec![o]].map(|s| b.parameter(s, DType::F32));
+    let as_bf16 = params
+        .iter()
+        .map(|p| b.convert(p, DType::BF16))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let y = b
+        .ffi_call(TARGET, &as_bf16, output, DType::BF16)
+        .map_err(|e| e.to_string())?;
+    let y = b.convert(&y, DType::F32).map_err(|e| e.to_string())?;
+    let program = b.finish(&[y]).map_err(|e| e.to_string())?;
+    let inputs: [(&[f32], &[usize]); 3] = [(&data, &input), (&weights, &weight), (&biases, &[o])];
+    let got = crate::dispatch::run_host_program(device, "cpu_conv_probe", &program, &inputs, &output)
+        .map_err(|e| e.to_string())?;
+    for y in 0..h {
+        for x in 0..w {
+            for oc in 0..o {
+                let mut want = biases[oc] as f64;
+                for i in 0..k {
+                    for j in 0..k {
+                        let (yy, xx) = ((y + i) as isize - 1, (x + j) as isize - 1);
+                        if !(0..h as isize).contains(&yy) || !(0..w as isize).contains(&xx) {
+                            continue;
+                        }
+                        for ci in 0..c {
+                            let v = data[(yy as usize * w + xx as usize) * c + ci] as f64;
+                            want += v * weights[((oc * c + ci) * k + i) * k + j] as f64;
+                        }
+                    }
+                }
+                let have = got[(y * w + x) * o + oc] as f64;
+                if (have - want).abs() > 1e-2 * want.abs().max(1.0) {
+                    return Err(format!(
+                        "the probe gave {have} at ({y}, {x}, {oc}) where {want} was expected"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AMX path and the f32 loops give the same bf16 results (up to the order of f32 sums)
+    /// on shapes with partial pixel and channel blocks, a 1×1 kernel and a non-square one.
+    #[test]
+    fn amx_path_matches_the_f32_loops() {
+        let Some(amx) = Amx::get() else { return };
+        let pool = HostPool::own_threads();
+        for (n, h, w, c, o, kh, kw, pad) in [
+            (1, 4, 37, 64, 40, 3, 3, 1),
+            (2, 3, 33, 32, 8, 1, 1, 0),
+            (1, 5, 6, 32, 33, 3, 2, 1),
+        ] {
+            let (ho, wo) = (h + 2 * pad + 1 - kh, w + 2 * pad + 1 - kw);
+            let g = Geometry {
+                n,
+                h,
+                w,
+                c,
+                o,
+                kh,
+                kw,
+                ho,
+                wo,
+                pad,
+            };
+            let bits = |len: usize, seed: usize| -> Vec<u16> {
+                (0..len)
+                    .map(|i| bf16_bits((((i * 7919 + seed) % 1009) as f32 / 1009.0 - 0.5) * 2.0))
+                    .collect()
+            };
+            let (x, wt) = (bits(n * h * w * c, 1), bits(o * c * kh * kw, 2));
+            let bias: Vec<f32> = (0..o).map(|i| i as f32 * 0.125 - 1.0).collect();
+            let widen = |v: &[u16]| -> Vec<f32> { v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
+            let mut amx_out = vec![0u8; n * ho * wo * o * 2];
+            let mut f32_out = amx_out.clone();
+            conv_amx(amx, &g, &x, &wt, &bias, &mut amx_out, &pool);
+            conv_f32(&g, &widen(&x), &widen(&wt), &bias, DType::BF16, &mut f32_out, &pool);
+            let (a, b) = (read_f32(DType::BF16, &amx_out), read_f32(DType::BF16, &f32_out));
+            for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                assert!((a - b).abs() <= 1e-2 * b.abs().max(1.0), "{kh}x{kw} [{i}]: {a} vs {b}");
+            }
+        }
+    }
+}
