@@ -141,7 +141,7 @@ impl GroupNorm {
     pub fn forward_channels_last(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.group_norm_channels_last(self.groups, Some(&self.weight), Some(&self.bias), self.eps)?)
     }
-    /// `silu(self.forward_channels_last(x))` as one op.
+    /// `silu(self.forward_channels_last(x))` as one op (one pass on CPU).
     pub fn forward_channels_last_silu(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.group_norm_silu_channels_last(self.groups, Some(&self.weight), Some(&self.bias), self.eps)?)
     }

@@ -67,20 +67,27 @@ pub(crate) fn turned_off(name: &str) -> bool {
 
 /// `bytes` of `dtype` values as f32 (exact for 16-bit floats).
 pub(crate) fn read_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
+    let mut out = Vec::new();
+    read_f32_into(dtype, bytes, &mut out);
+    out
+}
+
+/// [`read_f32`] into a buffer kept between calls.
+pub(crate) fn read_f32_into(dtype: DType, bytes: &[u8], out: &mut Vec<f32>) {
+    out.clear();
     match dtype {
         // bf16 is the top half of an f32: a shift, which vectorises
-        DType::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
-            .collect(),
-        DType::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        _ => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
+        DType::BF16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)),
+        ),
+        DType::F16 => out.extend(bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())),
+        _ => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        ),
     }
 }
 

@@ -127,9 +127,17 @@ fn rms_norm_with_and_without_weight() {
 
 #[test]
 fn group_norm_matches_the_reference() {
+    if kiln_tensor::cpu_has_amx_bf16() {
+        // (AMX CPUs have AVX-512, which the kernel needs)
+        assert!(
+            kiln_tensor::cpu_group_norm_kernel_active(&dev()),
+            "the CPU group-norm kernel did not register or failed its probe"
+        );
+    }
     let mut r = rng(230);
     let eps = 1e-5;
     for dtype in FLOATS {
+        // the last shape spans several of the kernel's 512-position blocks, the last one partial
         for (groups, affine, shape) in [
             (3usize, true, [2usize, 6, 3, 4]),
             (1, false, [2, 6, 3, 4]),
@@ -177,15 +185,34 @@ fn group_norm_matches_the_reference() {
             );
             // with SiLU fused: silu of the rounded norm, rounded again
             let (w_opt, b_opt) = if affine { (Some(&tw), Some(&tb)) } else { (None, None) };
-            let got = x_last.group_norm_silu_channels_last(groups, w_opt, b_opt, eps).unwrap();
-            let silu = want
-                .permute(&nhwc)
-                .round(dtype)
-                .map(|v| v / (1.0 + (-v).exp()))
-                .round(dtype);
-            let what = format!("group_norm_silu_channels_last g={groups} affine={affine} {dtype}");
-            assert_close(&what, &got, &silu, dtype, tol(dtype));
+            for native in [true, false] {
+                kiln_tensor::set_cpu_group_norm_kernel(native);
+                let got = x_last.group_norm_silu_channels_last(groups, w_opt, b_opt, eps);
+                kiln_tensor::set_cpu_group_norm_kernel(true);
+                let silu = want
+                    .permute(&nhwc)
+                    .round(dtype)
+                    .map(|v| v / (1.0 + (-v).exp()))
+                    .round(dtype);
+                let what = format!("group_norm_silu_channels_last g={groups} affine={affine} {dtype} native={native}");
+                assert_close(&what, &got.unwrap(), &silu, dtype, tol(dtype));
+            }
         }
+    }
+    // A large mean beside a small spread (sums of squares would cancel), channels-last in f32,
+    // with and without the kernel. f32 resolves 1000 ± 1 to 6e-5, so outputs are good to ~1e-4.
+    let x = Arr::rand(&mut r, &[1, 4, 40, 40], 999.0, 1001.0, DType::F32);
+    let want = normalize_ref(&x.reshape(&[1, 2, 3200]), &[2], eps).reshape(&[1, 4, 40, 40]);
+    for native in [true, false] {
+        kiln_tensor::set_cpu_group_norm_kernel(native);
+        let got = x
+            .permute(&[0, 2, 3, 1])
+            .tensor(DType::F32)
+            .group_norm_channels_last(2, None, None, eps);
+        kiln_tensor::set_cpu_group_norm_kernel(true);
+        let what = format!("group_norm_channels_last around 1000, native={native}");
+        let t = Tol { rtol: 1e-5, atol: 2e-4 };
+        assert_close(&what, &got.unwrap(), &want.permute(&[0, 2, 3, 1]), DType::F32, t);
     }
     // [N, C] input (no spatial dims) and an empty batch.
     let x = Arr::rand(&mut r, &[3, 4], -1.0, 1.0, DType::F32);

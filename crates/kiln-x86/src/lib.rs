@@ -1,5 +1,5 @@
 //! x86 kernels for kiln's native CPU ops (the XLA FFI custom calls of `kiln-tensor`): bf16
-//! products on AMX tiles ([`Amx`]) and AVX-512 softmax rows ([`Avx512`]).
+//! products on AMX tiles ([`Amx`]) and AVX-512 loops ([`Avx512`]: softmax rows, group-norm rows).
 //!
 //! With kiln-pjrt, the only crate of kiln with `unsafe` code: here the inline assembly of the tile
 //! instructions, the intrinsics and one system call, behind a safe API that checks every bound.
@@ -8,6 +8,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod amx;
+mod rows;
 mod softmax;
 
 pub use amx::{active, cpu_has_amx_bf16, set_enabled, Amx, PackedB, Tiles};

@@ -30,7 +30,7 @@ impl Avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod imp {
+pub(crate) mod imp {
     use std::arch::x86_64::*;
 
     pub(super) fn detected() -> bool {
@@ -42,7 +42,7 @@ mod imp {
     /// The lanes of `row[at..]` under `mask` (the rest `fill`).
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn load(row: &[f32], at: usize, fill: f32) -> (__m512, __mmask16) {
+    pub(crate) unsafe fn load(row: &[f32], at: usize, fill: f32) -> (__m512, __mmask16) {
         let left = row.len() - at;
         let mask: __mmask16 = if left >= 16 { 0xffff } else { (1u16 << left) - 1 };
         // SAFETY: only lanes under the mask (inside `row`) are read.
@@ -50,6 +50,35 @@ mod imp {
             unsafe { _mm512_mask_loadu_ps(_mm512_set1_ps(fill), mask, row.as_ptr().add(at)) },
             mask,
         )
+    }
+
+    /// Stores the lanes of `v` under `mask` to `row[at..]`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn store(row: &mut [f32], at: usize, mask: __mmask16, v: __m512) {
+        debug_assert!(at + (mask.count_ones() as usize) <= row.len());
+        // SAFETY: only lanes under the mask (inside `row`, by the caller's `load`) are written.
+        unsafe { _mm512_mask_storeu_ps(row.as_mut_ptr().add(at), mask, v) }
+    }
+
+    /// `exp(x)` for any `x`: `+∞` above 88, `exp(−87)` (about 1.6e−38) below −87.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn exp_clamped(x: __m512) -> __m512 {
+        let limit = _mm512_set1_ps(88.0);
+        let e = exp_nonpositive_or_small(_mm512_min_ps(x, limit));
+        let over = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, limit);
+        _mm512_mask_blend_ps(over, e, _mm512_set1_ps(f32::INFINITY))
+    }
+
+    /// Each lane rounded to the nearest bf16 (ties to even), as f32 (finite values).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn round_to_bf16(x: __m512) -> __m512 {
+        let bits = _mm512_castps_si512(x);
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+        _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(-65536)))
     }
 
     #[inline]
@@ -64,10 +93,10 @@ mod imp {
         _mm512_reduce_max_ps(max)
     }
 
-    /// `exp(x)` for `x ≤ 0`, 16 lanes.
+    /// `exp(x)` for `x ≤ 88`, 16 lanes (below −87 as at −87).
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn exp_nonpositive(x: __m512) -> __m512 {
+    fn exp_nonpositive_or_small(x: __m512) -> __m512 {
         let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
             x,
@@ -90,7 +119,7 @@ mod imp {
             // SAFETY: `at < row.len()`; loads and stores stay under the mask.
             unsafe {
                 let (x, mask) = load(row, at, 0.0);
-                let w = exp_nonpositive(_mm512_sub_ps(x, max));
+                let w = exp_nonpositive_or_small(_mm512_sub_ps(x, max));
                 sum = _mm512_mask_add_ps(sum, mask, sum, w);
                 _mm512_mask_storeu_ps(row.as_mut_ptr().add(at), mask, w);
             }
@@ -106,7 +135,7 @@ mod imp {
             // SAFETY: `at < row.len() == weights.len()`; loads and stores stay under the mask.
             unsafe {
                 let (x, mask) = load(row, at, 0.0);
-                let w = exp_nonpositive(_mm512_sub_ps(x, max));
+                let w = exp_nonpositive_or_small(_mm512_sub_ps(x, max));
                 sum = _mm512_mask_add_ps(sum, mask, sum, w);
                 // round to nearest even: add 0x7fff plus the lowest kept bit, keep the top half
                 let bits = _mm512_castps_si512(w);

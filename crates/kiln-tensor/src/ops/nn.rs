@@ -165,8 +165,8 @@ impl Tensor {
         self.group_norm_in("group_norm_channels_last", true, false, groups, weight, bias, eps)
     }
 
-    /// `silu(group_norm_channels_last(..))` as one op (one program in eager mode), each rounding
-    /// its result to the dtype as the two ops would (the VAE's resnets run them back to back).
+    /// `silu(group_norm_channels_last(..))` as one op, each rounding its result to the dtype as
+    /// the two ops would (the VAE's resnets run them back to back); one pass on CPU.
     pub fn group_norm_silu_channels_last(
         &self,
         groups: usize,
@@ -212,8 +212,28 @@ impl Tensor {
         let mut inputs = vec![self];
         inputs.extend(weight);
         inputs.extend(bias);
+        let inputs_len = inputs.len();
         let (has_w, has_b) = (weight.is_some(), bias.is_some());
+        let native = channels_last && crate::cpu_group_norm::available(self.device(), silu);
         apply1(op, &inputs, |b, p| {
+            if native {
+                // channels last: after = 1, so `grouped` is [N, positions, groups, C / groups]
+                let x = b.reshape(&p[0], grouped)?;
+                let w = if has_w { p[1].clone() } else { b.splat(1.0, [c], dtype) };
+                let bias = if has_b {
+                    p[inputs_len - 1].clone()
+                } else {
+                    b.splat(0.0, [c], dtype)
+                };
+                let eps = b.splat(eps, [1usize], DType::F32);
+                let target = if silu {
+                    crate::cpu_group_norm::TARGET_SILU
+                } else {
+                    crate::cpu_group_norm::TARGET
+                };
+                let y = b.ffi_call(target, &[x, w, bias, eps], grouped, dtype)?;
+                return b.reshape(&y, dims.clone());
+            }
             let x = upcast(b, &p[0])?;
             let g = b.reshape(&x, grouped)?;
             let g = normalize(b, &g, &[1, 3], eps)?;

@@ -1,0 +1,318 @@
+//! Channels-last group normalisation as a native kernel inside XLA:CPU programs (an XLA FFI
+//! custom call).
+//!
+//! XLA:CPU runs the plain lowering (mean, centred squares, mean again, scale) as several passes
+//! with reductions over the non-minor position axis, well below memory speed on the VAE's
+//! `[1, 512², 64]` activations. This kernel reads the input twice and writes it once: per block
+//! of positions (in cache), per-channel mean and squared deviations, combined across blocks in
+//! f64; then `(x − mean) · rstd · weight + bias` per element, computed in f32 and rounded once to
+//! the dtype, as the plain lowering does (with SiLU, `silu` of that rounded value, rounded again).
+//! Both passes are spread over XLA's intra-op pool; their loops and the SiLU's `exp` run on
+//! AVX-512 (`kiln-x86`; a block's channel sums are then f32). The VAE decode's 29 norms took about
+//! half XLA's time in bf16 and no longer in f32 (`kiln bench`, README); as scalar Rust the `exp`
+//! made the kernel slower than XLA, so it is used only where the CPU has AVX-512. The scalar loops
+//! stay for a cached program run on a CPU without it.
+//!
+//! Operands: the input as `[N, S, G, C/G]` (`G` groups of consecutive channels, `S` positions),
+//! the weight and bias `[C]` in the input's dtype, `eps` as an f32 `[1]`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
+use kiln_types::DType;
+
+use crate::device::Device;
+use crate::native_kernels::{read_f32, read_f32_into, round_to, write_as};
+
+/// The custom call targets: the norm, and the norm followed by SiLU.
+pub(crate) const TARGET: &str = "kiln_cpu_group_norm";
+pub(crate) const TARGET_SILU: &str = "kiln_cpu_group_norm_silu";
+
+/// Positions per work item of both passes.
+const BLOCK_POSITIONS: usize = 512;
+/// Below this many elements one thread does the whole call.
+const PARALLEL_MIN_ELEMENTS: usize = 1 << 16;
+
+/// The kernel; with `SILU`, `silu` of the norm rounded to the dtype (the two ops diffusers runs,
+/// each rounding its result), in the same pass.
+pub(crate) struct CpuGroupNorm<const SILU: bool>;
+
+impl<const SILU: bool> HostKernel for CpuGroupNorm<SILU> {
+    const NAME: &'static str = if SILU { TARGET_SILU } else { TARGET };
+
+    fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
+        let counts = (args.len(), rets.len());
+        let ([x, weight, bias, eps], [out]) = (args, rets) else {
+            return Err(format!(
+                "expects 4 operands (x, weight, bias, eps) and 1 result, got {} and {}",
+                counts.0, counts.1
+            ));
+        };
+        let [n, s, g, cg] =
+            <[usize; 4]>::try_from(&x.dims[..]).map_err(|_| format!("x must be [N, S, G, C/G], got {:?}", x.dims))?;
+        let c = g * cg;
+        let dtype = x.dtype;
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+            || [weight.dtype, bias.dtype, out.dtype] != [dtype; 3]
+            || eps.dtype != DType::F32
+        {
+            return Err(format!(
+                "x, weight, bias and the result must share one of f32, bf16, f16 and eps be f32; got {}, {}, {}, {}, {}",
+                dtype, weight.dtype, bias.dtype, out.dtype, eps.dtype
+            ));
+        }
+        if weight.dims != [c] || bias.dims != [c] || eps.dims != [1] || out.dims != x.dims {
+            return Err(format!(
+                "shapes do not agree: x {:?}, weight {:?}, bias {:?}, eps {:?}, result {:?}",
+                x.dims, weight.dims, bias.dims, eps.dims, out.dims
+            ));
+        }
+        let eps = f32::from_le_bytes(eps.bytes[..4].try_into().map_err(|_| "eps has no value")?);
+        let shape = Shape { n, s, g, cg };
+        let (weight, bias) = (read_f32(dtype, weight.bytes), read_f32(dtype, bias.bytes));
+        group_norm(&shape, x.bytes, &weight, &bias, eps, dtype, SILU, out.bytes, pool);
+        Ok(())
+    }
+}
+
+struct Shape {
+    n: usize,
+    s: usize,
+    g: usize,
+    cg: usize,
+}
+
+/// One block's positions: their count, and per channel the mean and the sum of squared deviations.
+#[derive(Default)]
+struct BlockMoments {
+    count: f64,
+    mean: Vec<f64>,
+    m2: Vec<f64>,
+}
+
+thread_local! {
+    static ROWS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+#[allow(clippy::too_many_arguments)]
+fn group_norm(
+    sh: &Shape,
+    x: &[u8],
+    weight: &[f32],
+    bias: &[f32],
+    eps: f32,
+    dtype: DType,
+    silu: bool,
+    out: &mut [u8],
+    pool: &HostPool<'_>,
+) {
+    let c = sh.g * sh.cg;
+    let rows = sh.n * sh.s;
+    if rows == 0 || c == 0 {
+        return;
+    }
+    let avx = kiln_x86::Avx512::get();
+    let esize = dtype.size_in_bytes();
+    let row_bytes = c * esize;
+    let blocks_per_image = sh.s.div_ceil(BLOCK_POSITIONS);
+    let items = sh.n * blocks_per_image;
+    let threads = if rows * c < PARALLEL_MIN_ELEMENTS {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
+    };
+    // Pass 1: per block of one image's positions (converted once, kept in cache), per-channel
+    // mean (f64 sums) and the squared deviations from it: no cancellation when the mean is large.
+    let partials: Vec<Mutex<BlockMoments>> = (0..items).map(|_| Mutex::new(BlockMoments::default())).collect();
+    pool.for_each(items, threads, &|i| {
+        let (image, block) = (i / blocks_per_image, i % blocks_per_image);
+        let first = block * BLOCK_POSITIONS;
+        let count = BLOCK_POSITIONS.min(sh.s - first);
+        let bytes = &x[(image * sh.s + first) * row_bytes..][..count * row_bytes];
+        let mut m2 = vec![0f32; c];
+        ROWS.with_borrow_mut(|values| {
+            read_f32_into(dtype, bytes, values);
+            let mean: Vec<f32> = match avx {
+                // f32 sums of one block's (at most 512) values per channel
+                Some(avx) => {
+                    let mut sum = vec![0f32; c];
+                    avx.add_rows(values, &mut sum);
+                    let mean: Vec<f32> = sum.iter().map(|&s| s / count as f32).collect();
+                    avx.add_squared_deviations(values, &mean, &mut m2);
+                    mean
+                }
+                None => {
+                    let mut sum = vec![0f64; c];
+                    for row in values.chunks_exact(c) {
+                        sum.iter_mut().zip(row).for_each(|(s, &v)| *s += v as f64);
+                    }
+                    let mean: Vec<f32> = sum.iter().map(|&s| (s / count as f64) as f32).collect();
+                    for row in values.chunks_exact(c) {
+                        for ((q, &m), &v) in m2.iter_mut().zip(&mean).zip(row) {
+                            *q += (v - m) * (v - m);
+                        }
+                    }
+                    mean
+                }
+            };
+            let moments = BlockMoments {
+                count: count as f64,
+                mean: mean.iter().map(|&v| v as f64).collect(),
+                m2: m2.iter().map(|&v| v as f64).collect(),
+            };
+            *partials[i].lock().unwrap_or_else(|e| e.into_inner()) = moments;
+        });
+    });
+    // Per image and group: the blocks' and channels' moments combined (Chan et al.), then
+    // 1/sqrt(var + eps), spread to the group's channels.
+    let mut mean = vec![0f32; sh.n * c];
+    let mut rstd = vec![0f32; sh.n * c];
+    for image in 0..sh.n {
+        let blocks: Vec<_> = (0..blocks_per_image)
+            .map(|b| {
+                partials[image * blocks_per_image + b]
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+            })
+            .collect();
+        for group in 0..sh.g {
+            let channels = group * sh.cg..(group + 1) * sh.cg;
+            let (mut total, mut weighted) = (0f64, 0f64);
+            for p in &blocks {
+                for ch in channels.clone() {
+                    total += p.count;
+                    weighted += p.count * p.mean[ch];
+                }
+            }
+            let m = weighted / total;
+            let mut m2 = 0f64;
+            for p in &blocks {
+                for ch in channels.clone() {
+                    m2 += p.m2[ch] + p.count * (p.mean[ch] - m) * (p.mean[ch] - m);
+                }
+            }
+            let r = 1.0 / ((m2 / total) as f32 + eps).sqrt();
+            for ch in channels {
+                mean[image * c + ch] = m as f32;
+                rstd[image * c + ch] = r;
+            }
+        }
+    }
+    // Pass 2: ((x − mean) · rstd) · weight + bias per element, in f32, rounded once.
+    let chunks: Vec<Mutex<&mut [u8]>> = out.chunks_mut(BLOCK_POSITIONS * row_bytes).map(Mutex::new).collect();
+    pool.for_each(chunks.len(), threads.min(chunks.len()), &|i| {
+        let mut chunk = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
+        let first_row = i * BLOCK_POSITIONS;
+        let bytes = &x[first_row * row_bytes..][..chunk.len()];
+        ROWS.with_borrow_mut(|values| {
+            read_f32_into(dtype, bytes, values);
+            for (k, row) in values.chunks_exact_mut(c).enumerate() {
+                let image = (first_row + k) / sh.s;
+                let (m, r) = (&mean[image * c..][..c], &rstd[image * c..][..c]);
+                match avx {
+                    Some(avx) => avx.normalize_rows(row, m, r, weight, bias),
+                    None => {
+                        for ch in 0..c {
+                            row[ch] = (row[ch] - m[ch]) * r[ch] * weight[ch] + bias[ch];
+                        }
+                    }
+                }
+            }
+            if silu {
+                match avx {
+                    Some(avx) if dtype != DType::F16 => avx.silu(values, dtype == DType::BF16),
+                    _ => {
+                        for v in values.iter_mut() {
+                            let y = round_to(dtype, *v);
+                            *v = y / (1.0 + (-y).exp());
+                        }
+                    }
+                }
+            }
+            write_as(dtype, values, &mut chunk);
+        });
+    });
+}
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the native CPU group-norm kernel on or off for programs built from now on (compiled
+/// programs keep theirs). `KILN_CPU_GROUP_NORM=off` turns it off too.
+pub fn set_cpu_group_norm_kernel(enabled: bool) {
+    ENABLED.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether channels-last group norm (and group norm + SiLU) on `device` runs the native
+/// kernel: the CPU plugin on a CPU with AVX-512, the handlers registered and their probes right,
+/// and the kernel not turned off.
+pub fn cpu_group_norm_kernel_active(device: &Device) -> bool {
+    available(device, false) && available(device, true)
+}
+
+pub(crate) fn available(device: &Device, silu: bool) -> bool {
+    let enabled = ENABLED.load(Ordering::Relaxed) && kiln_x86::Avx512::get().is_some();
+    if silu {
+        crate::native_kernels::active::<CpuGroupNorm<true>>(
+            device,
+            enabled,
+            "KILN_CPU_GROUP_NORM",
+            "the CPU group-norm + SiLU kernel",
+            "group_norm_silu_channels_last",
+            |d| probe(d, true),
+        )
+    } else {
+        crate::native_kernels::active::<CpuGroupNorm<false>>(
+            device,
+            enabled,
+            "KILN_CPU_GROUP_NORM",
+            "the CPU group-norm kernel",
+            "group_norm_channels_last",
+            |d| probe(d, false),
+        )
+    }
+}
+
+/// Normalises a `[1, 3, 2, 2]` input (2 groups of 2 channels), with SiLU after if `silu`, and
+/// checks it against the definition computed here.
+fn probe(device: &Device, silu: bool) -> Result<(), String> {
+    use kiln_hlo::Builder;
+    let shape = [1usize, 3, 2, 2];
+    let data: Vec<f32> = (0..12).map(|i| ((i * 5) % 7) as f32 - 2.5).collect();
+    let (weight, bias, eps) = ([1.0f32, 2.0, 0.5, -1.0], [0.0f32, 1.0, -1.0, 0.25], [1e-5f32]);
+    let mut b = Builder::new();
+    let x = b.parameter(shape, DType::F32);
+    let w = b.parameter([4usize], DType::F32);
+    let bb = b.parameter([4usize], DType::F32);
+    let e = b.parameter([1usize], DType::F32);
+    let out = b
+        .ffi_call(
+            if silu { TARGET_SILU } else { TARGET },
+            &[x, w, bb, e],
+            shape,
+            DType::F32,
+        )
+        .map_err(|e| e.to_string())?;
+    let program = b.finish(&[out]).map_err(|e| e.to_string())?;
+    let inputs: [(&[f32], &[usize]); 4] = [(&data, &shape), (&weight, &[4]), (&bias, &[4]), (&eps, &[1])];
+    let got = crate::dispatch::run_host_program(device, "cpu_group_norm_probe", &program, &inputs, &shape)
+        .map_err(|e| e.to_string())?;
+    for group in 0..2 {
+        let members: Vec<usize> = (0..3)
+            .flat_map(|p| [p * 4 + group * 2, p * 4 + group * 2 + 1])
+            .collect();
+        let mean = members.iter().map(|&i| data[i] as f64).sum::<f64>() / 6.0;
+        let var = members.iter().map(|&i| (data[i] as f64 - mean).powi(2)).sum::<f64>() / 6.0;
+        for &i in &members {
+            let ch = i % 4;
+            let mut want = (data[i] as f64 - mean) / (var + 1e-5).sqrt() * weight[ch] as f64 + bias[ch] as f64;
+            if silu {
+                want /= 1.0 + (-want).exp();
+            }
+            if (got[i] as f64 - want).abs() > 1e-5 {
+                return Err(format!("the probe gave {} where {want} was expected", got[i]));
+            }
+        }
+    }
+    Ok(())
+}
