@@ -23,7 +23,7 @@ use kiln_types::DType;
 use kiln_x86::{Amx, Avx512, PackedB};
 
 use crate::device::Device;
-use crate::native_kernels::{bf16_bits, read_f32, round_to, write_as};
+use crate::native_kernels::{read_f32, round_to, write_as};
 
 /// The custom call target.
 pub(crate) const TARGET: &str = "kiln_cpu_attention";
@@ -72,9 +72,10 @@ impl HostKernel for CpuAttention {
             d,
             dv,
         };
-        if let (DType::BF16, Some(amx), Some(avx)) = (dtype, Amx::get(), Avx512::get()) {
+        let x86 = Amx::get().zip(Avx512::get());
+        if let (DType::BF16, Some(x86), Ok(out)) = (dtype, x86, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
             let (q, k, v) = (as_u16(q), as_u16(k), as_u16(v));
-            attention_bf16_amx((amx, avx), &shape, &q, &k, &v, out.bytes, pool);
+            attention_bf16_amx(x86, &shape, &q, &k, &v, out, pool);
             return Ok(());
         }
         let (q, k, v) = (to_f32(q)?, to_f32(k)?, to_f32(v)?);
@@ -132,7 +133,7 @@ fn attention_bf16_amx(
     q: &[u16],
     k: &[u16],
     v: &[u16],
-    out: &mut [u8],
+    out: &mut [u16],
     pool: &HostPool<'_>,
 ) {
     if s.sq == 0 || s.dv == 0 || s.b == 0 {
@@ -151,14 +152,14 @@ fn attention_bf16_amx(
         .into_iter()
         .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
         .collect();
-    let mut items: Vec<(usize, usize, &mut [u8])> = Vec::new();
-    for (head, rows) in out.chunks_mut(s.sq * s.dv * 2).enumerate() {
-        for (block, chunk) in rows.chunks_mut(AMX_ROWS * s.dv * 2).enumerate() {
+    let mut items: Vec<(usize, usize, &mut [u16])> = Vec::new();
+    for (head, rows) in out.chunks_mut(s.sq * s.dv).enumerate() {
+        for (block, chunk) in rows.chunks_mut(AMX_ROWS * s.dv).enumerate() {
             items.push((head, block * AMX_ROWS, chunk));
         }
     }
     let threads = threads_for(work, items.len());
-    let items: Vec<Mutex<(usize, usize, &mut [u8])>> = items.into_iter().map(Mutex::new).collect();
+    let items: Vec<Mutex<(usize, usize, &mut [u16])>> = items.into_iter().map(Mutex::new).collect();
     pool.for_each(items.len(), threads, &|i| {
         let mut item = items[i].lock().unwrap_or_else(|e| e.into_inner());
         let (head, row0, ref mut chunk) = *item;
@@ -188,8 +189,8 @@ struct AmxScratch {
 
 /// At most 32 query rows of one head on AMX: `q` starts at the first row, `out` holds the rows'
 /// bf16 results.
-fn block_amx((amx, avx): (Amx, Avx512), s: &Shape, q: &[u16], kv: &Packed, out: &mut [u8], scratch: &mut AmxScratch) {
-    let rows = out.len() / (s.dv * 2);
+fn block_amx((amx, avx): (Amx, Avx512), s: &Shape, q: &[u16], kv: &Packed, out: &mut [u16], scratch: &mut AmxScratch) {
+    let rows = out.len() / s.dv;
     let (d_pad, sk_pad, dv_pad) = (kv.keys.k_pad(), kv.keys.n_pad(), kv.values.n_pad());
     scratch.q.clear();
     scratch.q.resize(AMX_ROWS * d_pad, 0);
@@ -224,13 +225,11 @@ fn block_amx((amx, avx): (Amx, Avx512), s: &Shape, q: &[u16], kv: &Packed, out: 
     }
     drop(tiles);
     for ((dst, acc), sum) in out
-        .chunks_exact_mut(s.dv * 2)
+        .chunks_exact_mut(s.dv)
         .zip(scratch.acc.chunks_exact(dv_pad))
         .zip(sums)
     {
-        for (d, &x) in dst.chunks_exact_mut(2).zip(&acc[..s.dv]) {
-            d.copy_from_slice(&bf16_bits(x / sum).to_le_bytes());
-        }
+        avx.div_round_bf16(acc, sum, dst);
     }
 }
 

@@ -19,10 +19,10 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
-use kiln_x86::{Amx, PackedB};
+use kiln_x86::{Amx, Avx512, PackedB};
 
 use crate::device::Device;
-use crate::native_kernels::{bf16_bits, read_f32, write_as};
+use crate::native_kernels::{read_f32, write_as};
 
 /// The custom call target.
 pub(crate) const TARGET: &str = "kiln_cpu_conv";
@@ -98,9 +98,10 @@ impl HostKernel for CpuConv {
             pad: ph,
         };
         let bias = bias.map_or_else(|| vec![0.0; o], |b| read_f32(dtype, b.bytes));
-        match Amx::get() {
-            Some(amx) if dtype == DType::BF16 && c.is_multiple_of(TILE) && !out.bytes.is_empty() => {
-                conv_amx(amx, &g, &as_u16(x.bytes), &as_u16(w.bytes), &bias, out.bytes, pool)
+        let x86 = Amx::get().zip(Avx512::get());
+        match (x86, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
+            (Some(x86), Ok(out)) if dtype == DType::BF16 && c.is_multiple_of(TILE) && !out.is_empty() => {
+                conv_amx(x86, &g, &as_u16(x.bytes), &as_u16(w.bytes), &bias, out, pool)
             }
             _ => conv_f32(
                 &g,
@@ -143,7 +144,15 @@ fn threads(items: usize) -> usize {
 /// The AMX path: the weight packed once (`[taps·C, O]`), the input copied with its padding (and
 /// enough zero columns that every 32-pixel block can be read whole), then one work item per
 /// output row.
-fn conv_amx(amx: Amx, g: &Geometry, x: &[u16], w: &[u16], bias: &[f32], out: &mut [u8], pool: &HostPool<'_>) {
+fn conv_amx(
+    (amx, avx): (Amx, Avx512),
+    g: &Geometry,
+    x: &[u16],
+    w: &[u16],
+    bias: &[f32],
+    out: &mut [u16],
+    pool: &HostPool<'_>,
+) {
     let taps = g.kh * g.kw;
     let k = taps * g.c;
     let mut rows_by_o = vec![0u16; g.o * k];
@@ -174,8 +183,7 @@ fn conv_amx(amx: Amx, g: &Geometry, x: &[u16], w: &[u16], bias: &[f32], out: &mu
         });
     }
 
-    let out_row = g.wo * g.o * 2;
-    let rows: Vec<Mutex<&mut [u8]>> = out.chunks_mut(out_row).map(Mutex::new).collect();
+    let rows: Vec<Mutex<&mut [u16]>> = out.chunks_mut(g.wo * g.o).map(Mutex::new).collect();
     pool.for_each(rows.len(), threads(rows.len()), &|r| {
         let mut row = rows[r].lock().unwrap_or_else(|e| e.into_inner());
         let (image, y) = (r / g.ho, r % g.ho);
@@ -194,10 +202,8 @@ fn conv_amx(amx: Amx, g: &Geometry, x: &[u16], w: &[u16], bias: &[f32], out: &mu
                 tiles.gemm_32x32_segments(&segments, &weight, o0, &mut c, TILE);
                 let (pixels, channels) = ((g.wo - x0).min(TILE), (g.o - o0).min(TILE));
                 for (p, values) in c.chunks_exact(TILE).take(pixels).enumerate() {
-                    let dst = &mut row[((x0 + p) * g.o + o0) * 2..][..channels * 2];
-                    for ((d, &v), &b) in dst.chunks_exact_mut(2).zip(values).zip(&bias[o0..]) {
-                        d.copy_from_slice(&bf16_bits(v + b).to_le_bytes());
-                    }
+                    let dst = &mut row[(x0 + p) * g.o + o0..][..channels];
+                    avx.add_round_bf16(values, &bias[o0..], dst);
                 }
             }
         }
@@ -347,7 +353,9 @@ mod tests {
     /// on shapes with partial pixel and channel blocks, a 1×1 kernel and a non-square one.
     #[test]
     fn amx_path_matches_the_f32_loops() {
-        let Some(amx) = Amx::get() else { return };
+        let Some(x86) = Amx::get().zip(Avx512::get()) else {
+            return;
+        };
         let pool = HostPool::own_threads();
         for (n, h, w, c, o, kh, kw, pad) in [
             (1, 4, 37, 64, 40, 3, 3, 1),
@@ -369,17 +377,17 @@ mod tests {
             };
             let bits = |len: usize, seed: usize| -> Vec<u16> {
                 (0..len)
-                    .map(|i| bf16_bits((((i * 7919 + seed) % 1009) as f32 / 1009.0 - 0.5) * 2.0))
+                    .map(|i| crate::native_kernels::bf16_bits((((i * 7919 + seed) % 1009) as f32 / 1009.0 - 0.5) * 2.0))
                     .collect()
             };
             let (x, wt) = (bits(n * h * w * c, 1), bits(o * c * kh * kw, 2));
             let bias: Vec<f32> = (0..o).map(|i| i as f32 * 0.125 - 1.0).collect();
             let widen = |v: &[u16]| -> Vec<f32> { v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
-            let mut amx_out = vec![0u8; n * ho * wo * o * 2];
-            let mut f32_out = amx_out.clone();
-            conv_amx(amx, &g, &x, &wt, &bias, &mut amx_out, &pool);
+            let mut amx_out = vec![0u16; n * ho * wo * o];
+            let mut f32_out = vec![0u8; n * ho * wo * o * 2];
+            conv_amx(x86, &g, &x, &wt, &bias, &mut amx_out, &pool);
             conv_f32(&g, &widen(&x), &widen(&wt), &bias, DType::BF16, &mut f32_out, &pool);
-            let (a, b) = (read_f32(DType::BF16, &amx_out), read_f32(DType::BF16, &f32_out));
+            let (a, b) = (widen(&amx_out), read_f32(DType::BF16, &f32_out));
             for (i, (a, b)) in a.iter().zip(&b).enumerate() {
                 assert!((a - b).abs() <= 1e-2 * b.abs().max(1.0), "{kh}x{kw} [{i}]: {a} vs {b}");
             }

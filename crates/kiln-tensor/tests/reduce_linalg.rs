@@ -267,8 +267,8 @@ fn conv2d_matches_the_reference() {
             p: params(1, 1, 1, 1),
             bias: true,
         },
-        // input channels a multiple of 32: bf16 channels-last 3×3 runs on AMX tiles where the CPU
-        // has them (a partial block of pixels and of output channels); 1×1 stays a dot
+        // input channels a multiple of 32: bf16 channels-last runs on AMX tiles where the CPU has
+        // them (a partial block of pixels and of output channels; a 1×1 kernel over two blocks)
         ConvCase {
             x: [1, 32, 3, 37],
             w: [40, 32, 3, 3],
@@ -298,7 +298,7 @@ fn conv2d_matches_the_reference() {
         for dtype in FLOATS {
             // bf16 NCHW uses the same program as f32; bf16 channels-last with stride 1 and one
             // group is a dot on CPU (cases 0, 5 and 6; case 2 is dilated, 1, 3 and 4 keep XLA's),
-            // or the AMX kernel (case 7).
+            // or the AMX kernel (cases 7 and 8).
             if dtype == DType::BF16 && (2..5).contains(&i) {
                 continue;
             }

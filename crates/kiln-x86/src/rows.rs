@@ -37,6 +37,25 @@ impl Avx512 {
         unsafe { imp::normalize_rows(rows, mean, rstd, weight, bias) }
     }
 
+    /// `out[i] = bf16(values[i] + bias[i])` (round to nearest even) for every `i < out.len()`.
+    /// Panics when `values` or `bias` is shorter than `out`.
+    pub fn add_round_bf16(self, values: &[f32], bias: &[f32], out: &mut [u16]) {
+        assert!(
+            values.len() >= out.len() && bias.len() >= out.len(),
+            "values or bias too short"
+        );
+        // SAFETY: `self` proves AVX-512 F, BW and VL; accesses stay below `out.len()`.
+        unsafe { imp::add_round_bf16(&values[..out.len()], &bias[..out.len()], out) }
+    }
+
+    /// `out[i] = bf16(values[i] / divisor)` (round to nearest even) for every `i < out.len()`.
+    /// Panics when `values` is shorter than `out`.
+    pub fn div_round_bf16(self, values: &[f32], divisor: f32, out: &mut [u16]) {
+        assert!(values.len() >= out.len(), "values too short");
+        // SAFETY: as `add_round_bf16`.
+        unsafe { imp::div_round_bf16(&values[..out.len()], divisor, out) }
+    }
+
     /// `x · sigmoid(x)` of every value, after rounding it to bf16 first if `bf16_input` (SiLU of a
     /// bf16 tensor, computed in f32, as torch does).
     pub fn silu(self, values: &mut [f32], bf16_input: bool) {
@@ -49,7 +68,7 @@ impl Avx512 {
 mod imp {
     use std::arch::x86_64::*;
 
-    use crate::softmax::imp::{exp_clamped, load, store};
+    use crate::softmax::imp::{exp_clamped, load, store, store_bf16};
 
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn add_rows(rows: &[f32], sum: &mut [f32]) {
@@ -102,6 +121,30 @@ mod imp {
         }
     }
 
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn add_round_bf16(values: &[f32], bias: &[f32], out: &mut [u16]) {
+        for at in (0..out.len()).step_by(16) {
+            // SAFETY: `at < out.len()` (= values.len() = bias.len()); lanes past it are masked.
+            unsafe {
+                let (x, mask) = load(values, at, 0.0);
+                let (b, _) = load(bias, at, 0.0);
+                store_bf16(out, at, mask, _mm512_add_ps(x, b));
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn div_round_bf16(values: &[f32], divisor: f32, out: &mut [u16]) {
+        let d = _mm512_set1_ps(divisor);
+        for at in (0..out.len()).step_by(16) {
+            // SAFETY: `at < out.len()` (= values.len()); lanes past it are masked.
+            unsafe {
+                let (x, mask) = load(values, at, 0.0);
+                store_bf16(out, at, mask, _mm512_div_ps(x, d));
+            }
+        }
+    }
+
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn silu(values: &mut [f32], bf16_input: bool) {
         for at in (0..values.len()).step_by(16) {
@@ -131,6 +174,12 @@ mod imp {
         unreachable!("Avx512 is never constructed off x86_64")
     }
     pub(super) unsafe fn silu(_: &mut [f32], _: bool) {
+        unreachable!("Avx512 is never constructed off x86_64")
+    }
+    pub(super) unsafe fn add_round_bf16(_: &[f32], _: &[f32], _: &mut [u16]) {
+        unreachable!("Avx512 is never constructed off x86_64")
+    }
+    pub(super) unsafe fn div_round_bf16(_: &[f32], _: f32, _: &mut [u16]) {
         unreachable!("Avx512 is never constructed off x86_64")
     }
 }
@@ -163,6 +212,27 @@ mod tests {
                 let want = (x - mean[ch]) * rstd[ch] * weight[ch] + bias[ch];
                 assert!((got - want).abs() <= 1e-6 * want.abs().max(1.0), "c {c} [{i}]");
             }
+        }
+    }
+
+    #[test]
+    fn bf16_epilogues_round_to_nearest_even() {
+        let Some(avx) = Avx512::get() else { return };
+        let values: Vec<f32> = (0..37).map(|i| i as f32 * 0.3371 - 6.0).collect();
+        let bias: Vec<f32> = (0..37).map(|i| (i % 5) as f32 * 0.01).collect();
+        let bits = |v: f32| {
+            let b = v.to_bits();
+            ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+        };
+        let mut out = [0xffffu16; 40];
+        avx.add_round_bf16(&values, &bias, &mut out[..37]);
+        for i in 0..37 {
+            assert_eq!(out[i], bits(values[i] + bias[i]), "[{i}]");
+        }
+        assert_eq!(&out[37..], &[0xffff; 3]);
+        avx.div_round_bf16(&values, 0.7, &mut out[..37]);
+        for i in 0..37 {
+            assert_eq!(out[i], bits(values[i] / 0.7), "[{i}]");
         }
     }
 

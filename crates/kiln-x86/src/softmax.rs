@@ -61,6 +61,19 @@ pub(crate) mod imp {
         unsafe { _mm512_mask_storeu_ps(row.as_mut_ptr().add(at), mask, v) }
     }
 
+    /// Stores the lanes of `v` under `mask`, rounded to bf16 (nearest even), to `out[at..]`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn store_bf16(out: &mut [u16], at: usize, mask: __mmask16, v: __m512) {
+        debug_assert!(at + (mask.count_ones() as usize) <= out.len());
+        let bits = _mm512_castps_si512(v);
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+        let halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(rounded));
+        // SAFETY: only lanes under the mask (inside `out`) are written.
+        unsafe { _mm256_mask_storeu_epi16(out.as_mut_ptr().add(at).cast(), mask, halves) }
+    }
+
     /// `exp(x)` for any `x`: `+∞` above 88, `exp(−87)` (about 1.6e−38) below −87.
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -137,12 +150,7 @@ pub(crate) mod imp {
                 let (x, mask) = load(row, at, 0.0);
                 let w = exp_nonpositive_or_small(_mm512_sub_ps(x, max));
                 sum = _mm512_mask_add_ps(sum, mask, sum, w);
-                // round to nearest even: add 0x7fff plus the lowest kept bit, keep the top half
-                let bits = _mm512_castps_si512(w);
-                let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-                let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-                let halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(rounded));
-                _mm256_mask_storeu_epi16(weights.as_mut_ptr().add(at).cast(), mask, halves);
+                store_bf16(weights, at, mask, w);
             }
         }
         _mm512_reduce_add_ps(sum)

@@ -232,8 +232,7 @@ impl ConvLowering {
             && device.platform() == Platform::Cpu;
         if !eligible {
             ConvLowering::Convolution
-        } else if weight[2..] != [1, 1] && crate::cpu_conv::available(device, input[3]) {
-            // a 1×1 kernel is a plain dot, which YNNPACK runs a little faster (`conv_bf16`)
+        } else if crate::cpu_conv::available(device, input[3]) {
             ConvLowering::Direct
         } else if weight[2..] == [1, 1] && p.padding == 0 && crate::cpu_im2col::enabled() {
             ConvLowering::PointwiseDot
