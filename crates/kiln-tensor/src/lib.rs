@@ -9,6 +9,7 @@
 
 mod compile;
 mod cpu_attention;
+mod cpu_concat;
 mod cpu_conv;
 mod cpu_group_norm;
 mod cpu_im2col;
@@ -24,6 +25,7 @@ mod trace;
 
 pub use compile::CompiledFunction;
 pub use cpu_attention::{cpu_attention_kernel_active, set_cpu_attention_kernel};
+pub use cpu_concat::{cpu_concat_kernel_active, set_cpu_concat_kernel};
 pub use cpu_conv::{cpu_direct_conv_kernel_active, set_cpu_direct_conv_kernel};
 pub use cpu_group_norm::{cpu_group_norm_kernel_active, set_cpu_group_norm_kernel};
 pub use cpu_im2col::{cpu_conv_kernel_active, set_cpu_conv_kernel};

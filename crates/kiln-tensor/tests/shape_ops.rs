@@ -189,6 +189,24 @@ fn cat_and_stack() {
         assert_exact("stack 1", &Tensor::stack(&[&ta, &ts2], 1).unwrap(), &st(1), dtype);
         assert_exact("stack -1", &Tensor::stack(&[&ta, &ts2], -1).unwrap(), &st(2), dtype);
     }
+    // Big enough for the native last-dimension kernel on CPU (three operands, one with a zero
+    // width, rows spread over threads), with it and with XLA's concatenate.
+    assert!(
+        kiln_tensor::cpu_concat_kernel_active(&dev()),
+        "the concatenation kernel is not active"
+    );
+    for dtype in FLOATS {
+        let (a, ta) = input(135, &[3, 700, 64], dtype);
+        let (b, tb) = input(136, &[3, 700, 0], dtype);
+        let (c, tc) = input(137, &[3, 700, 33], dtype);
+        for native in [true, false] {
+            kiln_tensor::set_cpu_concat_kernel(native);
+            let got = Tensor::cat(&[&ta, &tb, &tc], 2);
+            kiln_tensor::set_cpu_concat_kernel(true);
+            let what = format!("cat last dim {dtype} native={native}");
+            assert_exact(&what, &got.unwrap(), &Arr::cat(&[&a, &b, &c], 2), dtype);
+        }
+    }
     // Stacking scalars gives a vector.
     let d = dev();
     let s: Vec<Tensor> = (0..3)

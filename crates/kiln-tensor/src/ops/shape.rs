@@ -201,7 +201,17 @@ impl Tensor {
         if tensors.len() == 1 {
             return Ok((*first).clone());
         }
-        apply1("cat", tensors, |b, p| b.concatenate(p, d))
+        let last = d + 1 == first.rank();
+        let bytes = tensors.iter().map(|t| t.numel()).sum::<usize>() * first.dtype().size_in_bytes();
+        let native = last && crate::cpu_concat::available(first.device(), bytes);
+        apply1("cat", tensors, |b, p| {
+            if native {
+                let mut shape = p[0].dims().to_vec();
+                shape[d] = p.iter().map(|v| v.dims()[d]).sum();
+                return b.ffi_call(crate::cpu_concat::TARGET, p, shape, p[0].dtype());
+            }
+            b.concatenate(p, d)
+        })
     }
 
     /// Stacks tensors of one shape along a new dimension `dim`.
