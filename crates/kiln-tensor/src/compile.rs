@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use kiln_pjrt::{ExecuteOptions, LoadedExecutable};
 use kiln_types::{DType, Shape};
@@ -147,20 +147,40 @@ impl CompiledFunction {
             .chain(&entry.captured)
             .map(|t| t.device_buffer(OP))
             .collect::<Result<Vec<_>>>()?;
+        let failed = |source| Error::ExecuteFunction {
+            function: self.name.as_str().into(),
+            source: Box::new(source),
+        };
+        let profile_start = crate::dispatch::profiling().then(std::time::Instant::now);
         let mut results = entry
             .exe
             .execute(&[&buffers], &ExecuteOptions::default())
-            .map_err(|source| Error::ExecuteFunction {
-                function: self.name.as_str().into(),
-                source: Box::new(source),
-            })?;
+            .map_err(failed)?;
         let per_device = results.pop().unwrap_or_default();
+        if let Some(start) = profile_start {
+            for b in &per_device {
+                b.wait_ready().map_err(failed)?;
+            }
+            crate::dispatch::record_profile(profile_label(&self.name), start.elapsed());
+        }
         per_device
             .into_iter()
             .zip(&entry.outputs)
             .map(|(buf, (shape, dtype))| Tensor::from_buffer(buf, shape.clone(), *dtype, device.clone()))
             .collect()
     }
+}
+
+/// `compiled <name>`, made once per function name for the op profile's table.
+fn profile_label(name: &str) -> &'static str {
+    static LABELS: OnceLock<Mutex<HashMap<String, &'static str>>> = OnceLock::new();
+    let mut labels = LABELS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    labels
+        .entry(name.to_string())
+        .or_insert_with(|| Box::leak(format!("compiled {name}").into_boxed_str()))
 }
 
 /// `[2, 64] f32, [2, 77, 512] bf16, ...`, for error messages (at most the first 8 arguments).
@@ -182,6 +202,24 @@ fn describe(args: &[Tensor]) -> String {
 mod tests {
     use super::*;
     use crate::dispatch::apply;
+
+    #[test]
+    fn profiling_times_a_compiled_call_under_its_name() {
+        let device = crate::Device::cpu().expect("the XLA CPU plugin (pip install xla-cpu-pjrt)");
+        let x = Tensor::from_f32(&[1.0; 6], DType::F32, [2, 3], &device).unwrap();
+        let f = CompiledFunction::new("profiled.model");
+        let double = |t: &[Tensor]| -> Result<Vec<Tensor>> { Ok(vec![t[0].add(&t[0])?]) };
+        f.call(std::slice::from_ref(&x), double).unwrap();
+        crate::set_op_profiling(true);
+        let y = f.call(&[x], double);
+        crate::set_op_profiling(false);
+        assert_eq!(y.unwrap()[0].to_vec::<f32>().unwrap(), vec![2.0; 6]);
+        let calls = crate::op_profile()
+            .into_iter()
+            .find(|(op, _, _)| *op == "compiled profiled.model")
+            .map(|(_, calls, _)| calls);
+        assert_eq!(calls, Some(1));
+    }
 
     #[test]
     fn a_compile_failure_names_the_function_and_shapes_and_caches_nothing() {

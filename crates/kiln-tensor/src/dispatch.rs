@@ -394,7 +394,7 @@ pub(crate) fn apply1(
 
 static PROFILING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-fn profiling() -> bool {
+pub(crate) fn profiling() -> bool {
     PROFILING.load(Ordering::Relaxed)
 }
 
@@ -405,16 +405,16 @@ fn profile_table() -> &'static Profile {
     TABLE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-fn record_profile(op: &'static str, elapsed: std::time::Duration) {
+pub(crate) fn record_profile(op: &'static str, elapsed: std::time::Duration) {
     let mut t = profile_table().lock().unwrap_or_else(|e| e.into_inner());
     let entry = t.entry(op).or_default();
     entry.0 += 1;
     entry.1 += elapsed;
 }
 
-/// Turns per-op profiling on or off. While on, every eager op waits for its result, and its
-/// wall time is added to its op kind (so work is timed where it happens, at the cost of the
-/// asynchrony).
+/// Turns per-op profiling on or off. While on, every eager op and every compiled function call
+/// waits for its result, and its wall time is added to its op kind (a compiled function's is
+/// `compiled <name>`), so work is timed where it happens, at the cost of the asynchrony.
 pub fn set_op_profiling(enabled: bool) {
     PROFILING.store(enabled, Ordering::Relaxed);
 }
