@@ -1,5 +1,6 @@
 //! Median times of the ops that dominate a scaled FLUX.1 step and decode on CPU — attention of
-//! the 512² transformer and the VAE's 3×3 convolutions — in f32 and bf16, one line each. Run it
+//! the 512² and 1024² transformer and of the VAE, and the VAE's 3×3 convolutions — in f32 and
+//! bf16, one line each. Run it
 //! twice, with and without `KILN_XLA_OPTIONS`, to measure an XLA option (alternate the runs).
 //!
 //! Run with `cargo bench -p kiln-tensor --bench op_times`.
@@ -40,21 +41,28 @@ fn main() -> AnyResult<()> {
     let dev = Device::cpu()?;
     let options = std::env::var("KILN_XLA_OPTIONS").unwrap_or_default();
     println!("KILN_XLA_OPTIONS={options:?}; median wall ms of {RUNS} runs (mean CPU ms per run)");
+    // `KILN_OP_TIMES=attention` times attention only (tools/bench_flux/sdpa.py compares it with torch)
+    let attention_only = std::env::var("KILN_OP_TIMES").is_ok_and(|v| v == "attention");
     for dtype in [DType::F32, DType::BF16] {
-        let shape = [1usize, 8, 1152, 64];
-        let n: usize = shape.iter().product();
-        let data: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
-        let q = Tensor::from_f32(&data, dtype, shape, &dev)?;
-        let ms = median_ms(|| {
-            Ok(Tensor::scaled_dot_product_attention(
-                &q,
-                &q,
-                &q,
-                &AttentionMask::None,
-                None,
-            )?)
-        })?;
-        println!("{dtype} attention {shape:?}: {:.1} (cpu {:.1})", ms.0, ms.1);
+        // the scaled FLUX.1's attention at 512² and 1024², and the VAE's at 512²
+        for shape in [[1usize, 8, 1152, 64], [1, 8, 4224, 64], [1, 1, 4096, 256]] {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+            let q = Tensor::from_f32(&data, dtype, shape, &dev)?;
+            let ms = median_ms(|| {
+                Ok(Tensor::scaled_dot_product_attention(
+                    &q,
+                    &q,
+                    &q,
+                    &AttentionMask::None,
+                    None,
+                )?)
+            })?;
+            println!("{dtype} attention {shape:?}: {:.1} (cpu {:.1})", ms.0, ms.1);
+        }
+        if attention_only {
+            continue;
+        }
         let params = Conv2dParams {
             padding: 1,
             ..Default::default()

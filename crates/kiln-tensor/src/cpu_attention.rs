@@ -294,7 +294,17 @@ fn block(
     );
     let mut sums = [0f32; BLOCK_ROWS];
     // Compiled for the CPU's vector width (AVX2/FMA where present), chosen at run time.
-    pulp::Arch::new().dispatch(|| softmax_rows(scores, s.sk, dtype, &mut sums));
+    match Avx512::get() {
+        Some(avx) => {
+            for (row, sum) in scores.chunks_exact_mut(s.sk).zip(sums.iter_mut()) {
+                *sum = avx.softmax_weights(row);
+                if dtype != DType::F32 {
+                    row.iter_mut().for_each(|x| *x = round_to(dtype, *x));
+                }
+            }
+        }
+        None => pulp::Arch::new().dispatch(|| softmax_rows(scores, s.sk, dtype, &mut sums)),
+    }
     let acc = &mut scratch.acc[..rows * s.dv];
     matmul(
         MatMut::from_row_major_slice_mut(acc, rows, s.dv),
