@@ -63,11 +63,22 @@ impl Amx {
         (usable && ENABLED.load(Ordering::Relaxed)).then_some(Amx(()))
     }
 
-    /// Loads the tile layout for [`Tiles::gemm_32x32`] on this thread until the result drops.
+    /// Loads the tile layout for [`Tiles::gemm_32x32`] on this thread until the result drops (the
+    /// last one, when several are alive on one thread: the layout is loaded by the first).
     pub fn tiles(self) -> Tiles {
-        imp::load_config();
+        TILES_ALIVE.with(|alive| {
+            if alive.get() == 0 {
+                imp::load_config();
+            }
+            alive.set(alive.get() + 1);
+        });
         Tiles(std::marker::PhantomData)
     }
+}
+
+thread_local! {
+    /// How many [`Tiles`] are alive on this thread.
+    static TILES_ALIVE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// The tile layout is loaded on this thread (not `Send`: tile state is per thread).
@@ -75,7 +86,12 @@ pub struct Tiles(std::marker::PhantomData<*const ()>);
 
 impl Drop for Tiles {
     fn drop(&mut self) {
-        imp::release();
+        TILES_ALIVE.with(|alive| {
+            alive.set(alive.get() - 1);
+            if alive.get() == 0 {
+                imp::release();
+            }
+        });
     }
 }
 
@@ -412,6 +428,21 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn nested_tiles_keep_the_layout_until_the_last_drops() {
+        let Some(amx) = Amx::get() else { return };
+        let bf = |v: f32| (v.to_bits() >> 16) as u16;
+        let a: Vec<u16> = (0..32 * 32).map(|i| bf((i % 3) as f32)).collect();
+        let mut packed = PackedB::default();
+        packed.pack(&a, 32, 32, 32);
+        let outer = amx.tiles();
+        drop(amx.tiles());
+        // would fault if the inner drop had released the layout
+        let mut c = vec![0f32; 32 * 32];
+        outer.gemm_32x32(&a, 32, &packed, 0, &mut c, 32);
+        assert!(c.iter().any(|&v| v != 0.0));
     }
 
     #[test]
