@@ -23,7 +23,7 @@ use kiln_types::DType;
 use kiln_x86::{Amx, Avx512, PackedB};
 
 use crate::device::Device;
-use crate::native_kernels::{read_f32, round_to, write_as};
+use crate::native_kernels::{as_u16, read_f32, round_to, write_as};
 
 /// The custom call target.
 pub(crate) const TARGET: &str = "kiln_cpu_attention";
@@ -74,7 +74,7 @@ impl HostKernel for CpuAttention {
         };
         let x86 = Amx::get().zip(Avx512::get());
         if let (DType::BF16, Some(x86), Ok(out)) = (dtype, x86, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
-            let (q, k, v) = (as_u16(q), as_u16(k), as_u16(v));
+            let (q, k, v) = (as_u16(q.bytes), as_u16(k.bytes), as_u16(v.bytes));
             attention_bf16_amx(x86, &shape, &q, &k, &v, out, pool);
             return Ok(());
         }
@@ -102,14 +102,6 @@ fn to_f32<'a>(x: &'a HostBuffer<'_>) -> Result<std::borrow::Cow<'a, [f32]>, Stri
         DType::BF16 | DType::F16 => std::borrow::Cow::Owned(read_f32(x.dtype, x.bytes)),
         other => return Err(format!("unsupported dtype {other}")),
     })
-}
-
-/// A 16-bit operand's bits (borrowed when aligned).
-fn as_u16<'a>(x: &'a HostBuffer<'_>) -> std::borrow::Cow<'a, [u16]> {
-    match bytemuck::try_cast_slice(x.bytes) {
-        Ok(bits) => std::borrow::Cow::Borrowed(bits),
-        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(x.bytes)),
-    }
 }
 
 /// The number of threads for `work` multiply-adds over `items` work items.

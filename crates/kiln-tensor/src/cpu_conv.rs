@@ -22,7 +22,7 @@ use kiln_types::DType;
 use kiln_x86::{Amx, Avx512, PackedB};
 
 use crate::device::Device;
-use crate::native_kernels::{read_f32, write_as};
+use crate::native_kernels::{as_u16, read_f32, write_as};
 
 /// The custom call target.
 pub(crate) const TARGET: &str = "kiln_cpu_conv";
@@ -68,11 +68,7 @@ impl HostKernel for CpuConv {
         if bias.is_some_and(|b| b.dims != [o]) {
             return Err(format!("the bias must be [{o}]"));
         }
-        // output size = input + 2·padding − kernel + 1
-        let padding = |input: usize, output: usize, kernel: usize| {
-            let twice = (output + kernel).checked_sub(input + 1)?;
-            (twice % 2 == 0).then_some(twice / 2)
-        };
+        let padding = crate::native_kernels::same_side_padding;
         let (Some(ph), Some(pw)) = (padding(h, ho, kh), padding(wd, wo, kw)) else {
             return Err(format!(
                 "result {:?} is not a stride-1 convolution of input {:?} with kernel {kh}x{kw}",
@@ -128,13 +124,6 @@ struct Geometry {
     ho: usize,
     wo: usize,
     pad: usize,
-}
-
-fn as_u16(bytes: &[u8]) -> std::borrow::Cow<'_, [u16]> {
-    match bytemuck::try_cast_slice(bytes) {
-        Ok(bits) => std::borrow::Cow::Borrowed(bits),
-        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
-    }
 }
 
 fn threads(items: usize) -> usize {

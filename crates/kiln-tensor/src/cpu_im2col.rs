@@ -46,11 +46,7 @@ impl HostKernel for CpuIm2col {
         if x.dtype != out.dtype {
             return Err(format!("input {} and result {} differ in dtype", x.dtype, out.dtype));
         }
-        // output size = input + 2·padding − kernel + 1
-        let padding = |input: usize, output: usize, kernel: usize| {
-            let twice = (output + kernel).checked_sub(input + 1)?;
-            (twice % 2 == 0).then_some(twice / 2)
-        };
+        let padding = crate::native_kernels::same_side_padding;
         let (ph, pw) = (padding(h, ho, kh), padding(wd, wo, kw));
         let (Some(ph), Some(pw)) = (ph, pw) else {
             return Err(format!(

@@ -65,6 +65,21 @@ pub(crate) fn turned_off(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "off" || v == "0")
 }
 
+/// The padding on each side of a stride-1 convolution axis of `input` that gives `output` with
+/// `kernel` (`output = input + 2·padding − kernel + 1`), if there is one.
+pub(crate) fn same_side_padding(input: usize, output: usize, kernel: usize) -> Option<usize> {
+    let twice = (output + kernel).checked_sub(input + 1)?;
+    twice.is_multiple_of(2).then_some(twice / 2)
+}
+
+/// 16-bit values' bits (borrowed when the bytes are aligned, as XLA's buffers are).
+pub(crate) fn as_u16(bytes: &[u8]) -> std::borrow::Cow<'_, [u16]> {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(bits) => std::borrow::Cow::Borrowed(bits),
+        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}
+
 /// `bytes` of `dtype` values as f32 (exact for 16-bit floats).
 pub(crate) fn read_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     let mut out = Vec::new();
