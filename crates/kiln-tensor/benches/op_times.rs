@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use kiln_tensor::{AttentionMask, Conv2dParams, DType, Device, Tensor};
+use kiln_tensor::{set_cpu_gelu_kernel, AttentionMask, Conv2dParams, DType, Device, Tensor};
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -63,6 +63,18 @@ fn main() -> AnyResult<()> {
         if attention_only {
             continue;
         }
+        // GELU (tanh) of the scaled FLUX.1's MLP activation at 512²: kiln's kernel, then XLA's ops
+        let shape = [1usize, 1152, 2048];
+        let x = Tensor::from_f32(&vec![0.3; shape.iter().product()], dtype, shape, &dev)?;
+        for native in [true, false] {
+            set_cpu_gelu_kernel(native);
+            let ms = median_ms(|| Ok(x.gelu_tanh()?))?;
+            println!(
+                "{dtype} gelu_tanh {shape:?} kernel={native}: {:.2} (cpu {:.2})",
+                ms.0, ms.1
+            );
+        }
+        set_cpu_gelu_kernel(true);
         let params = Conv2dParams {
             padding: 1,
             ..Default::default()

@@ -88,6 +88,31 @@ fn unary_ops_match_the_reference() {
     }
 }
 
+/// Eager bf16 GELU (tanh) of a big tensor runs kiln's AVX-512 kernel on CPUs with AVX-512
+/// (asserted on AMX machines, which have it); with it off, XLA's ops. Both against the reference,
+/// with the other dtypes (XLA's ops either way).
+#[test]
+fn gelu_tanh_kernel_and_its_fallback_match_the_reference() {
+    if kiln_tensor::cpu_has_amx_bf16() {
+        assert!(
+            kiln_tensor::cpu_gelu_kernel_active(&dev()),
+            "the GELU kernel is not active"
+        );
+    }
+    let mut r = rng(11);
+    for dtype in FLOATS {
+        let x = Arr::rand(&mut r, &[3, 129, 257], -6.0, 6.0, dtype);
+        let want = x.map(gelu_tanh_ref).round(dtype);
+        for native in [true, false] {
+            kiln_tensor::set_cpu_gelu_kernel(native);
+            let got = x.tensor(dtype).gelu_tanh();
+            kiln_tensor::set_cpu_gelu_kernel(true);
+            let what = format!("gelu_tanh {dtype} native={native}");
+            assert_close(&what, &got.unwrap(), &want, dtype, unary_tol(dtype));
+        }
+    }
+}
+
 #[test]
 fn unary_ops_on_scalars_zero_size_and_ints() {
     let d = dev();

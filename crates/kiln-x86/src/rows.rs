@@ -37,6 +37,21 @@ impl Avx512 {
         unsafe { imp::normalize_rows(rows, mean, rstd, weight, bias) }
     }
 
+    /// GELU with tanh, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, of every value, computed as
+    /// the equal `x / (1 + exp(−2·√(2/π)·(x + 0.044715·x³)))` (no cancellation near 0).
+    pub fn gelu_tanh(self, values: &mut [f32]) {
+        // SAFETY: `self` proves AVX-512; every access is inside `values`.
+        unsafe { imp::gelu_tanh(values) }
+    }
+
+    /// [`gelu_tanh`](Self::gelu_tanh) of bf16 values (bits), computed in f32 and rounded to bf16
+    /// (nearest even) into `out`. Panics when the lengths differ.
+    pub fn gelu_tanh_bf16(self, input: &[u16], out: &mut [u16]) {
+        assert_eq!(input.len(), out.len(), "input and output lengths differ");
+        // SAFETY: `self` proves AVX-512 F, BW and VL; accesses stay below the (equal) lengths.
+        unsafe { imp::gelu_tanh_bf16(input, out) }
+    }
+
     /// `out[i] = bf16(values[i] + bias[i])` (round to nearest even) for every `i < out.len()`.
     /// Panics when `values` or `bias` is shorter than `out`.
     pub fn add_round_bf16(self, values: &[f32], bias: &[f32], out: &mut [u16]) {
@@ -145,6 +160,41 @@ mod imp {
         }
     }
 
+    /// GELU (tanh) of 16 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn gelu_tanh_lanes(x: __m512) -> __m512 {
+        let k = _mm512_set1_ps(-2.0 * std::f32::consts::FRAC_2_SQRT_PI * std::f32::consts::FRAC_1_SQRT_2);
+        let inner = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715), x), _mm512_mul_ps(x, x), x);
+        let e = exp_clamped(_mm512_mul_ps(k, inner));
+        _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), e))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gelu_tanh(values: &mut [f32]) {
+        for at in (0..values.len()).step_by(16) {
+            // SAFETY: `at < values.len()`; lanes past the end are masked.
+            unsafe {
+                let (x, mask) = load(values, at, 0.0);
+                store(values, at, mask, gelu_tanh_lanes(x));
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn gelu_tanh_bf16(input: &[u16], out: &mut [u16]) {
+        for at in (0..input.len()).step_by(16) {
+            let left = input.len() - at;
+            let mask: __mmask16 = if left >= 16 { 0xffff } else { (1u16 << left) - 1 };
+            // SAFETY: `at < input.len() == out.len()`; loads and stores stay under the mask.
+            unsafe {
+                let bits = _mm256_maskz_loadu_epi16(mask, input.as_ptr().add(at).cast());
+                let x = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)));
+                store_bf16(out, at, mask, gelu_tanh_lanes(x));
+            }
+        }
+    }
+
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn silu(values: &mut [f32], bf16_input: bool) {
         for at in (0..values.len()).step_by(16) {
@@ -174,6 +224,12 @@ mod imp {
         unreachable!("Avx512 is never constructed off x86_64")
     }
     pub(super) unsafe fn silu(_: &mut [f32], _: bool) {
+        unreachable!("Avx512 is never constructed off x86_64")
+    }
+    pub(super) unsafe fn gelu_tanh(_: &mut [f32]) {
+        unreachable!("Avx512 is never constructed off x86_64")
+    }
+    pub(super) unsafe fn gelu_tanh_bf16(_: &[u16], _: &mut [u16]) {
         unreachable!("Avx512 is never constructed off x86_64")
     }
     pub(super) unsafe fn add_round_bf16(_: &[f32], _: &[f32], _: &mut [u16]) {
@@ -233,6 +289,24 @@ mod tests {
         avx.div_round_bf16(&values, 0.7, &mut out[..37]);
         for i in 0..37 {
             assert_eq!(out[i], bits(values[i] / 0.7), "[{i}]");
+        }
+    }
+
+    #[test]
+    fn gelu_tanh_matches_f64() {
+        let Some(avx) = Avx512::get() else { return };
+        let mut values: Vec<f32> = (0..2001).map(|i| i as f32 * 0.01 - 10.0).collect();
+        values.extend([-1e-6, 1e-6, -100.0, 100.0, -1e30, 1e30]);
+        let input = values.clone();
+        avx.gelu_tanh(&mut values);
+        for (&got, &x) in values.iter().zip(&input) {
+            let x64 = x as f64;
+            let want =
+                0.5 * x64 * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x64 + 0.044715 * x64.powi(3))).tanh());
+            assert!(
+                (got as f64 - want).abs() <= 2e-6 * want.abs().max(1e-6),
+                "gelu_tanh({x}) = {got}, want {want}"
+            );
         }
     }
 

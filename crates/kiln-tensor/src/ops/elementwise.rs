@@ -92,6 +92,15 @@ impl Tensor {
     }
     /// GELU with the tanh approximation (`approximate="tanh"`, also `gelu_new` in f32).
     pub fn gelu_tanh(&self) -> Result<Tensor> {
+        // eager bf16 on CPU: kiln's AVX-512 kernel (`cpu_gelu.rs`); traced programs keep XLA's ops
+        let native =
+            self.dtype() == DType::BF16 && !self.is_traced() && crate::cpu_gelu::available(self.device(), self.numel());
+        if native {
+            let dims = self.dims().to_vec();
+            return apply1("gelu_tanh", &[self], |b, p| {
+                b.ffi_call(crate::cpu_gelu::TARGET, p, dims, p[0].dtype())
+            });
+        }
         self.unary_f32("gelu_tanh", gelu_tanh)
     }
 
