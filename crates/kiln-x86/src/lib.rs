@@ -1,5 +1,6 @@
 //! x86 kernels for kiln's native CPU ops (the XLA FFI custom calls of `kiln-tensor`): bf16
-//! products on AMX tiles ([`Amx`]) and AVX-512 loops ([`Avx512`]: softmax rows, group-norm rows).
+//! products on AMX tiles ([`Amx`]) and AVX-512 loops ([`Avx512`]: softmax rows, the vector `exp`,
+//! loads, stores and bf16 rounding in `avx512`; group-norm rows, SiLU, GELU and epilogues in `rows`).
 //!
 //! With kiln-pjrt, the only crate of kiln with `unsafe` code: here the inline assembly of the tile
 //! instructions, the intrinsics and one system call, behind a safe API that checks every bound.
@@ -8,8 +9,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod amx;
+mod avx512;
 mod rows;
-mod softmax;
 
 pub use amx::{active, cpu_has_amx_bf16, set_enabled, Amx, PackedB, Tiles};
-pub use softmax::Avx512;
+pub use avx512::Avx512;

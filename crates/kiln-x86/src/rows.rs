@@ -1,7 +1,7 @@
 //! AVX-512 loops over rows of channels (channels-last activations) for the group-norm kernel:
 //! per-channel sums and squared deviations, the normalising scale and shift, SiLU.
 
-use crate::softmax::Avx512;
+use crate::avx512::Avx512;
 
 impl Avx512 {
     /// Adds each row of `rows` (rows of `sum.len()` channels) into `sum`, channel by channel.
@@ -83,7 +83,7 @@ impl Avx512 {
 mod imp {
     use std::arch::x86_64::*;
 
-    use crate::softmax::imp::{exp_clamped, load, store, store_bf16};
+    use crate::avx512::imp::{exp_clamped, load, store, store_bf16};
 
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn add_rows(rows: &[f32], sum: &mut [f32]) {
@@ -202,7 +202,7 @@ mod imp {
             unsafe {
                 let (mut x, mask) = load(values, at, 0.0);
                 if bf16_input {
-                    x = crate::softmax::imp::round_to_bf16(x);
+                    x = crate::avx512::imp::round_to_bf16(x);
                 }
                 let e = exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), x));
                 let y = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), e));

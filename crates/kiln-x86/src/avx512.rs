@@ -1,5 +1,6 @@
-//! Softmax rows with AVX-512: `exp(x − max)` of a row of scores, vectorised 16 lanes wide, with
-//! the sum of the weights.
+//! The AVX-512 token and what the loops share (masked loads and stores, a vector `exp`, bf16
+//! rounding), and softmax rows: `exp(x − max)` of a row of scores, 16 lanes wide, with the sum of
+//! the weights.
 //!
 //! `exp` is `2^n · p(r)` with `x = n·ln2 + r`, `|r| ≤ ln2/2`, and a degree-7 Taylor polynomial
 //! (about one ulp on the softmax range, `x ≤ 0`); inputs below −87 give `exp(−87)`, far under what
@@ -66,9 +67,7 @@ pub(crate) mod imp {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(crate) unsafe fn store_bf16(out: &mut [u16], at: usize, mask: __mmask16, v: __m512) {
         debug_assert!(at + (mask.count_ones() as usize) <= out.len());
-        let bits = _mm512_castps_si512(v);
-        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-        let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+        let rounded = _mm512_castps_si512(round_to_bf16(v));
         let halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(rounded));
         // SAFETY: only lanes under the mask (inside `out`) are written.
         unsafe { _mm256_mask_storeu_epi16(out.as_mut_ptr().add(at).cast(), mask, halves) }
