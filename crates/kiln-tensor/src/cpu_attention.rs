@@ -109,7 +109,7 @@ fn threads_for(work: usize, items: usize) -> usize {
     if work < PARALLEL_MIN_WORK {
         1
     } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
+        crate::native_kernels::pool_threads(items)
     }
 }
 
@@ -285,18 +285,9 @@ fn block(
         Par::Seq,
     );
     let mut sums = [0f32; BLOCK_ROWS];
-    // Compiled for the CPU's vector width (AVX2/FMA where present), chosen at run time.
-    match Avx512::get() {
-        Some(avx) => {
-            for (row, sum) in scores.chunks_exact_mut(s.sk).zip(sums.iter_mut()) {
-                *sum = avx.softmax_weights(row);
-                if dtype != DType::F32 {
-                    row.iter_mut().for_each(|x| *x = round_to(dtype, *x));
-                }
-            }
-        }
-        None => pulp::Arch::new().dispatch(|| softmax_rows(scores, s.sk, dtype, &mut sums)),
-    }
+    // Without AVX-512, compiled for the CPU's vector width (AVX2/FMA where present) at run time.
+    let avx = Avx512::get();
+    pulp::Arch::new().dispatch(|| softmax_rows(scores, s.sk, dtype, &mut sums, avx));
     let acc = &mut scratch.acc[..rows * s.dv];
     matmul(
         MatMut::from_row_major_slice_mut(acc, rows, s.dv),
@@ -313,13 +304,19 @@ fn block(
 }
 
 /// Each row of `scores` becomes its unnormalised softmax weights `exp(x − max)` (rounded to
-/// `dtype`, as the value product takes them), its f32 sum (of the unrounded weights) in `sums`.
+/// `dtype`, as the value product takes them), its f32 sum (of the unrounded weights) in `sums`;
+/// the exponentials on AVX-512 when `avx` is given.
 #[inline(always)]
-fn softmax_rows(scores: &mut [f32], width: usize, dtype: DType, sums: &mut [f32]) {
+fn softmax_rows(scores: &mut [f32], width: usize, dtype: DType, sums: &mut [f32], avx: Option<Avx512>) {
     for (row, sum) in scores.chunks_exact_mut(width).zip(sums.iter_mut()) {
-        let max = row_max(row);
-        row.iter_mut().for_each(|x| *x = exp_nonpositive(*x - max));
-        *sum = row_sum(row);
+        *sum = match avx {
+            Some(avx) => avx.softmax_weights(row),
+            None => {
+                let max = row_max(row);
+                row.iter_mut().for_each(|x| *x = exp_nonpositive(*x - max));
+                row_sum(row)
+            }
+        };
         if dtype != DType::F32 {
             row.iter_mut().for_each(|x| *x = round_to(dtype, *x));
         }
