@@ -60,7 +60,7 @@ impl HostKernel for CpuConcatLast {
         let threads = if out.bytes.len() < MIN_BYTES {
             1
         } else {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
+            crate::native_kernels::pool_threads(usize::MAX)
         };
         let per_item = rows.div_ceil(threads * 4).max(1);
         let chunks: Vec<Mutex<&mut [u8]>> = out.bytes.chunks_mut(per_item * row).map(Mutex::new).collect();

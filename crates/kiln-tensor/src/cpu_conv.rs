@@ -22,7 +22,7 @@ use kiln_types::DType;
 use kiln_x86::{Amx, Avx512, PackedB};
 
 use crate::device::Device;
-use crate::native_kernels::{as_u16, read_f32, write_as};
+use crate::native_kernels::{as_u16, pool_threads, read_f32, write_as};
 
 /// The custom call target.
 pub(crate) const TARGET: &str = "kiln_cpu_conv";
@@ -126,10 +126,6 @@ struct Geometry {
     pad: usize,
 }
 
-fn threads(items: usize) -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
-}
-
 /// The AMX path: the weight packed once (`[taps·C, O]`), the input copied with its padding (and
 /// enough zero columns that every 32-pixel block can be read whole), then one work item per
 /// output row.
@@ -161,7 +157,7 @@ fn conv_amx(
     let mut padded = vec![0u16; g.n * hp * wp * g.c];
     {
         let rows: Vec<Mutex<&mut [u16]>> = padded.chunks_mut(wp * g.c).map(Mutex::new).collect();
-        pool.for_each(rows.len(), threads(rows.len()), &|r| {
+        pool.for_each(rows.len(), pool_threads(rows.len()), &|r| {
             let (image, yy) = (r / hp, r % hp);
             let Some(y) = yy.checked_sub(g.pad).filter(|&y| y < g.h) else {
                 return;
@@ -173,7 +169,7 @@ fn conv_amx(
     }
 
     let rows: Vec<Mutex<&mut [u16]>> = out.chunks_mut(g.wo * g.o).map(Mutex::new).collect();
-    pool.for_each(rows.len(), threads(rows.len()), &|r| {
+    pool.for_each(rows.len(), pool_threads(rows.len()), &|r| {
         let mut row = rows[r].lock().unwrap_or_else(|e| e.into_inner());
         let (image, y) = (r / g.ho, r % g.ho);
         let tiles = amx.tiles();
@@ -217,7 +213,7 @@ fn conv_f32(g: &Geometry, x: &[f32], w: &[f32], bias: &[f32], dtype: DType, out:
         return;
     }
     let rows: Vec<Mutex<&mut [u8]>> = out.chunks_mut(out_row).map(Mutex::new).collect();
-    pool.for_each(rows.len(), threads(rows.len()), &|r| {
+    pool.for_each(rows.len(), pool_threads(rows.len()), &|r| {
         let mut row = rows[r].lock().unwrap_or_else(|e| e.into_inner());
         let (image, y) = (r / g.ho, r % g.ho);
         let mut columns = vec![0f32; g.wo * k];
@@ -270,7 +266,8 @@ pub(crate) fn available(device: &Device, channels: usize) -> bool {
         && kiln_x86::active()
         && crate::native_kernels::active::<CpuConv>(
             device,
-            ENABLED.load(Ordering::Relaxed) && crate::cpu_im2col::enabled(),
+            // `active` reads KILN_CPU_CONV itself
+            ENABLED.load(Ordering::Relaxed) && crate::cpu_im2col::switched_on(),
             "KILN_CPU_CONV",
             "the CPU convolution kernel",
             "conv2d",

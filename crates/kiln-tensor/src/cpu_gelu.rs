@@ -17,7 +17,7 @@ use kiln_types::DType;
 use kiln_x86::Avx512;
 
 use crate::device::Device;
-use crate::native_kernels::{as_u16, read_f32, write_as};
+use crate::native_kernels::{as_u16, pool_threads, read_f32, write_as};
 
 /// The custom call target.
 pub(crate) const TARGET: &str = "kiln_cpu_gelu_tanh";
@@ -53,9 +53,7 @@ impl HostKernel for CpuGeluTanh {
         if let (Some(avx), DType::BF16, Ok(out)) = (avx, dtype, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
             let x = as_u16(x.bytes);
             let chunks: Vec<Mutex<&mut [u16]>> = out.chunks_mut(CHUNK).map(Mutex::new).collect();
-            let threads = std::thread::available_parallelism()
-                .map_or(1, |n| n.get())
-                .min(chunks.len());
+            let threads = pool_threads(chunks.len());
             pool.for_each(chunks.len(), threads, &|i| {
                 let mut chunk = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
                 let n = chunk.len();
@@ -64,9 +62,7 @@ impl HostKernel for CpuGeluTanh {
             return Ok(());
         }
         let chunks: Vec<Mutex<&mut [u8]>> = out.bytes.chunks_mut(CHUNK * esize).map(Mutex::new).collect();
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(chunks.len());
+        let threads = pool_threads(chunks.len());
         pool.for_each(chunks.len(), threads, &|i| {
             let mut chunk = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
             let mut values = read_f32(dtype, &x.bytes[i * CHUNK * esize..][..chunk.len()]);

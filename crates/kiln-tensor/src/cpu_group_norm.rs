@@ -120,7 +120,7 @@ fn group_norm(
     let threads = if rows * c < PARALLEL_MIN_ELEMENTS {
         1
     } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
+        crate::native_kernels::pool_threads(items)
     };
     // Pass 1: per block of one image's positions (converted once, kept in cache), per-channel
     // mean (f64 sums) and the squared deviations from it: no cancellation when the mean is large.

@@ -100,7 +100,7 @@ fn im2col(g: &Geometry, input: &[u8], out: &mut [u8], pool: &HostPool<'_>) {
     let threads = if out.len() < PARALLEL_MIN_BYTES {
         1
     } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        crate::native_kernels::pool_threads(usize::MAX)
     };
     let rows: Vec<Mutex<&mut [u8]>> = out.chunks_mut(row_bytes).map(Mutex::new).collect();
     pool.for_each(rows.len(), threads.min(rows.len()), &|r| {
@@ -149,7 +149,12 @@ pub fn cpu_conv_kernel_active(device: &Device) -> bool {
 /// Whether the dot lowering of bf16 convolutions is switched on (here and by `KILN_CPU_CONV`);
 /// 1×1 convolutions need no kernel.
 pub(crate) fn enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed) && !crate::native_kernels::turned_off(ENV_SWITCH)
+    switched_on() && !crate::native_kernels::turned_off(ENV_SWITCH)
+}
+
+/// Whether [`set_cpu_conv_kernel`] left the kernel on (the environment variable aside).
+pub(crate) fn switched_on() -> bool {
+    ENABLED.load(Ordering::Relaxed)
 }
 
 const ENV_SWITCH: &str = "KILN_CPU_CONV";

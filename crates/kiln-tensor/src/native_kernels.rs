@@ -60,6 +60,11 @@ pub(crate) fn active<K: HostKernel>(
     ok
 }
 
+/// Threads for `items` work items on XLA's pool: one per core, at most one per item.
+pub(crate) fn pool_threads(items: usize) -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
+}
+
 /// Whether the environment variable `name` is `off` or `0`.
 pub(crate) fn turned_off(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "off" || v == "0")

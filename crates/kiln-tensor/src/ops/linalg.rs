@@ -173,19 +173,13 @@ impl Tensor {
         let mut inputs = vec![self, weight];
         inputs.extend(bias);
         apply1(op, &inputs, |b, p| {
-            if lowering == ConvLowering::Direct {
-                let [n, h, w, _] = [p[0].dims()[0], p[0].dims()[1], p[0].dims()[2], p[0].dims()[3]];
-                let [o, _, kh, kw] = [p[1].dims()[0], p[1].dims()[1], p[1].dims()[2], p[1].dims()[3]];
-                let pad = 2 * params.padding + 1;
-                let shape = [n, h + pad - kh, w + pad - kw, o];
-                return b.ffi_call(crate::cpu_conv::TARGET, p, shape, dtype);
-            }
             let acc = accumulation_dtype(dtype);
             let mut y = match lowering {
                 ConvLowering::Convolution => b.convolution(&p[0], &p[1], &dims, acc)?,
                 ConvLowering::PointwiseDot => pointwise_conv_as_dot(b, &p[0], &p[1], acc)?,
                 ConvLowering::ColumnsDot => conv_as_columns_dot(b, &p[0], &p[1], params.padding, acc)?,
-                ConvLowering::Direct => unreachable!("returned above"),
+                // bias and rounding happen inside the kernel
+                ConvLowering::Direct => return direct_conv(b, p, params.padding, dtype),
             };
             if let Some(bias) = p.get(2) {
                 let bias = b.convert(bias, acc)?;
@@ -278,6 +272,15 @@ fn conv_as_columns_dot(b: &mut Builder, x: &Value, w: &Value, padding: usize, ac
         ..Default::default()
     };
     b.dot_general(&columns, &w, &dims, acc)
+}
+
+/// A stride-1 channels-last convolution (input, OIHW weight, optional bias in `p`) as the native
+/// AMX kernel, whose result is already biased and rounded to `dtype`.
+fn direct_conv(b: &mut Builder, p: &[Value], padding: usize, dtype: DType) -> kiln_hlo::Result<Value> {
+    let (x, w) = (p[0].dims(), p[1].dims());
+    let grow = 2 * padding + 1;
+    let shape = [x[0], x[1] + grow - w[2], x[2] + grow - w[3], w[0]];
+    b.ffi_call(crate::cpu_conv::TARGET, p, shape, dtype)
 }
 
 /// A 1×1 channels-last convolution (stride 1, no padding, groups 1) as the dot it is:
