@@ -6,8 +6,9 @@
 //! cores. Numerics follow the plain lowering in `ops/nn.rs`: products accumulate in f32, the
 //! unnormalised weights take the input dtype before the value product, the f32 row sums divide its
 //! result, which is rounded once to the input dtype. `q` arrives already scaled. bf16 runs both
-//! products on AMX tiles and the softmax with AVX-512 where the CPU has them (`kiln-x86`), the same
-//! numerics in another order of sums; `KILN_CPU_AMX=off` keeps it on the f32 loops.
+//! products on AMX tiles or AVX-512 BF16 and the softmax with AVX-512 where the CPU has them
+//! (`kiln-x86`), the same numerics in another order of sums; `KILN_CPU_AMX=off` and
+//! `KILN_CPU_BF16_DOT=off` together keep it on the f32 loops.
 //!
 //! Registered with the CPU plugin on first use and probed with a one-op program; a plugin
 //! without the FFI extension, a failed probe or `KILN_CPU_ATTENTION=off` keeps the plain
@@ -20,7 +21,7 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
-use kiln_x86::{Amx, Avx512, PackedB};
+use kiln_x86::{Avx512, Bf16Products, PackedB};
 
 use crate::device::Device;
 use crate::native_kernels::{as_u16, read_f32, round_to, write_as};
@@ -72,10 +73,10 @@ impl HostKernel for CpuAttention {
             d,
             dv,
         };
-        let x86 = Amx::get().zip(Avx512::get());
+        let x86 = Bf16Products::get().zip(Avx512::get());
         if let (DType::BF16, Some(x86), Ok(out)) = (dtype, x86, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
             let (q, k, v) = (as_u16(q.bytes), as_u16(k.bytes), as_u16(v.bytes));
-            attention_bf16_amx(x86, &shape, &q, &k, &v, out, pool);
+            attention_bf16_products(x86, &shape, &q, &k, &v, out, pool);
             return Ok(());
         }
         let (q, k, v) = (to_f32(q)?, to_f32(k)?, to_f32(v)?);
@@ -113,14 +114,14 @@ fn threads_for(work: usize, items: usize) -> usize {
     }
 }
 
-/// Query rows per work item on AMX (two tile rows).
-const AMX_ROWS: usize = 32;
+/// Query rows per work item of the bf16 products (two AMX tile rows).
+const BF16_ROWS: usize = 32;
 
-/// bf16 attention with both products on AMX tiles: each head's `kᵀ` and `v` are packed for the
+/// bf16 attention with both products on AMX tiles or AVX-512 BF16: each head's `kᵀ` and `v` are packed for the
 /// tiles once (zero-padded to multiples of 32), then every head and block of 32 query rows computes
 /// its scores, softmax weights and values with the numerics of the f32 path.
-fn attention_bf16_amx(
-    x86: (Amx, Avx512),
+fn attention_bf16_products(
+    x86: (Bf16Products, Avx512),
     s: &Shape,
     q: &[u16],
     k: &[u16],
@@ -146,8 +147,8 @@ fn attention_bf16_amx(
         .collect();
     let mut items: Vec<(usize, usize, &mut [u16])> = Vec::new();
     for (head, rows) in out.chunks_mut(s.sq * s.dv).enumerate() {
-        for (block, chunk) in rows.chunks_mut(AMX_ROWS * s.dv).enumerate() {
-            items.push((head, block * AMX_ROWS, chunk));
+        for (block, chunk) in rows.chunks_mut(BF16_ROWS * s.dv).enumerate() {
+            items.push((head, block * BF16_ROWS, chunk));
         }
     }
     let threads = threads_for(work, items.len());
@@ -156,7 +157,7 @@ fn attention_bf16_amx(
         let mut item = items[i].lock().unwrap_or_else(|e| e.into_inner());
         let (head, row0, ref mut chunk) = *item;
         let q = &q[(head * s.sq + row0) * s.d..];
-        AMX_SCRATCH.with_borrow_mut(|scratch| block_amx(x86, s, q, &packed[head], chunk, scratch));
+        BF16_SCRATCH.with_borrow_mut(|scratch| block_bf16(x86, s, q, &packed[head], chunk, scratch));
     });
 }
 
@@ -168,35 +169,42 @@ struct Packed {
 }
 
 thread_local! {
-    static AMX_SCRATCH: std::cell::RefCell<AmxScratch> = std::cell::RefCell::new(AmxScratch::default());
+    static BF16_SCRATCH: std::cell::RefCell<Bf16Scratch> = std::cell::RefCell::new(Bf16Scratch::default());
 }
 
 #[derive(Default)]
-struct AmxScratch {
+struct Bf16Scratch {
     q: Vec<u16>,
     scores: Vec<f32>,
     weights: Vec<u16>,
     acc: Vec<f32>,
 }
 
-/// At most 32 query rows of one head on AMX: `q` starts at the first row, `out` holds the rows'
+/// At most 32 query rows of one head, bf16 products: `q` starts at the first row, `out` holds the rows'
 /// bf16 results.
-fn block_amx((amx, avx): (Amx, Avx512), s: &Shape, q: &[u16], kv: &Packed, out: &mut [u16], scratch: &mut AmxScratch) {
+fn block_bf16(
+    (products, avx): (Bf16Products, Avx512),
+    s: &Shape,
+    q: &[u16],
+    kv: &Packed,
+    out: &mut [u16],
+    scratch: &mut Bf16Scratch,
+) {
     let rows = out.len() / s.dv;
     let (d_pad, sk_pad, dv_pad) = (kv.keys.k_pad(), kv.keys.n_pad(), kv.values.n_pad());
     scratch.q.clear();
-    scratch.q.resize(AMX_ROWS * d_pad, 0);
+    scratch.q.resize(BF16_ROWS * d_pad, 0);
     for (dst, src) in scratch.q.chunks_exact_mut(d_pad).zip(q[..rows * s.d].chunks_exact(s.d)) {
         dst[..s.d].copy_from_slice(src);
     }
-    scratch.scores.resize(AMX_ROWS * sk_pad, 0.0);
-    scratch.weights.resize(AMX_ROWS * sk_pad, 0);
-    scratch.acc.resize(AMX_ROWS * dv_pad, 0.0);
-    let tiles = amx.tiles();
+    scratch.scores.resize(BF16_ROWS * sk_pad, 0.0);
+    scratch.weights.resize(BF16_ROWS * sk_pad, 0);
+    scratch.acc.resize(BF16_ROWS * dv_pad, 0.0);
+    let tiles = products.begin();
     for col in (0..sk_pad).step_by(32) {
         tiles.gemm_32x32(&scratch.q, d_pad, &kv.keys, col, &mut scratch.scores[col..], sk_pad);
     }
-    let mut sums = [0f32; AMX_ROWS];
+    let mut sums = [0f32; BF16_ROWS];
     let rows_of_scores = scratch.scores.chunks_exact(sk_pad);
     for ((row, weights), sum) in rows_of_scores
         .zip(scratch.weights.chunks_exact_mut(sk_pad))

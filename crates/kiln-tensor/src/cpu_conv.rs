@@ -1,15 +1,16 @@
 //! A stride-1 channels-last convolution as a native kernel inside XLA:CPU programs (an XLA FFI
-//! custom call), computed on AMX tiles straight from the input: no columns in memory.
+//! custom call), its products on AMX tiles or AVX-512 BF16 straight from the input: no columns in memory.
 //!
 //! The product is `out[pixel, o] = Σ_taps Σ_c x[pixel + tap, c] · w[o, c, tap]`: for 32 output
 //! pixels of a row and 32 output channels, each kernel tap is a 32 × C view of the (padded) input
-//! with rows one pixel apart — an AMX `A` operand as it lies in memory — against that tap's rows of
+//! with rows one pixel apart — a product's `A` operand as it lies in memory — against that tap's rows of
 //! the packed weight. Numerics of a bf16 convolution with f32 accumulation: exact products, f32
 //! sums, the f32 bias added, one rounding to bf16. Operands: the input `[N, H, W, C]`, the OIHW
 //! weight and optionally the bias `[O]`; the symmetric padding follows from the result's shape.
 //!
-//! Used for bf16 with `C` a multiple of 32 when AMX is active (`kiln-x86`). The kernel also
-//! computes any other case (another dtype, AMX off when a program compiled with it runs) with f32
+//! Used for bf16 with `C` a multiple of 32 when AMX or AVX-512 BF16 is active (`kiln-x86`). The
+//! kernel also computes any other case (another dtype, both off when a program compiled with them
+//! runs) with f32
 //! loops, slowly but with the same numbers, so that a cached program never gives a wrong answer.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,7 +20,7 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
-use kiln_x86::{Amx, Avx512, PackedB};
+use kiln_x86::{Avx512, Bf16Products, PackedB};
 
 use crate::device::Device;
 use crate::native_kernels::{as_u16, pool_threads, read_f32, write_as};
@@ -94,10 +95,10 @@ impl HostKernel for CpuConv {
             pad: ph,
         };
         let bias = bias.map_or_else(|| vec![0.0; o], |b| read_f32(dtype, b.bytes));
-        let x86 = Amx::get().zip(Avx512::get());
+        let x86 = Bf16Products::get().zip(Avx512::get());
         match (x86, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
             (Some(x86), Ok(out)) if dtype == DType::BF16 && c.is_multiple_of(TILE) && !out.is_empty() => {
-                conv_amx(x86, &g, &as_u16(x.bytes), &as_u16(w.bytes), &bias, out, pool)
+                conv_bf16(x86, &g, &as_u16(x.bytes), &as_u16(w.bytes), &bias, out, pool)
             }
             _ => conv_f32(
                 &g,
@@ -126,11 +127,11 @@ struct Geometry {
     pad: usize,
 }
 
-/// The AMX path: the weight packed once (`[taps·C, O]`), the input copied with its padding (and
+/// The bf16 path (AMX or AVX-512 BF16): the weight packed once (`[taps·C, O]`), the input copied with its padding (and
 /// enough zero columns that every 32-pixel block can be read whole), then one work item per
 /// output row.
-fn conv_amx(
-    (amx, avx): (Amx, Avx512),
+fn conv_bf16(
+    (products, avx): (Bf16Products, Avx512),
     g: &Geometry,
     x: &[u16],
     w: &[u16],
@@ -172,7 +173,7 @@ fn conv_amx(
     pool.for_each(rows.len(), pool_threads(rows.len()), &|r| {
         let mut row = rows[r].lock().unwrap_or_else(|e| e.into_inner());
         let (image, y) = (r / g.ho, r % g.ho);
-        let tiles = amx.tiles();
+        let tiles = products.begin();
         let mut c = [0f32; TILE * TILE];
         let mut segments: Vec<(&[u16], usize)> = Vec::with_capacity(taps);
         for o0 in (0..g.o).step_by(TILE) {
@@ -195,7 +196,7 @@ fn conv_amx(
     });
 }
 
-/// Any dtype, without AMX: per output row, its columns in f32 times the weight as a
+/// Any dtype, without bf16 products: per output row, its columns in f32 times the weight as a
 /// `[taps·C, O]` matrix (faer), plus the bias, rounded to `dtype`.
 fn conv_f32(g: &Geometry, x: &[f32], w: &[f32], bias: &[f32], dtype: DType, out: &mut [u8], pool: &HostPool<'_>) {
     let taps = g.kh * g.kw;
@@ -253,17 +254,17 @@ pub fn set_cpu_direct_conv_kernel(enabled: bool) {
 }
 
 /// Whether bf16 channels-last convolutions (stride 1, one group, input channels a multiple of 32)
-/// on `device` run as the native kernel on AMX tiles.
+/// on `device` run as the native kernel (AMX tiles or AVX-512 BF16).
 pub fn cpu_direct_conv_kernel_active(device: &Device) -> bool {
     available(device, TILE)
 }
 
 /// Whether a bf16 channels-last convolution with `channels` input channels runs as the native
-/// kernel on AMX on `device`: AMX active, `channels` a multiple of 32, the handler registered with
+/// kernel on `device`: AMX or AVX-512 BF16 active, `channels` a multiple of 32, the handler registered with
 /// its probe right, and the kernel not turned off (here or by `KILN_CPU_CONV=off`).
 pub(crate) fn available(device: &Device, channels: usize) -> bool {
     channels.is_multiple_of(TILE)
-        && kiln_x86::active()
+        && kiln_x86::bf16_products_active()
         && crate::native_kernels::active::<CpuConv>(
             device,
             // `active` reads KILN_CPU_CONV itself
@@ -276,7 +277,7 @@ pub(crate) fn available(device: &Device, channels: usize) -> bool {
 }
 
 /// A 3×3 convolution (padding 1, bias) of a 3×5 input with 32 channels into 3 channels, in bf16
-/// inside the program (the AMX path where it is active), checked against f64 sums of the same
+/// inside the program (the bf16 products where they are active), checked against f64 sums of the same
 /// bf16 values.
 fn probe(device: &Device) -> Result<(), String> {
     use kiln_hlo::Builder;
@@ -335,11 +336,11 @@ fn probe(device: &Device) -> Result<(), String> {
 mod tests {
     use super::*;
 
-    /// The AMX path and the f32 loops give the same bf16 results (up to the order of f32 sums)
+    /// The bf16 products path and the f32 loops give the same bf16 results (up to the order of f32 sums)
     /// on shapes with partial pixel and channel blocks, a 1×1 kernel and a non-square one.
     #[test]
-    fn amx_path_matches_the_f32_loops() {
-        let Some(x86) = Amx::get().zip(Avx512::get()) else {
+    fn bf16_path_matches_the_f32_loops() {
+        let Some(x86) = Bf16Products::get().zip(Avx512::get()) else {
             return;
         };
         let pool = HostPool::own_threads();
@@ -369,11 +370,11 @@ mod tests {
             let (x, wt) = (bits(n * h * w * c, 1), bits(o * c * kh * kw, 2));
             let bias: Vec<f32> = (0..o).map(|i| i as f32 * 0.125 - 1.0).collect();
             let widen = |v: &[u16]| -> Vec<f32> { v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
-            let mut amx_out = vec![0u16; n * ho * wo * o];
+            let mut bf16_out = vec![0u16; n * ho * wo * o];
             let mut f32_out = vec![0u8; n * ho * wo * o * 2];
-            conv_amx(x86, &g, &x, &wt, &bias, &mut amx_out, &pool);
+            conv_bf16(x86, &g, &x, &wt, &bias, &mut bf16_out, &pool);
             conv_f32(&g, &widen(&x), &widen(&wt), &bias, DType::BF16, &mut f32_out, &pool);
-            let (a, b) = (widen(&amx_out), read_f32(DType::BF16, &f32_out));
+            let (a, b) = (widen(&bf16_out), read_f32(DType::BF16, &f32_out));
             for (i, (a, b)) in a.iter().zip(&b).enumerate() {
                 assert!((a - b).abs() <= 1e-2 * b.abs().max(1.0), "{kh}x{kw} [{i}]: {a} vs {b}");
             }

@@ -38,7 +38,10 @@ pub use dispatch::{
 pub use error::{Error, Result};
 pub use kiln_pjrt::{DeviceSpec, Platform};
 pub use kiln_types::{bf16, f16, DType, Element, Shape};
-pub use kiln_x86::{active as cpu_amx_active, cpu_has_amx_bf16, set_enabled as set_cpu_amx};
+pub use kiln_x86::{
+    active as cpu_amx_active, bf16_products_active as cpu_bf16_products_active, cpu_has_amx_bf16,
+    set_bf16_dot_enabled as set_cpu_bf16_dot, set_enabled as set_cpu_amx,
+};
 pub use memory::{parse_bytes, reset_thread_peak_device_memory, thread_device_memory, DeviceMemory};
 pub use ops::{AttentionMask, Conv2dParams, RopeLayout};
 pub use tensor::{MemoryKind, Placement, Tensor};

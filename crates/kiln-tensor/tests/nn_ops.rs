@@ -127,8 +127,7 @@ fn rms_norm_with_and_without_weight() {
 
 #[test]
 fn group_norm_matches_the_reference() {
-    if kiln_tensor::cpu_has_amx_bf16() {
-        // (AMX CPUs have AVX-512, which the kernel needs)
+    if cpu_has_avx512() {
         assert!(
             kiln_tensor::cpu_group_norm_kernel_active(&dev()),
             "the CPU group-norm kernel did not register or failed its probe"
@@ -462,8 +461,8 @@ fn rotary_embedding_both_layouts() {
 /// The native CPU attention kernel (an XLA FFI custom call) is active with the installed CPU
 /// plugin and matches the reference on shapes with several heads, query blocks that do not divide
 /// the sequence, keys longer than queries, and enough work to run on several threads; turning it
-/// off gives the plain lowering, which matches too; bf16 runs on AMX tiles where the CPU has them
-/// and on f32 loops with AMX turned off. The parallel work runs on XLA's thread pool.
+/// off gives the plain lowering, which matches too; bf16 runs on AMX tiles or AVX-512 BF16 where the
+/// CPU has them, and on f32 loops with both turned off. The parallel work runs on XLA's thread pool.
 #[test]
 fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
     let dev = kiln_testing_device();
@@ -495,10 +494,17 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
             } else {
                 Tol { rtol: 2e-2, atol: 1e-2 }
             };
-            // the kernel with AMX tiles (bf16, where the CPU has them), on f32 loops, and off
-            for (native, amx) in [(true, true), (true, false), (false, false)] {
+            // the kernel with AMX tiles (bf16, where the CPU has them), on AVX-512 BF16 (where it
+            // has that), on f32 loops, and off
+            for (native, amx, dot) in [
+                (true, true, true),
+                (true, false, true),
+                (true, false, false),
+                (false, false, false),
+            ] {
                 kiln_tensor::set_cpu_attention_kernel(native);
                 kiln_tensor::set_cpu_amx(amx);
+                kiln_tensor::set_cpu_bf16_dot(dot);
                 let got = Tensor::scaled_dot_product_attention(
                     &q.tensor(dtype),
                     &k.tensor(dtype),
@@ -508,7 +514,7 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
                 )
                 .unwrap();
                 assert_close(
-                    &format!("attention {shape_q:?} {dtype} native={native} amx={amx}"),
+                    &format!("attention {shape_q:?} {dtype} native={native} amx={amx} dot={dot}"),
                     &got,
                     &want,
                     dtype,
@@ -517,6 +523,7 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
             }
             kiln_tensor::set_cpu_attention_kernel(true);
             kiln_tensor::set_cpu_amx(true);
+            kiln_tensor::set_cpu_bf16_dot(true);
         }
     }
     if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {

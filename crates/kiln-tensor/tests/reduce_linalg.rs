@@ -287,10 +287,10 @@ fn conv2d_matches_the_reference() {
         kiln_tensor::cpu_conv_kernel_active(&device),
         "the column kernel did not register or failed its probe"
     );
-    if kiln_tensor::cpu_has_amx_bf16() && std::env::var("KILN_CPU_AMX").is_err() {
+    if kiln_tensor::cpu_bf16_products_active() {
         assert!(
             kiln_tensor::cpu_direct_conv_kernel_active(&device),
-            "the AMX convolution kernel did not register or failed its probe"
+            "the bf16 convolution kernel did not register or failed its probe"
         );
     }
     let mut r = rng(80);

@@ -14,6 +14,21 @@ pub fn dev() -> Device {
         .clone()
 }
 
+/// Whether this CPU has AVX-512 F, BW and VL (what kiln's AVX-512 row kernels need).
+#[allow(dead_code)]
+pub fn cpu_has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 pub fn rng(seed: u64) -> StdRng {
     StdRng::seed_from_u64(seed)
 }
