@@ -184,11 +184,23 @@ impl PackedB {
     /// operand of `A·Mᵀ`.
     pub fn pack_transposed(&mut self, m: &[u16], n: usize, k: usize, stride: usize) {
         self.reset(k, n);
-        let block = self.block_len();
-        for col in 0..n {
-            let base = col / 16 * block + 2 * (col % 16);
-            for (i, &x) in m[col * stride..][..k].iter().enumerate() {
-                self.data[base + i / 2 * 32 + i % 2] = x;
+        let pairs = k / 2;
+        for (j, block) in self.data.chunks_exact_mut(self.k_pad * 16).enumerate() {
+            let rows: Vec<&[u16]> = (16 * j..n.min(16 * j + 16))
+                .map(|col| &m[col * stride..][..k])
+                .collect();
+            // pair-row by pair-row, so that each destination vector is written whole (about twice
+            // as fast as column by column)
+            for (r, dst) in block.chunks_exact_mut(32).take(pairs).enumerate() {
+                for (c, row) in rows.iter().enumerate() {
+                    dst[2 * c] = row[2 * r];
+                    dst[2 * c + 1] = row[2 * r + 1];
+                }
+            }
+            if k % 2 == 1 {
+                for (c, row) in rows.iter().enumerate() {
+                    block[pairs * 32 + 2 * c] = row[k - 1];
+                }
             }
         }
     }
