@@ -65,9 +65,19 @@ pub(crate) fn pool_threads(items: usize) -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
 }
 
-/// Whether the environment variable `name` is `off` or `0`.
+/// Whether the environment variable `name` (a `KILN_` switch) is `off` or `0`, as the process
+/// started: the environment is read once, not on every op build.
 pub(crate) fn turned_off(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| v == "off" || v == "0")
+    static OFF: OnceLock<Vec<String>> = OnceLock::new();
+    OFF.get_or_init(|| {
+        std::env::vars_os()
+            .filter(|(_, value)| value == "off" || value == "0")
+            .filter_map(|(key, _)| key.into_string().ok())
+            .filter(|key| key.starts_with("KILN_"))
+            .collect()
+    })
+    .iter()
+    .any(|key| key == name)
 }
 
 /// The padding on each side of a stride-1 convolution axis of `input` that gives `output` with
