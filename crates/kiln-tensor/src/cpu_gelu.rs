@@ -48,37 +48,41 @@ impl HostKernel for CpuGeluTanh {
                 x.dims, out.dims, out.dtype
             ));
         }
-        let esize = dtype.size_in_bytes();
-        let avx = Avx512::get();
-        if let (Some(avx), DType::BF16, Ok(out)) = (avx, dtype, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
-            let x = as_u16(x.bytes);
-            let chunks: Vec<Mutex<&mut [u16]>> = out.chunks_mut(CHUNK).map(Mutex::new).collect();
-            let threads = pool_threads(chunks.len());
-            pool.for_each(chunks.len(), threads, &|i| {
-                let mut chunk = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
-                let n = chunk.len();
-                avx.gelu_tanh_bf16(&x[i * CHUNK..][..n], &mut chunk);
-            });
-            return Ok(());
-        }
-        let chunks: Vec<Mutex<&mut [u8]>> = out.bytes.chunks_mut(CHUNK * esize).map(Mutex::new).collect();
+        gelu_tanh(Avx512::get(), dtype, x.bytes, out.bytes, pool);
+        Ok(())
+    }
+}
+
+/// The kernel on `dtype` values, on AVX-512 with `avx`, else with a scalar loop.
+fn gelu_tanh(avx: Option<Avx512>, dtype: DType, x: &[u8], out: &mut [u8], pool: &HostPool<'_>) {
+    let esize = dtype.size_in_bytes();
+    if let (Some(avx), DType::BF16, Ok(out)) = (avx, dtype, bytemuck::try_cast_slice_mut::<u8, u16>(out)) {
+        let x = as_u16(x);
+        let chunks: Vec<Mutex<&mut [u16]>> = out.chunks_mut(CHUNK).map(Mutex::new).collect();
         let threads = pool_threads(chunks.len());
         pool.for_each(chunks.len(), threads, &|i| {
             let mut chunk = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
-            let mut values = read_f32(dtype, &x.bytes[i * CHUNK * esize..][..chunk.len()]);
-            match avx {
-                Some(avx) => avx.gelu_tanh(&mut values),
-                None => {
-                    let k = -2.0 * (2.0 / std::f32::consts::PI).sqrt();
-                    for v in values.iter_mut() {
-                        *v /= 1.0 + (k * (*v + 0.044715 * *v * *v * *v)).exp();
-                    }
+            let n = chunk.len();
+            avx.gelu_tanh_bf16(&x[i * CHUNK..][..n], &mut chunk);
+        });
+        return;
+    }
+    let chunks: Vec<Mutex<&mut [u8]>> = out.chunks_mut(CHUNK * esize).map(Mutex::new).collect();
+    let threads = pool_threads(chunks.len());
+    pool.for_each(chunks.len(), threads, &|i| {
+        let mut chunk = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
+        let mut values = read_f32(dtype, &x[i * CHUNK * esize..][..chunk.len()]);
+        match avx {
+            Some(avx) => avx.gelu_tanh(&mut values),
+            None => {
+                let k = -2.0 * (2.0 / std::f32::consts::PI).sqrt();
+                for v in values.iter_mut() {
+                    *v /= 1.0 + (k * (*v + 0.044715 * *v * *v * *v)).exp();
                 }
             }
-            write_as(dtype, &values, &mut chunk);
-        });
-        Ok(())
-    }
+        }
+        write_as(dtype, &values, &mut chunk);
+    });
 }
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
@@ -128,4 +132,38 @@ fn probe(device: &Device) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scalar loop (a cached program on a CPU without AVX-512) and the AVX-512 loops against
+    /// the tanh formula in f64, in f32, bf16 and f16, over more than one chunk.
+    #[test]
+    fn scalar_and_avx512_loops_match_the_formula() {
+        let pool = HostPool::own_threads();
+        let len = CHUNK + 1000;
+        let data: Vec<f32> = (0..len).map(|i| ((i * 7919) % 2003) as f32 / 100.0 - 10.0).collect();
+        let engines = [None].into_iter().chain(Avx512::get().map(Some));
+        for avx in engines {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let mut x = vec![0u8; len * dtype.size_in_bytes()];
+                write_as(dtype, &data, &mut x);
+                let mut out = vec![0u8; x.len()];
+                gelu_tanh(avx, dtype, &x, &mut out, &pool);
+                let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+                for (i, (&v, have)) in read_f32(dtype, &x).iter().zip(read_f32(dtype, &out)).enumerate() {
+                    let v = v as f64;
+                    let want =
+                        0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh());
+                    assert!(
+                        (have as f64 - want).abs() <= tol * want.abs().max(1.0),
+                        "avx512={} {dtype} [{i}] gelu({v}) = {have}, want {want}",
+                        avx.is_some()
+                    );
+                }
+            }
+        }
+    }
 }
