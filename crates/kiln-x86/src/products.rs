@@ -184,13 +184,13 @@ impl PackedB {
     /// operand of `A·Mᵀ`.
     pub fn pack_transposed(&mut self, m: &[u16], n: usize, k: usize, stride: usize) {
         self.reset(k, n);
-        let pairs = k / 2;
-        for (j, block) in self.data.chunks_exact_mut(self.k_pad * 16).enumerate() {
+        let (pairs, block_len) = (k / 2, self.block_len());
+        for (j, block) in self.data.chunks_exact_mut(block_len).enumerate() {
             let rows: Vec<&[u16]> = (16 * j..n.min(16 * j + 16))
                 .map(|col| &m[col * stride..][..k])
                 .collect();
-            // pair-row by pair-row, so that each destination vector is written whole (about twice
-            // as fast as column by column)
+            // pair-row by pair-row, each destination vector written whole: 1.8-2.0x faster than
+            // column by column (interleaved, one run)
             for (r, dst) in block.chunks_exact_mut(32).take(pairs).enumerate() {
                 for (c, row) in rows.iter().enumerate() {
                     dst[2 * c] = row[2 * r];
