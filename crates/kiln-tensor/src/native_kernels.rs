@@ -65,8 +65,8 @@ pub(crate) fn pool_threads(items: usize) -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
 }
 
-/// Whether the environment variable `name` (a `KILN_` switch) is `off` or `0`, as the process
-/// started: the environment is read once, not on every op build.
+/// Whether the environment variable `name` (a `KILN_` switch) is `off` or `0`. The environment is
+/// read at the first call and kept: setting a switch later in the process changes nothing.
 pub(crate) fn turned_off(name: &str) -> bool {
     static OFF: OnceLock<Vec<String>> = OnceLock::new();
     OFF.get_or_init(|| {
