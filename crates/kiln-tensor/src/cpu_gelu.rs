@@ -55,7 +55,6 @@ impl HostKernel for CpuGeluTanh {
 
 /// The kernel on `dtype` values, on AVX-512 with `avx`, else with a scalar loop.
 fn gelu_tanh(avx: Option<Avx512>, dtype: DType, x: &[u8], out: &mut [u8], pool: &HostPool<'_>) {
-    let esize = dtype.size_in_bytes();
     if let (Some(avx), DType::BF16, Ok(out)) = (avx, dtype, bytemuck::try_cast_slice_mut::<u8, u16>(out)) {
         let x = as_u16(x);
         let chunks: Vec<Mutex<&mut [u16]>> = out.chunks_mut(CHUNK).map(Mutex::new).collect();
@@ -67,6 +66,7 @@ fn gelu_tanh(avx: Option<Avx512>, dtype: DType, x: &[u8], out: &mut [u8], pool: 
         });
         return;
     }
+    let esize = dtype.size_in_bytes();
     let chunks: Vec<Mutex<&mut [u8]>> = out.chunks_mut(CHUNK * esize).map(Mutex::new).collect();
     let threads = pool_threads(chunks.len());
     pool.for_each(chunks.len(), threads, &|i| {
@@ -112,6 +112,11 @@ pub(crate) fn available(device: &Device, elements: usize) -> bool {
         )
 }
 
+/// GELU with tanh by its definition, in f64.
+fn reference(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+}
+
 /// Runs the kernel on a few values and checks them against the tanh formula in f64.
 fn probe(device: &Device) -> Result<(), String> {
     use kiln_hlo::Builder;
@@ -125,8 +130,7 @@ fn probe(device: &Device) -> Result<(), String> {
     let got = crate::dispatch::run_host_program(device, "cpu_gelu_probe", &program, &[(&data, &[40])], &[40])
         .map_err(|e| e.to_string())?;
     for (&have, &x) in got.iter().zip(&data) {
-        let x = x as f64;
-        let want = 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh());
+        let want = reference(x as f64);
         if (have as f64 - want).abs() > 1e-5 * want.abs().max(1.0) {
             return Err(format!("the probe gave {have} where {want} was expected"));
         }
@@ -154,9 +158,7 @@ mod tests {
                 gelu_tanh(avx, dtype, &x, &mut out, &pool);
                 let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
                 for (i, (&v, have)) in read_f32(dtype, &x).iter().zip(read_f32(dtype, &out)).enumerate() {
-                    let v = v as f64;
-                    let want =
-                        0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh());
+                    let want = reference(v as f64);
                     assert!(
                         (have as f64 - want).abs() <= tol * want.abs().max(1.0),
                         "avx512={} {dtype} [{i}] gelu({v}) = {have}, want {want}",
