@@ -275,6 +275,31 @@ pub(crate) fn available(device: &Device, silu: bool) -> bool {
     }
 }
 
+/// Group norm (and SiLU of its result rounded to `dtype`) of `values` by the definition, in f64.
+fn reference(sh: &Shape, values: &[f32], weight: &[f32], bias: &[f32], eps: f32, dtype: DType, silu: bool) -> Vec<f64> {
+    let c = sh.g * sh.cg;
+    let mut out = vec![0f64; values.len()];
+    for image in 0..sh.n {
+        for group in 0..sh.g {
+            let members =
+                || (0..sh.s).flat_map(move |p| (0..sh.cg).map(move |j| (image * sh.s + p) * c + group * sh.cg + j));
+            let count = (sh.s * sh.cg) as f64;
+            let mean = members().map(|i| values[i] as f64).sum::<f64>() / count;
+            let var = members().map(|i| (values[i] as f64 - mean).powi(2)).sum::<f64>() / count;
+            for i in members() {
+                let ch = i % c;
+                let mut y = (values[i] as f64 - mean) / (var + eps as f64).sqrt() * weight[ch] as f64 + bias[ch] as f64;
+                if silu {
+                    y = round_to(dtype, y as f32) as f64;
+                    y /= 1.0 + (-y).exp();
+                }
+                out[i] = y;
+            }
+        }
+    }
+    out
+}
+
 /// Normalises a `[1, 3, 2, 2]` input (2 groups of 2 channels), with SiLU after if `silu`, and
 /// checks it against the definition computed here.
 fn probe(device: &Device, silu: bool) -> Result<(), String> {
@@ -299,21 +324,16 @@ fn probe(device: &Device, silu: bool) -> Result<(), String> {
     let inputs: [(&[f32], &[usize]); 4] = [(&data, &shape), (&weight, &[4]), (&bias, &[4]), (&eps, &[1])];
     let got = crate::dispatch::run_host_program(device, "cpu_group_norm_probe", &program, &inputs, &shape)
         .map_err(|e| e.to_string())?;
-    for group in 0..2 {
-        let members: Vec<usize> = (0..3)
-            .flat_map(|p| [p * 4 + group * 2, p * 4 + group * 2 + 1])
-            .collect();
-        let mean = members.iter().map(|&i| data[i] as f64).sum::<f64>() / 6.0;
-        let var = members.iter().map(|&i| (data[i] as f64 - mean).powi(2)).sum::<f64>() / 6.0;
-        for &i in &members {
-            let ch = i % 4;
-            let mut want = (data[i] as f64 - mean) / (var + 1e-5).sqrt() * weight[ch] as f64 + bias[ch] as f64;
-            if silu {
-                want /= 1.0 + (-want).exp();
-            }
-            if (got[i] as f64 - want).abs() > 1e-5 {
-                return Err(format!("the probe gave {} where {want} was expected", got[i]));
-            }
+    let sh = Shape {
+        n: 1,
+        s: 3,
+        g: 2,
+        cg: 2,
+    };
+    let want = reference(&sh, &data, &weight, &bias, eps[0], DType::F32, silu);
+    for (&have, want) in got.iter().zip(want) {
+        if (have as f64 - want).abs() > 1e-5 {
+            return Err(format!("the probe gave {have} where {want} was expected"));
         }
     }
     Ok(())
@@ -351,34 +371,14 @@ mod tests {
                     let mut out = vec![0u8; x.len()];
                     group_norm(avx, &sh, &x, &weight, &bias, eps, dtype, silu, &mut out, &pool);
                     let got = read_f32(dtype, &out);
-                    for image in 0..sh.n {
-                        for group in 0..sh.g {
-                            let index = |p: usize, j: usize| (image * sh.s + p) * c + group * sh.cg + j;
-                            let members = || (0..sh.s).flat_map(|p| (0..sh.cg).map(move |j| (p, j)));
-                            let count = (sh.s * sh.cg) as f64;
-                            let mean = members().map(|(p, j)| values[index(p, j)] as f64).sum::<f64>() / count;
-                            let var = members()
-                                .map(|(p, j)| (values[index(p, j)] as f64 - mean).powi(2))
-                                .sum::<f64>()
-                                / count;
-                            for (p, j) in members() {
-                                let ch = group * sh.cg + j;
-                                let v = values[index(p, j)] as f64;
-                                let mut want =
-                                    (v - mean) / (var + eps as f64).sqrt() * weight[ch] as f64 + bias[ch] as f64;
-                                if silu {
-                                    want = round_to(dtype, want as f32) as f64;
-                                    want /= 1.0 + (-want).exp();
-                                }
-                                let have = got[index(p, j)] as f64;
-                                let tol = if dtype == DType::BF16 { 1e-2 } else { 1e-4 };
-                                assert!(
-                                    (have - want).abs() <= tol * want.abs().max(1.0),
-                                    "avx512={} {dtype} silu={silu} image {image} group {group} ({p}, {j}): {have} vs {want}",
-                                    avx.is_some()
-                                );
-                            }
-                        }
+                    let want = reference(&sh, &values, &weight, &bias, eps, dtype, silu);
+                    let tol = if dtype == DType::BF16 { 1e-2 } else { 1e-4 };
+                    for (i, (&have, want)) in got.iter().zip(want).enumerate() {
+                        assert!(
+                            (have as f64 - want).abs() <= tol * want.abs().max(1.0),
+                            "avx512={} {dtype} silu={silu} [{i}]: {have} vs {want}",
+                            avx.is_some()
+                        );
                     }
                 }
             }
