@@ -407,6 +407,39 @@ impl SD3Transformer2DConfig {
         self.num_attention_heads.saturating_mul(self.attention_head_dim)
     }
 
+    /// Whether the text encoders fit this transformer: the joint sequence is [CLIP-L ‖ CLIP-G
+    /// zero-padded to the T5 width ; T5] and the pooled input is both CLIPs' projections; the
+    /// error says which widths disagree.
+    pub fn check_text_encoders(
+        &self,
+        clip: &ClipTextConfig,
+        clip_2: &ClipTextConfig,
+        t5: Option<&T5Config>,
+    ) -> std::result::Result<(), String> {
+        let joint = self.joint_attention_dim;
+        let clip_width = clip.hidden_size + clip_2.hidden_size;
+        if clip_width > joint {
+            return Err(format!(
+                "text_encoder hidden_size {} + text_encoder_2 hidden_size {} = {clip_width} exceeds the transformer's joint_attention_dim {joint}",
+                clip.hidden_size, clip_2.hidden_size
+            ));
+        }
+        if let Some(t5) = t5.filter(|t5| t5.d_model != joint) {
+            return Err(format!(
+                "text_encoder_3 d_model {} differs from the transformer's joint_attention_dim {joint}",
+                t5.d_model
+            ));
+        }
+        let pooled = clip.projection_dim + clip_2.projection_dim;
+        if pooled != self.pooled_projection_dim {
+            return Err(format!(
+                "text_encoder projection_dim {} + text_encoder_2 projection_dim {} = {pooled} differs from the transformer's pooled_projection_dim {}",
+                clip.projection_dim, clip_2.projection_dim, self.pooled_projection_dim
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether block `index` has the image-only second attention `attn2`.
     pub fn is_dual_attention_layer(&self, index: usize) -> bool {
         self.dual_attention_layers.contains(&index)

@@ -10,6 +10,7 @@ mod layers;
 pub mod module;
 pub mod offload;
 mod rope;
+pub mod run;
 mod weights;
 
 pub use error::{Error, Result};
@@ -17,4 +18,5 @@ pub use layers::{Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm};
 pub use module::{call_compiled, CompileMode, Module};
 pub use offload::{Blocks, OffloadEvent, OffloadLog, StreamBlocks};
 pub use rope::{rope_tables, RopeTables};
+pub use run::{OffloadMode, RunConfig};
 pub use weights::{Weights, WeightsReport};

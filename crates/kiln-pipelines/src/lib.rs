@@ -7,13 +7,17 @@ mod error;
 pub mod flux;
 mod loading;
 pub mod offload;
+pub mod pipeline;
 mod progress;
 pub mod sd3;
 
 pub use error::{PipelineError, Result};
-pub use flux::{
-    pack_latents, unpack_latents, FluxCall, FluxOutput, FluxPipeline, OutputType, StepCallback, StepState, Timings,
-};
+pub use flux::{pack_latents, unpack_latents, FluxCall, FluxPipeline};
+pub use kiln_nn::RunConfig;
 pub use loading::LoadOptions;
 pub use offload::{ComponentMemory, OffloadMode, OffloadPlan};
-pub use sd3::{StableDiffusion3Call, StableDiffusion3Embeddings, StableDiffusion3Output, StableDiffusion3Pipeline};
+pub use pipeline::{
+    Component, Components, DiffusionPipeline, OutputType, PipelineCore, PipelineOutput, PipelineParts, StepCallback,
+    StepState, Timings,
+};
+pub use sd3::{StableDiffusion3Call, StableDiffusion3Embeddings, StableDiffusion3Pipeline};

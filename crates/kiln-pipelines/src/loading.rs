@@ -1,12 +1,14 @@
 //! Finding and checking the components of a diffusers model folder.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use kiln_io::{Checkpoint, ModelIndex};
-use kiln_nn::Weights;
+use kiln_schedulers::FlowMatchEulerDiscreteSchedulerConfig;
+
+use crate::pipeline::{Components, PipelineCore};
 use kiln_rng::{randn_tensor, TorchGenerator};
-use kiln_tensor::{DType, Device, MemoryKind};
+use kiln_tensor::{DType, Device};
 
 use crate::error::{PipelineError, Result};
 
@@ -35,6 +37,54 @@ pub(crate) struct ModelFolder {
 }
 
 impl ModelFolder {
+    /// Opens a pipeline's folder: the dtype must be a float one, `model_index.json` must name one
+    /// of `classes` and each of `components` one of its classes.
+    pub fn open_pipeline(
+        model: &str,
+        options: &LoadOptions,
+        classes: &[&str],
+        components: &[(&str, &[&str])],
+    ) -> Result<Self> {
+        if !matches!(options.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(crate::error::invalid(format!(
+                "dtype must be f32, bf16 or f16, got {}",
+                options.dtype
+            )));
+        }
+        let folder = ModelFolder::open(model, options.revision.as_deref())?;
+        folder.index.require_pipeline(classes)?;
+        for (name, supported) in components {
+            folder.index.require_component(name, supported)?;
+        }
+        Ok(folder)
+    }
+
+    /// The scheduler's `scheduler_config.json`.
+    pub fn scheduler_config(&self) -> Result<FlowMatchEulerDiscreteSchedulerConfig> {
+        Ok(FlowMatchEulerDiscreteSchedulerConfig::from_file(
+            self.component_dir("scheduler")?.join("scheduler_config.json"),
+        )?)
+    }
+
+    /// The pipeline core over the weights of `components` (run order).
+    pub fn core<C: Components>(&self, options: &LoadOptions, components: &[&'static str]) -> Result<PipelineCore<C>> {
+        let checkpoints = components
+            .iter()
+            .map(|&name| Ok((name, self.checkpoint(name)?)))
+            .collect::<Result<_>>()?;
+        Ok(PipelineCore::new(self.root.clone(), options.dtype, checkpoints))
+    }
+
+    /// The opened (memory-mapped, header-checked) weights of component `name`: `model.safetensors`
+    /// for a transformers class, `diffusion_pytorch_model.safetensors` for a diffusers one.
+    pub fn checkpoint(&self, name: &str) -> Result<Arc<Checkpoint>> {
+        let base = match self.index.component(name) {
+            Some(spec) if spec.library == "transformers" => "model",
+            _ => "diffusion_pytorch_model",
+        };
+        Ok(Arc::new(Checkpoint::open_component(self.component_dir(name)?, base)?))
+    }
+
     pub fn open(path_or_repo_id: &str, revision: Option<&str>) -> Result<Self> {
         let root = kiln_io::resolve_model(path_or_repo_id, revision)?;
         let index = ModelIndex::load(&root)?;
@@ -57,22 +107,6 @@ impl ModelFolder {
     pub fn config<T: serde::de::DeserializeOwned>(&self, name: &str) -> Result<T> {
         Ok(kiln_io::load_config(self.component_dir(name)?.join("config.json"))?)
     }
-}
-
-/// The opened (memory-mapped, header-checked) weights of a component.
-pub(crate) fn open_weights(dir: &Path, base: &str) -> Result<Arc<Checkpoint>> {
-    Ok(Arc::new(Checkpoint::open_component(dir, base)?))
-}
-
-/// Weights of a component for loading into `memory` of `device` in `dtype`.
-pub(crate) fn weights_in(
-    checkpoint: &Arc<Checkpoint>,
-    device: &Device,
-    dtype: DType,
-    component: &str,
-    memory: MemoryKind,
-) -> Weights {
-    Weights::new_in(checkpoint.clone(), device, dtype, component, memory)
 }
 
 /// Bytes a checkpoint's floating-point tensors take in `dtype`: about what loading it puts on a
@@ -103,16 +137,4 @@ pub(crate) fn initial_noise(
         None => randn_tensor(&shape, &mut TorchGenerator::manual_seed(seed), dtype)?,
     };
     Ok(kiln_tensor::Tensor::from_bytes(noise.as_bytes(), dtype, shape, device)?)
-}
-
-/// diffusers' check of a generator list against the effective batch (prompts × images).
-pub(crate) fn check_generator_count(seeds: Option<&[u64]>, batch: usize, images_per_prompt: usize) -> Result<()> {
-    let effective = batch * images_per_prompt;
-    match seeds {
-        Some(seeds) if seeds.len() != effective => Err(crate::error::invalid(format!(
-            "You have passed a list of generators of length {}, but requested an effective batch size of {effective}. Make sure the batch size matches the length of the generators.",
-            seeds.len()
-        ))),
-        _ => Ok(()),
-    }
 }

@@ -16,72 +16,15 @@
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
-use std::fmt;
 use std::sync::{Mutex, MutexGuard};
 
 use kiln_nn::offload::{move_weights, onload, stop_streaming, stream_blocks, weight_bytes, with_weights, BlockStream};
-use kiln_nn::{CompileMode, Module, OffloadLog, StreamBlocks};
+use kiln_nn::{Module, OffloadLog, StreamBlocks};
 use kiln_tensor::{Device, MemoryKind, Tensor};
 
 use crate::error::{PipelineError, Result};
 
-/// Where a pipeline keeps its weights between uses.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum OffloadMode {
-    /// Every weight on the device (`pipe.to(device)`).
-    #[default]
-    None,
-    /// Whole components move to the device when they run (`enable_model_cpu_offload`).
-    Model,
-    /// Repeated blocks stream one block ahead; the rest moves per component
-    /// (`enable_sequential_cpu_offload`, which in kiln is diffusers' block-level group offload
-    /// with prefetching, not its slow per-layer hook).
-    Sequential,
-}
-
-impl std::str::FromStr for OffloadMode {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "none" => Ok(OffloadMode::None),
-            "model" => Ok(OffloadMode::Model),
-            "sequential" | "group" => Ok(OffloadMode::Sequential),
-            other => Err(format!("unknown offload mode `{other}`: use none, model or sequential")),
-        }
-    }
-}
-
-impl fmt::Display for OffloadMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            OffloadMode::None => "none",
-            OffloadMode::Model => "model",
-            OffloadMode::Sequential => "sequential",
-        })
-    }
-}
-
-impl OffloadMode {
-    /// The compile mode of a component whose blocks stream: sequential offload moves weights
-    /// between blocks, which a whole-model program cannot do, so such a component runs its
-    /// repeated blocks' programs instead of [`CompileMode::Full`].
-    pub fn streamed_compile_mode(self, mode: CompileMode) -> CompileMode {
-        match (self, mode) {
-            (OffloadMode::Sequential, CompileMode::Full) => CompileMode::RepeatedBlocks,
-            _ => mode,
-        }
-    }
-
-    /// What the combination of this mode and `mode` changes, to tell the user; `None` when
-    /// nothing changes.
-    pub fn compile_note(self, mode: CompileMode) -> Option<&'static str> {
-        (self.streamed_compile_mode(mode) != mode).then_some(
-            "sequential offload streams the transformer's and T5's blocks between programs, so those run as \
-             compiled repeated blocks (one program per block type); whole-model compilation applies to the other \
-             components (CLIP, the VAE)",
-        )
-    }
-}
+pub use kiln_nn::OffloadMode;
 
 /// The device memory one component's weights take.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -213,7 +156,7 @@ pub(crate) struct Placing {
 
 impl Placing {
     /// Moves a component that never streams into `memory`.
-    pub fn whole<M: Module>(&mut self, name: &'static str, model: &mut M, memory: MemoryKind) -> Result<()> {
+    pub fn whole(&mut self, name: &'static str, model: &mut dyn Module, memory: MemoryKind) -> Result<()> {
         move_weights(model, memory)?;
         self.components.push(ComponentMemory {
             name,
@@ -225,10 +168,10 @@ impl Placing {
 
     /// Moves a component with repeated blocks into `memory`; with sequential offload its blocks
     /// stream (named in `log`).
-    pub fn blocks<M: StreamBlocks>(
+    pub fn blocks(
         &mut self,
         name: &'static str,
-        model: &mut M,
+        model: &mut dyn StreamBlocks,
         memory: MemoryKind,
         mode: OffloadMode,
         log: &OffloadLog,

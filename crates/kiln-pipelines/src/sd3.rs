@@ -1,127 +1,48 @@
-//! diffusers' `StableDiffusion3Pipeline` (Stable Diffusion 3 / 3.5 [medium, large]) text-to-image.
+//! diffusers' `StableDiffusion3Pipeline` (SD3 and SD3.5 [medium, large]) text-to-image.
 
-use std::borrow::Cow;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
-use image::RgbImage;
-use kiln_io::{AutoencoderKLConfig, Checkpoint, ClipTextConfig, SD3Transformer2DConfig, T5Config};
+use kiln_io::{AutoencoderKLConfig, ClipTextConfig, SD3Transformer2DConfig, T5Config};
 use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_sd3::{SD3Transformer2DModel, SD3TransformerInputs};
-use kiln_nn::{CompileMode, Module, OffloadLog};
 use kiln_schedulers::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
-use kiln_tensor::{DType, Device, Tensor};
+use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 
-use crate::error::{invalid, PipelineError, Result};
-use crate::flux::{euler_step, OutputType, StepCallback, StepState, Timings};
-use crate::loading::{
-    check_generator_count, checkpoint_bytes, initial_noise, open_weights, weights_in, LoadOptions, ModelFolder,
-};
-use crate::offload::{
-    free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadMode, OffloadPlan, Offloader, Placing,
+use crate::error::{invalid, Result};
+use crate::loading::{initial_noise, LoadOptions, ModelFolder};
+use crate::pipeline::{
+    check_same_shape, components, denoise, finish_call, pipeline_call, shown, OutputType, PipelineCore, PipelineOutput,
+    PipelineParts,
 };
 
-const PIPELINE_CLASSES: &[&str] = &["StableDiffusion3Pipeline"];
 const CLIP_MAX_LENGTH: usize = 77;
 
-/// The arguments of a `StableDiffusion3Pipeline` call, with diffusers' defaults.
-pub struct StableDiffusion3Call<'a> {
-    /// One prompt per batch element (`prompt`); `None` when `prompt_embeds` are given.
-    pub prompt: Option<Vec<String>>,
-    /// The CLIP-G prompts (`prompt_2`, defaults to `prompt`).
-    pub prompt_2: Option<Vec<String>>,
-    /// The T5 prompts (`prompt_3`, defaults to `prompt`).
-    pub prompt_3: Option<Vec<String>>,
-    /// `negative_prompt` (defaults to `""` when classifier-free guidance is on); one entry is used
-    /// for every prompt.
-    pub negative_prompt: Option<Vec<String>>,
-    pub negative_prompt_2: Option<Vec<String>>,
-    pub negative_prompt_3: Option<Vec<String>>,
-    /// `0` means `sample_size · vae_scale_factor` (1024 for SD3.5).
-    pub height: usize,
-    pub width: usize,
-    pub num_inference_steps: usize,
-    /// Custom sigmas (their count then sets the number of steps).
-    pub sigmas: Option<Vec<f64>>,
-    /// Classifier-free guidance is on when this is above 1.
-    pub guidance_scale: f64,
-    pub num_images_per_prompt: usize,
-    /// Seeds one `torch.Generator('cpu')` for the whole batch.
-    pub seed: u64,
-    /// One generator seed per image instead (a generator list).
-    pub seeds: Option<Vec<u64>>,
-    /// Initial latents `[B·n, C, H/vsf, W/vsf]` instead of noise.
-    pub latents: Option<Tensor>,
-    pub prompt_embeds: Option<Tensor>,
-    pub pooled_prompt_embeds: Option<Tensor>,
-    pub negative_prompt_embeds: Option<Tensor>,
-    pub negative_pooled_prompt_embeds: Option<Tensor>,
-    /// Layers of CLIP skipped from the end for the prompt embeddings (not for the negatives).
-    pub clip_skip: Option<usize>,
-    pub max_sequence_length: usize,
-    /// Skip-layer guidance: the transformer blocks left out of the extra conditional call.
-    pub skip_guidance_layers: Option<Vec<usize>>,
-    pub skip_layer_guidance_scale: f64,
-    /// Skip-layer guidance runs at steps `i` with `N·start < i < N·stop`.
-    pub skip_layer_guidance_start: f64,
-    pub skip_layer_guidance_stop: f64,
-    /// The schedule's `mu` when the scheduler shifts dynamically (computed from the size if `None`).
-    pub mu: Option<f64>,
-    pub output_type: OutputType,
-    /// Show a progress bar on stderr (when it is a terminal).
-    pub progress: bool,
-    pub callback: Option<Box<StepCallback<'a>>>,
-}
-
-impl Default for StableDiffusion3Call<'_> {
-    fn default() -> Self {
-        StableDiffusion3Call {
-            prompt: None,
-            prompt_2: None,
-            prompt_3: None,
-            negative_prompt: None,
-            negative_prompt_2: None,
-            negative_prompt_3: None,
-            height: 0,
-            width: 0,
-            num_inference_steps: 28,
-            sigmas: None,
-            guidance_scale: 7.0,
-            num_images_per_prompt: 1,
-            seed: 0,
-            seeds: None,
-            latents: None,
-            prompt_embeds: None,
-            pooled_prompt_embeds: None,
-            negative_prompt_embeds: None,
-            negative_pooled_prompt_embeds: None,
-            clip_skip: None,
-            max_sequence_length: 256,
-            skip_guidance_layers: None,
-            skip_layer_guidance_scale: 2.8,
-            skip_layer_guidance_start: 0.01,
-            skip_layer_guidance_stop: 0.2,
-            mu: None,
-            output_type: OutputType::Image,
-            progress: true,
-            callback: None,
-        }
+pipeline_call! {
+    /// The arguments of a `StableDiffusion3Pipeline` call, with diffusers' defaults. `prompt_2` is
+    /// CLIP-G's, `prompt_3` T5's; negative prompts default to `""` with classifier-free guidance;
+    /// `latents` are `[B·n, C, H/vsf, W/vsf]`; size 0 is `sample_size · vae_scale_factor`.
+    pub struct StableDiffusion3Call {
+        guidance_scale: 7.0,
+        max_sequence_length: 256,
+        pub prompt_3: Option<Vec<String>> = None,
+        pub negative_prompt_3: Option<Vec<String>> = None,
+        /// Layers of CLIP skipped from the end for the prompt embeddings (not for the negatives).
+        pub clip_skip: Option<usize> = None,
+        /// Skip-layer guidance: the transformer blocks left out of the extra conditional call.
+        pub skip_guidance_layers: Option<Vec<usize>> = None,
+        pub skip_layer_guidance_scale: f64 = 2.8,
+        /// Skip-layer guidance runs at steps `i` with `N·start < i < N·stop`.
+        pub skip_layer_guidance_start: f64 = 0.01,
+        pub skip_layer_guidance_stop: f64 = 0.2,
+        /// The schedule's `mu` when the scheduler shifts dynamically (computed from the size if `None`).
+        pub mu: Option<f64> = None,
     }
 }
 
 impl StableDiffusion3Call<'_> {
-    /// A call for one prompt with the other arguments at their defaults.
-    pub fn prompt(prompt: impl Into<String>) -> Self {
-        StableDiffusion3Call {
-            prompt: Some(vec![prompt.into()]),
-            ..Default::default()
-        }
-    }
-
     fn do_classifier_free_guidance(&self) -> bool {
         self.guidance_scale > 1.0
     }
@@ -139,21 +60,8 @@ pub struct StableDiffusion3Embeddings {
     pub negative_pooled_prompt_embeds: Option<Tensor>,
 }
 
-/// The result of a call.
-pub struct StableDiffusion3Output {
-    /// The images (empty for `OutputType::Latent`).
-    pub images: Vec<RgbImage>,
-    /// The final latents `[B·n, C, H/vsf, W/vsf]`.
-    pub latents: Tensor,
-    /// The image (height, width).
-    pub size: (usize, usize),
-    pub timings: Timings,
-    /// Warnings diffusers would have logged (also sent to `tracing`).
-    pub warnings: Vec<String>,
-}
-
-/// The models, once loaded on a device.
-struct Models {
+/// The models, once loaded on a device, in the order a call runs them.
+pub struct StableDiffusion3Components {
     text_encoder: ClipTextModel,
     text_encoder_2: ClipTextModel,
     /// `None` when the folder has no T5 (`text_encoder_3: [null, null]`): its states are zeros.
@@ -162,10 +70,17 @@ struct Models {
     vae: AutoencoderKL,
 }
 
+components!(StableDiffusion3Components {
+    text_encoder,
+    text_encoder_2,
+    text_encoder_3,
+    transformer,
+    vae
+});
+
 /// diffusers' `StableDiffusion3Pipeline`.
 pub struct StableDiffusion3Pipeline {
-    root: PathBuf,
-    dtype: DType,
+    core: PipelineCore<StableDiffusion3Components>,
     tokenizer: ClipTokenizer,
     tokenizer_2: ClipTokenizer,
     tokenizer_3: Option<T5Tokenizer>,
@@ -175,16 +90,6 @@ pub struct StableDiffusion3Pipeline {
     transformer_config: SD3Transformer2DConfig,
     vae_config: AutoencoderKLConfig,
     scheduler_config: FlowMatchEulerDiscreteSchedulerConfig,
-    /// text_encoder, text_encoder_2, transformer, vae.
-    checkpoints: [Arc<Checkpoint>; 4],
-    t5_checkpoint: Option<Arc<Checkpoint>>,
-    device: Option<Device>,
-    models: Option<Models>,
-    compile_mode: CompileMode,
-    offload_mode: OffloadMode,
-    offloader: Option<Offloader>,
-    offload_log: OffloadLog,
-    plan: Option<OffloadPlan>,
 }
 
 /// How one text encoding runs: per-image repetition, lengths, and with offload the previous
@@ -194,16 +99,7 @@ struct TextOptions<'a> {
     max_sequence_length: usize,
     clip_skip: Option<usize>,
     after: &'a [&'a Tensor],
-    then: (&'static str, &'a dyn Module),
-}
-
-/// One CLIP encoder's run: the model and tokenizer, and with offload what ran before and after.
-struct ClipBranch<'a> {
-    model: &'a ClipTextModel,
-    tokenizer: &'a ClipTokenizer,
-    component: &'static str,
-    after: &'a [&'a Tensor],
-    next: (&'static str, &'a dyn Module),
+    then: &'static str,
 }
 
 /// One branch's text states before assembly.
@@ -212,215 +108,26 @@ struct Encoded {
     pooled: Tensor,
 }
 
-impl StableDiffusion3Pipeline {
-    /// Opens a diffusers SD3 / SD3.5 folder (or a Hugging Face repo id in the local cache): parses
-    /// every config, builds the tokenizers and maps the weights. Weights reach a device at
-    /// [`StableDiffusion3Pipeline::to`] (or the first call, on the CPU).
-    pub fn from_pretrained(model: &str, options: &LoadOptions) -> Result<Self> {
-        if !matches!(options.dtype, DType::F32 | DType::BF16 | DType::F16) {
-            return Err(invalid(format!(
-                "dtype must be f32, bf16 or f16, got {}",
-                options.dtype
-            )));
-        }
-        let folder = ModelFolder::open(model, options.revision.as_deref())?;
-        let index = &folder.index;
-        index.require_pipeline(PIPELINE_CLASSES)?;
-        index.require_component("scheduler", &["FlowMatchEulerDiscreteScheduler"])?;
-        index.require_component("text_encoder", &["CLIPTextModelWithProjection"])?;
-        index.require_component("text_encoder_2", &["CLIPTextModelWithProjection"])?;
-        let clip_tokenizers = &["CLIPTokenizer", "CLIPTokenizerFast"];
-        index.require_component("tokenizer", clip_tokenizers)?;
-        index.require_component("tokenizer_2", clip_tokenizers)?;
-        let has_t5 = index
-            .optional_component("text_encoder_3", &["T5EncoderModel"])?
-            .is_some();
-        if has_t5 {
-            index.require_component("tokenizer_3", &["T5Tokenizer", "T5TokenizerFast"])?;
-        }
-        index.require_component("transformer", &["SD3Transformer2DModel"])?;
-        index.require_component("vae", &["AutoencoderKL"])?;
-
-        let scheduler_config = FlowMatchEulerDiscreteSchedulerConfig::from_file(
-            folder.component_dir("scheduler")?.join("scheduler_config.json"),
-        )?;
-        let clip_config: ClipTextConfig = folder.config("text_encoder")?;
-        let clip_2_config: ClipTextConfig = folder.config("text_encoder_2")?;
-        let transformer_config: SD3Transformer2DConfig = folder.config("transformer")?;
-        let t5_config: Option<T5Config> = if has_t5 {
-            Some(folder.config("text_encoder_3")?)
-        } else {
-            None
+impl PipelineParts for StableDiffusion3Pipeline {
+    type Components = StableDiffusion3Components;
+    fn core(&self) -> &PipelineCore<StableDiffusion3Components> {
+        &self.core
+    }
+    fn core_mut(&mut self) -> &mut PipelineCore<StableDiffusion3Components> {
+        &mut self.core
+    }
+    fn load(&self, device: &Device, memory: MemoryKind) -> Result<StableDiffusion3Components> {
+        let w = |name| self.core.weights(name, device, memory);
+        let text_encoder_3 = match &self.t5_config {
+            Some(config) => Some(T5EncoderModel::load(config, &w("text_encoder_3")?)?),
+            None => None,
         };
-        // The joint sequence is [CLIP-L ‖ CLIP-G zero-padded to the T5 width ; T5]: the widths must agree.
-        let clip_width = clip_config.hidden_size + clip_2_config.hidden_size;
-        let joint = transformer_config.joint_attention_dim;
-        if clip_width > joint {
-            return Err(invalid(format!(
-                "{}: text_encoder hidden_size {} + text_encoder_2 hidden_size {} = {clip_width} exceeds the transformer's joint_attention_dim {joint}",
-                folder.root.display(),
-                clip_config.hidden_size,
-                clip_2_config.hidden_size
-            )));
-        }
-        if let Some(t5) = &t5_config {
-            if t5.d_model != joint {
-                return Err(invalid(format!(
-                    "{}: text_encoder_3 d_model {} differs from the transformer's joint_attention_dim {joint}",
-                    folder.root.display(),
-                    t5.d_model
-                )));
-            }
-        }
-        let pooled = clip_config.projection_dim + clip_2_config.projection_dim;
-        if pooled != transformer_config.pooled_projection_dim {
-            return Err(invalid(format!(
-                "{}: text_encoder projection_dim {} + text_encoder_2 projection_dim {} = {pooled} differs from the transformer's pooled_projection_dim {}",
-                folder.root.display(),
-                clip_config.projection_dim,
-                clip_2_config.projection_dim,
-                transformer_config.pooled_projection_dim
-            )));
-        }
-        Ok(StableDiffusion3Pipeline {
-            dtype: options.dtype,
-            tokenizer: ClipTokenizer::from_folder(folder.component_dir("tokenizer")?)?,
-            tokenizer_2: ClipTokenizer::from_folder(folder.component_dir("tokenizer_2")?)?,
-            tokenizer_3: if has_t5 {
-                Some(T5Tokenizer::from_folder(folder.component_dir("tokenizer_3")?)?)
-            } else {
-                None
-            },
-            clip_config,
-            clip_2_config,
-            t5_config,
-            transformer_config,
-            vae_config: folder.config("vae")?,
-            scheduler_config,
-            checkpoints: [
-                open_weights(&folder.component_dir("text_encoder")?, "model")?,
-                open_weights(&folder.component_dir("text_encoder_2")?, "model")?,
-                open_weights(&folder.component_dir("transformer")?, "diffusion_pytorch_model")?,
-                open_weights(&folder.component_dir("vae")?, "diffusion_pytorch_model")?,
-            ],
-            t5_checkpoint: if has_t5 {
-                Some(open_weights(&folder.component_dir("text_encoder_3")?, "model")?)
-            } else {
-                None
-            },
-            root: folder.root,
-            device: None,
-            models: None,
-            compile_mode: CompileMode::None,
-            offload_mode: OffloadMode::None,
-            offloader: None,
-            offload_log: OffloadLog::new(),
-            plan: None,
-        })
-    }
-
-    /// Loads every component's weights onto `device` (checking each shape against its config),
-    /// without offload. A device too small for every weight at once is an error before anything
-    /// is loaded.
-    pub fn to(mut self, device: &Device) -> Result<Self> {
-        self.set_offload(OffloadMode::None, device)?;
-        Ok(self)
-    }
-
-    /// diffusers' `enable_model_cpu_offload`: every component's weights live in host memory of
-    /// `device` and move to the device right before the component runs (see [`crate::offload`]).
-    pub fn enable_model_cpu_offload(&mut self, device: &Device) -> Result<()> {
-        self.set_offload(OffloadMode::Model, device)
-    }
-
-    /// diffusers' `enable_sequential_cpu_offload`, done as block-level group offload with
-    /// prefetching: the transformer's and T5's blocks stream one block ahead (see
-    /// [`crate::offload`]).
-    pub fn enable_sequential_cpu_offload(&mut self, device: &Device) -> Result<()> {
-        self.set_offload(OffloadMode::Sequential, device)
-    }
-
-    /// Places the pipeline on `device` with `mode` (see `FluxPipeline::set_offload`).
-    pub fn set_offload(&mut self, mode: OffloadMode, device: &Device) -> Result<()> {
-        if self.device.as_ref() == Some(device) && self.models.is_some() && self.offload_mode == mode {
-            return Ok(());
-        }
-        let memory = weights_memory(mode, device)?;
-        if mode == OffloadMode::None {
-            let [te, te2, tr, vae] = &self.checkpoints;
-            let named = [
-                ("text_encoder", Some(te)),
-                ("text_encoder_2", Some(te2)),
-                ("text_encoder_3", self.t5_checkpoint.as_ref()),
-                ("transformer", Some(tr)),
-                ("vae", Some(vae)),
-            ];
-            let components = named
-                .into_iter()
-                .filter_map(|(name, ckpt)| {
-                    Some(ComponentMemory {
-                        name,
-                        weight_bytes: checkpoint_bytes(ckpt?, self.dtype),
-                        block_bytes: Vec::new(),
-                    })
-                })
-                .collect();
-            plan_for(mode, device, components).check()?;
-        }
-        self.offloader = None;
-        self.plan = None;
-        let mut models = match self.models.take() {
-            Some(models) if self.device.as_ref() == Some(device) => models,
-            _ => self.load_models(device, memory)?,
-        };
-        let log = &self.offload_log;
-        let mut placing = Placing::default();
-        placing.whole("text_encoder", &mut models.text_encoder, memory)?;
-        placing.whole("text_encoder_2", &mut models.text_encoder_2, memory)?;
-        if let Some(t5) = &mut models.text_encoder_3 {
-            placing.blocks("text_encoder_3", t5, memory, mode, log)?;
-        }
-        placing.blocks("transformer", &mut models.transformer, memory, mode, log)?;
-        placing.whole("vae", &mut models.vae, memory)?;
-        let plan = placing.plan(mode, device);
-        self.models = Some(models);
-        self.device = Some(device.clone());
-        self.offload_mode = mode;
-        self.plan = Some(plan.clone());
-        if mode != OffloadMode::None {
-            // (Without offload the device was checked before loading.)
-            plan.check()?;
-            self.offloader = Some(Offloader::new(plan, self.offload_log.clone(), placing.streams));
-        }
-        self.apply_compile_mode();
-        Ok(())
-    }
-
-    fn load_models(&self, device: &Device, memory: kiln_tensor::MemoryKind) -> Result<Models> {
-        let [te, te2, tr, vae] = &self.checkpoints;
-        let dtype = self.dtype;
-        let text_encoder_3 = match (&self.t5_config, &self.t5_checkpoint) {
-            (Some(config), Some(ckpt)) => Some(T5EncoderModel::load(
-                config,
-                &weights_in(ckpt, device, dtype, "text_encoder_3", memory),
-            )?),
-            _ => None,
-        };
-        let models = Models {
-            text_encoder: ClipTextModel::load(
-                &self.clip_config,
-                &weights_in(te, device, dtype, "text_encoder", memory),
-            )?,
-            text_encoder_2: ClipTextModel::load(
-                &self.clip_2_config,
-                &weights_in(te2, device, dtype, "text_encoder_2", memory),
-            )?,
+        let models = StableDiffusion3Components {
+            text_encoder: ClipTextModel::load(&self.clip_config, &w("text_encoder")?)?,
+            text_encoder_2: ClipTextModel::load(&self.clip_2_config, &w("text_encoder_2")?)?,
             text_encoder_3,
-            transformer: SD3Transformer2DModel::load(
-                &self.transformer_config,
-                &weights_in(tr, device, dtype, "transformer", memory),
-            )?,
-            vae: AutoencoderKL::load(&self.vae_config, &weights_in(vae, device, dtype, "vae", memory))?,
+            transformer: SD3Transformer2DModel::load(&self.transformer_config, &w("transformer")?)?,
+            vae: AutoencoderKL::load(&self.vae_config, &w("vae")?)?,
         };
         for (name, model) in [
             ("text_encoder", &models.text_encoder),
@@ -429,93 +136,75 @@ impl StableDiffusion3Pipeline {
             if !model.has_projection() {
                 return Err(invalid(format!(
                     "{name}: CLIPTextModelWithProjection needs `text_projection.weight`, which {} lacks",
-                    self.root.join(name).display()
+                    self.core.root().join(name).display()
                 )));
             }
         }
         Ok(models)
     }
+}
 
-    pub fn offload_mode(&self) -> OffloadMode {
-        self.offload_mode
-    }
-
-    /// What each component needs of the device under the current offload mode; `None` before
-    /// the weights are loaded.
-    pub fn offload_plan(&self) -> Option<&OffloadPlan> {
-        self.plan.as_ref()
-    }
-
-    /// The offload log (see `FluxPipeline::offload_log`).
-    pub fn offload_log(&self) -> &OffloadLog {
-        &self.offload_log
-    }
-
-    /// `model` ready to run as `component`; itself without offload.
-    fn enter<'m, M: Module + Clone>(
-        &self,
-        component: &'static str,
-        model: &'m M,
-        after: &[&Tensor],
-        next: Option<(&'static str, &dyn Module)>,
-    ) -> Result<Cow<'m, M>> {
-        match &self.offloader {
-            None => Ok(Cow::Borrowed(model)),
-            Some(o) => o
-                .enter(component, model, after, next)
-                .map_err(|e| self.oom(component, e)),
+impl StableDiffusion3Pipeline {
+    /// Opens a diffusers SD3 / SD3.5 folder (or a Hugging Face repo id in the local cache): parses
+    /// every config, builds the tokenizers and maps the weights. Weights reach a device at
+    /// `to` (or the first call, on the CPU).
+    pub fn from_pretrained(model: &str, options: &LoadOptions) -> Result<Self> {
+        let clip_tokenizers: &[&str] = &["CLIPTokenizer", "CLIPTokenizerFast"];
+        let folder = ModelFolder::open_pipeline(
+            model,
+            options,
+            &["StableDiffusion3Pipeline"],
+            &[
+                ("scheduler", &["FlowMatchEulerDiscreteScheduler"]),
+                ("text_encoder", &["CLIPTextModelWithProjection"]),
+                ("text_encoder_2", &["CLIPTextModelWithProjection"]),
+                ("tokenizer", clip_tokenizers),
+                ("tokenizer_2", clip_tokenizers),
+                ("transformer", &["SD3Transformer2DModel"]),
+                ("vae", &["AutoencoderKL"]),
+            ],
+        )?;
+        let has_t5 = folder
+            .index
+            .optional_component("text_encoder_3", &["T5EncoderModel"])?
+            .is_some();
+        if has_t5 {
+            folder
+                .index
+                .require_component("tokenizer_3", &["T5Tokenizer", "T5TokenizerFast"])?;
         }
+        let scheduler_config = folder.scheduler_config()?;
+        let clip_config: ClipTextConfig = folder.config("text_encoder")?;
+        let clip_2_config: ClipTextConfig = folder.config("text_encoder_2")?;
+        let transformer_config: SD3Transformer2DConfig = folder.config("transformer")?;
+        let t5_config: Option<T5Config> = has_t5.then(|| folder.config("text_encoder_3")).transpose()?;
+        transformer_config
+            .check_text_encoders(&clip_config, &clip_2_config, t5_config.as_ref())
+            .map_err(|e| invalid(format!("{}: {e}", folder.root.display())))?;
+        let components: &[&'static str] = match has_t5 {
+            true => &["text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae"],
+            false => &["text_encoder", "text_encoder_2", "transformer", "vae"],
+        };
+        Ok(StableDiffusion3Pipeline {
+            core: folder.core(options, components)?,
+            tokenizer: ClipTokenizer::from_folder(folder.component_dir("tokenizer")?)?,
+            tokenizer_2: ClipTokenizer::from_folder(folder.component_dir("tokenizer_2")?)?,
+            tokenizer_3: match has_t5 {
+                true => Some(T5Tokenizer::from_folder(folder.component_dir("tokenizer_3")?)?),
+                false => None,
+            },
+            clip_config,
+            clip_2_config,
+            t5_config,
+            transformer_config,
+            vae_config: folder.config("vae")?,
+            scheduler_config,
+        })
     }
 
-    /// `e` from `component`'s work, naming it when the device ran out of memory.
-    fn oom(&self, component: &'static str, e: impl Into<PipelineError>) -> PipelineError {
-        match &self.device {
-            Some(d) => Offloader::name_oom(self.offload_mode, d, component, e.into()),
-            None => e.into(),
-        }
-    }
-
-    /// Compiles every component as `mode` says: the three text encoders, the transformer and the
-    /// VAE decoder. Programs are compiled on the first call with each size and kept in memory and
-    /// on disk.
-    pub fn compile(&mut self, mode: CompileMode) {
-        self.compile_mode = mode;
-        self.apply_compile_mode();
-    }
-
-    pub fn compile_mode(&self) -> CompileMode {
-        self.compile_mode
-    }
-
-    fn apply_compile_mode(&mut self) {
-        let streamed = self.offload_mode.streamed_compile_mode(self.compile_mode);
-        if let Some(note) = self.offload_mode.compile_note(self.compile_mode) {
-            tracing::info!("{note}");
-        }
-        if let Some(models) = &mut self.models {
-            models.text_encoder.compile(self.compile_mode);
-            models.text_encoder_2.compile(self.compile_mode);
-            if let Some(t5) = &mut models.text_encoder_3 {
-                t5.compile(streamed);
-            }
-            models.transformer.compile(streamed);
-            models.vae.compile(self.compile_mode);
-        }
-    }
-
-    /// The loaded transformer (`pipe.transformer`); `None` before [`StableDiffusion3Pipeline::to`].
+    /// The loaded transformer (`pipe.transformer`); `None` before the pipeline is placed.
     pub fn transformer_mut(&mut self) -> Option<&mut SD3Transformer2DModel> {
-        self.models.as_mut().map(|m| &mut m.transformer)
-    }
-
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-    pub fn device(&self) -> Option<&Device> {
-        self.device.as_ref()
+        self.core.components_mut().map(|m| &mut m.transformer)
     }
     /// `2^(len(block_out_channels) − 1)`.
     pub fn vae_scale_factor(&self) -> usize {
@@ -529,96 +218,72 @@ impl StableDiffusion3Pipeline {
         &self.transformer_config
     }
 
-    /// Loads the models on the CPU if [`StableDiffusion3Pipeline::to`] was not called.
-    fn ensure_loaded(&mut self) -> Result<()> {
-        if self.models.is_none() {
-            let cpu = Device::cpu()?;
-            self.set_offload(self.offload_mode, &cpu)?;
-        }
-        Ok(())
-    }
-
-    fn loaded(&self) -> Result<(&Models, &Device)> {
-        match (self.models.as_ref(), self.device.as_ref()) {
-            (Some(m), Some(d)) => Ok((m, d)),
-            _ => Err(invalid("the pipeline's models are not loaded; call `to(device)` first")),
-        }
-    }
-
     /// `encode_prompt`: the prompt (and, with classifier-free guidance, negative prompt) states
     /// of `call`'s prompts, repeated per image (prompt-major order). Loads the models on the CPU if
     /// `to` was not called.
     pub fn encode_prompt(&mut self, call: &StableDiffusion3Call<'_>) -> Result<StableDiffusion3Embeddings> {
+        self.check_inputs(call, self.default_size(), self.default_size())?;
         self.ensure_loaded()?;
-        let _finish = FinishOnDrop(self.offloader.as_ref());
+        let _finish = self.core.begin_call()?;
         self.encode_with(call)
     }
 
+    /// [`Self::encode_prompt`] after the checks.
     fn encode_with(&self, call: &StableDiffusion3Call<'_>) -> Result<StableDiffusion3Embeddings> {
-        let (models, device) = self.loaded()?;
-        let n = call.num_images_per_prompt;
-        let batch = match (&call.prompt, &call.prompt_embeds) {
-            (Some(p), _) => p.len(),
-            (None, Some(e)) => e.dims()[0],
-            (None, None) => return Err(invalid("Provide either `prompt` or `prompt_embeds`.")),
+        let (models, device) = self.core.loaded()?;
+        let (n, batch, dtype) = (call.num_images_per_prompt, call.batch(), self.core.dtype());
+        // diffusers uses given embeddings as they are (no repetition per image).
+        let given = |e: &Option<Tensor>, pooled: &Option<Tensor>| -> Result<Option<(Tensor, Tensor)>> {
+            let (Some(e), Some(p)) = (e, pooled) else {
+                return Ok(None);
+            };
+            Ok(Some((
+                e.to_device(device)?.to_dtype(dtype)?,
+                p.to_device(device)?.to_dtype(dtype)?,
+            )))
         };
-        let dtype = self.dtype;
-        let (prompt_embeds, pooled_prompt_embeds) = match (&call.prompt, &call.prompt_embeds) {
-            // diffusers uses given embeddings as they are (no repetition per image).
-            (_, Some(e)) => {
-                let pooled = call
-                    .pooled_prompt_embeds
-                    .as_ref()
-                    .ok_or_else(|| invalid("If `prompt_embeds` are provided, `pooled_prompt_embeds` also have to be passed. Make sure to generate `pooled_prompt_embeds` from the same text encoder that was used to generate `prompt_embeds`."))?;
-                (
-                    e.to_device(device)?.to_dtype(dtype)?,
-                    pooled.to_device(device)?.to_dtype(dtype)?,
-                )
-            }
-            (Some(prompt), None) => {
-                let prompt_2 = call.prompt_2.as_ref().unwrap_or(prompt);
-                let prompt_3 = call.prompt_3.as_ref().unwrap_or(prompt);
-                // With offload, CLIP-L comes back after T5 when the negative prompts are encoded next.
-                let then: (&'static str, &dyn Module) =
-                    if call.do_classifier_free_guidance() && call.negative_prompt_embeds.is_none() {
-                        ("text_encoder", &models.text_encoder)
-                    } else {
-                        ("transformer", &models.transformer)
+        let text = |prompts: [&Vec<String>; 3], clip_skip, after: &[&Tensor], then| {
+            let options = TextOptions {
+                n,
+                max_sequence_length: call.max_sequence_length,
+                clip_skip,
+                after,
+                then,
+            };
+            self.encode_texts(models, device, prompts, options)
+        };
+        let (prompt_embeds, pooled_prompt_embeds) =
+            match (given(&call.prompt_embeds, &call.pooled_prompt_embeds)?, &call.prompt) {
+                (Some(given), _) => given,
+                (None, None) => return Err(invalid("Provide either `prompt` or `prompt_embeds`.")),
+                (None, Some(prompt)) => {
+                    // With offload, CLIP-L comes back after T5 when the negative prompts are encoded next.
+                    let then = match call.do_classifier_free_guidance() && call.negative_prompt_embeds.is_none() {
+                        true => "text_encoder",
+                        false => "transformer",
                     };
-                self.encode_texts(
-                    models,
-                    device,
-                    [prompt, prompt_2, prompt_3],
-                    TextOptions {
-                        n,
-                        max_sequence_length: call.max_sequence_length,
-                        clip_skip: call.clip_skip,
-                        after: &[],
+                    let prompt_2 = call.prompt_2.as_ref().unwrap_or(prompt);
+                    text(
+                        [prompt, prompt_2, call.prompt_3.as_ref().unwrap_or(prompt)],
+                        call.clip_skip,
+                        &[],
                         then,
-                    },
-                )?
-            }
-            (None, None) => unreachable!("checked above"),
-        };
-        let (mut negative_prompt_embeds, mut negative_pooled_prompt_embeds) = (None, None);
-        if call.do_classifier_free_guidance() {
-            if let Some(e) = &call.negative_prompt_embeds {
-                let pooled = call.negative_pooled_prompt_embeds.as_ref().ok_or_else(|| invalid("If `negative_prompt_embeds` are provided, `negative_pooled_prompt_embeds` also have to be passed. Make sure to generate `negative_pooled_prompt_embeds` from the same text encoder that was used to generate `negative_prompt_embeds`."))?;
-                negative_prompt_embeds = Some(e.to_device(device)?.to_dtype(dtype)?);
-                negative_pooled_prompt_embeds = Some(pooled.to_device(device)?.to_dtype(dtype)?);
-            } else {
+                    )?
+                }
+            };
+        let negative = match given(&call.negative_prompt_embeds, &call.negative_pooled_prompt_embeds)? {
+            _ if !call.do_classifier_free_guidance() => None,
+            Some(given) => Some(given),
+            None => {
                 // diffusers: `negative_prompt or ""`, the _2/_3 variants default to it; one string
                 // stands for the whole batch.
                 let broadcast = |v: Vec<String>| if v.len() == 1 { vec![v[0].clone(); batch] } else { v };
                 let negative = broadcast(call.negative_prompt.clone().unwrap_or_else(|| vec![String::new()]));
-                let negative_2 = call
-                    .negative_prompt_2
-                    .clone()
-                    .map_or_else(|| negative.clone(), broadcast);
-                let negative_3 = call
-                    .negative_prompt_3
-                    .clone()
-                    .map_or_else(|| negative.clone(), broadcast);
+                let or_negative = |v: &Option<Vec<String>>| v.clone().map_or_else(|| negative.clone(), broadcast);
+                let (negative_2, negative_3) = (
+                    or_negative(&call.negative_prompt_2),
+                    or_negative(&call.negative_prompt_3),
+                );
                 if negative.len() != batch {
                     return Err(invalid(format!(
                         "`negative_prompt`: {negative:?} has batch size {}, but `prompt`: {:?} has batch size {batch}. Please make sure that passed `negative_prompt` matches the batch size of `prompt`.",
@@ -635,22 +300,15 @@ impl StableDiffusion3Pipeline {
                     }
                 }
                 // diffusers quirk: negative prompts always use the penultimate CLIP layer (clip_skip ignored).
-                let (e, p) = self.encode_texts(
-                    models,
-                    device,
+                Some(text(
                     [&negative, &negative_2, &negative_3],
-                    TextOptions {
-                        n,
-                        max_sequence_length: call.max_sequence_length,
-                        clip_skip: None,
-                        after: &[&prompt_embeds],
-                        then: ("transformer", &models.transformer),
-                    },
-                )?;
-                negative_prompt_embeds = Some(e);
-                negative_pooled_prompt_embeds = Some(p);
+                    None,
+                    &[&prompt_embeds],
+                    "transformer",
+                )?)
             }
-        }
+        };
+        let (negative_prompt_embeds, negative_pooled_prompt_embeds) = negative.unzip();
         Ok(StableDiffusion3Embeddings {
             prompt_embeds,
             pooled_prompt_embeds,
@@ -662,7 +320,7 @@ impl StableDiffusion3Pipeline {
     /// CLIP-L, CLIP-G and T5 on their prompts, assembled into `(prompt_embeds, pooled)`.
     fn encode_texts(
         &self,
-        models: &Models,
+        models: &StableDiffusion3Components,
         device: &Device,
         [prompt, prompt_2, prompt_3]: [&Vec<String>; 3],
         options: TextOptions<'_>,
@@ -683,48 +341,23 @@ impl StableDiffusion3Pipeline {
                 )));
             }
         }
-        let clip_l = self.clip_states(
-            ClipBranch {
-                model: &models.text_encoder,
-                tokenizer: &self.tokenizer,
-                component: "text_encoder",
-                after,
-                next: ("text_encoder_2", &models.text_encoder_2),
-            },
-            prompt,
-            device,
-            clip_skip,
-        )?;
-        let after_g = match &models.text_encoder_3 {
-            Some(t5) => ("text_encoder_3", t5 as &dyn Module),
-            None => then,
-        };
-        let clip_g = self.clip_states(
-            ClipBranch {
-                model: &models.text_encoder_2,
-                tokenizer: &self.tokenizer_2,
-                component: "text_encoder_2",
-                after: &[&clip_l.embeds],
-                next: after_g,
-            },
-            prompt_2,
-            device,
-            clip_skip,
-        )?;
+        let clip_l = self.clip_states("text_encoder", prompt, clip_skip, after, "text_encoder_2")?;
+        let after_g = models.text_encoder_3.as_ref().map_or(then, |_| "text_encoder_3");
+        let clip_g = self.clip_states("text_encoder_2", prompt_2, clip_skip, &[&clip_l.embeds], after_g)?;
         let joint = self.transformer_config.joint_attention_dim;
         let t5 = match (&models.text_encoder_3, &self.tokenizer_3) {
             (Some(model), Some(tokenizer)) => {
                 let texts: Vec<&str> = prompt_3.iter().map(String::as_str).collect();
                 let ids = tokenizer.encode_batch(&texts, max_sequence_length)?;
                 let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
-                let model = self.enter("text_encoder_3", model, &[&clip_g.embeds], Some(then))?;
-                model
-                    .forward_with_host_ids(&t, &ids.input_ids, false)
-                    .and_then(|o| Ok(o.last_hidden_state.to_dtype(self.dtype)?))
-                    .map_err(|e| self.oom("text_encoder_3", e))?
+                self.core
+                    .run("text_encoder_3", model, &[&clip_g.embeds], Some(then), |t5| {
+                        Ok(t5.forward_with_host_ids(&t, &ids.input_ids, false)?.last_hidden_state)
+                    })?
+                    .to_dtype(self.core.dtype())?
             }
             // No T5: zeros of the sequence length still take positions 77.. (diffusers).
-            _ => Tensor::zeros([prompt_3.len(), max_sequence_length, joint], self.dtype, device)?,
+            _ => Tensor::zeros([prompt_3.len(), max_sequence_length, joint], self.core.dtype(), device)?,
         };
         let clip = Tensor::cat(&[&clip_l.embeds, &clip_g.embeds], -1)?;
         let clip_width = clip.dims()[2];
@@ -738,25 +371,23 @@ impl StableDiffusion3Pipeline {
     /// final LayerNorm) and the projected pooled output.
     fn clip_states(
         &self,
-        branch: ClipBranch<'_>,
+        component: &'static str,
         prompt: &[String],
-        device: &Device,
         clip_skip: Option<usize>,
+        after: &[&Tensor],
+        next: &'static str,
     ) -> Result<Encoded> {
-        let ClipBranch {
-            model,
-            tokenizer,
-            component,
-            after,
-            next,
-        } = branch;
+        let (models, device) = self.core.loaded()?;
+        let (model, tokenizer) = match component {
+            "text_encoder" => (&models.text_encoder, &self.tokenizer),
+            _ => (&models.text_encoder_2, &self.tokenizer_2),
+        };
         let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
         let ids = tokenizer.encode_batch(&texts, CLIP_MAX_LENGTH)?;
         let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
-        let model = self.enter(component, model, after, Some(next))?;
-        let mut out = model
-            .forward_with_host_ids(&t, &ids.input_ids, true)
-            .map_err(|e| self.oom(component, e))?;
+        let mut out = self.core.run(component, model, after, Some(next), |clip| {
+            Ok(clip.forward_with_host_ids(&t, &ids.input_ids, true)?)
+        })?;
         let back = clip_skip.unwrap_or(0) + 2;
         let layers = out.hidden_states.len() - 1;
         if back > out.hidden_states.len() {
@@ -774,56 +405,33 @@ impl StableDiffusion3Pipeline {
         })?;
         Ok(Encoded {
             // diffusers casts both CLIP branches to text_encoder's dtype (the pipeline's dtype here).
-            embeds: embeds.to_dtype(self.dtype)?,
+            embeds: embeds.to_dtype(self.core.dtype())?,
             pooled,
         })
     }
 
     /// Runs the pipeline (`pipe(prompt=..., ...)`).
-    pub fn call(&mut self, args: StableDiffusion3Call<'_>) -> Result<StableDiffusion3Output> {
+    pub fn call(&mut self, args: StableDiffusion3Call<'_>) -> Result<PipelineOutput> {
         self.ensure_loaded()?;
         self.run(args)
     }
 
-    fn run(&self, mut args: StableDiffusion3Call<'_>) -> Result<StableDiffusion3Output> {
+    fn run(&self, mut args: StableDiffusion3Call<'_>) -> Result<PipelineOutput> {
         let start = Instant::now();
-        let warnings = Vec::new();
         let vsf = self.vae_scale_factor();
-        let height = if args.height == 0 {
-            self.default_size()
-        } else {
-            args.height
-        };
-        let width = if args.width == 0 {
-            self.default_size()
-        } else {
-            args.width
-        };
+        let size = |s: usize| if s == 0 { self.default_size() } else { s };
+        let (height, width) = (size(args.height), size(args.width));
         self.check_inputs(&args, height, width)?;
-        let dtype = self.dtype;
-        let (models, device) = self.loaded()?;
-        let device = device.clone();
-        if let Some(plan) = self.plan.as_ref().filter(|p| p.mode != OffloadMode::None) {
-            // What the device has free may have changed since loading.
-            OffloadPlan {
-                budget: free_bytes(&device),
-                ..plan.clone()
-            }
-            .check()?;
-        }
-        let _finish = FinishOnDrop(self.offloader.as_ref());
+        let dtype = self.core.dtype();
+        let (models, device) = self.core.loaded()?;
+        let _finish = self.core.begin_call()?;
 
         // 2-3. Batch and text encoding.
-        let batch = match (&args.prompt, &args.prompt_embeds) {
-            (Some(p), _) => p.len(),
-            (None, Some(e)) => e.dims()[0],
-            (None, None) => unreachable!("check_inputs requires one"),
-        };
+        let batch = args.batch();
         if batch == 0 {
             return Err(invalid("`prompt` is an empty list: give at least one prompt"));
         }
-        let n = args.num_images_per_prompt;
-        let total = batch * n;
+        let total = batch * args.num_images_per_prompt;
         let do_cfg = args.do_classifier_free_guidance();
         let t0 = Instant::now();
         let encoded = self.encode_with(&args)?;
@@ -850,136 +458,102 @@ impl StableDiffusion3Pipeline {
         let channels = self.transformer_config.in_channels;
         let (h, w) = (height / vsf, width / vsf);
         let latents = match args.latents.take() {
-            Some(l) => {
-                if l.dims() != [total, channels, h, w] {
-                    return Err(invalid(format!(
-                        "`latents` must have shape [{total}, {channels}, {h}, {w}], got {}",
-                        l.shape()
-                    )));
-                }
-                l.to_device(&device)?.to_dtype(dtype)?
+            Some(l) if l.dims() != [total, channels, h, w] => {
+                return Err(invalid(format!(
+                    "`latents` must have shape [{total}, {channels}, {h}, {w}], got {}",
+                    l.shape()
+                )))
             }
-            None => {
-                let shape = [total, channels, h, w];
-                initial_noise(shape, args.seed, args.seeds.as_deref(), dtype, &device)?
-            }
+            Some(l) => l.to_device(device)?.to_dtype(dtype)?,
+            None => initial_noise([total, channels, h, w], args.seed, args.seeds.as_deref(), dtype, device)?,
         };
 
         // 5. Timesteps.
-        let scheduler_config = self.scheduler_config.clone();
         let patch = self.transformer_config.patch_size;
         let mu = match args.mu {
-            Some(mu) => Some(mu),
-            None if scheduler_config.use_dynamic_shifting => {
-                Some(scheduler_config.calculate_shift((h / patch) * (w / patch)))
+            None if self.scheduler_config.use_dynamic_shifting => {
+                Some(self.scheduler_config.calculate_shift((h / patch) * (w / patch)))
             }
-            None => None,
+            mu => mu,
         };
-        let mut scheduler = FlowMatchEulerDiscreteScheduler::new(scheduler_config)?;
+        let mut scheduler = FlowMatchEulerDiscreteScheduler::new(self.scheduler_config.clone())?;
         let steps = args.sigmas.as_ref().map_or(args.num_inference_steps, Vec::len);
         // diffusers accepts 0 steps: no denoising, the noise itself is decoded.
+        if steps > 0 {
+            scheduler.set_timesteps(steps, args.sigmas.as_deref(), mu)?;
+            scheduler.set_begin_index(0);
+        }
         let timesteps = if steps == 0 {
             Vec::new()
         } else {
-            scheduler.set_timesteps(steps, args.sigmas.as_deref(), mu)?;
-            scheduler.set_begin_index(0);
             scheduler.timesteps().to_vec()
         };
         let num_inference_steps = timesteps.len() as f64;
 
-        // 6. Denoising loop.
+        // 6. Denoising loop: CFG `uncond + g·(text − uncond)`, plus skip-layer guidance
+        // `+ slg·(text − skipped)` inside its window.
         let skip_layers = args.skip_guidance_layers.clone().unwrap_or_default();
-        let mut latents = latents;
-        let bar = crate::progress::step_bar(timesteps.len(), args.progress);
-        let mut step_times = Vec::with_capacity(timesteps.len());
         let decodes = args.output_type == OutputType::Image;
-        let transformer_at = |last: bool| {
-            // The VAE's transfer can start during the last transformer call.
-            let next = (last && decodes).then_some(("vae", &models.vae as &dyn Module));
-            self.enter("transformer", &models.transformer, &[&embeds], next)
-        };
-        for (i, &t) in timesteps.iter().enumerate() {
-            let ts = Instant::now();
-            let input = if do_cfg {
-                Tensor::cat(&[&latents, &latents], 0)?
-            } else {
-                latents.clone()
-            };
-            // diffusers: strict inequalities on the float products.
-            let fi = i as f64;
-            let in_window = fi > num_inference_steps * args.skip_layer_guidance_start
-                && fi < num_inference_steps * args.skip_layer_guidance_stop;
-            let skip_call = do_cfg && args.skip_guidance_layers.is_some() && in_window;
-            let last_step = i + 1 == timesteps.len();
-            let timestep = Tensor::from_f32(&vec![t; input.dims()[0]], DType::F32, [input.dims()[0]], &device)?;
-            let mut noise_pred = transformer_at(last_step && !skip_call)?
-                .forward(&SD3TransformerInputs {
-                    hidden_states: &input,
-                    timestep: &timestep,
-                    encoder_hidden_states: &embeds,
-                    pooled_projections: &pooled,
-                    skip_layers: &[],
-                })
-                .map_err(|e| self.oom("transformer", e))?;
-            if do_cfg {
-                let halves = noise_pred.chunk(2, 0)?;
-                let (uncond, text) = (&halves[0], &halves[1]);
-                noise_pred = uncond.add(&text.sub(uncond)?.mul_scalar_f32(args.guidance_scale)?)?;
-                if skip_call {
-                    let timestep = Tensor::from_f32(&vec![t; total], DType::F32, [total], &device)?;
-                    let skipped = transformer_at(last_step)?
-                        .forward(&SD3TransformerInputs {
-                            hidden_states: &latents,
-                            timestep: &timestep,
-                            encoder_hidden_states: &encoded.prompt_embeds,
-                            pooled_projections: &encoded.pooled_prompt_embeds,
-                            skip_layers: &skip_layers,
-                        })
-                        .map_err(|e| self.oom("transformer", e))?;
-                    noise_pred =
-                        noise_pred.add(&text.sub(&skipped)?.mul_scalar_f32(args.skip_layer_guidance_scale)?)?;
-                }
-            }
-            latents = euler_step(&latents, &noise_pred, scheduler.dt(i)?, &device)?;
-            if let Some(cb) = args.callback.as_mut() {
-                let mut state = StepState {
-                    step: i,
-                    timestep: t,
-                    noise_pred: &noise_pred,
-                    latents: &mut latents,
-                };
-                if !cb(&mut state) {
-                    return Err(PipelineError::Interrupted { step: i });
-                }
-            }
-            latents.wait()?;
-            step_times.push(ts.elapsed());
-            bar.inc(1);
-        }
-        bar.finish_and_clear();
-
-        // 7. Decode.
-        let td = Instant::now();
-        let images = match args.output_type {
-            OutputType::Latent => Vec::new(),
-            OutputType::Image => {
-                let decoded = self.decode_with(models, &latents)?;
-                let bytes = decoded.to_bytes()?;
-                kiln_image::postprocess_bytes(&bytes, decoded.dtype(), decoded.shape())?
-            }
-        };
-        let decoding = td.elapsed();
-        Ok(StableDiffusion3Output {
-            images,
+        let (latents, steps) = denoise(
+            &scheduler,
+            &timesteps,
             latents,
-            size: (h * vsf, w * vsf),
-            timings: Timings {
-                text_encoding,
-                steps: step_times,
-                decoding,
-                total: start.elapsed(),
+            args.progress,
+            &mut args.callback,
+            |i, t, latents| {
+                // diffusers: strict inequalities on the float products.
+                let fi = i as f64;
+                let in_window = fi > num_inference_steps * args.skip_layer_guidance_start
+                    && fi < num_inference_steps * args.skip_layer_guidance_stop;
+                let skip_call = do_cfg && args.skip_guidance_layers.is_some() && in_window;
+                let last_step = i + 1 == timesteps.len();
+                let predict =
+                    |hidden_states: &Tensor, text: &Tensor, pooled: &Tensor, skip_layers: &[usize], last_call: bool| {
+                        let rows = hidden_states.dims()[0];
+                        let timestep = Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?;
+                        // The VAE's transfer can start during the last transformer call.
+                        let next = (last_call && decodes).then_some("vae");
+                        self.core
+                            .run("transformer", &models.transformer, &[&embeds], next, |tr| {
+                                Ok(tr.forward(&SD3TransformerInputs {
+                                    hidden_states,
+                                    timestep: &timestep,
+                                    encoder_hidden_states: text,
+                                    pooled_projections: pooled,
+                                    skip_layers,
+                                })?)
+                            })
+                    };
+                if !do_cfg {
+                    return predict(latents, &embeds, &pooled, &[], last_step);
+                }
+                let both = predict(
+                    &Tensor::cat(&[latents, latents], 0)?,
+                    &embeds,
+                    &pooled,
+                    &[],
+                    last_step && !skip_call,
+                )?;
+                let halves = both.chunk(2, 0)?;
+                let (uncond, text) = (&halves[0], &halves[1]);
+                let guided = uncond.add(&text.sub(uncond)?.mul_scalar_f32(args.guidance_scale)?)?;
+                if !skip_call {
+                    return Ok(guided);
+                }
+                let skipped = predict(
+                    latents,
+                    &encoded.prompt_embeds,
+                    &encoded.pooled_prompt_embeds,
+                    &skip_layers,
+                    last_step,
+                )?;
+                Ok(guided.add(&text.sub(&skipped)?.mul_scalar_f32(args.skip_layer_guidance_scale)?)?)
             },
-            warnings,
+        )?;
+
+        let times = (start, text_encoding, steps);
+        finish_call(args.output_type, latents, (h * vsf, w * vsf), times, Vec::new(), |l| {
+            self.decode(l)
         })
     }
 
@@ -987,17 +561,18 @@ impl StableDiffusion3Pipeline {
     /// `[N, 3, h·vsf, w·vsf]` in [-1, 1] before post-processing.
     pub fn decode_latents(&mut self, latents: &Tensor) -> Result<Tensor> {
         self.ensure_loaded()?;
-        let (models, _) = self.loaded()?;
-        let _finish = FinishOnDrop(self.offloader.as_ref());
-        self.decode_with(models, latents)
+        let _finish = self.core.begin_call()?;
+        self.decode(latents)
     }
 
-    fn decode_with(&self, models: &Models, latents: &Tensor) -> Result<Tensor> {
-        let scaling = self.vae_config.scaling_factor;
+    fn decode(&self, latents: &Tensor) -> Result<Tensor> {
+        let (models, _) = self.core.loaded()?;
         let shift = self.vae_config.shift_factor.unwrap_or(0.0);
-        let z = latents.div_scalar_f32(scaling)?.add_scalar(shift)?;
-        let vae = self.enter("vae", &models.vae, &[latents], None)?;
-        vae.decode(&z).map_err(|e| self.oom("vae", e))
+        let z = latents
+            .div_scalar_f32(self.vae_config.scaling_factor)?
+            .add_scalar(shift)?;
+        self.core
+            .run("vae", &models.vae, &[latents], None, |vae| Ok(vae.decode(&z)?))
     }
 
     /// diffusers' `check_inputs` (plus the checks `__call__` makes early).
@@ -1024,77 +599,15 @@ impl StableDiffusion3Pipeline {
                 )));
             }
         }
-        let describe = |t: &Tensor| format!("tensor of shape {}", t.shape());
-        if let Some(e) = &args.prompt_embeds {
-            for (name, p) in [
-                ("prompt", &args.prompt),
-                ("prompt_2", &args.prompt_2),
-                ("prompt_3", &args.prompt_3),
-            ] {
-                if let Some(p) = p {
-                    // diffusers quirk: the `prompt_3` message shows `prompt_2`.
-                    let shown = if name == "prompt_3" {
-                        args.prompt_2.as_ref().map_or("None".to_string(), |p| p.join(", "))
-                    } else {
-                        p.join(", ")
-                    };
-                    return Err(invalid(format!(
-                        "Cannot forward both `{name}`: {shown} and `prompt_embeds`: {}. Please make sure to only forward one of the two.",
-                        describe(e)
-                    )));
-                }
-            }
-        }
-        if args.prompt.is_none() && args.prompt_embeds.is_none() {
-            return Err(invalid(
-                "Provide either `prompt` or `prompt_embeds`. Cannot leave both `prompt` and `prompt_embeds` undefined.",
-            ));
-        }
-        if let Some(e) = &args.negative_prompt_embeds {
-            for (name, p) in [
-                ("negative_prompt", &args.negative_prompt),
-                ("negative_prompt_2", &args.negative_prompt_2),
-                ("negative_prompt_3", &args.negative_prompt_3),
-            ] {
-                if let Some(p) = p {
-                    return Err(invalid(format!(
-                        "Cannot forward both `{name}`: {} and `negative_prompt_embeds`: {}. Please make sure to only forward one of the two.",
-                        p.join(", "),
-                        describe(e)
-                    )));
-                }
-            }
-        }
-        if let (Some(p), Some(np)) = (&args.prompt_embeds, &args.negative_prompt_embeds) {
-            if p.dims() != np.dims() {
-                return Err(invalid(format!(
-                    "`prompt_embeds` and `negative_prompt_embeds` must have the same shape when passed directly, but got: `prompt_embeds` torch.Size({:?}) != `negative_prompt_embeds` torch.Size({:?}).",
-                    p.dims(),
-                    np.dims()
-                )));
-            }
-        }
-        if args.prompt_embeds.is_some() && args.pooled_prompt_embeds.is_none() {
-            return Err(invalid("If `prompt_embeds` are provided, `pooled_prompt_embeds` also have to be passed. Make sure to generate `pooled_prompt_embeds` from the same text encoder that was used to generate `prompt_embeds`."));
-        }
-        if args.negative_prompt_embeds.is_some() && args.negative_pooled_prompt_embeds.is_none() {
-            return Err(invalid("If `negative_prompt_embeds` are provided, `negative_pooled_prompt_embeds` also have to be passed. Make sure to generate `negative_pooled_prompt_embeds` from the same text encoder that was used to generate `negative_prompt_embeds`."));
-        }
-        if args.max_sequence_length > 512 {
-            return Err(invalid(format!(
-                "`max_sequence_length` cannot be greater than 512 but is {}",
-                args.max_sequence_length
-            )));
-        }
-        if args.max_sequence_length == 0 {
-            return Err(invalid("`max_sequence_length` must be at least 1"));
-        }
-        if !args.guidance_scale.is_finite() {
-            return Err(invalid(format!(
-                "`guidance_scale` must be a finite number, got {}",
-                args.guidance_scale
-            )));
-        }
+        // diffusers quirk: the `prompt_3` message shows `prompt_2`.
+        let prompt_3 = ("prompt_3", args.prompt_3.is_some(), shown(args.prompt_2.as_ref()));
+        let negative_3 = (
+            "negative_prompt_3",
+            args.negative_prompt_3.is_some(),
+            shown(args.negative_prompt_3.as_ref()),
+        );
+        args.shared_checks(&[prompt_3], &[negative_3])?;
+        check_same_shape(args.prompt_embeds.as_ref(), args.negative_prompt_embeds.as_ref())?;
         for (name, v) in [
             ("skip_layer_guidance_scale", args.skip_layer_guidance_scale),
             ("skip_layer_guidance_start", args.skip_layer_guidance_start),
@@ -1113,16 +626,6 @@ impl StableDiffusion3Pipeline {
                 )));
             }
         }
-        if args.sigmas.as_ref().is_some_and(Vec::is_empty) {
-            return Err(invalid("`sigmas` is empty: give at least one sigma"));
-        }
-        if args.num_images_per_prompt == 0 {
-            return Err(invalid("`num_images_per_prompt` must be at least 1"));
-        }
-        let batch = args
-            .prompt
-            .as_ref()
-            .map_or_else(|| args.prompt_embeds.as_ref().map_or(0, |e| e.dims()[0]), |p| p.len());
-        check_generator_count(args.seeds.as_deref(), batch, args.num_images_per_prompt)
+        Ok(())
     }
 }

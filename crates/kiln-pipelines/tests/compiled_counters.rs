@@ -2,6 +2,7 @@
 //! same size compile nothing whatever the steps, seed or prompt, and a new size compiles once more.
 
 use kiln_nn::CompileMode;
+use kiln_pipelines::DiffusionPipeline;
 use kiln_pipelines::{FluxCall, FluxPipeline, LoadOptions, OutputType};
 use kiln_tensor::{thread_op_cache_stats, DType};
 use kiln_testing::{device, oracle};

@@ -5,6 +5,7 @@
 mod common;
 
 use common::call_from;
+use kiln_pipelines::DiffusionPipeline;
 use kiln_pipelines::{FluxPipeline, LoadOptions};
 use kiln_testing::{device, oracle};
 use serde_json::Value;

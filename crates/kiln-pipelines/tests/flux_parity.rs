@@ -1,6 +1,7 @@
 //! FluxPipeline end to end against every FLUX.1 case of the oracle: tokens and encoder outputs,
 //! initial noise, schedule, every step's latents, the decoded tensor and the uint8 image.
 
+use kiln_pipelines::DiffusionPipeline;
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 

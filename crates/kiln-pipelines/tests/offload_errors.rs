@@ -3,6 +3,7 @@
 //! device has, before any work; running out of memory mid-run names the component and what to try.
 //! The limit is device-wide, so these tests run one at a time (and in their own test binary).
 
+use kiln_pipelines::DiffusionPipeline;
 use std::sync::Mutex;
 
 use kiln_pipelines::{FluxCall, FluxPipeline, LoadOptions, OffloadMode, OutputType, PipelineError};

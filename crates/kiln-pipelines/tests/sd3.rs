@@ -2,6 +2,7 @@
 //! schedule, every step's latents, the decoded tensor, the uint8 image), eager and compiled, and
 //! the inputs diffusers rejects (`errors/sd3.json`).
 
+use kiln_pipelines::DiffusionPipeline;
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 

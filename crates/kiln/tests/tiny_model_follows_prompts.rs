@@ -2,6 +2,7 @@
 //! the image's background colour, shape colour, shape type and (when named) position must match the
 //! caption, judged with the pixel statistics `tools/tiny_flux/shapes.py` defines (same numbers).
 
+use kiln::DiffusionPipeline;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 

@@ -1,5 +1,6 @@
 //! `kiln bench`: times a FLUX.1 or SD3 pipeline the way `tools/bench_flux/bench.py` times diffusers.
 
+use kiln::DiffusionPipeline;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

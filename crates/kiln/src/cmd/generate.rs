@@ -3,6 +3,7 @@
 mod call;
 mod from_png;
 
+use kiln::DiffusionPipeline;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -178,7 +179,7 @@ macro_rules! place {
             .set_offload($s.offload, $s.device)
             .with_context(|| format!("loading {} onto {} (offload {})", $s.model, $s.device, $s.offload))?;
         $pipe.compile($s.compile);
-        if let Some(note) = $s.offload.compile_note($s.compile) {
+        if let Some(note) = $pipe.run_config().note() {
             eprintln!("note: {note}");
         }
     }};

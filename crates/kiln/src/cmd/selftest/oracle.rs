@@ -1,6 +1,7 @@
 //! A FLUX.1 oracle case end to end: the tiny random-weight `flux1_schnell` pipeline diffusers made,
 //! called as diffusers was, eager and compiled, against diffusers' image.
 
+use kiln::DiffusionPipeline;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};

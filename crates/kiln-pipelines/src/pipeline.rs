@@ -1,0 +1,744 @@
+//! The pipeline core: what every pipeline shares — its components in run order, placement,
+//! offload and compilation ([`DiffusionPipeline`]), the denoising loop, the shared checks of
+//! diffusers' `check_inputs`, and one output type.
+
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use image::RgbImage;
+use kiln_io::Checkpoint;
+use kiln_models::autoencoder_kl::AutoencoderKL;
+use kiln_models::clip::ClipTextModel;
+use kiln_models::t5::T5EncoderModel;
+use kiln_models::transformer_flux::FluxTransformer2DModel;
+use kiln_models::transformer_sd3::SD3Transformer2DModel;
+use kiln_nn::{CompileMode, Module, OffloadLog, OffloadMode, RunConfig, StreamBlocks, Weights};
+use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
+use kiln_tensor::{DType, Device, MemoryKind, Tensor};
+
+use crate::error::{invalid, PipelineError, Result};
+use crate::loading::checkpoint_bytes;
+use crate::offload::{
+    free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadPlan, Offloader, Placing,
+};
+
+/// What the call returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OutputType {
+    /// Decoded, post-processed RGB images (`output_type="pil"`).
+    #[default]
+    Image,
+    /// The packed latents after the last step (`output_type="latent"`).
+    Latent,
+}
+
+/// What a step callback sees after each denoising step.
+pub struct StepState<'a> {
+    pub step: usize,
+    pub timestep: f32,
+    /// The transformer's prediction at this step (after true CFG, when active).
+    pub noise_pred: &'a Tensor,
+    /// The latents after the scheduler step; the callback may replace them.
+    pub latents: &'a mut Tensor,
+}
+
+/// A per-step callback (`callback_on_step_end`). Returning `false` interrupts the run.
+pub type StepCallback<'a> = dyn FnMut(&mut StepState<'_>) -> bool + 'a;
+
+/// Where the time of a call went (each stage waits for its results before it is timed).
+#[derive(Clone, Debug, Default)]
+pub struct Timings {
+    pub text_encoding: Duration,
+    pub steps: Vec<Duration>,
+    pub decoding: Duration,
+    pub total: Duration,
+}
+
+/// The result of a call.
+pub struct PipelineOutput {
+    /// The images (empty for `OutputType::Latent`).
+    pub images: Vec<RgbImage>,
+    /// The final latents (FLUX: packed `[B·n, S, 64]`; SD3: `[B·n, C, H/vsf, W/vsf]`).
+    pub latents: Tensor,
+    /// The image (height, width) after rounding.
+    pub size: (usize, usize),
+    pub timings: Timings,
+    /// Warnings diffusers would have logged (also sent to `tracing`).
+    pub warnings: Vec<String>,
+}
+
+/// A model a pipeline runs as one of its components.
+pub trait Component: Module {
+    /// Runs the model as compiled programs from now on (or op by op for [`CompileMode::None`]).
+    fn compile(&mut self, mode: CompileMode);
+    /// The model as a list of repeated blocks that sequential offload streams; `None` when it
+    /// always moves whole.
+    fn streamed(&mut self) -> Option<&mut dyn StreamBlocks> {
+        None
+    }
+}
+
+macro_rules! component {
+    ($($model:ty),* ; streamed: $($streamed:ty),*) => {
+        $(impl Component for $model {
+            fn compile(&mut self, mode: CompileMode) {
+                <$model>::compile(self, mode)
+            }
+        })*
+        $(impl Component for $streamed {
+            fn compile(&mut self, mode: CompileMode) {
+                <$streamed>::compile(self, mode)
+            }
+            fn streamed(&mut self) -> Option<&mut dyn StreamBlocks> {
+                Some(self)
+            }
+        })*
+    };
+}
+
+component!(ClipTextModel, AutoencoderKL; streamed: T5EncoderModel, FluxTransformer2DModel, SD3Transformer2DModel);
+
+/// A pipeline's loaded models, declared once in the order a call runs them (diffusers'
+/// `model_cpu_offload_seq`); see [`components!`].
+pub trait Components {
+    /// Every component present, in run order.
+    fn each(&mut self, f: &mut dyn FnMut(&'static str, &mut dyn Component) -> Result<()>) -> Result<()>;
+    /// The component `name`, if present.
+    fn find(&self, name: &str) -> Option<&dyn Module>;
+}
+
+/// A field of a [`Components`] struct: a model, or an optional one (a component the folder may lack).
+pub trait ComponentSlot {
+    fn each_in(&mut self, f: &mut dyn FnMut(&mut dyn Component) -> Result<()>) -> Result<()>;
+    fn module(&self) -> Option<&dyn Module>;
+}
+
+impl<M: Component> ComponentSlot for M {
+    fn each_in(&mut self, f: &mut dyn FnMut(&mut dyn Component) -> Result<()>) -> Result<()> {
+        f(self)
+    }
+    fn module(&self) -> Option<&dyn Module> {
+        Some(self)
+    }
+}
+
+impl<M: Component> ComponentSlot for Option<M> {
+    fn each_in(&mut self, f: &mut dyn FnMut(&mut dyn Component) -> Result<()>) -> Result<()> {
+        match self {
+            Some(m) => f(m),
+            None => Ok(()),
+        }
+    }
+    fn module(&self) -> Option<&dyn Module> {
+        self.as_ref().map(|m| m as &dyn Module)
+    }
+}
+
+/// Implements [`Components`] for a struct whose fields, in run order, are the components named
+/// as the fields: `components!(Models { text_encoder, transformer, vae });`.
+macro_rules! components {
+    ($ty:ident { $($field:ident),* $(,)? }) => {
+        impl $crate::pipeline::Components for $ty {
+            fn each(
+                &mut self,
+                f: &mut dyn FnMut(&'static str, &mut dyn $crate::pipeline::Component) -> $crate::Result<()>,
+            ) -> $crate::Result<()> {
+                $( $crate::pipeline::ComponentSlot::each_in(&mut self.$field, &mut |m| f(stringify!($field), m))?; )*
+                Ok(())
+            }
+            fn find(&self, name: &str) -> Option<&dyn kiln_nn::Module> {
+                match name {
+                    $( stringify!($field) => $crate::pipeline::ComponentSlot::module(&self.$field), )*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+pub(crate) use components;
+
+/// What every pipeline holds the same way: its folder, dtype, checkpoints, run configuration,
+/// loaded components and offloader.
+pub struct PipelineCore<C> {
+    root: PathBuf,
+    dtype: DType,
+    /// Each component's checkpoint, in run order.
+    checkpoints: Vec<(&'static str, Arc<Checkpoint>)>,
+    run: RunConfig,
+    components: Option<C>,
+    offloader: Option<Offloader>,
+    offload_log: OffloadLog,
+    plan: Option<OffloadPlan>,
+}
+
+impl<C: Components> PipelineCore<C> {
+    pub(crate) fn new(root: PathBuf, dtype: DType, checkpoints: Vec<(&'static str, Arc<Checkpoint>)>) -> Self {
+        PipelineCore {
+            root,
+            dtype,
+            checkpoints,
+            run: RunConfig::default(),
+            components: None,
+            offloader: None,
+            offload_log: OffloadLog::new(),
+            plan: None,
+        }
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub(crate) fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The weights of component `name` for loading into `memory` of `device`.
+    pub(crate) fn weights(&self, name: &str, device: &Device, memory: MemoryKind) -> Result<Weights> {
+        let (_, checkpoint) = self
+            .checkpoints
+            .iter()
+            .find(|(n, _)| *n == name)
+            .ok_or_else(|| invalid(format!("the pipeline has no `{name}` checkpoint")))?;
+        Ok(Weights::new_in(checkpoint.clone(), device, self.dtype, name, memory))
+    }
+
+    /// The loaded components and their device.
+    pub(crate) fn loaded(&self) -> Result<(&C, &Device)> {
+        match (&self.components, &self.run.device) {
+            (Some(c), Some(d)) => Ok((c, d)),
+            _ => Err(invalid("the pipeline's models are not loaded; call `to(device)` first")),
+        }
+    }
+
+    pub(crate) fn components_mut(&mut self) -> Option<&mut C> {
+        self.components.as_mut()
+    }
+
+    /// The start of a call: the offload plan is checked against what the device has free now;
+    /// the guard releases the offloaded weights when the call ends, however it ends.
+    pub(crate) fn begin_call(&self) -> Result<FinishOnDrop<'_>> {
+        if let (Some(plan), Some(device)) = (self.plan.as_ref(), self.run.device.as_ref()) {
+            if plan.mode != OffloadMode::None {
+                OffloadPlan {
+                    budget: free_bytes(device),
+                    ..plan.clone()
+                }
+                .check()?;
+            }
+        }
+        Ok(FinishOnDrop(self.offloader.as_ref()))
+    }
+
+    /// Runs `f` on component `name` (`model`): with offload, its weights reach the device first
+    /// (after the previous component's results `after` are awaited, so that its weights may
+    /// leave), and the transfer of component `next` starts while `f` runs. Running out of device
+    /// memory names the component.
+    pub(crate) fn run<M: Module + Clone, T>(
+        &self,
+        name: &'static str,
+        model: &M,
+        after: &[&Tensor],
+        next: Option<&'static str>,
+        f: impl FnOnce(&M) -> Result<T>,
+    ) -> Result<T> {
+        let model = match &self.offloader {
+            None => Cow::Borrowed(model),
+            Some(o) => {
+                let next = next.and_then(|n| Some((n, self.components.as_ref()?.find(n)?)));
+                o.enter(name, model, after, next).map_err(|e| self.oom(name, e))?
+            }
+        };
+        f(&model).map_err(|e| self.oom(name, e))
+    }
+
+    /// `e` from `component`'s work, naming it when the device ran out of memory.
+    fn oom(&self, component: &'static str, e: PipelineError) -> PipelineError {
+        match &self.run.device {
+            Some(d) => Offloader::name_oom(self.run.offload, d, component, e),
+            None => e,
+        }
+    }
+
+    fn apply_compile_mode(&mut self) {
+        if let Some(note) = self.run.note() {
+            tracing::info!("{note}");
+        }
+        let run = &self.run;
+        if let Some(components) = &mut self.components {
+            let _ = components.each(&mut |_, c| {
+                let streams = c.streamed().is_some();
+                c.compile(run.compile_mode_of(streams));
+                Ok(())
+            });
+        }
+    }
+}
+
+/// What a pipeline gives the core: its [`PipelineCore`] and how to load its components.
+/// Everything else a pipeline shares ([`DiffusionPipeline`]) comes from this.
+pub trait PipelineParts {
+    type Components: Components;
+    fn core(&self) -> &PipelineCore<Self::Components>;
+    fn core_mut(&mut self) -> &mut PipelineCore<Self::Components>;
+    /// Loads every component's weights into memory space `memory` of `device`.
+    fn load(&self, device: &Device, memory: MemoryKind) -> Result<Self::Components>;
+
+    /// Loads the models on the CPU if the pipeline was not placed yet.
+    fn ensure_loaded(&mut self) -> Result<()> {
+        if self.core().components.is_none() {
+            let cpu = Device::cpu()?;
+            let mode = self.core().run.offload;
+            self.place(mode, &cpu)?;
+        }
+        Ok(())
+    }
+
+    /// Places the pipeline on `device` with `mode` (loading the weights if needed, moving them
+    /// between host memory and the device otherwise). The device's budget
+    /// ([`Device::memory_budget`]) is checked against what `mode` needs at once before any work.
+    fn place(&mut self, mode: OffloadMode, device: &Device) -> Result<()> {
+        let core = self.core();
+        if core.run.device.as_ref() == Some(device) && core.components.is_some() && core.run.offload == mode {
+            return Ok(());
+        }
+        let memory = weights_memory(mode, device)?;
+        if mode == OffloadMode::None {
+            let stored = core
+                .checkpoints
+                .iter()
+                .map(|(name, ckpt)| ComponentMemory {
+                    name,
+                    weight_bytes: checkpoint_bytes(ckpt, core.dtype),
+                    block_bytes: Vec::new(),
+                })
+                .collect();
+            plan_for(mode, device, stored).check()?;
+        }
+        // Device weights of a previous placement go first.
+        let core = self.core_mut();
+        core.offloader = None;
+        core.plan = None;
+        let same_device = core.run.device.as_ref() == Some(device);
+        let mut components = match core.components.take() {
+            Some(c) if same_device => c,
+            _ => self.load(device, memory)?,
+        };
+        let core = self.core_mut();
+        let log = core.offload_log.clone();
+        let mut placing = Placing::default();
+        components.each(&mut |name, c| match c.streamed() {
+            Some(blocks) => placing.blocks(name, blocks, memory, mode, &log),
+            None => placing.whole(name, c, memory),
+        })?;
+        let plan = placing.plan(mode, device);
+        core.components = Some(components);
+        core.run.device = Some(device.clone());
+        core.run.offload = mode;
+        core.plan = Some(plan.clone());
+        if mode != OffloadMode::None {
+            // (Without offload the device was checked before loading.)
+            plan.check()?;
+            core.offloader = Some(Offloader::new(plan, log, placing.streams));
+        }
+        core.apply_compile_mode();
+        Ok(())
+    }
+}
+
+/// What every pipeline offers, as diffusers' `DiffusionPipeline` does: placement, offload,
+/// compilation and what they report.
+pub trait DiffusionPipeline {
+    /// Loads every component's weights onto `device` (checking each shape against its config),
+    /// without offload. A device too small for every weight at once is an error before anything
+    /// is loaded.
+    fn to(self, device: &Device) -> Result<Self>
+    where
+        Self: Sized;
+    /// diffusers' `enable_model_cpu_offload`: every component's weights live in host memory of
+    /// `device` (`pinned_host` where the plugin has it) and move to the device right before the
+    /// component runs; they leave when the next component starts, whose transfer is started
+    /// while the current one computes when both fit (see [`crate::offload`]).
+    fn enable_model_cpu_offload(&mut self, device: &Device) -> Result<()>;
+    /// diffusers' `enable_sequential_cpu_offload`, done as its block-level group offload with
+    /// prefetching: as model offload, but the transformer's and T5's blocks stream one block
+    /// ahead, so the device holds about two blocks besides the rest of the running component.
+    /// Compiled, those two run their repeated blocks' programs (see [`RunConfig::compile_mode_of`]).
+    fn enable_sequential_cpu_offload(&mut self, device: &Device) -> Result<()>;
+    /// Places the pipeline on `device` with `mode` (see [`PipelineParts::place`]).
+    fn set_offload(&mut self, mode: OffloadMode, device: &Device) -> Result<()>;
+    /// Compiles every component as `mode` says (`torch.compile` of each model, or
+    /// `compile_repeated_blocks`). Programs are compiled on the first call with each size and
+    /// kept in memory and on disk.
+    fn compile(&mut self, mode: CompileMode);
+    fn compile_mode(&self) -> CompileMode;
+    fn offload_mode(&self) -> OffloadMode;
+    /// Device, compile mode and offload mode.
+    fn run_config(&self) -> &RunConfig;
+    /// What each component needs of the device under the current offload mode; `None` before
+    /// the weights are loaded.
+    fn offload_plan(&self) -> Option<&OffloadPlan>;
+    /// The offload log: the device bytes of offloaded weights (now and peak) and, when
+    /// recording, every transfer, await and release.
+    fn offload_log(&self) -> &OffloadLog;
+    fn device(&self) -> Option<&Device>;
+    fn dtype(&self) -> DType;
+    fn root(&self) -> &Path;
+}
+
+impl<P: PipelineParts> DiffusionPipeline for P {
+    fn to(mut self, device: &Device) -> Result<Self> {
+        self.place(OffloadMode::None, device)?;
+        Ok(self)
+    }
+    fn enable_model_cpu_offload(&mut self, device: &Device) -> Result<()> {
+        self.place(OffloadMode::Model, device)
+    }
+    fn enable_sequential_cpu_offload(&mut self, device: &Device) -> Result<()> {
+        self.place(OffloadMode::Sequential, device)
+    }
+    fn set_offload(&mut self, mode: OffloadMode, device: &Device) -> Result<()> {
+        self.place(mode, device)
+    }
+    fn compile(&mut self, mode: CompileMode) {
+        let core = self.core_mut();
+        core.run.compile = mode;
+        core.apply_compile_mode();
+    }
+    fn compile_mode(&self) -> CompileMode {
+        self.core().run.compile
+    }
+    fn offload_mode(&self) -> OffloadMode {
+        self.core().run.offload
+    }
+    fn run_config(&self) -> &RunConfig {
+        &self.core().run
+    }
+    fn offload_plan(&self) -> Option<&OffloadPlan> {
+        self.core().plan.as_ref()
+    }
+    fn offload_log(&self) -> &OffloadLog {
+        &self.core().offload_log
+    }
+    fn device(&self) -> Option<&Device> {
+        self.core().run.device.as_ref()
+    }
+    fn dtype(&self) -> DType {
+        self.core().dtype
+    }
+    fn root(&self) -> &Path {
+        &self.core().root
+    }
+}
+
+/// The denoising loop of every pipeline: at each timestep the pipeline's guided prediction
+/// (`predict(step, t, latents)`), the scheduler's Euler step, the step callback, timing and
+/// progress. Returns the final latents and each step's time (each step waits for its latents).
+pub(crate) fn denoise(
+    scheduler: &FlowMatchEulerDiscreteScheduler,
+    timesteps: &[f32],
+    mut latents: Tensor,
+    progress: bool,
+    callback: &mut Option<Box<StepCallback<'_>>>,
+    mut predict: impl FnMut(usize, f32, &Tensor) -> Result<Tensor>,
+) -> Result<(Tensor, Vec<Duration>)> {
+    let bar = crate::progress::step_bar(timesteps.len(), progress);
+    let mut step_times = Vec::with_capacity(timesteps.len());
+    for (i, &t) in timesteps.iter().enumerate() {
+        let started = Instant::now();
+        let noise_pred = predict(i, t, &latents)?;
+        latents = euler_step(&latents, &noise_pred, scheduler.dt(i)?)?;
+        if let Some(cb) = callback.as_mut() {
+            let mut state = StepState {
+                step: i,
+                timestep: t,
+                noise_pred: &noise_pred,
+                latents: &mut latents,
+            };
+            if !cb(&mut state) {
+                return Err(PipelineError::Interrupted { step: i });
+            }
+        }
+        latents.wait()?;
+        step_times.push(started.elapsed());
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok((latents, step_times))
+}
+
+/// `FlowMatchEulerDiscreteScheduler.step`: `x + dt·v` with the sample upcast to f32. On CPU with a
+/// 16-bit model, torch rounds `dt` and `dt·v` to the model dtype before the f32 add.
+fn euler_step(x: &Tensor, v: &Tensor, dt: f32) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let dt = Tensor::from_f32(&[dt], v.dtype(), [], x.device())?;
+    let update = v.mul(&dt)?;
+    if dtype == DType::F32 {
+        return Ok(x.add(&update)?);
+    }
+    Ok(x.to_dtype(DType::F32)?
+        .add(&update.to_dtype(DType::F32)?)?
+        .to_dtype(dtype)?)
+}
+
+/// The end of every call: the final latents decoded (`decode` gives the image tensor `[N, 3, H, W]`
+/// in [-1, 1]) unless latents were asked for, and the output with its timings.
+pub(crate) fn finish_call(
+    output_type: OutputType,
+    latents: Tensor,
+    size: (usize, usize),
+    (started, text_encoding, steps): (Instant, Duration, Vec<Duration>),
+    warnings: Vec<String>,
+    decode: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<PipelineOutput> {
+    let decoding = Instant::now();
+    let images = match output_type {
+        OutputType::Latent => Vec::new(),
+        OutputType::Image => {
+            let decoded = decode(&latents)?;
+            kiln_image::postprocess_bytes(&decoded.to_bytes()?, decoded.dtype(), decoded.shape())?
+        }
+    };
+    let timings = Timings {
+        text_encoding,
+        steps,
+        decoding: decoding.elapsed(),
+        total: started.elapsed(),
+    };
+    Ok(PipelineOutput {
+        images,
+        latents,
+        size,
+        timings,
+        warnings,
+    })
+}
+
+/// `prompt_2`'s value as diffusers prints it in a message.
+pub(crate) fn shown(prompts: Option<&Vec<String>>) -> String {
+    prompts.map_or("None".to_string(), |p| p.join(", "))
+}
+
+/// The part of diffusers' `check_inputs` that every pipeline makes the same way.
+pub(crate) struct SharedChecks<'a> {
+    /// `prompt`, `prompt_2`, ...: each name, whether it was given, and how diffusers shows it.
+    pub prompts: Vec<(&'static str, bool, String)>,
+    /// The same for `negative_prompt`, `negative_prompt_2`, ...
+    pub negative_prompts: Vec<(&'static str, bool, String)>,
+    pub prompt_embeds: Option<&'a Tensor>,
+    pub pooled_prompt_embeds: Option<&'a Tensor>,
+    pub negative_prompt_embeds: Option<&'a Tensor>,
+    pub negative_pooled_prompt_embeds: Option<&'a Tensor>,
+    pub max_sequence_length: usize,
+    pub guidance_scale: f64,
+    pub sigmas: Option<&'a [f64]>,
+    pub num_images_per_prompt: usize,
+    pub seeds: Option<&'a [u64]>,
+    /// The batch (prompts, or rows of `prompt_embeds`).
+    pub batch: usize,
+}
+
+impl SharedChecks<'_> {
+    /// diffusers' messages, in diffusers' order.
+    pub fn check(&self) -> Result<()> {
+        let describe = |t: &Tensor| format!("tensor of shape {}", t.shape());
+        let conflict = |lists: &[(&'static str, bool, String)], embeds: Option<&Tensor>, embeds_name: &str| {
+            let (Some(e), Some((name, _, shown))) = (embeds, lists.iter().find(|(_, given, _)| *given)) else {
+                return Ok(());
+            };
+            Err(invalid(format!(
+                "Cannot forward both `{name}`: {shown} and `{embeds_name}`: {}. Please make sure to only forward one of the two.",
+                describe(e)
+            )))
+        };
+        conflict(&self.prompts, self.prompt_embeds, "prompt_embeds")?;
+        if !self.prompts[0].1 && self.prompt_embeds.is_none() {
+            return Err(invalid(
+                "Provide either `prompt` or `prompt_embeds`. Cannot leave both `prompt` and `prompt_embeds` undefined.",
+            ));
+        }
+        conflict(
+            &self.negative_prompts,
+            self.negative_prompt_embeds,
+            "negative_prompt_embeds",
+        )?;
+        if self.prompt_embeds.is_some() && self.pooled_prompt_embeds.is_none() {
+            return Err(invalid("If `prompt_embeds` are provided, `pooled_prompt_embeds` also have to be passed. Make sure to generate `pooled_prompt_embeds` from the same text encoder that was used to generate `prompt_embeds`."));
+        }
+        if self.negative_prompt_embeds.is_some() && self.negative_pooled_prompt_embeds.is_none() {
+            return Err(invalid("If `negative_prompt_embeds` are provided, `negative_pooled_prompt_embeds` also have to be passed. Make sure to generate `negative_pooled_prompt_embeds` from the same text encoder that was used to generate `negative_prompt_embeds`."));
+        }
+        if self.max_sequence_length > 512 {
+            return Err(invalid(format!(
+                "`max_sequence_length` cannot be greater than 512 but is {}",
+                self.max_sequence_length
+            )));
+        }
+        if self.max_sequence_length == 0 {
+            return Err(invalid("`max_sequence_length` must be at least 1"));
+        }
+        if !self.guidance_scale.is_finite() {
+            return Err(invalid(format!(
+                "`guidance_scale` must be a finite number, got {}",
+                self.guidance_scale
+            )));
+        }
+        if self.sigmas.is_some_and(<[f64]>::is_empty) {
+            return Err(invalid("`sigmas` is empty: give at least one sigma"));
+        }
+        if self.num_images_per_prompt == 0 {
+            return Err(invalid("`num_images_per_prompt` must be at least 1"));
+        }
+        let effective = self.batch * self.num_images_per_prompt;
+        match self.seeds {
+            Some(seeds) if seeds.len() != effective => Err(invalid(format!(
+                "You have passed a list of generators of length {}, but requested an effective batch size of {effective}. Make sure the batch size matches the length of the generators.",
+                seeds.len()
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `prompt_embeds` and `negative_prompt_embeds` given together must have one shape.
+pub(crate) fn check_same_shape(prompt_embeds: Option<&Tensor>, negative: Option<&Tensor>) -> Result<()> {
+    match (prompt_embeds, negative) {
+        (Some(p), Some(np)) if p.dims() != np.dims() => Err(invalid(format!(
+            "`prompt_embeds` and `negative_prompt_embeds` must have the same shape when passed directly, but got: `prompt_embeds` torch.Size({:?}) != `negative_prompt_embeds` torch.Size({:?}).",
+            p.dims(),
+            np.dims()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Declares a pipeline's call struct: the arguments every pipeline's `__call__` takes (diffusers'
+/// names; `seed`/`seeds` stand for `generator`), then the pipeline's own, each with its default.
+macro_rules! pipeline_call {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            guidance_scale: $guidance:expr,
+            max_sequence_length: $max_sequence_length:expr,
+            $( $(#[$field_meta:meta])* pub $field:ident : $ty:ty = $default:expr, )*
+        }
+    ) => {
+        $(#[$meta])*
+        pub struct $name<'a> {
+            /// One prompt per batch element (`prompt`); `None` when `prompt_embeds` are given.
+            pub prompt: Option<Vec<String>>,
+            /// The second text encoder's prompts (`prompt_2`, defaults to `prompt`).
+            pub prompt_2: Option<Vec<String>>,
+            pub negative_prompt: Option<Vec<String>>,
+            pub negative_prompt_2: Option<Vec<String>>,
+            /// `0` means the model's default size (`default_size()`).
+            pub height: usize,
+            pub width: usize,
+            pub num_inference_steps: usize,
+            /// Custom sigmas (their count then sets the number of steps).
+            pub sigmas: Option<Vec<f64>>,
+            pub guidance_scale: f64,
+            pub num_images_per_prompt: usize,
+            /// Seeds one `torch.Generator('cpu')` for the whole batch.
+            pub seed: u64,
+            /// One generator seed per image instead (a generator list).
+            pub seeds: Option<Vec<u64>>,
+            /// Initial latents, shaped as the transformer takes them, instead of noise.
+            pub latents: Option<Tensor>,
+            pub prompt_embeds: Option<Tensor>,
+            pub pooled_prompt_embeds: Option<Tensor>,
+            pub negative_prompt_embeds: Option<Tensor>,
+            pub negative_pooled_prompt_embeds: Option<Tensor>,
+            pub max_sequence_length: usize,
+            pub output_type: $crate::OutputType,
+            /// Show a progress bar on stderr (when it is a terminal).
+            pub progress: bool,
+            pub callback: Option<Box<$crate::StepCallback<'a>>>,
+            $( $(#[$field_meta])* pub $field: $ty, )*
+        }
+
+        impl Default for $name<'_> {
+            fn default() -> Self {
+                $name {
+                    prompt: None,
+                    prompt_2: None,
+                    negative_prompt: None,
+                    negative_prompt_2: None,
+                    height: 0,
+                    width: 0,
+                    num_inference_steps: 28,
+                    sigmas: None,
+                    guidance_scale: $guidance,
+                    num_images_per_prompt: 1,
+                    seed: 0,
+                    seeds: None,
+                    latents: None,
+                    prompt_embeds: None,
+                    pooled_prompt_embeds: None,
+                    negative_prompt_embeds: None,
+                    negative_pooled_prompt_embeds: None,
+                    max_sequence_length: $max_sequence_length,
+                    output_type: $crate::OutputType::Image,
+                    progress: true,
+                    callback: None,
+                    $( $field: $default, )*
+                }
+            }
+        }
+
+        impl $name<'_> {
+            /// A call for one prompt with the other arguments at their defaults.
+            pub fn prompt(prompt: impl Into<String>) -> Self {
+                $name {
+                    prompt: Some(vec![prompt.into()]),
+                    ..Default::default()
+                }
+            }
+
+            /// The batch: the prompts, or the rows of `prompt_embeds`.
+            #[allow(dead_code)]
+            fn batch(&self) -> usize {
+                match (&self.prompt, &self.prompt_embeds) {
+                    (Some(p), _) => p.len(),
+                    (None, e) => e.as_ref().map_or(0, |e| e.dims()[0]),
+                }
+            }
+
+            /// The checks every pipeline makes (see [`SharedChecks`]), with the pipeline's further
+            /// prompts (`prompt_3`, ...) as `(name, given, shown)`.
+            #[allow(dead_code)]
+            fn shared_checks(
+                &self,
+                prompts: &[(&'static str, bool, String)],
+                negative_prompts: &[(&'static str, bool, String)],
+            ) -> $crate::error::Result<()> {
+                let given = |name, p: &Option<Vec<String>>| (name, p.is_some(), $crate::pipeline::shown(p.as_ref()));
+                let mut all = vec![given("prompt", &self.prompt), given("prompt_2", &self.prompt_2)];
+                all.extend_from_slice(prompts);
+                let mut negative = vec![
+                    given("negative_prompt", &self.negative_prompt),
+                    given("negative_prompt_2", &self.negative_prompt_2),
+                ];
+                negative.extend_from_slice(negative_prompts);
+                $crate::pipeline::SharedChecks {
+                    prompts: all,
+                    negative_prompts: negative,
+                    prompt_embeds: self.prompt_embeds.as_ref(),
+                    pooled_prompt_embeds: self.pooled_prompt_embeds.as_ref(),
+                    negative_prompt_embeds: self.negative_prompt_embeds.as_ref(),
+                    negative_pooled_prompt_embeds: self.negative_pooled_prompt_embeds.as_ref(),
+                    max_sequence_length: self.max_sequence_length,
+                    guidance_scale: self.guidance_scale,
+                    sigmas: self.sigmas.as_deref(),
+                    num_images_per_prompt: self.num_images_per_prompt,
+                    seeds: self.seeds.as_deref(),
+                    batch: self.batch(),
+                }
+                .check()
+            }
+        }
+    };
+}
+pub(crate) use pipeline_call;
