@@ -249,9 +249,8 @@ mod tests {
         Ok(values::read_f32(probe.dtype, &out))
     }
 
-    /// Each kernel, called directly, passes its own probe (the group norm's eps operand is f32
-    /// whatever the probe's dtype; every probe is f32 but the convolution's, whose operands are
-    /// all bf16).
+    /// Each kernel, called directly on its probe's operands (in the probe's dtype), passes its
+    /// own probe, and a result off by 0.5 fails it.
     #[test]
     fn every_kernel_passes_its_probe_when_called_directly() {
         for handler in HANDLERS {

@@ -132,8 +132,9 @@ const ALIASES: [(&str, &[Kernel]); 7] = [
 fn off_from(list: Option<&str>, var: &dyn Fn(&str) -> Option<String>) -> (Vec<Kernel>, Vec<String>) {
     let (mut off, mut problems) = (Vec::new(), Vec::new());
     let names = || Kernel::ALL.map(Kernel::name).join(", ");
-    for entry in list.unwrap_or("").split([',', ' ']).filter(|e| !e.is_empty()) {
-        match Kernel::from_name(entry.trim()) {
+    let entries = list.unwrap_or("").split(|c: char| c == ',' || c.is_whitespace());
+    for entry in entries.filter(|e| !e.is_empty()) {
+        match Kernel::from_name(entry) {
             Some(kernel) => off.push(kernel),
             None if entry == "all" => off.extend(Kernel::ALL),
             None => problems.push(format!(
