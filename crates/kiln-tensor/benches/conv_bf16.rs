@@ -8,7 +8,8 @@
 
 use std::time::Instant;
 
-use kiln_tensor::{set_cpu_conv_kernel, set_cpu_direct_conv_kernel, Conv2dParams, DType, Device, Tensor};
+use kiln_tensor::kernels::{self, Kernel};
+use kiln_tensor::{Conv2dParams, DType, Device, Tensor};
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -57,8 +58,8 @@ fn main() -> AnyResult<()> {
         let bf16 = || Ok(x16.conv2d_channels_last(&w16, Some(&b16), params)?);
         // the lowering is chosen when the op is built, so each run sets it first
         let with = |columns: bool, direct: bool| {
-            set_cpu_conv_kernel(columns);
-            set_cpu_direct_conv_kernel(direct);
+            kernels::set(Kernel::Im2col, columns);
+            kernels::set(Kernel::Conv, direct);
             bf16()
         };
         let bf16_conv = || with(false, false);
@@ -83,7 +84,7 @@ fn main() -> AnyResult<()> {
             b / e
         );
     }
-    set_cpu_conv_kernel(true);
-    set_cpu_direct_conv_kernel(true);
+    kernels::set(Kernel::Im2col, true);
+    kernels::set(Kernel::Conv, true);
     Ok(())
 }

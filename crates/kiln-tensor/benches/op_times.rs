@@ -7,7 +7,8 @@
 
 use std::time::Instant;
 
-use kiln_tensor::{set_cpu_gelu_kernel, AttentionMask, Conv2dParams, DType, Device, Tensor};
+use kiln_tensor::kernels::{self, Kernel};
+use kiln_tensor::{AttentionMask, Conv2dParams, DType, Device, Tensor};
 
 type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -67,14 +68,14 @@ fn main() -> AnyResult<()> {
         let shape = [1usize, 1152, 2048];
         let x = Tensor::from_f32(&vec![0.3; shape.iter().product()], dtype, shape, &dev)?;
         for native in [true, false] {
-            set_cpu_gelu_kernel(native);
+            kernels::set(Kernel::Gelu, native);
             let ms = median_ms(|| Ok(x.gelu_tanh()?))?;
             println!(
                 "{dtype} gelu_tanh {shape:?} kernel={native}: {:.2} (cpu {:.2})",
                 ms.0, ms.1
             );
         }
-        set_cpu_gelu_kernel(true);
+        kernels::set(Kernel::Gelu, true);
         let params = Conv2dParams {
             padding: 1,
             ..Default::default()

@@ -13,7 +13,7 @@ use crate::trace::Trace;
 
 /// Where a concrete tensor's data lives: a device and one of its memory spaces.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Placement {
+pub struct BufferLocation {
     pub device: Device,
     /// The PJRT memory kind (`device`, `pinned_host`, `unpinned_host`).
     pub memory: MemoryKind,
@@ -68,7 +68,7 @@ enum Storage {
     /// taking it declares the parameter with the physical shape and reshapes inside, so reshapes
     /// cost nothing on their own.
     Buffer {
-        placement: Placement,
+        location: BufferLocation,
         buffer: Arc<Held>,
         physical: Shape,
     },
@@ -130,7 +130,7 @@ impl Tensor {
             shape: shape.clone(),
             dtype,
             storage: Storage::Buffer {
-                placement: Placement { device, memory },
+                location: BufferLocation { device, memory },
                 buffer: Arc::new(Held {
                     buffer,
                     _charge: charge,
@@ -159,14 +159,14 @@ impl Tensor {
     pub(crate) fn view_as(&self, shape: Shape) -> Result<Tensor> {
         match &self.0.storage {
             Storage::Buffer {
-                placement,
+                location,
                 buffer,
                 physical,
             } => Ok(Tensor(Arc::new(Inner {
                 shape,
                 dtype: self.0.dtype,
                 storage: Storage::Buffer {
-                    placement: placement.clone(),
+                    location: location.clone(),
                     buffer: buffer.clone(),
                     physical: physical.clone(),
                 },
@@ -205,9 +205,9 @@ impl Tensor {
     }
 
     /// Where the data lives; `None` for a traced value.
-    pub fn placement(&self) -> Option<&Placement> {
+    pub fn location(&self) -> Option<&BufferLocation> {
         match &self.0.storage {
-            Storage::Buffer { placement, .. } => Some(placement),
+            Storage::Buffer { location, .. } => Some(location),
             Storage::Traced { .. } => None,
         }
     }
@@ -244,7 +244,7 @@ impl Tensor {
     /// The device the data lives on (for a traced value: the device the trace compiles for).
     pub fn device(&self) -> &Device {
         match &self.0.storage {
-            Storage::Buffer { placement, .. } => &placement.device,
+            Storage::Buffer { location, .. } => &location.device,
             Storage::Traced { trace, .. } => trace.device(),
         }
     }
@@ -266,7 +266,7 @@ impl Tensor {
     /// The buffer of an operand a program computes on, which must be in device memory (an error
     /// naming `op` for data offloaded to a host memory space, or a traced value).
     pub(crate) fn device_buffer(&self, op: &'static str) -> Result<&kiln_pjrt::Buffer> {
-        if let Some(p) = self.placement().filter(|p| p.memory.is_host()) {
+        if let Some(p) = self.location().filter(|p| p.memory.is_host()) {
             return Err(Error::invalid(
                 op,
                 format!(
@@ -284,7 +284,7 @@ impl Tensor {
 
     /// The memory space the data lives in; `None` for a traced value.
     pub fn memory(&self) -> Option<MemoryKind> {
-        self.placement().map(|p| p.memory)
+        self.location().map(|p| p.memory)
     }
 
     /// Bytes of memory the data takes.
@@ -459,7 +459,7 @@ impl Tensor {
         Ok(self.buffer("wait")?.wait_ready()?)
     }
 
-    // ---- placement ----
+    // ---- location ----
 
     /// Copies the tensor to another device of the same plugin (or through the host otherwise).
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
@@ -477,13 +477,13 @@ impl Tensor {
     /// copy. PJRT starts the copy and returns at once; programs that read the copy wait for it.
     /// This is how offload moves weights (`pinned_host` ↔ `device`).
     pub fn to_memory(&self, kind: MemoryKind) -> Result<Tensor> {
-        let placement = self.placement().ok_or_else(|| {
+        let location = self.location().ok_or_else(|| {
             Error::invalid(
                 "to_memory",
                 "a traced value has no memory to move; move tensors outside the compiled function",
             )
         })?;
-        if placement.memory == kind {
+        if location.memory == kind {
             return Ok(self.clone());
         }
         self.to_memory_kind(kind.name())

@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use kiln_tensor::kernels::{self, Kernel};
 use kiln_tensor::{DType, Result, Tensor};
 
 type UnaryOp = fn(&Tensor) -> Result<Tensor>;
@@ -95,7 +96,7 @@ fn unary_ops_match_the_reference() {
 fn gelu_tanh_kernel_and_its_fallback_match_the_reference() {
     if cpu_has_avx512() {
         assert!(
-            kiln_tensor::cpu_gelu_kernel_active(&dev()),
+            kernels::is_active(Kernel::Gelu, &dev()),
             "the GELU kernel is not active"
         );
     }
@@ -104,9 +105,9 @@ fn gelu_tanh_kernel_and_its_fallback_match_the_reference() {
         let x = Arr::rand(&mut r, &[3, 129, 257], -6.0, 6.0, dtype);
         let want = x.map(gelu_tanh_ref).round(dtype);
         for native in [true, false] {
-            kiln_tensor::set_cpu_gelu_kernel(native);
+            kernels::set(Kernel::Gelu, native);
             let got = x.tensor(dtype).gelu_tanh();
-            kiln_tensor::set_cpu_gelu_kernel(true);
+            kernels::set(Kernel::Gelu, true);
             let what = format!("gelu_tanh {dtype} native={native}");
             assert_close(&what, &got.unwrap(), &want, dtype, unary_tol(dtype));
         }

@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use kiln_tensor::kernels::{self, Kernel};
 use kiln_tensor::{AttentionMask, DType, RopeLayout, Tensor};
 
 /// Softmax of `x` over `dim` (stable form).
@@ -129,7 +130,7 @@ fn rms_norm_with_and_without_weight() {
 fn group_norm_matches_the_reference() {
     if cpu_has_avx512() {
         assert!(
-            kiln_tensor::cpu_group_norm_kernel_active(&dev()),
+            kernels::is_active(Kernel::GroupNorm, &dev()),
             "the CPU group-norm kernel did not register or failed its probe"
         );
     }
@@ -185,9 +186,9 @@ fn group_norm_matches_the_reference() {
             // with SiLU fused: silu of the rounded norm, rounded again
             let (w_opt, b_opt) = if affine { (Some(&tw), Some(&tb)) } else { (None, None) };
             for native in [true, false] {
-                kiln_tensor::set_cpu_group_norm_kernel(native);
+                kernels::set(Kernel::GroupNorm, native);
                 let got = x_last.group_norm_silu_channels_last(groups, w_opt, b_opt, eps);
-                kiln_tensor::set_cpu_group_norm_kernel(true);
+                kernels::set(Kernel::GroupNorm, true);
                 let silu = want
                     .permute(&nhwc)
                     .round(dtype)
@@ -203,12 +204,12 @@ fn group_norm_matches_the_reference() {
     let x = Arr::rand(&mut r, &[1, 4, 40, 40], 999.0, 1001.0, DType::F32);
     let want = normalize_ref(&x.reshape(&[1, 2, 3200]), &[2], eps).reshape(&[1, 4, 40, 40]);
     for native in [true, false] {
-        kiln_tensor::set_cpu_group_norm_kernel(native);
+        kernels::set(Kernel::GroupNorm, native);
         let got = x
             .permute(&[0, 2, 3, 1])
             .tensor(DType::F32)
             .group_norm_channels_last(2, None, None, eps);
-        kiln_tensor::set_cpu_group_norm_kernel(true);
+        kernels::set(Kernel::GroupNorm, true);
         let what = format!("group_norm_channels_last around 1000, native={native}");
         let t = Tol { rtol: 1e-5, atol: 2e-4 };
         assert_close(&what, &got.unwrap(), &want.permute(&[0, 2, 3, 1]), DType::F32, t);
@@ -467,12 +468,12 @@ fn rotary_embedding_both_layouts() {
 fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
     let dev = kiln_testing_device();
     assert!(
-        kiln_tensor::cpu_attention_kernel_active(&dev),
+        kernels::is_active(Kernel::Attention, &dev),
         "the CPU plugin should run attention as kiln's FFI kernel"
     );
-    if kiln_tensor::cpu_has_amx_bf16() && std::env::var("KILN_CPU_AMX").is_err() {
+    if kernels::cpu_has_amx_bf16() && kernels::is_enabled(Kernel::Amx) {
         assert!(
-            kiln_tensor::cpu_amx_active(),
+            kernels::is_active(Kernel::Amx, &dev),
             "this CPU has AMX-BF16 but kiln does not use it"
         );
     }
@@ -502,9 +503,9 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
                 (true, false, false),
                 (false, false, false),
             ] {
-                kiln_tensor::set_cpu_attention_kernel(native);
-                kiln_tensor::set_cpu_amx(amx);
-                kiln_tensor::set_cpu_bf16_dot(dot);
+                kernels::set(Kernel::Attention, native);
+                kernels::set(Kernel::Amx, amx);
+                kernels::set(Kernel::Bf16Dot, dot);
                 let got = Tensor::scaled_dot_product_attention(
                     &q.tensor(dtype),
                     &k.tensor(dtype),
@@ -521,9 +522,9 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
                     t,
                 );
             }
-            kiln_tensor::set_cpu_attention_kernel(true);
-            kiln_tensor::set_cpu_amx(true);
-            kiln_tensor::set_cpu_bf16_dot(true);
+            kernels::set(Kernel::Attention, true);
+            kernels::set(Kernel::Amx, true);
+            kernels::set(Kernel::Bf16Dot, true);
         }
     }
     if std::thread::available_parallelism().map_or(1, |n| n.get()) > 1 {

@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use kiln_tensor::kernels::{self, Kernel};
 use kiln_tensor::{Conv2dParams, DType, Tensor};
 
 /// Resolves possibly negative dims for the reference.
@@ -284,12 +285,12 @@ fn conv2d_matches_the_reference() {
     ];
     let device = kiln_tensor::Device::cpu().unwrap();
     assert!(
-        kiln_tensor::cpu_conv_kernel_active(&device),
+        kernels::is_active(Kernel::Im2col, &device),
         "the column kernel did not register or failed its probe"
     );
-    if kiln_tensor::cpu_bf16_products_active() {
+    if kernels::is_active(Kernel::Amx, &device) || kernels::is_active(Kernel::Bf16Dot, &device) {
         assert!(
-            kiln_tensor::cpu_direct_conv_kernel_active(&device),
+            kernels::is_active(Kernel::Conv, &device),
             "the bf16 convolution kernel did not register or failed its probe"
         );
     }
@@ -326,14 +327,14 @@ fn conv2d_matches_the_reference() {
             if dtype == DType::BF16 {
                 // the same case as a dot (no AMX kernel), then through XLA's convolution
                 for (direct, columns, how) in [(false, true, "as a dot"), (false, false, "as a convolution")] {
-                    kiln_tensor::set_cpu_direct_conv_kernel(direct);
-                    kiln_tensor::set_cpu_conv_kernel(columns);
+                    kernels::set(Kernel::Conv, direct);
+                    kernels::set(Kernel::Im2col, columns);
                     let got =
                         x.permute(&nhwc)
                             .tensor(dtype)
                             .conv2d_channels_last(&w.tensor(dtype), bias.as_ref(), case.p);
-                    kiln_tensor::set_cpu_direct_conv_kernel(true);
-                    kiln_tensor::set_cpu_conv_kernel(true);
+                    kernels::set(Kernel::Conv, true);
+                    kernels::set(Kernel::Im2col, true);
                     let what = format!("conv2d_channels_last case {i} {dtype} {how}");
                     assert_close(&what, &got.unwrap(), &want.permute(&nhwc), dtype, t);
                 }

@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use kiln_tensor::kernels::{self, Kernel};
 use kiln_tensor::{DType, Tensor};
 
 fn input(seed: u64, shape: &[usize], dtype: DType) -> (Arr, Tensor) {
@@ -192,7 +193,7 @@ fn cat_and_stack() {
     // Big enough for the native last-dimension kernel on CPU (three operands, one with a zero
     // width, rows spread over threads), with it and with XLA's concatenate.
     assert!(
-        kiln_tensor::cpu_concat_kernel_active(&dev()),
+        kernels::is_active(Kernel::Concat, &dev()),
         "the concatenation kernel is not active"
     );
     for dtype in FLOATS {
@@ -200,9 +201,9 @@ fn cat_and_stack() {
         let (b, tb) = input(136, &[3, 700, 0], dtype);
         let (c, tc) = input(137, &[3, 700, 33], dtype);
         for native in [true, false] {
-            kiln_tensor::set_cpu_concat_kernel(native);
+            kernels::set(Kernel::Concat, native);
             let got = Tensor::cat(&[&ta, &tb, &tc], 2);
-            kiln_tensor::set_cpu_concat_kernel(true);
+            kernels::set(Kernel::Concat, true);
             let what = format!("cat last dim {dtype} native={native}");
             assert_exact(&what, &got.unwrap(), &Arr::cat(&[&a, &b, &c], 2), dtype);
         }

@@ -7,7 +7,8 @@
 //!
 //! Usable once the CPU reports AMX-BF16, Linux grants the process the tile state
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`) and a self-test product comes out exact; decided once.
-//! `KILN_CPU_AMX=off` (read once) or [`set_enabled`] keeps the kernels off the tiles.
+//! [`set_enabled`] keeps the kernels off the tiles (kiln-cpu-kernels' `amx` switch, which
+//! `KILN_KERNELS_OFF=amx` turns off); while off, nothing is tried.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -16,7 +17,7 @@ static ENABLED: AtomicBool = AtomicBool::new(true);
 
 /// Lets the native CPU kernels use AMX tiles for their bf16 products (on by default where the CPU
 /// has them), or keeps them off (on AVX-512 BF16 where the CPU has it, else on f32 loops). Read when a kernel runs, so it applies to programs
-/// already compiled too. `KILN_CPU_AMX=off` turns it off as well.
+/// already compiled too.
 pub fn set_enabled(enabled: bool) {
     ENABLED.store(enabled, Ordering::Relaxed);
 }
@@ -32,20 +33,17 @@ pub fn cpu_has_amx_bf16() -> bool {
     imp::cpu_has_amx_bf16()
 }
 
-/// Whether `KILN_CPU_AMX` is `off` or `0`.
-fn turned_off() -> bool {
-    std::env::var("KILN_CPU_AMX").is_ok_and(|v| v == "off" || v == "0")
-}
-
 /// Proof that AMX tiles may be used in this process.
 #[derive(Clone, Copy)]
 pub struct Amx(());
 
 impl Amx {
     pub fn get() -> Option<Amx> {
+        if !ENABLED.load(Ordering::Relaxed) {
+            return None;
+        }
         static USABLE: OnceLock<bool> = OnceLock::new();
         let usable = *USABLE.get_or_init(|| match imp::enable() {
-            Ok(()) if turned_off() => false,
             Ok(()) => match crate::products::self_test(crate::Bf16Products::Amx(Amx(()))) {
                 Ok(()) => true,
                 Err(e) => {
@@ -58,7 +56,7 @@ impl Amx {
                 false
             }
         });
-        (usable && ENABLED.load(Ordering::Relaxed)).then_some(Amx(()))
+        usable.then_some(Amx(()))
     }
 
     /// Loads the tile layout on this thread until the result drops (the last one, when several are
@@ -251,7 +249,7 @@ mod tests {
 
     #[test]
     fn amx_is_used_where_the_cpu_has_it() {
-        if cpu_has_amx_bf16() && !turned_off() {
+        if cpu_has_amx_bf16() && ENABLED.load(Ordering::Relaxed) {
             assert!(
                 active(),
                 "this CPU has AMX-BF16; the self-test or the OS permission failed"

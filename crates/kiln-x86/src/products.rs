@@ -54,7 +54,7 @@ static DOT_ENABLED: AtomicBool = AtomicBool::new(true);
 
 /// Lets the native CPU kernels use AVX-512 BF16 for their bf16 products where AMX is not used (on
 /// by default where the CPU has it), or keeps them on f32 loops. Read when a kernel runs.
-/// `KILN_CPU_BF16_DOT=off` turns it off as well.
+/// kiln-cpu-kernels' `bf16_dot` switch (`KILN_KERNELS_OFF=bf16_dot`) sets it.
 pub fn set_bf16_dot_enabled(enabled: bool) {
     DOT_ENABLED.store(enabled, Ordering::Relaxed);
 }
@@ -65,9 +65,12 @@ pub struct Avx512Bf16(());
 
 impl Avx512Bf16 {
     pub fn get() -> Option<Avx512Bf16> {
+        if !DOT_ENABLED.load(Ordering::Relaxed) {
+            return None;
+        }
         static USABLE: OnceLock<bool> = OnceLock::new();
         let usable = *USABLE.get_or_init(|| {
-            if !dot::detected() || std::env::var("KILN_CPU_BF16_DOT").is_ok_and(|v| v == "off" || v == "0") {
+            if !dot::detected() {
                 return false;
             }
             match self_test(Bf16Products::Avx512Bf16(Avx512Bf16(()))) {
@@ -78,7 +81,7 @@ impl Avx512Bf16 {
                 }
             }
         });
-        (usable && DOT_ENABLED.load(Ordering::Relaxed)).then_some(Avx512Bf16(()))
+        usable.then_some(Avx512Bf16(()))
     }
 }
 

@@ -6,6 +6,7 @@ use kiln_types::DType;
 use super::emit::{broadcast_shapes, broadcast_to, full_like, gelu_erf, gelu_tanh, upcast, x_sigmoid};
 use crate::dispatch::apply1;
 use crate::error::{Error, Result};
+use crate::lower::{self, cpu::Handler};
 use crate::tensor::Tensor;
 
 type BinaryFn = fn(&mut Builder, &Value, &Value) -> kiln_hlo::Result<Value>;
@@ -92,16 +93,15 @@ impl Tensor {
     }
     /// GELU with the tanh approximation (`approximate="tanh"`, also `gelu_new` in f32).
     pub fn gelu_tanh(&self) -> Result<Tensor> {
-        // eager bf16 on CPU: kiln's AVX-512 kernel (`cpu_gelu.rs`); traced programs keep XLA's ops
-        let native =
-            self.dtype() == DType::BF16 && !self.is_traced() && crate::cpu_gelu::available(self.device(), self.numel());
-        if native {
-            let dims = self.dims().to_vec();
-            return apply1("gelu_tanh", &[self], |b, p| {
-                b.ffi_call(crate::cpu_gelu::TARGET, p, dims, p[0].dtype())
-            });
+        match lower::gelu_tanh(self.device(), self.dtype(), self.is_traced(), self.numel()) {
+            lower::GeluTanh::CpuKernel => {
+                let dims = self.dims().to_vec();
+                apply1("gelu_tanh", &[self], |b, p| {
+                    b.ffi_call(Handler::Gelu.target(), p, dims, p[0].dtype())
+                })
+            }
+            lower::GeluTanh::Xla => self.unary_f32("gelu_tanh", gelu_tanh),
         }
-        self.unary_f32("gelu_tanh", gelu_tanh)
     }
 
     fn binary(&self, op: &'static str, rhs: &Tensor, f: BinaryFn) -> Result<Tensor> {

@@ -1,13 +1,12 @@
 //! Matrix products and convolution.
 
 use kiln_hlo::{Builder, ConvDims, ConvLayout, DotDims, Value};
-use kiln_pjrt::Platform;
 use kiln_types::DType;
 
 use super::emit::{broadcast_shapes, broadcast_to};
-use crate::device::Device;
 use crate::dispatch::apply1;
 use crate::error::{Error, Result};
+use crate::lower::{self, cpu::Handler};
 use crate::tensor::Tensor;
 
 /// The dtype a dot/convolution accumulates in: f32 for 16-bit floats, else the input dtype.
@@ -169,17 +168,17 @@ impl Tensor {
             ConvLayout::Nhwc => 3,
         };
         let dtype = self.dtype();
-        let lowering = ConvLowering::choose(layout, dtype, self.dims(), weight.dims(), params, self.device());
+        let lowering = lower::conv(self.device(), layout, dtype, self.dims(), weight.dims(), params);
         let mut inputs = vec![self, weight];
         inputs.extend(bias);
         apply1(op, &inputs, |b, p| {
             let acc = accumulation_dtype(dtype);
             let mut y = match lowering {
-                ConvLowering::Convolution => b.convolution(&p[0], &p[1], &dims, acc)?,
-                ConvLowering::PointwiseDot => pointwise_conv_as_dot(b, &p[0], &p[1], acc)?,
-                ConvLowering::ColumnsDot => conv_as_columns_dot(b, &p[0], &p[1], params.padding, acc)?,
+                lower::Conv::Xla => b.convolution(&p[0], &p[1], &dims, acc)?,
+                lower::Conv::PointwiseDot => pointwise_conv_as_dot(b, &p[0], &p[1], acc)?,
+                lower::Conv::Im2colDot => conv_as_columns_dot(b, &p[0], &p[1], params.padding, acc)?,
                 // bias and rounding happen inside the kernel
-                ConvLowering::Direct => return direct_conv(b, p, params.padding, dtype),
+                lower::Conv::CpuKernel => return direct_conv(b, p, params.padding, dtype),
             };
             if let Some(bias) = p.get(2) {
                 let bias = b.convert(bias, acc)?;
@@ -192,66 +191,6 @@ impl Tensor {
     }
 }
 
-/// How a convolution becomes StableHLO.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum ConvLowering {
-    /// `stablehlo.convolution`.
-    Convolution,
-    /// A 1×1 kernel as the dot it is.
-    PointwiseDot,
-    /// The input's columns (native kernel, `cpu_im2col.rs`) times the weight as a matrix.
-    ColumnsDot,
-    /// The native convolution kernel on AMX tiles (`cpu_conv.rs`), bias included.
-    Direct,
-}
-
-impl ConvLowering {
-    /// bf16 channels-last convolutions with stride and dilation 1 and one group run on AMX tiles
-    /// where the CPU has them (input channels a multiple of 32), else as dots on CPU: XLA:CPU
-    /// widens a bf16 convolution to f32 (Eigen) but runs bf16 × bf16 → f32 dots on YNNPACK
-    /// (`benches/conv_bf16.rs`). The numbers are the same: exact products, f32 sums.
-    fn choose(
-        layout: ConvLayout,
-        dtype: DType,
-        input: &[usize],
-        weight: &[usize],
-        p: Conv2dParams,
-        device: &Device,
-    ) -> Self {
-        let eligible = layout == ConvLayout::Nhwc
-            && dtype == DType::BF16
-            && p.groups == 1
-            && p.stride == 1
-            && p.dilation == 1
-            && device.platform() == Platform::Cpu;
-        if !eligible {
-            ConvLowering::Convolution
-        } else if crate::cpu_conv::available(device, input[3]) {
-            ConvLowering::Direct
-        } else if weight[2..] == [1, 1] && p.padding == 0 && crate::cpu_im2col::enabled() {
-            ConvLowering::PointwiseDot
-        } else if columns_bytes(input, weight, p.padding, dtype) <= MAX_COLUMNS_BYTES
-            && crate::cpu_im2col::available(device)
-        {
-            ConvLowering::ColumnsDot
-        } else {
-            ConvLowering::Convolution
-        }
-    }
-}
-
-/// Above this, a convolution's columns would cost more memory than its speed is worth (a
-/// 1024² VAE decode's 128-channel convolutions would need 2.4 GB each); XLA's convolution runs.
-const MAX_COLUMNS_BYTES: usize = 256 << 20;
-
-/// Bytes of the columns of a stride-1 channels-last convolution.
-fn columns_bytes(input: &[usize], weight: &[usize], padding: usize, dtype: DType) -> usize {
-    let out = |size: usize, k: usize| (size + 2 * padding + 1).saturating_sub(k);
-    let [n, h, w, _] = [input[0], input[1], input[2], input[3]];
-    let [_, i, kh, kw] = [weight[0], weight[1], weight[2], weight[3]];
-    n * out(h, kh) * out(w, kw) * kh * kw * i * dtype.size_in_bytes()
-}
-
 /// A stride-1 channels-last convolution as `columns(x) · W`, with `W` the OIHW weight as a
 /// `[kh·kw·I, O]` matrix in the columns' tap order.
 fn conv_as_columns_dot(b: &mut Builder, x: &Value, w: &Value, padding: usize, acc: DType) -> kiln_hlo::Result<Value> {
@@ -259,7 +198,7 @@ fn conv_as_columns_dot(b: &mut Builder, x: &Value, w: &Value, padding: usize, ac
     let [n, h, wd] = [x.dims()[0], x.dims()[1], x.dims()[2]];
     let columns_shape = vec![n, h + 2 * padding + 1 - kh, wd + 2 * padding + 1 - kw, kh * kw * i];
     let columns = b.ffi_call(
-        crate::cpu_im2col::TARGET,
+        Handler::Im2col.target(),
         &[x.clone(), w.clone()],
         columns_shape,
         x.dtype(),
@@ -280,7 +219,7 @@ fn direct_conv(b: &mut Builder, p: &[Value], padding: usize, dtype: DType) -> ki
     let (x, w) = (p[0].dims(), p[1].dims());
     let grow = 2 * padding + 1;
     let shape = [x[0], x[1] + grow - w[2], x[2] + grow - w[3], w[0]];
-    b.ffi_call(crate::cpu_conv::TARGET, p, shape, dtype)
+    b.ffi_call(Handler::Conv.target(), p, shape, dtype)
 }
 
 /// A 1×1 channels-last convolution (stride 1, no padding, groups 1) as the dot it is:

@@ -1,6 +1,5 @@
 //! Tensor ops. Each is written once as builder code (see `emit`), run eagerly through dispatch.
 
-pub(crate) mod cudnn;
 mod elementwise;
 pub(crate) mod emit;
 mod linalg;

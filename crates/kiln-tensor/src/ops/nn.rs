@@ -7,6 +7,7 @@ use kiln_types::DType;
 use super::emit::{broadcast_shapes, broadcast_to, full_like, normalize, reduce_keep, upcast, x_sigmoid};
 use crate::dispatch::apply1;
 use crate::error::{Error, Result};
+use crate::lower::{self, cpu::Handler};
 use crate::tensor::Tensor;
 
 /// The mask of [`Tensor::scaled_dot_product_attention`].
@@ -214,9 +215,9 @@ impl Tensor {
         inputs.extend(bias);
         let inputs_len = inputs.len();
         let (has_w, has_b) = (weight.is_some(), bias.is_some());
-        let native = channels_last && crate::cpu_group_norm::available(self.device(), silu);
+        let lowering = lower::group_norm(self.device(), channels_last, silu);
         apply1(op, &inputs, |b, p| {
-            if native {
+            if let lower::GroupNorm::CpuKernel(handler) = lowering {
                 // channels last: after = 1, so `grouped` is [N, positions, groups, C / groups]
                 let x = b.reshape(&p[0], grouped)?;
                 let w = if has_w { p[1].clone() } else { b.splat(1.0, [c], dtype) };
@@ -226,12 +227,7 @@ impl Tensor {
                     b.splat(0.0, [c], dtype)
                 };
                 let eps = b.splat(eps, [1usize], DType::F32);
-                let target = if silu {
-                    crate::cpu_group_norm::TARGET_SILU
-                } else {
-                    crate::cpu_group_norm::TARGET
-                };
-                let y = b.ffi_call(target, &[x, w, bias, eps], grouped, dtype)?;
+                let y = b.ffi_call(handler.target(), &[x, w, bias, eps], grouped, dtype)?;
                 return b.reshape(&y, dims.clone());
             }
             let x = upcast(b, &p[0])?;
@@ -319,24 +315,11 @@ impl Tensor {
         let causal = matches!(mask, AttentionMask::Causal);
         let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
         let dtype = q.dtype();
-        // On CUDA, cuDNN's fused flash attention where it applies (the choice is the platform's,
-        // not the model's; see `cudnn.rs`).
-        let target = super::cudnn::Target::of(q.device());
-        let fused = super::cudnn::FusedAttention::plan(
-            target,
-            q.dims(),
-            k.dims(),
-            v.dims(),
-            dtype,
-            extra.is_some(),
-            causal,
-            scale,
-        );
-        if let Some(fused) = fused {
+        // The choice is the platform's, not the model's (see `lower`).
+        let lowering = lower::attention(q.device(), [q.dims(), k.dims(), v.dims()], dtype, mask, scale);
+        if let lower::Attention::Cudnn(fused) = &lowering {
             return apply1(op, &[q, k, v], |b, p| fused.emit(b, &p[0], &p[1], &p[2]));
         }
-        let native = extra.is_none() && !causal && crate::cpu_attention::available(q.device());
-        let chunk = query_chunk(q.device().platform(), hq, sq);
         let dv = v.dims()[3];
         let mut inputs = vec![q, k, v];
         inputs.extend(extra);
@@ -349,17 +332,16 @@ impl Tensor {
                 let qs = b.multiply(&qf, &s)?;
                 b.convert(&qs, dtype)?
             };
-            if native {
-                return b.ffi_call(
-                    crate::cpu_attention::TARGET,
-                    &[q, p[1].clone(), p[2].clone()],
-                    [bq, hq, sq, dv],
-                    dtype,
-                );
-            }
-            let Some(chunk) = chunk else {
-                let out = attention_rows(b, &q, &p[1], &p[2], p.get(3), causal.then_some(0))?;
-                return b.convert(&out, dtype);
+            let chunk = match &lowering {
+                lower::Attention::CpuKernel => {
+                    let (k, v) = (p[1].clone(), p[2].clone());
+                    return b.ffi_call(Handler::Attention.target(), &[q, k, v], [bq, hq, sq, dv], dtype);
+                }
+                lower::Attention::Chunked(chunk) => *chunk,
+                lower::Attention::Cudnn(_) | lower::Attention::Plain => {
+                    let out = attention_rows(b, &q, &p[1], &p[2], p.get(3), causal.then_some(0))?;
+                    return b.convert(&out, dtype);
+                }
             };
             let mut parts = Vec::with_capacity(sq.div_ceil(chunk));
             for start in (0..sq).step_by(chunk) {
@@ -456,15 +438,6 @@ impl Tensor {
             b.convert(&y, dtype)
         })
     }
-}
-
-/// Query rows per attention chunk, `None` for one piece. On CPU, XLA materialises the
-/// `[B, H, Sq, Sk]` scores; splitting the queries keeps each chunk's scores in cache
-/// (`benches/attention_chunks.rs`, 8 heads × 1152 tokens: ~10 % less time in f32, ~20 % in bf16;
-/// slower for the VAE's single head). Other backends get one piece (chunking untested there).
-fn query_chunk(platform: kiln_pjrt::Platform, heads: usize, sq: usize) -> Option<usize> {
-    const CHUNK: usize = 128;
-    (platform == kiln_pjrt::Platform::Cpu && heads > 1 && sq >= 4 * CHUNK).then_some(CHUNK)
 }
 
 /// `softmax(q kᵀ + mask) v` for one block of query rows (q already scaled), f32 result.

@@ -5,6 +5,7 @@ use kiln_types::{DType, Shape};
 use super::emit::broadcast_shapes;
 use crate::dispatch::{apply, apply1};
 use crate::error::{Error, Result};
+use crate::lower::{self, cpu::Handler};
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -203,14 +204,14 @@ impl Tensor {
         }
         let last = d + 1 == first.rank();
         let bytes = tensors.iter().map(|t| t.numel()).sum::<usize>() * first.dtype().size_in_bytes();
-        let native = last && crate::cpu_concat::available(first.device(), bytes);
-        apply1("cat", tensors, |b, p| {
-            if native {
+        let lowering = lower::concat(first.device(), last, bytes);
+        apply1("cat", tensors, |b, p| match lowering {
+            lower::Concat::CpuKernel => {
                 let mut shape = p[0].dims().to_vec();
                 shape[d] = p.iter().map(|v| v.dims()[d]).sum();
-                return b.ffi_call(crate::cpu_concat::TARGET, p, shape, p[0].dtype());
+                b.ffi_call(Handler::Concat.target(), p, shape, p[0].dtype())
             }
-            b.concatenate(p, d)
+            lower::Concat::Xla => b.concatenate(p, d),
         })
     }
 

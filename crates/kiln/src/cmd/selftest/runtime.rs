@@ -46,9 +46,9 @@ fn round_trip(dev: &Device, dtype: DType) -> Result<String> {
     let t = Tensor::from_bytes(&bytes, dtype, [2, 3, 4], dev)?;
     ensure!(t.to_bytes()? == bytes, "host -> device -> host changed the bytes");
     let memory = t
-        .placement()
+        .location()
         .map(|p| p.memory)
-        .context("a concrete tensor has a placement")?;
+        .context("a concrete tensor has a buffer location")?;
     let twice = Tensor::cat(&[&t, &t], 0)?;
     let mut want = bytes.clone();
     want.extend_from_slice(&bytes);

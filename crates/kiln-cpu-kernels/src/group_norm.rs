@@ -16,18 +16,16 @@
 //! Operands: the input as `[N, S, G, C/G]` (`G` groups of consecutive channels, `S` positions),
 //! the weight and bias `[C]` in the input's dtype, `eps` as an f32 `[1]`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
 
-use crate::device::Device;
-use crate::native_kernels::{read_f32, read_f32_into, round_to, write_as};
+use crate::values::{read_f32, read_f32_into, round_to, write_as};
 
 /// The custom call targets: the norm, and the norm followed by SiLU.
-pub(crate) const TARGET: &str = "kiln_cpu_group_norm";
-pub(crate) const TARGET_SILU: &str = "kiln_cpu_group_norm_silu";
+pub const TARGET: &str = "kiln_cpu_group_norm";
+pub const TARGET_SILU: &str = "kiln_cpu_group_norm_silu";
 
 /// Positions per work item of both passes.
 const BLOCK_POSITIONS: usize = 512;
@@ -36,9 +34,9 @@ const PARALLEL_MIN_ELEMENTS: usize = 1 << 16;
 
 /// The kernel; with `SILU`, `silu` of the norm rounded to the dtype (the two ops diffusers runs,
 /// each rounding its result), in the same pass.
-pub(crate) struct CpuGroupNorm<const SILU: bool>;
+pub struct GroupNorm<const SILU: bool>;
 
-impl<const SILU: bool> HostKernel for CpuGroupNorm<SILU> {
+impl<const SILU: bool> HostKernel for GroupNorm<SILU> {
     const NAME: &'static str = if SILU { TARGET_SILU } else { TARGET };
 
     fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
@@ -122,7 +120,7 @@ fn group_norm(
     let threads = if rows * c < PARALLEL_MIN_ELEMENTS {
         1
     } else {
-        crate::native_kernels::pool_threads(items)
+        crate::values::pool_threads(items)
     };
     // Pass 1: per block of one image's positions (converted once, kept in cache), per-channel
     // mean (f64 sums) and the squared deviations from it: no cancellation when the mean is large.
@@ -237,44 +235,6 @@ fn group_norm(
     });
 }
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-
-/// Turns the native CPU group-norm kernel on or off for programs built from now on (compiled
-/// programs keep theirs). `KILN_CPU_GROUP_NORM=off` turns it off too.
-pub fn set_cpu_group_norm_kernel(enabled: bool) {
-    ENABLED.store(enabled, Ordering::Relaxed);
-}
-
-/// Whether channels-last group norm (and group norm + SiLU) on `device` runs the native
-/// kernel: the CPU plugin on a CPU with AVX-512, the handlers registered and their probes right,
-/// and the kernel not turned off.
-pub fn cpu_group_norm_kernel_active(device: &Device) -> bool {
-    available(device, false) && available(device, true)
-}
-
-pub(crate) fn available(device: &Device, silu: bool) -> bool {
-    let enabled = ENABLED.load(Ordering::Relaxed) && kiln_x86::Avx512::get().is_some();
-    if silu {
-        crate::native_kernels::active::<CpuGroupNorm<true>>(
-            device,
-            enabled,
-            "KILN_CPU_GROUP_NORM",
-            "the CPU group-norm + SiLU kernel",
-            "group_norm_silu_channels_last",
-            |d| probe(d, true),
-        )
-    } else {
-        crate::native_kernels::active::<CpuGroupNorm<false>>(
-            device,
-            enabled,
-            "KILN_CPU_GROUP_NORM",
-            "the CPU group-norm kernel",
-            "group_norm_channels_last",
-            |d| probe(d, false),
-        )
-    }
-}
-
 /// Group norm (and SiLU of its result rounded to `dtype`) of `values` by the definition, in f64.
 fn reference(sh: &Shape, values: &[f32], weight: &[f32], bias: &[f32], eps: f32, dtype: DType, silu: bool) -> Vec<f64> {
     let c = sh.g * sh.cg;
@@ -300,43 +260,35 @@ fn reference(sh: &Shape, values: &[f32], weight: &[f32], bias: &[f32], eps: f32,
     out
 }
 
-/// Normalises a `[1, 3, 2, 2]` input (2 groups of 2 channels), with SiLU after if `silu`, and
-/// checks it against the definition computed here.
-fn probe(device: &Device, silu: bool) -> Result<(), String> {
-    use kiln_hlo::Builder;
-    let shape = [1usize, 3, 2, 2];
+/// The probe: a `[1, 3, 2, 2]` input (2 groups of 2 channels) normalised, with SiLU after if
+/// `silu`, against the definition in f64.
+pub(crate) fn probe(silu: bool) -> crate::Probe {
+    let shape = vec![1usize, 3, 2, 2];
     let data: Vec<f32> = (0..12).map(|i| ((i * 5) % 7) as f32 - 2.5).collect();
-    let (weight, bias, eps) = ([1.0f32, 2.0, 0.5, -1.0], [0.0f32, 1.0, -1.0, 0.25], [1e-5f32]);
-    let mut b = Builder::new();
-    let x = b.parameter(shape, DType::F32);
-    let w = b.parameter([4usize], DType::F32);
-    let bb = b.parameter([4usize], DType::F32);
-    let e = b.parameter([1usize], DType::F32);
-    let out = b
-        .ffi_call(
-            if silu { TARGET_SILU } else { TARGET },
-            &[x, w, bb, e],
-            shape,
-            DType::F32,
-        )
-        .map_err(|e| e.to_string())?;
-    let program = b.finish(&[out]).map_err(|e| e.to_string())?;
-    let inputs: [(&[f32], &[usize]); 4] = [(&data, &shape), (&weight, &[4]), (&bias, &[4]), (&eps, &[1])];
-    let got = crate::dispatch::run_host_program(device, "cpu_group_norm_probe", &program, &inputs, &shape)
-        .map_err(|e| e.to_string())?;
+    let (weight, bias, eps) = (vec![1.0f32, 2.0, 0.5, -1.0], vec![0.0f32, 1.0, -1.0, 0.25], 1e-5f32);
     let sh = Shape {
         n: 1,
         s: 3,
         g: 2,
         cg: 2,
     };
-    let want = reference(&sh, &data, &weight, &bias, eps[0], DType::F32, silu);
-    for (&have, want) in got.iter().zip(want) {
-        if (have as f64 - want).abs() > 1e-5 {
-            return Err(format!("the probe gave {have} where {want} was expected"));
-        }
+    crate::Probe {
+        handler: if silu {
+            crate::Handler::GroupNormSilu
+        } else {
+            crate::Handler::GroupNorm
+        },
+        dtype: DType::F32,
+        expected: reference(&sh, &data, &weight, &bias, eps, DType::F32, silu),
+        inputs: vec![
+            (data, shape.clone()),
+            (weight, vec![4]),
+            (bias, vec![4]),
+            (vec![eps], vec![1]),
+        ],
+        output: shape,
+        tolerance: 1e-5,
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -10,23 +10,21 @@
 //! `[N, H, W, C]` and the OIHW weight, read for its kernel size only; the symmetric padding
 //! follows from the result's shape (stride and dilation 1).
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
 
-use crate::device::Device;
-
 /// The custom call target.
-pub(crate) const TARGET: &str = "kiln_cpu_im2col";
+pub const TARGET: &str = "kiln_cpu_im2col";
 
 /// Below this many bytes one thread copies everything.
 const PARALLEL_MIN_BYTES: usize = 1 << 20;
 
-pub(crate) struct CpuIm2col;
+/// The kernel: operands the input `[N, H, W, C]` and the OIHW weight, one result `[N, H', W', kh·kw·C]`.
+pub struct Im2col;
 
-impl HostKernel for CpuIm2col {
+impl HostKernel for Im2col {
     const NAME: &'static str = TARGET;
 
     fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
@@ -46,7 +44,7 @@ impl HostKernel for CpuIm2col {
         if x.dtype != out.dtype {
             return Err(format!("input {} and result {} differ in dtype", x.dtype, out.dtype));
         }
-        let padding = crate::native_kernels::same_side_padding;
+        let padding = crate::values::same_side_padding;
         let (ph, pw) = (padding(h, ho, kh), padding(wd, wo, kw));
         let (Some(ph), Some(pw)) = (ph, pw) else {
             return Err(format!(
@@ -100,7 +98,7 @@ fn im2col(g: &Geometry, input: &[u8], out: &mut [u8], pool: &HostPool<'_>) {
     let threads = if out.len() < PARALLEL_MIN_BYTES {
         1
     } else {
-        crate::native_kernels::pool_threads(usize::MAX)
+        crate::values::pool_threads(usize::MAX)
     };
     let rows: Vec<Mutex<&mut [u8]>> = out.chunks_mut(row_bytes).map(Mutex::new).collect();
     pool.for_each(rows.len(), threads.min(rows.len()), &|r| {
@@ -132,64 +130,12 @@ fn im2col(g: &Geometry, input: &[u8], out: &mut [u8], pool: &HostPool<'_>) {
     });
 }
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-
-/// Turns the native column kernel (and with it the dot lowering of bf16 channels-last
-/// convolutions on CPU) on or off for programs built from now on; compiled programs keep theirs.
-pub fn set_cpu_conv_kernel(enabled: bool) {
-    ENABLED.store(enabled, Ordering::Relaxed);
-}
-
-/// Whether bf16 convolutions on `device` run as dots over the native column kernel (see
-/// [`available`]); `false` off CPU.
-pub fn cpu_conv_kernel_active(device: &Device) -> bool {
-    available(device)
-}
-
-/// Whether the dot lowering of bf16 convolutions is switched on (here and by `KILN_CPU_CONV`);
-/// 1×1 convolutions need no kernel.
-pub(crate) fn enabled() -> bool {
-    switched_on() && !crate::native_kernels::turned_off(ENV_SWITCH)
-}
-
-/// Whether [`set_cpu_conv_kernel`] left the kernel on (the environment variable aside).
-pub(crate) fn switched_on() -> bool {
-    ENABLED.load(Ordering::Relaxed)
-}
-
-const ENV_SWITCH: &str = "KILN_CPU_CONV";
-
-/// Whether the column kernel runs on `device`: the CPU plugin with the handler registered and
-/// its probe right, and the kernel not turned off (here or by `KILN_CPU_CONV=off`).
-pub(crate) fn available(device: &Device) -> bool {
-    crate::native_kernels::active::<CpuIm2col>(
-        device,
-        ENABLED.load(Ordering::Relaxed),
-        ENV_SWITCH,
-        "the CPU convolution column kernel",
-        "conv2d",
-        probe,
-    )
-}
-
-/// Runs the kernel on a 3×4 input with 2 channels (3×3 kernel, padding 1) and checks every
-/// column against the definition.
-fn probe(device: &Device) -> Result<(), String> {
-    use kiln_hlo::Builder;
+/// The probe: the columns of a 3×4 input with 2 channels (3×3 kernel, padding 1), every one
+/// by the definition.
+pub(crate) fn probe() -> crate::Probe {
     let (h, w, c, k) = (3usize, 4usize, 2usize, 3usize);
-    let (input, weight, output) = ([1, h, w, c], [1, c, k, k], [1, h, w, k * k * c]);
     let data: Vec<f32> = (1..=h * w * c).map(|i| i as f32).collect();
-    let weights = vec![0f32; c * k * k];
-    let mut b = Builder::new();
-    let x = b.parameter(input, DType::F32);
-    let wt = b.parameter(weight, DType::F32);
-    let cols = b
-        .ffi_call(TARGET, &[x, wt], output, DType::F32)
-        .map_err(|e| e.to_string())?;
-    let program = b.finish(&[cols]).map_err(|e| e.to_string())?;
-    let inputs: [(&[f32], &[usize]); 2] = [(&data, &input), (&weights, &weight)];
-    let got = crate::dispatch::run_host_program(device, "cpu_im2col_probe", &program, &inputs, &output)
-        .map_err(|e| e.to_string())?;
+    let mut expected = Vec::with_capacity(h * w * k * k * c);
     for y in 0..h {
         for x in 0..w {
             for tap in 0..k * k {
@@ -201,13 +147,17 @@ fn probe(device: &Device) -> Result<(), String> {
                     } else {
                         0.0
                     };
-                    let have = got[((y * w + x) * k * k + tap) * c + ch];
-                    if have != want {
-                        return Err(format!("the probe gave {have} where {want} was expected"));
-                    }
+                    expected.push(want as f64);
                 }
             }
         }
     }
-    Ok(())
+    crate::Probe {
+        handler: crate::Handler::Im2col,
+        dtype: DType::F32,
+        inputs: vec![(data, vec![1, h, w, c]), (vec![0.0; c * k * k], vec![1, c, k, k])],
+        output: vec![1, h, w, k * k * c],
+        expected,
+        tolerance: 0.0,
+    }
 }

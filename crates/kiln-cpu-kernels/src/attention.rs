@@ -3,18 +3,17 @@
 //! XLA:CPU runs attention's two batched products as loops of small matmuls on its slower dot
 //! path; this kernel runs `softmax(q kᵀ) v` per head and block of query rows with a tuned GEMM
 //! (faer), the row softmax in between, never materialising more than a block's scores, on all
-//! cores. Numerics follow the plain lowering in `ops/nn.rs`: products accumulate in f32, the
-//! unnormalised weights take the input dtype before the value product, the f32 row sums divide its
-//! result, which is rounded once to the input dtype. `q` arrives already scaled. bf16 runs both
-//! products on AMX tiles or AVX-512 BF16 and the softmax with AVX-512 where the CPU has them
-//! (`kiln-x86`), the same numerics in another order of sums; `KILN_CPU_AMX=off` and
-//! `KILN_CPU_BF16_DOT=off` together keep it on the f32 loops.
+//! cores. Numerics follow the plain lowering in kiln-tensor's `ops/nn.rs`: products accumulate in
+//! f32, the unnormalised weights take the input dtype before the value product, the f32 row sums
+//! divide its result, which is rounded once to the input dtype. `q` arrives already scaled. bf16
+//! runs both products on AMX tiles or AVX-512 BF16 and the softmax with AVX-512 where the CPU has
+//! them (`kiln-x86`), the same numerics in another order of sums; the `amx` and `bf16_dot`
+//! switches off together keep it on the f32 loops.
 //!
 //! Registered with the CPU plugin on first use and probed with a one-op program; a plugin
-//! without the FFI extension, a failed probe or `KILN_CPU_ATTENTION=off` keeps the plain
+//! without the FFI extension, a failed probe or the `attention` switch off keeps the plain
 //! lowering (with one warning when something failed).
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use faer::linalg::matmul::matmul;
@@ -23,20 +22,20 @@ use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
 use kiln_x86::{Avx512, Bf16Products, PackedB};
 
-use crate::device::Device;
-use crate::native_kernels::{as_u16, read_f32, round_to, write_as};
+use crate::values::{as_u16, read_f32, round_to, write_as};
 
 /// The custom call target.
-pub(crate) const TARGET: &str = "kiln_cpu_attention";
+pub const TARGET: &str = "kiln_cpu_attention";
 
 /// Query rows per work item.
 const BLOCK_ROWS: usize = 64;
 /// Below this many multiply-adds one thread does the whole call (thread start-up costs more).
 const PARALLEL_MIN_WORK: usize = 1 << 22;
 
-pub(crate) struct CpuAttention;
+/// The kernel: operands q (already scaled), k, v `[batch, heads, seq, dim]`, one result.
+pub struct Attention;
 
-impl HostKernel for CpuAttention {
+impl HostKernel for Attention {
     const NAME: &'static str = TARGET;
 
     fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
@@ -73,7 +72,7 @@ impl HostKernel for CpuAttention {
             d,
             dv,
         };
-        let x86 = Bf16Products::get().zip(Avx512::get());
+        let x86 = crate::switches::bf16_products().zip(Avx512::get());
         if let (DType::BF16, Some(x86), Ok(out)) = (dtype, x86, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
             let (q, k, v) = (as_u16(q.bytes), as_u16(k.bytes), as_u16(v.bytes));
             attention_bf16_products(x86, &shape, &q, &k, &v, out, pool);
@@ -110,7 +109,7 @@ fn threads_for(work: usize, items: usize) -> usize {
     if work < PARALLEL_MIN_WORK {
         1
     } else {
-        crate::native_kernels::pool_threads(items)
+        crate::values::pool_threads(items)
     }
 }
 
@@ -385,54 +384,12 @@ fn exp_nonpositive(x: f32) -> f32 {
     p * scale
 }
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-
-/// Turns the native CPU attention kernel on or off for attention built from now on (programs
-/// already compiled keep what they were built with). `KILN_CPU_ATTENTION=off` turns it off too.
-pub fn set_cpu_attention_kernel(enabled: bool) {
-    ENABLED.store(enabled, Ordering::Relaxed);
-}
-
-/// Whether attention on `device` runs the native kernel: the CPU plugin, with its FFI extension,
-/// the handler registered and a probe program giving the right numbers (decided once per
-/// plugin), and the kernel not turned off.
-pub fn cpu_attention_kernel_active(device: &Device) -> bool {
-    available(device)
-}
-
-pub(crate) fn available(device: &Device) -> bool {
-    crate::native_kernels::active::<CpuAttention>(
-        device,
-        ENABLED.load(Ordering::Relaxed),
-        "KILN_CPU_ATTENTION",
-        "the CPU attention kernel",
-        "attention",
-        probe,
-    )
-}
-
-/// Compiles and runs one small custom call and checks it against the softmax computed here.
-fn probe(device: &Device) -> Result<(), String> {
-    use kiln_hlo::Builder;
-    let shape = [1usize, 2, 3, 4];
+/// The probe: two heads of 3 rows of 4, checked against the softmax computed here (in f32).
+pub(crate) fn probe() -> crate::Probe {
+    let shape = vec![1usize, 2, 3, 4];
     let n: usize = shape.iter().product();
     let data: Vec<f32> = (0..n).map(|i| ((i * 7) % 11) as f32 / 11.0 - 0.4).collect();
-    let mut b = Builder::new();
-    let q = b.parameter(shape, DType::F32);
-    let k = b.parameter(shape, DType::F32);
-    let v = b.parameter(shape, DType::F32);
-    let out = b
-        .ffi_call(TARGET, &[q, k, v], shape, DType::F32)
-        .map_err(|e| e.to_string())?;
-    let program = b.finish(&[out]).map_err(|e| e.to_string())?;
-    let got = crate::dispatch::run_host_program(
-        device,
-        "cpu_attention_probe",
-        &program,
-        &[(&data[..], &shape[..]); 3],
-        &shape,
-    )
-    .map_err(|e| e.to_string())?;
+    let mut expected = Vec::with_capacity(n);
     for head in 0..2 {
         for row in 0..3 {
             let at = |r: usize| &data[(head * 3 + r) * 4..][..4];
@@ -443,15 +400,18 @@ fn probe(device: &Device) -> Result<(), String> {
             let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
             let total: f32 = e.iter().sum();
             for col in 0..4 {
-                let want: f32 = (0..3).map(|c| e[c] * at(c)[col]).sum::<f32>() / total;
-                let have = got[(head * 3 + row) * 4 + col];
-                if (have - want).abs() > 1e-5 {
-                    return Err(format!("the probe gave {have} where {want} was expected"));
-                }
+                expected.push(((0..3).map(|c| e[c] * at(c)[col]).sum::<f32>() / total) as f64);
             }
         }
     }
-    Ok(())
+    crate::Probe {
+        handler: crate::Handler::Attention,
+        dtype: DType::F32,
+        inputs: vec![(data, shape.clone()); 3],
+        output: shape,
+        expected,
+        tolerance: 1e-5,
+    }
 }
 
 #[cfg(test)]

@@ -1,83 +1,11 @@
-//! What the native CPU kernels (XLA FFI custom calls) share: whether one runs (its switches,
-//! registration with the plugin and a probe program, decided once per plugin and kernel); reading
-//! and writing 16-bit floats.
+//! What the kernels share: reading and writing 16-bit floats, the thread count on XLA's pool, the
+//! padding of a stride-1 convolution.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock};
-
-use kiln_pjrt::{HostKernel, Platform};
 use kiln_types::{f16, DType};
-
-use crate::device::Device;
-
-/// Whether kernel `K` runs on `device`: the CPU plugin, `enabled` (the kernel's own switch), the
-/// environment variable `env_switch` not `off` or `0`, and the kernel registered with the plugin
-/// with its probe giving the right numbers (decided once per plugin and kernel). A failure warns
-/// once (naming `what` and the `fallback` op that runs instead) and is `false`.
-pub(crate) fn active<K: HostKernel>(
-    device: &Device,
-    enabled: bool,
-    env_switch: &str,
-    what: &str,
-    fallback: &str,
-    probe: fn(&Device) -> Result<(), String>,
-) -> bool {
-    if device.platform() != Platform::Cpu || !enabled || turned_off(env_switch) {
-        return false;
-    }
-    static DECIDED: OnceLock<Mutex<HashMap<PathBuf, HashMap<&'static str, bool>>>> = OnceLock::new();
-    let plugin = device.client().plugin();
-    let decided = DECIDED.get_or_init(|| Mutex::new(HashMap::new()));
-    let known = |decided: &HashMap<PathBuf, HashMap<&'static str, bool>>| {
-        decided
-            .get(plugin.path())
-            .and_then(|kernels| kernels.get(K::NAME))
-            .copied()
-    };
-    if let Some(ok) = known(&decided.lock().unwrap_or_else(|e| e.into_inner())) {
-        return ok;
-    }
-    let ok = match plugin.register_host_kernel::<K>("Host") {
-        Ok(false) => false,
-        Ok(true) => match probe(device) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!("{what} failed its probe, {fallback} runs as plain XLA ops: {e}");
-                false
-            }
-        },
-        Err(e) => {
-            tracing::warn!("registering {what} failed, {fallback} runs as plain XLA ops: {e}");
-            false
-        }
-    };
-    let mut decided = decided.lock().unwrap_or_else(|e| e.into_inner());
-    decided
-        .entry(plugin.path().to_path_buf())
-        .or_default()
-        .insert(K::NAME, ok);
-    ok
-}
 
 /// Threads for `items` work items on XLA's pool: one per core, at most one per item.
 pub(crate) fn pool_threads(items: usize) -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).min(items)
-}
-
-/// Whether the environment variable `name` (a `KILN_` switch) is `off` or `0`. The environment is
-/// read at the first call and kept: setting a switch later in the process changes nothing.
-pub(crate) fn turned_off(name: &str) -> bool {
-    static OFF: OnceLock<Vec<String>> = OnceLock::new();
-    OFF.get_or_init(|| {
-        std::env::vars_os()
-            .filter(|(_, value)| value == "off" || value == "0")
-            .filter_map(|(key, _)| key.into_string().ok())
-            .filter(|key| key.starts_with("KILN_"))
-            .collect()
-    })
-    .iter()
-    .any(|key| key == name)
 }
 
 /// The padding on each side of a stride-1 convolution axis of `input` that gives `output` with

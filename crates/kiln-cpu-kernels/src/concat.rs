@@ -6,23 +6,21 @@
 //! the rows takes a fraction of that. Other dimensions keep XLA's concatenate (contiguous blocks,
 //! already fast). Any dtype: the kernel copies bytes.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
 
-use crate::device::Device;
-
 /// The custom call target.
-pub(crate) const TARGET: &str = "kiln_cpu_concat_last";
+pub const TARGET: &str = "kiln_cpu_concat_last";
 
 /// Below this many result bytes XLA's concatenate runs (and one thread copies in the kernel).
-pub(crate) const MIN_BYTES: usize = 1 << 18;
+pub const MIN_BYTES: usize = 1 << 18;
 
-pub(crate) struct CpuConcatLast;
+/// The kernel: operands of one dtype and the same leading dimensions, joined along the last.
+pub struct ConcatLast;
 
-impl HostKernel for CpuConcatLast {
+impl HostKernel for ConcatLast {
     const NAME: &'static str = TARGET;
 
     fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
@@ -60,7 +58,7 @@ impl HostKernel for CpuConcatLast {
         let threads = if out.bytes.len() < MIN_BYTES {
             1
         } else {
-            crate::native_kernels::pool_threads(usize::MAX)
+            crate::values::pool_threads(usize::MAX)
         };
         let per_item = rows.div_ceil(threads * 4).max(1);
         let chunks: Vec<Mutex<&mut [u8]>> = out.bytes.chunks_mut(per_item * row).map(Mutex::new).collect();
@@ -79,50 +77,14 @@ impl HostKernel for CpuConcatLast {
     }
 }
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-
-/// Turns the native concatenation kernel on or off for programs built from now on.
-pub fn set_cpu_concat_kernel(enabled: bool) {
-    ENABLED.store(enabled, Ordering::Relaxed);
-}
-
-/// Whether big concatenations along the last dimension on `device` run as the native kernel.
-pub fn cpu_concat_kernel_active(device: &Device) -> bool {
-    available(device, MIN_BYTES)
-}
-
-/// Whether a concatenation along the last dimension with a result of `bytes` bytes runs as the
-/// native kernel on `device`: big enough to matter, the CPU plugin with the handler registered and
-/// its probe right, and the kernel not turned off (here or by `KILN_CPU_CONCAT=off`).
-pub(crate) fn available(device: &Device, bytes: usize) -> bool {
-    bytes >= MIN_BYTES
-        && crate::native_kernels::active::<CpuConcatLast>(
-            device,
-            ENABLED.load(Ordering::Relaxed),
-            "KILN_CPU_CONCAT",
-            "the CPU concatenation kernel",
-            "cat",
-            probe,
-        )
-}
-
-/// Joins a `[2, 3]` and a `[2, 1]` f32 tensor and checks the `[2, 4]` result.
-fn probe(device: &Device) -> Result<(), String> {
-    use kiln_hlo::Builder;
-    let (a, b) = ([1f32, 2., 3., 4., 5., 6.], [7f32, 8.]);
-    let mut builder = Builder::new();
-    let pa = builder.parameter([2usize, 3], DType::F32);
-    let pb = builder.parameter([2usize, 1], DType::F32);
-    let out = builder
-        .ffi_call(TARGET, &[pa, pb], [2usize, 4], DType::F32)
-        .map_err(|e| e.to_string())?;
-    let program = builder.finish(&[out]).map_err(|e| e.to_string())?;
-    let inputs: [(&[f32], &[usize]); 2] = [(&a, &[2, 3]), (&b, &[2, 1])];
-    let got = crate::dispatch::run_host_program(device, "cpu_concat_probe", &program, &inputs, &[2, 4])
-        .map_err(|e| e.to_string())?;
-    let want = [1f32, 2., 3., 7., 4., 5., 6., 8.];
-    if got != want {
-        return Err(format!("the probe gave {got:?} where {want:?} was expected"));
+/// The probe: joins a `[2, 3]` and a `[2, 1]` f32 tensor into `[2, 4]`, exactly.
+pub(crate) fn probe() -> crate::Probe {
+    crate::Probe {
+        handler: crate::Handler::Concat,
+        dtype: DType::F32,
+        inputs: vec![(vec![1., 2., 3., 4., 5., 6.], vec![2, 3]), (vec![7., 8.], vec![2, 1])],
+        output: vec![2, 4],
+        expected: vec![1., 2., 3., 7., 4., 5., 6., 8.],
+        tolerance: 0.0,
     }
-    Ok(())
 }

@@ -9,28 +9,27 @@
 //! it fuses with their neighbours. Used where the CPU has AVX-512, for at least [`MIN_ELEMENTS`]
 //! values; the kernel's other dtypes and its scalar loop keep a program right anywhere.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
 use kiln_x86::Avx512;
 
-use crate::device::Device;
-use crate::native_kernels::{as_u16, pool_threads, read_f32, write_as};
+use crate::values::{as_u16, pool_threads, read_f32, write_as};
 
 /// The custom call target.
-pub(crate) const TARGET: &str = "kiln_cpu_gelu_tanh";
+pub const TARGET: &str = "kiln_cpu_gelu_tanh";
 
 /// Smaller tensors keep XLA's program.
-pub(crate) const MIN_ELEMENTS: usize = 1 << 16;
+pub const MIN_ELEMENTS: usize = 1 << 16;
 
 /// Values per work item.
 const CHUNK: usize = 1 << 15;
 
-pub(crate) struct CpuGeluTanh;
+/// The kernel: one operand, one result of its shape and dtype.
+pub struct GeluTanh;
 
-impl HostKernel for CpuGeluTanh {
+impl HostKernel for GeluTanh {
     const NAME: &'static str = TARGET;
 
     fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
@@ -85,57 +84,22 @@ fn gelu_tanh(avx: Option<Avx512>, dtype: DType, x: &[u8], out: &mut [u8], pool: 
     });
 }
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-
-/// Turns the native GELU (tanh) kernel on or off for eager ops from now on.
-pub fn set_cpu_gelu_kernel(enabled: bool) {
-    ENABLED.store(enabled, Ordering::Relaxed);
-}
-
-/// Whether eager bf16 GELU (tanh) of big tensors on `device` runs the native kernel.
-pub fn cpu_gelu_kernel_active(device: &Device) -> bool {
-    available(device, MIN_ELEMENTS)
-}
-
-/// Whether an eager GELU (tanh) of `elements` values on `device` runs the native kernel: enough
-/// values, a CPU with AVX-512, the handler registered with its probe right, and the kernel not
-/// turned off (here or by `KILN_CPU_GELU=off`).
-pub(crate) fn available(device: &Device, elements: usize) -> bool {
-    elements >= MIN_ELEMENTS
-        && crate::native_kernels::active::<CpuGeluTanh>(
-            device,
-            ENABLED.load(Ordering::Relaxed) && Avx512::get().is_some(),
-            "KILN_CPU_GELU",
-            "the CPU GELU kernel",
-            "gelu_tanh",
-            probe,
-        )
-}
-
 /// GELU with tanh by its definition, in f64.
 fn reference(x: f64) -> f64 {
     0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
 }
 
-/// Runs the kernel on a few values and checks them against the tanh formula in f64.
-fn probe(device: &Device) -> Result<(), String> {
-    use kiln_hlo::Builder;
+/// The probe: 40 values from −5 to 4.75 against the tanh formula in f64.
+pub(crate) fn probe() -> crate::Probe {
     let data: Vec<f32> = (0..40).map(|i| i as f32 * 0.25 - 5.0).collect();
-    let mut b = Builder::new();
-    let x = b.parameter([40usize], DType::F32);
-    let y = b
-        .ffi_call(TARGET, &[x], [40usize], DType::F32)
-        .map_err(|e| e.to_string())?;
-    let program = b.finish(&[y]).map_err(|e| e.to_string())?;
-    let got = crate::dispatch::run_host_program(device, "cpu_gelu_probe", &program, &[(&data, &[40])], &[40])
-        .map_err(|e| e.to_string())?;
-    for (&have, &x) in got.iter().zip(&data) {
-        let want = reference(x as f64);
-        if (have as f64 - want).abs() > 1e-5 * want.abs().max(1.0) {
-            return Err(format!("the probe gave {have} where {want} was expected"));
-        }
+    crate::Probe {
+        handler: crate::Handler::Gelu,
+        dtype: DType::F32,
+        expected: data.iter().map(|&x| reference(x as f64)).collect(),
+        inputs: vec![(data, vec![40])],
+        output: vec![40],
+        tolerance: 1e-5,
     }
-    Ok(())
 }
 
 #[cfg(test)]

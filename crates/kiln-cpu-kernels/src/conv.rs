@@ -10,10 +10,8 @@
 //!
 //! Used for bf16 with `C` a multiple of 32 when AMX or AVX-512 BF16 is active (`kiln-x86`). The
 //! kernel also computes any other case (another dtype, both off when a program compiled with them
-//! runs) with f32
-//! loops, slowly but with the same numbers, so that a cached program never gives a wrong answer.
+//! runs) with f32 loops, slowly but with the same numbers, so that a cached program never gives a wrong answer.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use faer::linalg::matmul::matmul;
@@ -22,18 +20,18 @@ use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
 use kiln_x86::{Avx512, Bf16Products, PackedB};
 
-use crate::device::Device;
-use crate::native_kernels::{as_u16, pool_threads, read_f32, write_as};
+use crate::values::{as_u16, pool_threads, read_f32, write_as};
 
 /// The custom call target.
-pub(crate) const TARGET: &str = "kiln_cpu_conv";
+pub const TARGET: &str = "kiln_cpu_conv";
 
 /// Output pixels and channels per tile product.
 const TILE: usize = 32;
 
-pub(crate) struct CpuConv;
+/// The kernel: operands the input `[N, H, W, C]`, the OIHW weight and optionally the bias `[O]`.
+pub struct Conv;
 
-impl HostKernel for CpuConv {
+impl HostKernel for Conv {
     const NAME: &'static str = TARGET;
 
     fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
@@ -69,7 +67,7 @@ impl HostKernel for CpuConv {
         if bias.is_some_and(|b| b.dims != [o]) {
             return Err(format!("the bias must be [{o}]"));
         }
-        let padding = crate::native_kernels::same_side_padding;
+        let padding = crate::values::same_side_padding;
         let (Some(ph), Some(pw)) = (padding(h, ho, kh), padding(wd, wo, kw)) else {
             return Err(format!(
                 "result {:?} is not a stride-1 convolution of input {:?} with kernel {kh}x{kw}",
@@ -95,7 +93,7 @@ impl HostKernel for CpuConv {
             pad: ph,
         };
         let bias = bias.map_or_else(|| vec![0.0; o], |b| read_f32(dtype, b.bytes));
-        let x86 = Bf16Products::get().zip(Avx512::get());
+        let x86 = crate::switches::bf16_products().zip(Avx512::get());
         match (x86, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
             (Some(x86), Ok(out)) if dtype == DType::BF16 && c.is_multiple_of(TILE) && !out.is_empty() => {
                 conv_bf16(x86, &g, &as_u16(x.bytes), &as_u16(w.bytes), &bias, out, pool)
@@ -245,65 +243,24 @@ fn conv_f32(g: &Geometry, x: &[f32], w: &[f32], bias: &[f32], dtype: DType, out:
     });
 }
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-
-/// Turns the native convolution kernel on or off for programs built from now on (compiled
-/// programs keep theirs); with it off, bf16 convolutions fall back to the column kernel's dots.
-pub fn set_cpu_direct_conv_kernel(enabled: bool) {
-    ENABLED.store(enabled, Ordering::Relaxed);
-}
-
-/// Whether bf16 channels-last convolutions (stride 1, one group, input channels a multiple of 32)
-/// on `device` run as the native kernel (AMX tiles or AVX-512 BF16).
-pub fn cpu_direct_conv_kernel_active(device: &Device) -> bool {
-    available(device, TILE)
-}
-
-/// Whether a bf16 channels-last convolution with `channels` input channels runs as the native
-/// kernel on `device`: AMX or AVX-512 BF16 active, `channels` a multiple of 32, the handler registered with
-/// its probe right, and the kernel not turned off (here or by `KILN_CPU_CONV=off`).
-pub(crate) fn available(device: &Device, channels: usize) -> bool {
+/// Whether the kernel's fast path takes `channels` input channels (a multiple of 32); it is used
+/// only then.
+pub fn takes_channels(channels: usize) -> bool {
     channels.is_multiple_of(TILE)
-        && kiln_x86::bf16_products_active()
-        && crate::native_kernels::active::<CpuConv>(
-            device,
-            // `active` reads KILN_CPU_CONV itself
-            ENABLED.load(Ordering::Relaxed) && crate::cpu_im2col::switched_on(),
-            "KILN_CPU_CONV",
-            "the CPU convolution kernel",
-            "conv2d",
-            probe,
-        )
 }
 
-/// A 3×3 convolution (padding 1, bias) of a 3×5 input with 32 channels into 3 channels, in bf16
-/// inside the program (the bf16 products where they are active), checked against f64 sums of the same
-/// bf16 values.
-fn probe(device: &Device) -> Result<(), String> {
-    use kiln_hlo::Builder;
+/// The probe: a 3×3 convolution (padding 1, bias) of a 3×5 input with 32 channels into 3
+/// channels, in bf16 (the bf16 products where they are active), against f64 sums of the same bf16
+/// values.
+pub(crate) fn probe() -> crate::Probe {
     let (h, w, c, o, k) = (3usize, 5usize, 32usize, 3usize, 3usize);
-    let (input, weight, output) = ([1, h, w, c], [o, c, k, k], [1, h, w, o]);
     let bf = |v: f32| kiln_types::bf16::from_f32(v).to_f32();
     let data: Vec<f32> = (0..h * w * c).map(|i| bf(((i * 7) % 23) as f32 / 23.0 - 0.5)).collect();
     let weights: Vec<f32> = (0..o * c * k * k)
         .map(|i| bf(((i * 5) % 19) as f32 / 19.0 - 0.5))
         .collect();
-    let biases = [0.25f32, -0.5, 1.0];
-    let mut b = Builder::new();
-    let params = [input.to_vec(), weight.to_vec(), vec![o]].map(|s| b.parameter(s, DType::F32));
-    let as_bf16 = params
-        .iter()
-        .map(|p| b.convert(p, DType::BF16))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
-    let y = b
-        .ffi_call(TARGET, &as_bf16, output, DType::BF16)
-        .map_err(|e| e.to_string())?;
-    let y = b.convert(&y, DType::F32).map_err(|e| e.to_string())?;
-    let program = b.finish(&[y]).map_err(|e| e.to_string())?;
-    let inputs: [(&[f32], &[usize]); 3] = [(&data, &input), (&weights, &weight), (&biases, &[o])];
-    let got = crate::dispatch::run_host_program(device, "cpu_conv_probe", &program, &inputs, &output)
-        .map_err(|e| e.to_string())?;
+    let biases = vec![0.25f32, -0.5, 1.0];
+    let mut expected = Vec::with_capacity(h * w * o);
     for y in 0..h {
         for x in 0..w {
             for oc in 0..o {
@@ -320,16 +277,18 @@ fn probe(device: &Device) -> Result<(), String> {
                         }
                     }
                 }
-                let have = got[(y * w + x) * o + oc] as f64;
-                if (have - want).abs() > 1e-2 * want.abs().max(1.0) {
-                    return Err(format!(
-                        "the probe gave {have} at ({y}, {x}, {oc}) where {want} was expected"
-                    ));
-                }
+                expected.push(want);
             }
         }
     }
-    Ok(())
+    crate::Probe {
+        handler: crate::Handler::Conv,
+        dtype: DType::BF16,
+        inputs: vec![(data, vec![1, h, w, c]), (weights, vec![o, c, k, k]), (biases, vec![o])],
+        output: vec![1, h, w, o],
+        expected,
+        tolerance: 1e-2,
+    }
 }
 
 #[cfg(test)]
@@ -364,7 +323,7 @@ mod tests {
             };
             let bits = |len: usize, seed: usize| -> Vec<u16> {
                 (0..len)
-                    .map(|i| crate::native_kernels::bf16_bits((((i * 7919 + seed) % 1009) as f32 / 1009.0 - 0.5) * 2.0))
+                    .map(|i| crate::values::bf16_bits((((i * 7919 + seed) % 1009) as f32 / 1009.0 - 0.5) * 2.0))
                     .collect()
             };
             let (x, wt) = (bits(n * h * w * c, 1), bits(o * c * kh * kw, 2));
