@@ -6,22 +6,6 @@ use common::*;
 use kiln_tensor::kernels::{self, Kernel};
 use kiln_tensor::{AttentionMask, DType, RopeLayout, Tensor};
 
-/// Softmax of `x` over `dim` (stable form).
-fn softmax_ref(x: &Arr, dim: usize) -> Arr {
-    let m = x.reduce(&[dim], true, f64::NEG_INFINITY, f64::max);
-    let e = x.zip(&m, |a, b| (a - b).exp());
-    let s = e.sum(&[dim], true);
-    e.zip(&s, |a, b| a / b)
-}
-
-/// Normalizes over the trailing dims from `from` (biased variance).
-fn normalize_ref(x: &Arr, dims: &[usize], eps: f64) -> Arr {
-    let mean = x.mean(dims, true);
-    let c = x.zip(&mean, |a, m| a - m);
-    let var = c.map(|v| v * v).mean(dims, true);
-    c.zip(&var, |a, v| a / (v + eps).sqrt())
-}
-
 #[test]
 fn softmax_over_any_dim() {
     let mut r = rng(200);
@@ -36,7 +20,7 @@ fn softmax_over_any_dim() {
             assert_close(
                 &format!("softmax {dim} {dtype}"),
                 &got,
-                &softmax_ref(&x, pos).round(dtype),
+                &x.softmax(pos).round(dtype),
                 dtype,
                 tol(dtype),
             );
@@ -45,7 +29,7 @@ fn softmax_over_any_dim() {
     // -inf entries get probability 0; a size-1 dim gives 1.
     let x = Arr::new(&[2, 3], vec![0.0, f64::NEG_INFINITY, 1.0, 2.0, 2.0, f64::NEG_INFINITY]);
     let got = x.tensor(DType::F32).softmax(-1).unwrap();
-    assert_close("softmax -inf", &got, &softmax_ref(&x, 1), DType::F32, tol(DType::F32));
+    assert_close("softmax -inf", &got, &x.softmax(1), DType::F32, tol(DType::F32));
     let one = Arr::rand(&mut r, &[4, 1], -1.0, 1.0, DType::F32);
     assert_exact(
         "softmax size-1",
@@ -64,28 +48,27 @@ fn layer_norm_with_and_without_affine() {
         let w = Arr::rand(&mut r, &[8], 0.5, 1.5, dtype);
         let b = Arr::rand(&mut r, &[8], -0.5, 0.5, dtype);
         let (t, tw, tb) = (x.tensor(dtype), w.tensor(dtype), b.tensor(dtype));
-        let n = normalize_ref(&x, &[2], eps);
         let t_ = tol(dtype);
         let check = |what: &str, got: Tensor, want: Arr| assert_close(what, &got, &want.round(dtype), dtype, t_);
         check(
             &format!("layer_norm {dtype}"),
             t.layer_norm(None, None, eps).unwrap(),
-            n.clone(),
+            x.layer_norm(None, None, eps),
         );
         check(
             &format!("layer_norm w {dtype}"),
             t.layer_norm(Some(&tw), None, eps).unwrap(),
-            n.zip(&w, |a, c| a * c),
+            x.layer_norm(Some(&w), None, eps),
         );
         check(
             &format!("layer_norm w+b {dtype}"),
             t.layer_norm(Some(&tw), Some(&tb), eps).unwrap(),
-            n.zip(&w, |a, c| a * c).zip(&b, |a, c| a + c),
+            x.layer_norm(Some(&w), Some(&b), eps),
         );
         check(
             &format!("layer_norm b {dtype}"),
             t.layer_norm(None, Some(&tb), eps).unwrap(),
-            n.zip(&b, |a, c| a + c),
+            x.layer_norm(None, Some(&b), eps),
         );
     }
     // A constant row normalizes to zero (variance 0, eps keeps it finite); 1-D input.
@@ -105,13 +88,11 @@ fn rms_norm_with_and_without_weight() {
     for dtype in FLOATS {
         let x = Arr::rand(&mut r, &[3, 16], -2.0, 2.0, dtype);
         let w = Arr::rand(&mut r, &[16], 0.5, 1.5, dtype);
-        let ms = x.map(|v| v * v).mean(&[1], true);
-        let n = x.zip(&ms, |a, m| a / (m + eps).sqrt());
         let t = x.tensor(dtype);
         assert_close(
             &format!("rms_norm {dtype}"),
             &t.rms_norm(None, eps).unwrap(),
-            &n.round(dtype),
+            &x.rms_norm(None, eps).round(dtype),
             dtype,
             tol(dtype),
         );
@@ -119,7 +100,7 @@ fn rms_norm_with_and_without_weight() {
         assert_close(
             &format!("rms_norm w {dtype}"),
             &got,
-            &n.zip(&w, |a, c| a * c).round(dtype),
+            &x.rms_norm(Some(&w), eps).round(dtype),
             dtype,
             tol(dtype),
         );
@@ -147,13 +128,11 @@ fn group_norm_matches_the_reference() {
             let x = Arr::rand(&mut r, &shape, -2.0, 3.0, dtype);
             let w = Arr::rand(&mut r, &[6], 0.5, 1.5, dtype);
             let b = Arr::rand(&mut r, &[6], -0.5, 0.5, dtype);
-            let g = x.reshape(&[2, groups, 6 / groups * shape[2] * shape[3]]);
-            let mut want = normalize_ref(&g, &[2], eps).reshape(&shape);
-            if affine {
-                let w4 = w.reshape(&[6, 1, 1]);
-                let b4 = b.reshape(&[6, 1, 1]);
-                want = want.zip(&w4, |a, c| a * c).zip(&b4, |a, c| a + c);
-            }
+            let want = if affine {
+                x.group_norm(groups, Some(&w), Some(&b), eps)
+            } else {
+                x.group_norm(groups, None, None, eps)
+            };
             let (tw, tb) = (w.tensor(dtype), b.tensor(dtype));
             let got = if affine {
                 x.tensor(dtype).group_norm(groups, Some(&tw), Some(&tb), eps).unwrap()
@@ -189,20 +168,19 @@ fn group_norm_matches_the_reference() {
                 kernels::set(Kernel::GroupNorm, native);
                 let got = x_last.group_norm_silu_channels_last(groups, w_opt, b_opt, eps);
                 kernels::set(Kernel::GroupNorm, true);
-                let silu = want
-                    .permute(&nhwc)
-                    .round(dtype)
-                    .map(|v| v / (1.0 + (-v).exp()))
-                    .round(dtype);
+                let silu = want.permute(&nhwc).round(dtype).map(silu).round(dtype);
                 let what = format!("group_norm_silu_channels_last g={groups} affine={affine} {dtype} native={native}");
                 assert_close(&what, &got.unwrap(), &silu, dtype, tol(dtype));
             }
         }
     }
     // A large mean beside a small spread (sums of squares would cancel), channels-last in f32,
-    // with and without the kernel. f32 resolves 1000 ± 1 to 6e-5, so outputs are good to ~1e-4.
+    // with and without the kernel. f32 resolves 1000 ± 1 to 6e-5 (1e-4 after the division by the
+    // spread), and f32 sums of many values near 1000 (XLA's reduction; the kernel's per-block sums
+    // on AVX-512) put the mean a few of those steps off: up to 4.7e-4 (kernel) and 2.2e-4 (XLA)
+    // measured over eight inputs, so the bound is 6e-4.
     let x = Arr::rand(&mut r, &[1, 4, 40, 40], 999.0, 1001.0, DType::F32);
-    let want = normalize_ref(&x.reshape(&[1, 2, 3200]), &[2], eps).reshape(&[1, 4, 40, 40]);
+    let want = x.group_norm(2, None, None, eps);
     for native in [true, false] {
         kernels::set(Kernel::GroupNorm, native);
         let got = x
@@ -211,12 +189,12 @@ fn group_norm_matches_the_reference() {
             .group_norm_channels_last(2, None, None, eps);
         kernels::set(Kernel::GroupNorm, true);
         let what = format!("group_norm_channels_last around 1000, native={native}");
-        let t = Tol { rtol: 1e-5, atol: 2e-4 };
+        let t = Tol { rtol: 1e-5, atol: 6e-4 };
         assert_close(&what, &got.unwrap(), &want.permute(&[0, 2, 3, 1]), DType::F32, t);
     }
     // [N, C] input (no spatial dims) and an empty batch.
     let x = Arr::rand(&mut r, &[3, 4], -1.0, 1.0, DType::F32);
-    let want = normalize_ref(&x.reshape(&[3, 2, 2]), &[2], eps).reshape(&[3, 4]);
+    let want = x.group_norm(2, None, None, eps);
     let got = x.tensor(DType::F32).group_norm(2, None, None, eps).unwrap();
     assert_close("group_norm 2-D", &got, &want, DType::F32, tol(DType::F32));
     let got = x
@@ -226,24 +204,6 @@ fn group_norm_matches_the_reference() {
     assert_close("group_norm_channels_last 2-D", &got, &want, DType::F32, tol(DType::F32));
     let empty = Tensor::zeros([0, 4, 2, 2], DType::F32, &dev()).unwrap();
     assert_eq!(empty.group_norm(2, None, None, eps).unwrap().dims(), &[0, 4, 2, 2]);
-}
-
-/// Attention reference over [B, H, S, D] in f64.
-fn attention_ref(q: &Arr, k: &Arr, v: &Arr, mask: Option<&Arr>, causal: bool, scale: f64) -> Arr {
-    let mut scores = q.matmul(&k.permute(&[0, 1, 3, 2])).map(|s| s * scale);
-    if let Some(m) = mask {
-        scores = scores.zip(m, |s, a| s + a);
-    }
-    if causal {
-        let shape = scores.shape.clone();
-        for i in 0..scores.data.len() {
-            let idx = unravel(i, &shape);
-            if idx[3] > idx[2] {
-                scores.data[i] = f64::NEG_INFINITY;
-            }
-        }
-    }
-    softmax_ref(&scores, 3).matmul(v)
 }
 
 /// Long query sequences with several heads run in query chunks on CPU (128 rows; the last chunk
@@ -276,26 +236,26 @@ fn attention_in_query_chunks_matches_the_reference() {
         check(
             "no mask",
             &AttentionMask::None,
-            attention_ref(&q, &k, &v, None, false, scale),
+            attention(&q, &k, &v, None, false, scale),
         );
         check(
             "causal",
             &AttentionMask::Causal,
-            attention_ref(&q, &k, &v, None, true, scale),
+            attention(&q, &k, &v, None, true, scale),
         );
         let bias = Arr::rand(&mut r, &[s, s], -2.0, 2.0, DType::F32);
         let full = bias.reshape(&[1, 1, s, s]);
         check(
             "[Sq, Sk] bias",
             &AttentionMask::Additive(bias.tensor(DType::F32)),
-            attention_ref(&q, &k, &v, Some(&full), false, scale),
+            attention(&q, &k, &v, Some(&full), false, scale),
         );
         let mut pad = Arr::filled(&[1, 1, 1, s], 0.0);
         pad.data[s - 3..].fill(f64::NEG_INFINITY);
         check(
             "padding mask",
             &AttentionMask::Additive(pad.tensor(dtype)),
-            attention_ref(&q, &k, &v, Some(&pad), false, scale),
+            attention(&q, &k, &v, Some(&pad), false, scale),
         );
     }
 }
@@ -324,27 +284,27 @@ fn attention_matches_the_reference() {
         check(
             "no mask Sq!=Sk",
             sdpa(&tq, &tk, &tv, &AttentionMask::None, None).unwrap(),
-            attention_ref(&q, &k, &v, None, false, scale),
+            attention(&q, &k, &v, None, false, scale),
         );
         check(
             "causal Sq!=Sk",
             sdpa(&tq, &tk, &tv, &AttentionMask::Causal, None).unwrap(),
-            attention_ref(&q, &k, &v, None, true, scale),
+            attention(&q, &k, &v, None, true, scale),
         );
         check(
             "custom scale",
             sdpa(&tq, &tk, &tv, &AttentionMask::None, Some(0.3)).unwrap(),
-            attention_ref(&q, &k, &v, None, false, 0.3),
+            attention(&q, &k, &v, None, false, 0.3),
         );
         check(
             "scale 1",
             sdpa(&tq, &tk, &tv, &AttentionMask::None, Some(1.0)).unwrap(),
-            attention_ref(&q, &k, &v, None, false, 1.0),
+            attention(&q, &k, &v, None, false, 1.0),
         );
         check(
             "v dim 3",
             sdpa(&tq, &tk, &tv3, &AttentionMask::None, None).unwrap(),
-            attention_ref(&q, &k, &v3, None, false, scale),
+            attention(&q, &k, &v3, None, false, scale),
         );
 
         // Additive mask broadcast from [B, 1, 1, Sk] with -inf at padded keys, and a full
@@ -354,10 +314,10 @@ fn attention_matches_the_reference() {
         pad.data[10] = f64::NEG_INFINITY;
         pad.data[11] = f64::NEG_INFINITY;
         let got = sdpa(&tq, &tk, &tv, &AttentionMask::Additive(pad.tensor(dtype)), None).unwrap();
-        check("padding mask", got, attention_ref(&q, &k, &v, Some(&pad), false, scale));
+        check("padding mask", got, attention(&q, &k, &v, Some(&pad), false, scale));
         let bias = Arr::rand(&mut r, &[2, 2, 4, 6], -1.0, 1.0, DType::F32);
         let got = sdpa(&tq, &tk, &tv, &AttentionMask::Additive(bias.tensor(DType::F32)), None).unwrap();
-        check("bias mask", got, attention_ref(&q, &k, &v, Some(&bias), false, scale));
+        check("bias mask", got, attention(&q, &k, &v, Some(&bias), false, scale));
     }
     // Causal with Sq == Sk and a single query.
     let q = Arr::rand(&mut r, &[1, 1, 5, 4], -1.0, 1.0, DType::F32);
@@ -373,7 +333,7 @@ fn attention_matches_the_reference() {
     assert_close(
         "causal square",
         &got,
-        &attention_ref(&q, &k, &k, None, true, 0.5),
+        &attention(&q, &k, &k, None, true, 0.5),
         DType::F32,
         Tol { rtol: 1e-5, atol: 2e-6 },
     );
@@ -389,29 +349,10 @@ fn attention_matches_the_reference() {
     assert_close(
         "one query",
         &got,
-        &attention_ref(&q1, &k, &k, None, false, 0.5),
+        &attention(&q1, &k, &k, None, false, 0.5),
         DType::F32,
         Tol { rtol: 1e-5, atol: 2e-6 },
     );
-}
-
-/// Rotary reference: pairs (2i, 2i+1) or (i, i + d/2) rotated by the table angles.
-fn rope_ref(x: &Arr, cos: &Arr, sin: &Arr, layout: RopeLayout) -> Arr {
-    let d = *x.shape.last().unwrap();
-    let s = x.shape[x.shape.len() - 2];
-    let mut out = x.clone();
-    for i in 0..x.data.len() {
-        let (pos, j) = ((i / d) % s, i % d);
-        let row = i - j;
-        let rotated = match layout {
-            RopeLayout::Interleaved if j % 2 == 0 => -x.data[row + j + 1],
-            RopeLayout::Interleaved => x.data[row + j - 1],
-            RopeLayout::HalfSplit if j < d / 2 => -x.data[row + j + d / 2],
-            RopeLayout::HalfSplit => x.data[row + j - d / 2],
-        };
-        out.data[i] = x.data[i] * cos.data[pos * d + j] + rotated * sin.data[pos * d + j];
-    }
-    out
 }
 
 #[test]
@@ -436,7 +377,7 @@ fn rotary_embedding_both_layouts() {
                 .tensor(dtype)
                 .apply_rotary_emb(&cos.tensor(DType::F32), &sin.tensor(DType::F32), layout)
                 .unwrap();
-            let want = rope_ref(&x, &cos, &sin, layout).round(dtype);
+            let want = rotary(&x, &cos, &sin, rope_layout(layout)).round(dtype);
             assert_close(&format!("rope {layout:?} {dtype}"), &got, &want, dtype, tol(dtype));
         }
     }
@@ -452,7 +393,7 @@ fn rotary_embedding_both_layouts() {
         assert_close(
             &format!("rope random tables {layout:?}"),
             &got,
-            &rope_ref(&x, &c, &s, layout),
+            &rotary(&x, &c, &s, rope_layout(layout)),
             DType::F32,
             tol(DType::F32),
         );
@@ -489,7 +430,7 @@ fn native_cpu_attention_kernel_and_its_fallback_match_the_reference() {
             let mut shape_v = shape_k;
             shape_v[3] = dv;
             let v = Arr::rand(&mut r, &shape_v, -1.0, 1.0, dtype);
-            let want = attention_ref(&q, &k, &v, None, false, 1.0 / (shape_q[3] as f64).sqrt()).round(dtype);
+            let want = attention(&q, &k, &v, None, false, 1.0 / (shape_q[3] as f64).sqrt()).round(dtype);
             let t = if dtype == DType::F32 {
                 Tol { rtol: 1e-5, atol: 2e-6 }
             } else {

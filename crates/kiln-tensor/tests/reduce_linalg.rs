@@ -139,14 +139,6 @@ fn matmul_matches_the_reference() {
     assert_eq!(a.matmul(&b).unwrap().dims(), &[0, 2]);
 }
 
-fn linear_ref(x: &Arr, w: &Arr, bias: Option<&Arr>) -> Arr {
-    let y = x.matmul(&w.permute(&[1, 0]));
-    match bias {
-        Some(b) => y.zip(b, |a, c| a + c),
-        None => y,
-    }
-}
-
 #[test]
 fn linear_matches_the_reference() {
     let mut r = rng(70);
@@ -159,9 +151,9 @@ fn linear_matches_the_reference() {
             let got = x.tensor(dtype).linear(&w.tensor(dtype), bias.as_ref()).unwrap();
             let want = if xs.len() == 1 {
                 // 1-D input: torch returns a 1-D output.
-                linear_ref(&x.reshape(&[1, 8]), &w, with_bias.then_some(&b)).reshape(&[5])
+                x.reshape(&[1, 8]).linear(&w, with_bias.then_some(&b)).reshape(&[5])
             } else {
-                linear_ref(&x, &w, with_bias.then_some(&b))
+                x.linear(&w, with_bias.then_some(&b))
             };
             let t = dot_tol(&x.reshape(&[numel(xs) / 8, 8]), &w.permute(&[1, 0]), dtype);
             assert_close(
@@ -180,41 +172,6 @@ struct ConvCase {
     w: [usize; 4],
     p: Conv2dParams,
     bias: bool,
-}
-
-fn conv_ref(x: &Arr, w: &Arr, bias: Option<&Arr>, p: Conv2dParams) -> Arr {
-    let [n, c, h, wd] = [x.shape[0], x.shape[1], x.shape[2], x.shape[3]];
-    let [o, ipg, kh, kw] = [w.shape[0], w.shape[1], w.shape[2], w.shape[3]];
-    let opg = o / p.groups;
-    assert_eq!(c, ipg * p.groups);
-    let out_size = |size: usize, k: usize| (size + 2 * p.padding - p.dilation * (k - 1) - 1) / p.stride + 1;
-    let (oh, ow) = (out_size(h, kh), out_size(wd, kw));
-    let mut out = Arr::filled(&[n, o, oh, ow], 0.0);
-    for b in 0..n {
-        for oc in 0..o {
-            let g = oc / opg;
-            for y in 0..oh {
-                for xx in 0..ow {
-                    let mut acc = bias.map_or(0.0, |bb| bb.data[oc]);
-                    for ic in 0..ipg {
-                        for ky in 0..kh {
-                            for kx in 0..kw {
-                                let iy = (y * p.stride + ky * p.dilation) as isize - p.padding as isize;
-                                let ix = (xx * p.stride + kx * p.dilation) as isize - p.padding as isize;
-                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= wd as isize {
-                                    continue;
-                                }
-                                let xv = x.at(&[b, g * ipg + ic, iy as usize, ix as usize]);
-                                acc += xv * w.at(&[oc, ic, ky, kx]);
-                            }
-                        }
-                    }
-                    out.data[ravel(&[b, oc, y, xx], &out.shape)] = acc;
-                }
-            }
-        }
-    }
-    out
 }
 
 #[test]
@@ -308,8 +265,8 @@ fn conv2d_matches_the_reference() {
             let b = Arr::rand(&mut r, &[case.w[0]], -1.0, 1.0, dtype);
             let bias = case.bias.then(|| b.tensor(dtype));
             let got = x.tensor(dtype).conv2d(&w.tensor(dtype), bias.as_ref(), case.p).unwrap();
-            let want = conv_ref(&x, &w, case.bias.then_some(&b), case.p);
-            let mag = conv_ref(&x.map(f64::abs), &w.map(f64::abs), None, case.p);
+            let want = x.conv2d(&w, case.bias.then_some(&b), conv_params(case.p));
+            let mag = x.map(f64::abs).conv2d(&w.map(f64::abs), None, conv_params(case.p));
             let max = mag.data.iter().cloned().fold(0.0, f64::max);
             let t = Tol {
                 rtol: tol(dtype).rtol,

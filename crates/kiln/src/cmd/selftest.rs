@@ -6,7 +6,6 @@
 
 mod ops;
 mod oracle;
-mod reference;
 mod runtime;
 
 use std::path::PathBuf;

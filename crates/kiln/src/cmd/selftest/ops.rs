@@ -5,8 +5,10 @@
 use kiln::{DType, Device, Tensor};
 use kiln_tensor::{AttentionMask, Conv2dParams, RopeLayout};
 
-use super::reference::{erf, round_to, sigmoid, Arr, Rng};
 use super::{Row, Status};
+use kiln_reference::{
+    attention, erf, gelu, gelu_tanh, quick_gelu, rotary, round_to, sigmoid, silu, Arr, ConvParams, Rng,
+};
 
 const FLOATS: [DType; 2] = [DType::F32, DType::BF16];
 
@@ -103,20 +105,6 @@ fn compare(got: kiln_tensor::Result<Tensor>, dtype: DType, want: &Arr, tol: Tol)
     Ok(format!("max |Δ| {:.2e}", worst.0))
 }
 
-fn gelu_tanh(x: f64) -> f64 {
-    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
-}
-
-/// Round half to even.
-fn round_even(x: f64) -> f64 {
-    let r = x.round();
-    if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
-        r - x.signum()
-    } else {
-        r
-    }
-}
-
 type UnaryCase = (
     &'static str,
     fn(&Tensor) -> kiln_tensor::Result<Tensor>,
@@ -139,21 +127,11 @@ fn unary_cases() -> Vec<UnaryCase> {
         ("erf", Tensor::erf, erf, (-3.0, 3.0)),
         ("floor", Tensor::floor, f64::floor, (-4.0, 4.0)),
         ("ceil", Tensor::ceil, f64::ceil, (-4.0, 4.0)),
-        ("round", Tensor::round, round_even, (-4.0, 4.0)),
+        ("round", Tensor::round, f64::round_ties_even, (-4.0, 4.0)),
         ("square", Tensor::square, |x| x * x, (-3.0, 3.0)),
-        ("silu", Tensor::silu, |x| x * sigmoid(x), (-6.0, 6.0)),
-        (
-            "quick_gelu",
-            Tensor::quick_gelu,
-            |x| x * sigmoid(1.702 * x),
-            (-6.0, 6.0),
-        ),
-        (
-            "gelu",
-            Tensor::gelu,
-            |x| 0.5 * x * (1.0 + erf(x / 2f64.sqrt())),
-            (-5.0, 5.0),
-        ),
+        ("silu", Tensor::silu, silu, (-6.0, 6.0)),
+        ("quick_gelu", Tensor::quick_gelu, quick_gelu, (-6.0, 6.0)),
+        ("gelu", Tensor::gelu, gelu, (-5.0, 5.0)),
         ("gelu_tanh", Tensor::gelu_tanh, gelu_tanh, (-5.0, 5.0)),
     ]
 }
@@ -335,7 +313,7 @@ fn linalg(s: &mut Sweep) {
         let x = s.rand(&[2, 3, 8], -1.0, 1.0, dtype);
         let w = s.rand(&[6, 8], -0.5, 0.5, dtype);
         let bias = s.rand(&[6], -0.5, 0.5, dtype);
-        let want = x.matmul(&w.permute(&[1, 0])).zip(&bias, |a, b| a + b);
+        let want = x.linear(&w, Some(&bias));
         let t = sum_tol(&x.map(f64::abs).matmul(&w.map(f64::abs).permute(&[1, 0])), dtype);
         let got = (|| s.t(&x, dtype)?.linear(&s.t(&w, dtype)?, Some(&s.t(&bias, dtype)?)))();
         s.check("linear + bias", dtype, got, &want, t);
@@ -349,9 +327,14 @@ fn linalg(s: &mut Sweep) {
             groups: 2,
             ..Default::default()
         };
-        let conv = x.conv2d(&w, 2, 1, 2);
-        let want = conv.zip(&bias.reshape(&[6, 1, 1]), |a, b| a + b);
-        let t = sum_tol(&x.map(f64::abs).conv2d(&w.map(f64::abs), 2, 1, 2), dtype);
+        let geometry = ConvParams {
+            stride: 2,
+            padding: 1,
+            dilation: 1,
+            groups: 2,
+        };
+        let want = x.conv2d(&w, Some(&bias), geometry);
+        let t = sum_tol(&x.map(f64::abs).conv2d(&w.map(f64::abs), None, geometry), dtype);
         let got = (|| {
             s.t(&x, dtype)?
                 .conv2d(&s.t(&w, dtype)?, Some(&s.t(&bias, dtype)?), params)
@@ -368,49 +351,25 @@ fn linalg(s: &mut Sweep) {
     }
 }
 
-/// Heads-first attention in f64: `softmax(scale q kᵀ + mask) v`, causal = top-left aligned.
-fn attention_ref(q: &Arr, k: &Arr, v: &Arr, mask: Option<&Arr>, causal: bool) -> Arr {
-    let d = *q.shape.last().expect("rank 4");
-    let scale = 1.0 / (d as f64).sqrt();
-    let mut scores = q.matmul(&k.permute(&[0, 1, 3, 2])).map(|x| x * scale);
-    if let Some(m) = mask {
-        scores = scores.zip(m, |a, b| a + b);
-    }
-    if causal {
-        let (sq, sk) = (scores.shape[2], scores.shape[3]);
-        for (i, x) in scores.data.iter_mut().enumerate() {
-            let (row, col) = ((i / sk) % sq, i % sk);
-            if col > row {
-                *x = f64::NEG_INFINITY;
-            }
-        }
-    }
-    scores.softmax(3).matmul(v)
-}
-
 fn nn(s: &mut Sweep) {
     for dtype in FLOATS {
         let x = s.rand(&[2, 3, 8], -3.0, 3.0, dtype);
         let got = s.t(&x, dtype).and_then(|t| t.softmax(-1));
         s.check("softmax", dtype, got, &x.softmax(2), tol(dtype));
         let (w, b) = (s.rand(&[8], 0.5, 1.5, dtype), s.rand(&[8], -0.5, 0.5, dtype));
-        let want = x.normalize(&[2], 1e-5).zip(&w, |a, c| a * c).zip(&b, |a, c| a + c);
+        let want = x.layer_norm(Some(&w), Some(&b), 1e-5);
         let got = (|| {
             s.t(&x, dtype)?
                 .layer_norm(Some(&s.t(&w, dtype)?), Some(&s.t(&b, dtype)?), 1e-5)
         })();
         s.check("layer_norm", dtype, got, &want, tol(dtype));
-        let ms = x.map(|v| v * v).mean(&[2], true);
-        let want = x.zip(&ms, |a, m| a / (m + 1e-6).sqrt()).zip(&w, |a, c| a * c);
+        let want = x.rms_norm(Some(&w), 1e-6);
         let got = (|| s.t(&x, dtype)?.rms_norm(Some(&s.t(&w, dtype)?), 1e-6))();
         s.check("rms_norm", dtype, got, &want, tol(dtype));
 
         let x = s.rand(&[2, 4, 3, 3], -2.0, 2.0, dtype);
         let (w, b) = (s.rand(&[4], 0.5, 1.5, dtype), s.rand(&[4], -0.5, 0.5, dtype));
-        let grouped = x.reshape(&[2, 2, 18]).normalize(&[2], 1e-6).reshape(&[2, 4, 3, 3]);
-        let want = grouped
-            .zip(&w.reshape(&[4, 1, 1]), |a, c| a * c)
-            .zip(&b.reshape(&[4, 1, 1]), |a, c| a + c);
+        let want = x.group_norm(2, Some(&w), Some(&b), 1e-6);
         let got = (|| {
             s.t(&x, dtype)?
                 .group_norm(2, Some(&s.t(&w, dtype)?), Some(&s.t(&b, dtype)?), 1e-6)
@@ -443,23 +402,11 @@ fn nn(s: &mut Sweep) {
             let cos = Arr::new(&[3, 8], (0..24).map(|i| angles[pair(i / 8, i % 8)].cos()).collect());
             let sin = Arr::new(&[3, 8], (0..24).map(|i| angles[pair(i / 8, i % 8)].sin()).collect());
             let (cos, sin) = (cos.round(DType::F32), sin.round(DType::F32));
-            let rotated = Arr::new(
-                &x.shape,
-                (0..x.data.len())
-                    .map(|i| {
-                        let j = i % 8;
-                        match layout {
-                            RopeLayout::Interleaved if j % 2 == 0 => -x.data[i + 1],
-                            RopeLayout::Interleaved => x.data[i - 1],
-                            RopeLayout::HalfSplit if j < 4 => -x.data[i + 4],
-                            RopeLayout::HalfSplit => x.data[i - 4],
-                        }
-                    })
-                    .collect(),
-            );
-            let want = x
-                .zip(&cos, |a, c| a * c)
-                .zip(&rotated.zip(&sin, |r, s| r * s), |a, b| a + b);
+            let pairs = match layout {
+                RopeLayout::Interleaved => kiln_reference::RopeLayout::Interleaved,
+                RopeLayout::HalfSplit => kiln_reference::RopeLayout::HalfSplit,
+            };
+            let want = rotary(&x, &cos, &sin, pairs);
             let got = (|| {
                 s.t(&x, dtype)?
                     .apply_rotary_emb(&s.t(&cos, DType::F32)?, &s.t(&sin, DType::F32)?, layout)
@@ -492,7 +439,7 @@ fn nn(s: &mut Sweep) {
                 ("additive mask", Some(&additive), false),
             ];
             for (mask_name, mask, causal) in cases {
-                let want = attention_ref(&q, &k, &v, mask, causal);
+                let want = attention(&q, &k, &v, mask, causal, 1.0 / (shape[3] as f64).sqrt());
                 let got = (|| {
                     let m = match (mask, causal) {
                         (Some(m), _) => AttentionMask::Additive(s.t(m, DType::F32)?),
@@ -564,7 +511,7 @@ fn shapes(s: &mut Sweep) {
         (
             "pad",
             t().and_then(|t| t.pad(&[(0, 0), (1, 0), (0, 2)], 0.5)),
-            pad_ref(&x, 0.5),
+            x.pad(&[(0, 0), (1, 0), (0, 2)], 0.5),
         ),
         (
             "broadcast_to",
@@ -574,22 +521,22 @@ fn shapes(s: &mut Sweep) {
         (
             "repeat_interleave",
             t().and_then(|t| t.repeat_interleave(2, 1)),
-            repeat_ref(&x),
+            x.repeat_interleave(2, 1),
         ),
         (
             "index_select",
             t().and_then(|t| t.index_select(2, &index_tensor(dev)?)),
-            index_ref(&x),
+            x.index_select(2, &[3, 0, 0, 2]),
         ),
         (
             "upsample_nearest2d",
             t().and_then(|t| t.unsqueeze(0)?.upsample_nearest2d(2)),
-            upsample_ref(&x),
+            x4.upsample_nearest2d(2),
         ),
         (
             "upsample_nearest2d_channels_last",
             t().and_then(|t| t.unsqueeze(3)?.upsample_nearest2d_channels_last(2)),
-            upsample_ref(&x).permute(&[1, 2, 3, 0]),
+            x4.upsample_nearest2d(2).permute(&[1, 2, 3, 0]),
         ),
     ];
     for (name, got, want) in checks {
@@ -599,42 +546,6 @@ fn shapes(s: &mut Sweep) {
 
 fn index_tensor(dev: &Device) -> kiln_tensor::Result<Tensor> {
     Tensor::from_slice(&[3i64, 0, 0, 2], [4], dev)
-}
-
-fn index_ref(x: &Arr) -> Arr {
-    let parts: Vec<Arr> = [3, 0, 0, 2]
-        .iter()
-        .map(|&i| x.slice(&[0, 0, i], &[2, 3, i + 1], &[1, 1, 1]))
-        .collect();
-    Arr::cat(&parts.iter().collect::<Vec<_>>(), 2)
-}
-
-fn pad_ref(x: &Arr, value: f64) -> Arr {
-    let row = Arr::new(&[2, 1, 4], vec![value; 8]);
-    let y = Arr::cat(&[&row, x], 1);
-    let cols = Arr::new(&[2, 4, 2], vec![value; 16]);
-    Arr::cat(&[&y, &cols], 2)
-}
-
-fn repeat_ref(x: &Arr) -> Arr {
-    let parts: Vec<Arr> = (0..3)
-        .flat_map(|i| {
-            let p = x.slice(&[0, i, 0], &[2, i + 1, 4], &[1, 1, 1]);
-            [p.clone(), p]
-        })
-        .collect();
-    Arr::cat(&parts.iter().collect::<Vec<_>>(), 1)
-}
-
-/// `x` seen as NCHW `[1, 2, 3, 4]`, each pixel repeated 2×2.
-fn upsample_ref(x: &Arr) -> Arr {
-    let data = (0..2 * 6 * 8)
-        .map(|i| {
-            let (c, y, xx) = (i / 48, (i / 8) % 6, i % 8);
-            x.at(&[c, y / 2, xx / 2])
-        })
-        .collect();
-    Arr::new(&[1, 2, 6, 8], data)
 }
 
 fn creation_and_casts(s: &mut Sweep) {
