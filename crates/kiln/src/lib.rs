@@ -25,8 +25,9 @@ pub mod defaults;
 pub use kiln_image::{read_png_parameters, save_png, GenerationParams};
 pub use kiln_nn::{CompileMode, Module};
 pub use kiln_pipelines::{
-    FluxCall, FluxOutput, FluxPipeline, LoadOptions, OffloadMode, OffloadPlan, OutputType, PipelineError,
-    StableDiffusion3Call, StableDiffusion3Output, StableDiffusion3Pipeline, StepState, Timings,
+    AnyPipeline, CallDefaults, FluxCall, FluxOutput, FluxPipeline, GenerateCall, LoadOptions, OffloadMode, OffloadPlan,
+    OutputType, PipelineError, PipelineKind, StableDiffusion3Call, StableDiffusion3Output, StableDiffusion3Pipeline,
+    StepState, Timings,
 };
 pub use kiln_tensor::{op_cache_stats, CompiledFunction, DType, Device, DeviceSpec, OpCacheStats, Platform, Tensor};
 
