@@ -3,6 +3,7 @@
 //! op runs on the device.
 #![forbid(unsafe_code)]
 
+mod any;
 mod error;
 pub mod flux;
 mod loading;
@@ -11,6 +12,7 @@ pub mod pipeline;
 mod progress;
 pub mod sd3;
 
+pub use any::{AnyPipeline, CallDefaults, GenerateCall, PipelineKind};
 pub use error::{PipelineError, Result};
 pub use flux::{pack_latents, unpack_latents, FluxCall, FluxPipeline};
 pub use kiln_nn::RunConfig;

@@ -25,8 +25,9 @@ pub mod defaults;
 pub use kiln_image::{read_png_parameters, save_png, GenerationParams};
 pub use kiln_nn::{CompileMode, Module};
 pub use kiln_pipelines::{
-    DiffusionPipeline, FluxCall, FluxPipeline, LoadOptions, OffloadMode, OffloadPlan, OutputType, PipelineError,
-    PipelineOutput, StableDiffusion3Call, StableDiffusion3Pipeline, StepState, Timings,
+    AnyPipeline, CallDefaults, DiffusionPipeline, FluxCall, FluxPipeline, GenerateCall, LoadOptions, OffloadMode,
+    OffloadPlan, OutputType, PipelineError, PipelineKind, PipelineOutput, StableDiffusion3Call,
+    StableDiffusion3Pipeline, StepState, Timings,
 };
 pub use kiln_tensor::{op_cache_stats, CompiledFunction, DType, Device, DeviceSpec, OpCacheStats, Platform, Tensor};
 

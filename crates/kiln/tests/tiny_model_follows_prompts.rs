@@ -7,8 +7,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use image::RgbImage;
-use kiln::defaults::ModelDefaults;
-use kiln::{DType, Device, FluxCall, FluxPipeline, LoadOptions};
+use kiln::{CallDefaults, DType, Device, FluxCall, FluxPipeline, LoadOptions};
 use serde_json::Value;
 
 fn model() -> PathBuf {
@@ -196,7 +195,7 @@ impl Check {
 fn bundled_model_follows_its_prompts() {
     let dir = model();
     let spec: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("eval.json")).unwrap()).unwrap();
-    let defaults = ModelDefaults::for_folder(&dir).unwrap().expect("kiln_defaults.json");
+    let defaults = CallDefaults::for_folder(&dir).unwrap().expect("kiln_defaults.json");
     let check = Check::from_spec(&spec);
     // position name -> (column, row); row None: any row
     let positions: BTreeMap<String, (u64, Option<u64>)> = spec["positions"]

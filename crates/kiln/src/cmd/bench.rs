@@ -5,18 +5,13 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use kiln::{
-    CompileMode, DType, Device, FluxCall, FluxPipeline, LoadOptions, OffloadMode, StableDiffusion3Call,
-    StableDiffusion3Pipeline, Timings,
-};
+use kiln::{AnyPipeline, DType, Device, GenerateCall, LoadOptions, OffloadMode, Timings};
 use kiln_image::RgbImage;
-
-use super::pipeline::{self, Pipeline};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// A diffusers model folder or a Hugging Face repo id in the local cache; its
-    /// `model_index.json` names the pipeline (FluxPipeline or StableDiffusion3Pipeline).
+    /// `model_index.json` names the pipeline (FLUX.1's or SD3's).
     #[arg(long)]
     pub model: String,
     #[arg(long, default_value = "a photo of a cat holding a sign")]
@@ -79,67 +74,18 @@ fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
-/// A loaded pipeline of the kind the model folder names (boxed: the pipelines are kilobytes).
-enum Loaded {
-    Flux(Box<FluxPipeline>),
-    StableDiffusion3(Box<StableDiffusion3Pipeline>),
-}
-
-impl Loaded {
-    fn load(
-        pipeline: Pipeline,
-        model: &str,
-        options: &LoadOptions,
-        device: &Device,
-        compile: CompileMode,
-        offload: OffloadMode,
-    ) -> Result<Self> {
-        let context = || format!("loading {model}");
-        Ok(match pipeline {
-            Pipeline::Flux => {
-                let mut pipe = FluxPipeline::from_pretrained(model, options).with_context(context)?;
-                pipe.set_offload(offload, device)?;
-                pipe.compile(compile);
-                Loaded::Flux(Box::new(pipe))
-            }
-            Pipeline::StableDiffusion3 => {
-                let mut pipe = StableDiffusion3Pipeline::from_pretrained(model, options).with_context(context)?;
-                pipe.set_offload(offload, device)?;
-                pipe.compile(compile);
-                Loaded::StableDiffusion3(Box::new(pipe))
-            }
-        })
-    }
-
-    /// One call with the bench's arguments: its images and timings.
-    fn call(&mut self, args: &BenchArgs) -> Result<(Vec<RgbImage>, Timings)> {
-        Ok(match self {
-            Loaded::Flux(pipe) => {
-                let out = pipe.call(FluxCall {
-                    height: args.height,
-                    width: args.width,
-                    num_inference_steps: args.steps,
-                    guidance_scale: args.guidance,
-                    max_sequence_length: args.max_sequence_length,
-                    progress: false,
-                    ..FluxCall::prompt(args.prompt.clone())
-                })?;
-                (out.images, out.timings)
-            }
-            Loaded::StableDiffusion3(pipe) => {
-                let out = pipe.call(StableDiffusion3Call {
-                    height: args.height,
-                    width: args.width,
-                    num_inference_steps: args.steps,
-                    guidance_scale: args.guidance,
-                    max_sequence_length: args.max_sequence_length,
-                    progress: false,
-                    ..StableDiffusion3Call::prompt(args.prompt.clone())
-                })?;
-                (out.images, out.timings)
-            }
-        })
-    }
+/// One call with the bench's arguments: its images and timings.
+fn call(pipe: &mut AnyPipeline, args: &BenchArgs) -> Result<(Vec<RgbImage>, Timings)> {
+    let out = pipe.call(GenerateCall {
+        height: Some(args.height),
+        width: Some(args.width),
+        num_inference_steps: Some(args.steps),
+        guidance_scale: Some(args.guidance),
+        max_sequence_length: Some(args.max_sequence_length),
+        progress: false,
+        ..GenerateCall::prompt(args.prompt.clone())
+    })?;
+    Ok((out.images, out.timings))
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -153,20 +99,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .offload
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--offload: {e}"))?;
-    let (_, pipeline) = pipeline::resolve(&args.model, None)?;
     let t_load = Instant::now();
-    let mut pipe = Loaded::load(
-        pipeline,
-        &args.model,
-        &LoadOptions { dtype, revision: None },
-        &device,
-        compile,
-        offload,
-    )?;
+    let mut pipe = AnyPipeline::from_pretrained(&args.model, &LoadOptions { dtype, revision: None })
+        .with_context(|| format!("loading {}", args.model))?;
+    pipe.set_offload(offload, &device)?;
+    pipe.compile(compile);
+    let pipeline = pipe.kind();
     let load_s = secs(t_load.elapsed());
 
     let t_first = Instant::now();
-    let (images, _) = pipe.call(&args)?;
+    let (images, _) = call(&mut pipe, &args)?;
     let first_call_s = secs(t_first.elapsed());
     if let Some(path) = &args.image {
         let image = images.first().context("the call made no image")?;
@@ -184,7 +126,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut decode_s = Vec::new();
     for _ in 0..args.runs {
         let t = Instant::now();
-        let (_, timings) = pipe.call(&args)?;
+        let (_, timings) = call(&mut pipe, &args)?;
         e2e_s.push(secs(t.elapsed()));
         step_s.extend(timings.steps.iter().map(|d| secs(*d)));
         text_s.push(secs(timings.text_encoding));
@@ -195,7 +137,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // One more call with per-op timing (each op waits for its result while profiling).
     kiln_tensor::reset_op_profile();
     kiln_tensor::set_op_profiling(true);
-    let profiled = pipe.call(&args);
+    let profiled = call(&mut pipe, &args);
     kiln_tensor::set_op_profiling(false);
     profiled?;
     let ops = kiln_tensor::op_profile();

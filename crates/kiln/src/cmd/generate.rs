@@ -11,14 +11,13 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::parser::ValueSource;
 use clap::ArgMatches;
-use kiln::defaults::{default_model_folder, ModelDefaults};
+use kiln::defaults::default_model_folder;
 use kiln::{
-    CompileMode, DType, Device, FluxPipeline, GenerationParams, LoadOptions, OffloadMode, OpCacheStats,
-    StableDiffusion3Pipeline, Timings,
+    AnyPipeline, CompileMode, DType, Device, GenerationParams, LoadOptions, OffloadMode, OpCacheStats, PipelineKind,
+    Timings,
 };
 use kiln_image::RgbImage;
 
-use super::pipeline::{self, Pipeline};
 pub use call::CallArgs;
 use call::{flag, DRAW, OUTPUT, RUN};
 
@@ -122,9 +121,15 @@ fn output_paths(output: &Path, n: usize) -> Result<Vec<PathBuf>> {
 }
 
 /// Each argument the pipeline does not take is an error naming it, the pipeline and the model.
-fn check_taken_by(call: &CallArgs, pipeline: Pipeline, root: &Path, from: Option<&Path>, given: &Given) -> Result<()> {
+fn check_taken_by(
+    call: &CallArgs,
+    pipeline: PipelineKind,
+    root: &Path,
+    from: Option<&Path>,
+    given: &Given,
+) -> Result<()> {
     for field in call.present() {
-        if pipeline.arguments().contains(&field.as_str()) {
+        if pipeline.takes(&field) {
             continue;
         }
         let origin = match from {
@@ -171,20 +176,6 @@ fn print_peak_memory(device: &Device, offload: OffloadMode) {
     );
 }
 
-/// Loads `pipe` onto the device with the offload mode and the compile mode, telling the user
-/// when sequential offload changes what is compiled.
-macro_rules! place {
-    ($pipe:expr, $s:expr) => {{
-        $pipe
-            .set_offload($s.offload, $s.device)
-            .with_context(|| format!("loading {} onto {} (offload {})", $s.model, $s.device, $s.offload))?;
-        $pipe.compile($s.compile);
-        if let Some(note) = $pipe.run_config().note() {
-            eprintln!("note: {note}");
-        }
-    }};
-}
-
 /// How to load a pipeline, once checked.
 struct Settings<'a> {
     model: &'a str,
@@ -224,43 +215,22 @@ fn timed_calls(
     }
 }
 
-fn run_flux(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
-    let t_load = Instant::now();
-    let mut pipe = FluxPipeline::from_pretrained(
-        s.model,
-        &LoadOptions {
-            dtype: s.dtype,
-            revision: s.revision.clone(),
-        },
-    )
-    .with_context(|| format!("loading {}", s.model))?;
-    place!(pipe, s);
-    eprintln!(
-        "loaded {} ({}) on {} in {:.2} s",
-        s.model,
-        s.dtype,
-        s.device,
-        t_load.elapsed().as_secs_f64()
-    );
-    let guidance = pipe
-        .transformer_config()
-        .guidance_embeds
-        .then_some(call.flux_call().guidance_scale);
-    timed_calls(s, guidance, || {
-        let out = pipe.call(call.flux_call())?;
-        Ok((out.images, out.size, out.timings))
-    })
-}
-
-fn run_sd3(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
+/// Loads the model's pipeline onto the device with the offload mode and the compile mode
+/// (telling the user when sequential offload changes what is compiled), then calls it
+/// `s.calls` times.
+fn load_and_call(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
     let t_load = Instant::now();
     let options = LoadOptions {
         dtype: s.dtype,
         revision: s.revision.clone(),
     };
-    let mut pipe =
-        StableDiffusion3Pipeline::from_pretrained(s.model, &options).with_context(|| format!("loading {}", s.model))?;
-    place!(pipe, s);
+    let mut pipe = AnyPipeline::from_pretrained(s.model, &options).with_context(|| format!("loading {}", s.model))?;
+    pipe.set_offload(s.offload, s.device)
+        .with_context(|| format!("loading {} onto {} (offload {})", s.model, s.device, s.offload))?;
+    pipe.compile(s.compile);
+    if let Some(note) = pipe.run_config().note() {
+        eprintln!("note: {note}");
+    }
     eprintln!(
         "loaded {} ({}) on {} in {:.2} s",
         s.model,
@@ -268,9 +238,9 @@ fn run_sd3(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
         s.device,
         t_load.elapsed().as_secs_f64()
     );
-    let guidance = Some(call.sd3_call().guidance_scale);
+    let guidance = pipe.guidance_scale(&call.generate_call());
     timed_calls(s, guidance, || {
-        let out = pipe.call(call.sd3_call())?;
+        let out = pipe.call(call.generate_call())?;
         Ok((out.images, out.size, out.timings))
     })
 }
@@ -335,9 +305,10 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
             .to_string_lossy()
             .into_owned(),
     };
-    let (root, pipeline) = pipeline::resolve(&model, load.revision.as_deref())?;
+    let (root, pipeline) =
+        PipelineKind::of_model(&model, load.revision.as_deref()).with_context(|| format!("loading {model}"))?;
     check_taken_by(&call, pipeline, &root, args.from.as_deref(), given)?;
-    call.resolve(&ModelDefaults::for_folder(&root)?.unwrap_or_else(|| pipeline.defaults()));
+    call.resolve(&pipeline.model_defaults(&root)?);
 
     let device = match &args.from {
         Some(png) if !given.contains("device") => Device::parse(&load.device)
@@ -354,10 +325,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
         calls: args.calls,
         offload,
     };
-    let out = match pipeline {
-        Pipeline::Flux => run_flux(&call, &settings)?,
-        Pipeline::StableDiffusion3 => run_sd3(&call, &settings)?,
-    };
+    let out = load_and_call(&call, &settings)?;
 
     let t = &out.timings;
     if out.calls.len() > 1 {

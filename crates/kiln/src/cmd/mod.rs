@@ -1,5 +1,4 @@
 pub mod bench;
 pub mod devices;
 pub mod generate;
-pub mod pipeline;
 pub mod selftest;

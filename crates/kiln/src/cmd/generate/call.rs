@@ -1,11 +1,10 @@
 //! The call arguments of `kiln generate`: one struct whose fields are diffusers' keyword arguments
-//! (each flag is the keyword with dashes), the table of the arguments each pipeline takes, and one
-//! conversion per pipeline. PNGs store this struct as JSON, which `--from` reads back.
+//! (each flag is the keyword with dashes), and its conversion to the pipeline-neutral
+//! [`GenerateCall`]. PNGs store this struct as JSON, which `--from` reads back.
 
 use anyhow::{bail, Result};
 use clap::ArgAction;
-use kiln::defaults::ModelDefaults;
-use kiln::{FluxCall, StableDiffusion3Call};
+use kiln::{CallDefaults, GenerateCall};
 use serde::{Deserialize, Serialize};
 
 pub const DRAW: &str = "What to draw";
@@ -192,7 +191,7 @@ impl CallArgs {
 
     /// Fills in the defaults that depend on the model, so that a PNG records the values used.
     /// Pipeline defaults that never change (true CFG off, `prompt_2` = `prompt`) stay unset.
-    pub fn resolve(&mut self, defaults: &ModelDefaults) {
+    pub fn resolve(&mut self, defaults: &CallDefaults) {
         self.height.get_or_insert(defaults.height);
         self.width.get_or_insert(defaults.width);
         self.num_images_per_prompt.get_or_insert(1);
@@ -219,54 +218,32 @@ impl CallArgs {
         (self.prompt[p].clone(), negative)
     }
 
-    /// The `FluxPipeline` call. Lists given once are repeated for every prompt; what is unset
-    /// takes `FluxCall`'s (diffusers') default.
-    pub fn flux_call(&self) -> FluxCall<'static> {
-        let d = FluxCall::default();
+    /// The call of any pipeline. Lists given once are repeated for every prompt; what is unset
+    /// takes the model's or the pipeline's default.
+    pub fn generate_call(&self) -> GenerateCall<'static> {
         let batch = self.prompt.len();
-        FluxCall {
-            prompt: Some(self.prompt.clone()),
-            prompt_2: per_prompt(&self.prompt_2, batch),
-            negative_prompt: per_prompt(&self.negative_prompt, batch),
-            negative_prompt_2: per_prompt(&self.negative_prompt_2, batch),
-            true_cfg_scale: self.true_cfg_scale.unwrap_or(d.true_cfg_scale),
-            height: self.height.unwrap_or(d.height),
-            width: self.width.unwrap_or(d.width),
-            num_inference_steps: self.num_inference_steps.unwrap_or(d.num_inference_steps),
-            sigmas: self.sigmas.clone(),
-            guidance_scale: self.guidance_scale.unwrap_or(d.guidance_scale),
-            num_images_per_prompt: self.num_images_per_prompt.unwrap_or(d.num_images_per_prompt),
-            seed: self.seed.unwrap_or(d.seed),
-            max_sequence_length: self.max_sequence_length.unwrap_or(d.max_sequence_length),
-            ..d
-        }
-    }
-
-    /// The `StableDiffusion3Pipeline` call, like [`CallArgs::flux_call`].
-    pub fn sd3_call(&self) -> StableDiffusion3Call<'static> {
-        let d = StableDiffusion3Call::default();
-        let batch = self.prompt.len();
-        StableDiffusion3Call {
-            prompt: Some(self.prompt.clone()),
+        GenerateCall {
+            prompt: self.prompt.clone(),
             prompt_2: per_prompt(&self.prompt_2, batch),
             prompt_3: per_prompt(&self.prompt_3, batch),
             negative_prompt: per_prompt(&self.negative_prompt, batch),
             negative_prompt_2: per_prompt(&self.negative_prompt_2, batch),
             negative_prompt_3: per_prompt(&self.negative_prompt_3, batch),
-            height: self.height.unwrap_or(d.height),
-            width: self.width.unwrap_or(d.width),
-            num_inference_steps: self.num_inference_steps.unwrap_or(d.num_inference_steps),
+            height: self.height,
+            width: self.width,
+            num_inference_steps: self.num_inference_steps,
             sigmas: self.sigmas.clone(),
-            guidance_scale: self.guidance_scale.unwrap_or(d.guidance_scale),
-            num_images_per_prompt: self.num_images_per_prompt.unwrap_or(d.num_images_per_prompt),
-            seed: self.seed.unwrap_or(d.seed),
-            max_sequence_length: self.max_sequence_length.unwrap_or(d.max_sequence_length),
-            clip_skip: self.clip_skip,
+            guidance_scale: self.guidance_scale,
+            true_cfg_scale: self.true_cfg_scale,
+            num_images_per_prompt: self.num_images_per_prompt,
+            seed: self.seed,
+            max_sequence_length: self.max_sequence_length,
             skip_guidance_layers: self.skip_guidance_layers.clone(),
-            skip_layer_guidance_scale: self.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
-            skip_layer_guidance_start: self.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
-            skip_layer_guidance_stop: self.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
-            ..d
+            skip_layer_guidance_scale: self.skip_layer_guidance_scale,
+            skip_layer_guidance_start: self.skip_layer_guidance_start,
+            skip_layer_guidance_stop: self.skip_layer_guidance_stop,
+            clip_skip: self.clip_skip,
+            ..Default::default()
         }
     }
 }
@@ -274,7 +251,6 @@ impl CallArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cmd::pipeline::Pipeline;
     use clap::{Args, CommandFactory, Parser};
 
     #[derive(Parser)]
@@ -337,7 +313,7 @@ mod tests {
     fn one_list_for_all_prompts_or_one_per_prompt() {
         let mut a = parse(&["--prompt", "a", "--prompt", "b", "--negative-prompt", "n"]);
         a.check().unwrap();
-        let call = a.flux_call();
+        let call = a.generate_call();
         assert_eq!(call.negative_prompt, Some(vec!["n".to_string(), "n".to_string()]));
         assert_eq!(call.prompt_2, None);
         a.negative_prompt = vec!["x".into(), "y".into(), "z".into()];
@@ -351,7 +327,7 @@ mod tests {
     #[test]
     fn resolved_arguments_record_the_model_defaults_and_the_steps_of_the_sigmas() {
         let mut a = parse(&["--prompt", "a", "--sigmas", "1,0.5"]);
-        a.resolve(&ModelDefaults::default());
+        a.resolve(&kiln::PipelineKind::Flux.defaults());
         assert_eq!(a.num_inference_steps, Some(2));
         assert_eq!(
             (a.guidance_scale, a.max_sequence_length, a.seed),
@@ -371,7 +347,7 @@ mod tests {
         for arg in CallArgs::augment_args(clap::Command::new("generate")).get_arguments() {
             let id = arg.get_id().as_str();
             assert!(
-                Pipeline::ALL.iter().any(|p| p.arguments().contains(&id)),
+                kiln::PipelineKind::ALL.iter().any(|p| p.takes(id)),
                 "no pipeline takes {id}"
             );
         }

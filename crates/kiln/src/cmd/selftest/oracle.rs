@@ -5,7 +5,7 @@ use kiln::DiffusionPipeline;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
-use kiln::{CompileMode, DType, Device, FluxCall, FluxPipeline, LoadOptions};
+use kiln::{AnyPipeline, CompileMode, DType, Device, GenerateCall, LoadOptions};
 
 use super::{Row, Status};
 
@@ -44,30 +44,30 @@ fn smallest_case(oracle: &Path) -> Result<PathBuf> {
 }
 
 /// The call of `call.json`, for the arguments a small schnell case uses.
-fn flux_call(call: &serde_json::Value) -> Result<FluxCall<'static>> {
+fn generate_call(call: &serde_json::Value) -> Result<GenerateCall<'static>> {
     let kwargs = call["call_kwargs"]
         .as_object()
         .context("call.json has no call_kwargs")?;
-    let mut c = FluxCall {
+    let mut c = GenerateCall {
         progress: false,
-        seed: call["seed"].as_u64().context("call.json has no seed")?,
+        seed: Some(call["seed"].as_u64().context("call.json has no seed")?),
         ..Default::default()
     };
     for (key, value) in kwargs {
-        let usize_of = |v: &serde_json::Value| v.as_u64().map(|x| x as usize).context(key.clone());
+        let usize_of = |v: &serde_json::Value| v.as_u64().map(|x| Some(x as usize)).context(key.clone());
         match key.as_str() {
             "prompt" => {
-                c.prompt = Some(match value {
+                c.prompt = match value {
                     serde_json::Value::Array(v) => v.iter().map(|s| s.as_str().unwrap_or("").to_string()).collect(),
                     v => vec![v.as_str().context("prompt")?.to_string()],
-                })
+                }
             }
             "height" => c.height = usize_of(value)?,
             "width" => c.width = usize_of(value)?,
             "num_inference_steps" => c.num_inference_steps = usize_of(value)?,
             "max_sequence_length" => c.max_sequence_length = usize_of(value)?,
             "num_images_per_prompt" => c.num_images_per_prompt = usize_of(value)?,
-            "guidance_scale" => c.guidance_scale = value.as_f64().context("guidance_scale")?,
+            "guidance_scale" => c.guidance_scale = Some(value.as_f64().context("guidance_scale")?),
             other => bail!("the case uses `{other}`, which the self-test does not pass on"),
         }
     }
@@ -80,7 +80,7 @@ fn run_case(dev: &Device, oracle: &Path, case: &Path, mode: CompileMode) -> Resu
     let call: serde_json::Value = serde_json::from_slice(&std::fs::read(case.join("call.json"))?)?;
     let pipeline_dir = oracle.join(call["pipeline_dir"].as_str().context("call.json has no pipeline_dir")?);
     ensure!(call["dtype"] == "float32", "the self-test expects a float32 case");
-    let mut pipe = FluxPipeline::from_pretrained(
+    let mut pipe = AnyPipeline::from_pretrained(
         &pipeline_dir.to_string_lossy(),
         &LoadOptions {
             dtype: DType::F32,
@@ -89,7 +89,7 @@ fn run_case(dev: &Device, oracle: &Path, case: &Path, mode: CompileMode) -> Resu
     )?
     .to(dev)?;
     pipe.compile(mode);
-    let out = pipe.call(flux_call(&call)?)?;
+    let out = pipe.call(generate_call(&call)?)?;
     let got = out.images.first().context("the pipeline returned no image")?;
     let want = kiln_image::read_png(case.join("image_0.png"))?.image;
     ensure!(

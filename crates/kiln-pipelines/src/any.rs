@@ -1,0 +1,563 @@
+//! One entry for every pipeline: [`AnyPipeline`] loads the pipeline a model folder's
+//! `model_index.json` names (`_class_name`) and runs one pipeline-neutral call, [`GenerateCall`].
+//! A command line or a server that goes through it knows no pipeline by name.
+//!
+//! To add a pipeline: a [`PipelineKind`] variant (in `ALL` too) with its `spec` arm, a `Loaded`
+//! variant with its arm in `each!`, `AnyPipeline::from_pretrained` and `AnyPipeline::call`.
+
+use std::path::{Path, PathBuf};
+
+use kiln_io::ModelIndex;
+use kiln_nn::{CompileMode, OffloadLog, RunConfig};
+use kiln_tensor::{DType, Device};
+use serde::Deserialize;
+
+use crate::error::{invalid, Result};
+use crate::flux::{FluxCall, FluxPipeline};
+use crate::loading::{LoadOptions, ModelFolder};
+use crate::offload::{OffloadMode, OffloadPlan};
+use crate::pipeline::{DiffusionPipeline, OutputType, PipelineOutput, StepCallback};
+use crate::sd3::{StableDiffusion3Call, StableDiffusion3Pipeline};
+
+/// The pipelines kiln runs, by diffusers class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PipelineKind {
+    /// diffusers' `FluxPipeline` (FLUX.1 [schnell] and [dev]).
+    Flux,
+    /// diffusers' `StableDiffusion3Pipeline` (SD3 and SD3.5 [medium, large]).
+    StableDiffusion3,
+}
+
+/// The call arguments every pipeline takes (`seed` stands for `generator`).
+const COMMON_ARGUMENTS: &[&str] = &[
+    "prompt",
+    "prompt_2",
+    "negative_prompt",
+    "negative_prompt_2",
+    "height",
+    "width",
+    "num_inference_steps",
+    "sigmas",
+    "guidance_scale",
+    "num_images_per_prompt",
+    "seed",
+    "max_sequence_length",
+];
+
+/// What kiln knows of a pipeline kind without loading it.
+struct Spec {
+    class_name: &'static str,
+    /// The call arguments it takes besides [`COMMON_ARGUMENTS`].
+    arguments: &'static [&'static str],
+    defaults: CallDefaults,
+}
+
+/// The [`CallDefaults`] of a pipeline call struct's `Default`.
+macro_rules! defaults_of {
+    ($call:expr) => {{
+        let d = $call;
+        CallDefaults {
+            height: d.height,
+            width: d.width,
+            num_inference_steps: d.num_inference_steps,
+            guidance_scale: d.guidance_scale,
+            max_sequence_length: d.max_sequence_length,
+        }
+    }};
+}
+
+impl PipelineKind {
+    pub const ALL: &'static [PipelineKind] = &[PipelineKind::Flux, PipelineKind::StableDiffusion3];
+
+    fn spec(self) -> Spec {
+        match self {
+            PipelineKind::Flux => Spec {
+                class_name: "FluxPipeline",
+                arguments: &["true_cfg_scale"],
+                defaults: defaults_of!(FluxCall::default()),
+            },
+            PipelineKind::StableDiffusion3 => Spec {
+                class_name: "StableDiffusion3Pipeline",
+                arguments: &[
+                    "prompt_3",
+                    "negative_prompt_3",
+                    "skip_guidance_layers",
+                    "skip_layer_guidance_scale",
+                    "skip_layer_guidance_start",
+                    "skip_layer_guidance_stop",
+                    "clip_skip",
+                ],
+                defaults: defaults_of!(StableDiffusion3Call::default()),
+            },
+        }
+    }
+
+    /// The diffusers class.
+    pub fn class_name(self) -> &'static str {
+        self.spec().class_name
+    }
+
+    /// The arguments its `__call__` takes, by [`GenerateCall`] field name (`seed` stands for
+    /// `generator`).
+    pub fn arguments(self) -> Vec<&'static str> {
+        COMMON_ARGUMENTS.iter().chain(self.spec().arguments).copied().collect()
+    }
+
+    /// Whether its `__call__` takes `argument` (a [`GenerateCall`] field name).
+    pub fn takes(self, argument: &str) -> bool {
+        COMMON_ARGUMENTS.contains(&argument) || self.spec().arguments.contains(&argument)
+    }
+
+    /// Its call defaults (diffusers').
+    pub fn defaults(self) -> CallDefaults {
+        self.spec().defaults
+    }
+
+    /// The call defaults of the model folder `root`: its own `kiln_defaults.json`, else
+    /// [`PipelineKind::defaults`].
+    pub fn model_defaults(self, root: &Path) -> Result<CallDefaults> {
+        Ok(CallDefaults::for_folder(root)?.unwrap_or_else(|| self.defaults()))
+    }
+
+    /// The pipeline a `model_index.json` names; another class is an error naming it and the
+    /// supported ones.
+    pub fn of(index: &ModelIndex) -> Result<PipelineKind> {
+        let supported: Vec<&str> = PipelineKind::ALL.iter().map(|k| k.class_name()).collect();
+        let class = index.require_pipeline(&supported)?;
+        Ok(*PipelineKind::ALL
+            .iter()
+            .find(|k| k.class_name() == class)
+            .expect("require_pipeline accepted one of ALL's classes"))
+    }
+
+    /// The folder of `model` (a folder, or a Hugging Face repo id in the local cache) and the
+    /// pipeline its `model_index.json` names, without loading anything else.
+    pub fn of_model(model: &str, revision: Option<&str>) -> Result<(PathBuf, PipelineKind)> {
+        let folder = ModelFolder::open(model, revision)?;
+        let kind = PipelineKind::of(&folder.index)?;
+        Ok((folder.root, kind))
+    }
+
+    /// An error for the first argument `call` gives that this pipeline does not take.
+    pub fn check_arguments(self, call: &GenerateCall<'_>) -> Result<()> {
+        match call.given().into_iter().find(|a| !self.takes(a)) {
+            Some(argument) => Err(invalid(format!(
+                "`{argument}` is not an argument of {}",
+                self.class_name()
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The call settings a model runs with where a call leaves them out: the pipeline's (diffusers')
+/// defaults, or a model folder's own `kiln_defaults.json`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct CallDefaults {
+    /// `0`: the model's default sample size.
+    pub height: usize,
+    pub width: usize,
+    pub num_inference_steps: usize,
+    pub guidance_scale: f64,
+    pub max_sequence_length: usize,
+}
+
+impl CallDefaults {
+    /// Reads `<folder>/kiln_defaults.json` when present.
+    pub fn for_folder(folder: &Path) -> Result<Option<CallDefaults>> {
+        let path = folder.join("kiln_defaults.json");
+        if !path.is_file() {
+            return Ok(None);
+        }
+        Ok(Some(kiln_io::load_config(&path)?))
+    }
+}
+
+/// The arguments of a call of any pipeline, by diffusers' keyword names. `None` means not given:
+/// the model's [`CallDefaults`], else the pipeline's default. An argument the pipeline does not
+/// take (see [`PipelineKind::arguments`]) is an error.
+pub struct GenerateCall<'a> {
+    /// One prompt per batch element.
+    pub prompt: Vec<String>,
+    /// The second text encoder's prompts (FLUX.1: T5; SD3: CLIP-G); default: `prompt`.
+    pub prompt_2: Option<Vec<String>>,
+    /// SD3: the third text encoder's (T5) prompts; default: `prompt`.
+    pub prompt_3: Option<Vec<String>>,
+    pub negative_prompt: Option<Vec<String>>,
+    pub negative_prompt_2: Option<Vec<String>>,
+    pub negative_prompt_3: Option<Vec<String>>,
+    /// `Some(0)`: the model's default sample size.
+    pub height: Option<usize>,
+    pub width: Option<usize>,
+    /// Default: the number of `sigmas` when they are given.
+    pub num_inference_steps: Option<usize>,
+    /// Custom sigmas (their count then sets the number of steps).
+    pub sigmas: Option<Vec<f64>>,
+    pub guidance_scale: Option<f64>,
+    /// FLUX.1: true classifier-free guidance (1: off).
+    pub true_cfg_scale: Option<f64>,
+    pub num_images_per_prompt: Option<usize>,
+    /// Seeds one `torch.Generator('cpu')` for the whole batch.
+    pub seed: Option<u64>,
+    /// One generator seed per image instead (a generator list; counts as `seed`).
+    pub seeds: Option<Vec<u64>>,
+    pub max_sequence_length: Option<usize>,
+    /// SD3: the transformer layers skip-layer guidance leaves out.
+    pub skip_guidance_layers: Option<Vec<usize>>,
+    pub skip_layer_guidance_scale: Option<f64>,
+    pub skip_layer_guidance_start: Option<f64>,
+    pub skip_layer_guidance_stop: Option<f64>,
+    /// SD3: CLIP layers skipped from the end for the prompt embeddings.
+    pub clip_skip: Option<usize>,
+    pub output_type: OutputType,
+    /// Show a progress bar on stderr (when it is a terminal).
+    pub progress: bool,
+    pub callback: Option<Box<StepCallback<'a>>>,
+}
+
+impl Default for GenerateCall<'_> {
+    fn default() -> Self {
+        GenerateCall {
+            prompt: Vec::new(),
+            prompt_2: None,
+            prompt_3: None,
+            negative_prompt: None,
+            negative_prompt_2: None,
+            negative_prompt_3: None,
+            height: None,
+            width: None,
+            num_inference_steps: None,
+            sigmas: None,
+            guidance_scale: None,
+            true_cfg_scale: None,
+            num_images_per_prompt: None,
+            seed: None,
+            seeds: None,
+            max_sequence_length: None,
+            skip_guidance_layers: None,
+            skip_layer_guidance_scale: None,
+            skip_layer_guidance_start: None,
+            skip_layer_guidance_stop: None,
+            clip_skip: None,
+            output_type: OutputType::Image,
+            progress: true,
+            callback: None,
+        }
+    }
+}
+
+impl GenerateCall<'_> {
+    /// A call for one prompt with the other arguments at their defaults.
+    pub fn prompt(prompt: impl Into<String>) -> Self {
+        GenerateCall {
+            prompt: vec![prompt.into()],
+            ..Default::default()
+        }
+    }
+
+    /// The arguments given, by name (as [`PipelineKind::arguments`] names them).
+    pub fn given(&self) -> Vec<&'static str> {
+        [
+            ("prompt", !self.prompt.is_empty()),
+            ("prompt_2", self.prompt_2.is_some()),
+            ("prompt_3", self.prompt_3.is_some()),
+            ("negative_prompt", self.negative_prompt.is_some()),
+            ("negative_prompt_2", self.negative_prompt_2.is_some()),
+            ("negative_prompt_3", self.negative_prompt_3.is_some()),
+            ("height", self.height.is_some()),
+            ("width", self.width.is_some()),
+            ("num_inference_steps", self.num_inference_steps.is_some()),
+            ("sigmas", self.sigmas.is_some()),
+            ("guidance_scale", self.guidance_scale.is_some()),
+            ("true_cfg_scale", self.true_cfg_scale.is_some()),
+            ("num_images_per_prompt", self.num_images_per_prompt.is_some()),
+            ("seed", self.seed.is_some() || self.seeds.is_some()),
+            ("max_sequence_length", self.max_sequence_length.is_some()),
+            ("skip_guidance_layers", self.skip_guidance_layers.is_some()),
+            ("skip_layer_guidance_scale", self.skip_layer_guidance_scale.is_some()),
+            ("skip_layer_guidance_start", self.skip_layer_guidance_start.is_some()),
+            ("skip_layer_guidance_stop", self.skip_layer_guidance_stop.is_some()),
+            ("clip_skip", self.clip_skip.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(name, given)| given.then_some(name))
+        .collect()
+    }
+}
+
+/// The pipeline call `$ty` of the [`GenerateCall`] `$call`: the arguments every pipeline takes,
+/// then `$ty`'s own (`{ field: value, ... }`, where `$d` is `$ty::default()`); what is unset takes
+/// `$defaults` (a [`CallDefaults`]) or `$ty`'s default.
+macro_rules! call_of {
+    ($call:ident, $defaults:expr, $ty:ident, $d:ident => { $($field:ident: $value:expr),* $(,)? }) => {{
+        let $d = $ty::default();
+        let c: &CallDefaults = $defaults;
+        $ty {
+            prompt: Some($call.prompt),
+            prompt_2: $call.prompt_2,
+            negative_prompt: $call.negative_prompt,
+            negative_prompt_2: $call.negative_prompt_2,
+            height: $call.height.unwrap_or(c.height),
+            width: $call.width.unwrap_or(c.width),
+            num_inference_steps: $call
+                .num_inference_steps
+                .or($call.sigmas.as_ref().map(Vec::len))
+                .unwrap_or(c.num_inference_steps),
+            sigmas: $call.sigmas,
+            guidance_scale: $call.guidance_scale.unwrap_or(c.guidance_scale),
+            num_images_per_prompt: $call.num_images_per_prompt.unwrap_or($d.num_images_per_prompt),
+            seed: $call.seed.unwrap_or($d.seed),
+            seeds: $call.seeds,
+            max_sequence_length: $call.max_sequence_length.unwrap_or(c.max_sequence_length),
+            output_type: $call.output_type,
+            progress: $call.progress,
+            callback: $call.callback,
+            $($field: $value,)*
+            ..$d
+        }
+    }};
+}
+
+/// A loaded pipeline (boxed: the pipelines are kilobytes).
+enum Loaded {
+    Flux(Box<FluxPipeline>),
+    StableDiffusion3(Box<StableDiffusion3Pipeline>),
+}
+
+/// `$body` with `$p` bound to the loaded pipeline, whichever it is.
+macro_rules! each {
+    ($loaded:expr, $p:ident => $body:expr) => {
+        match $loaded {
+            Loaded::Flux($p) => $body,
+            Loaded::StableDiffusion3($p) => $body,
+        }
+    };
+}
+
+/// The pipeline a model folder's `model_index.json` names, loaded, with one call for all
+/// pipelines ([`GenerateCall`]) and the methods every pipeline has.
+pub struct AnyPipeline {
+    kind: PipelineKind,
+    defaults: CallDefaults,
+    pipe: Loaded,
+}
+
+impl AnyPipeline {
+    /// Loads the pipeline `model`'s `model_index.json` names (see [`PipelineKind::of`]), as that
+    /// pipeline's `from_pretrained` does, and the model's call defaults
+    /// ([`PipelineKind::model_defaults`]).
+    pub fn from_pretrained(model: &str, options: &LoadOptions) -> Result<AnyPipeline> {
+        let (root, kind) = PipelineKind::of_model(model, options.revision.as_deref())?;
+        let defaults = kind.model_defaults(&root)?;
+        let pipe = match kind {
+            PipelineKind::Flux => Loaded::Flux(Box::new(FluxPipeline::from_pretrained(model, options)?)),
+            PipelineKind::StableDiffusion3 => {
+                Loaded::StableDiffusion3(Box::new(StableDiffusion3Pipeline::from_pretrained(model, options)?))
+            }
+        };
+        Ok(AnyPipeline { kind, defaults, pipe })
+    }
+
+    /// Runs `call` (an argument the pipeline does not take is an error; see
+    /// [`PipelineKind::check_arguments`]).
+    pub fn call(&mut self, call: GenerateCall<'_>) -> Result<PipelineOutput> {
+        self.kind.check_arguments(&call)?;
+        let defaults = &self.defaults;
+        Ok(match &mut self.pipe {
+            Loaded::Flux(p) => p.call(call_of!(call, defaults, FluxCall, d => {
+                true_cfg_scale: call.true_cfg_scale.unwrap_or(d.true_cfg_scale),
+            }))?,
+            Loaded::StableDiffusion3(p) => p.call(call_of!(call, defaults, StableDiffusion3Call, d => {
+                prompt_3: call.prompt_3,
+                negative_prompt_3: call.negative_prompt_3,
+                clip_skip: call.clip_skip,
+                skip_guidance_layers: call.skip_guidance_layers,
+                skip_layer_guidance_scale: call.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
+                skip_layer_guidance_start: call.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
+                skip_layer_guidance_stop: call.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
+            }))?,
+        })
+    }
+
+    /// The guidance scale `call` runs with, when the model uses one (FLUX.1 [schnell] does not
+    /// embed guidance, so it ignores the scale).
+    pub fn guidance_scale(&self, call: &GenerateCall<'_>) -> Option<f64> {
+        let uses_guidance = match &self.pipe {
+            Loaded::Flux(p) => p.transformer_config().guidance_embeds,
+            Loaded::StableDiffusion3(_) => true,
+        };
+        uses_guidance.then(|| call.guidance_scale.unwrap_or(self.defaults.guidance_scale))
+    }
+
+    pub fn kind(&self) -> PipelineKind {
+        self.kind
+    }
+
+    /// The call defaults of the model (its `kiln_defaults.json`, else the pipeline's).
+    pub fn defaults(&self) -> &CallDefaults {
+        &self.defaults
+    }
+
+    /// The loaded pipeline, for what every pipeline offers.
+    fn pipeline(&self) -> &dyn DiffusionPipeline {
+        each!(&self.pipe, p => p.as_ref())
+    }
+
+    fn pipeline_mut(&mut self) -> &mut dyn DiffusionPipeline {
+        each!(&mut self.pipe, p => p.as_mut())
+    }
+
+    pub fn default_size(&self) -> usize {
+        each!(&self.pipe, p => p.default_size())
+    }
+
+    pub fn vae_scale_factor(&self) -> usize {
+        each!(&self.pipe, p => p.vae_scale_factor())
+    }
+}
+
+impl DiffusionPipeline for AnyPipeline {
+    fn to(mut self, device: &Device) -> Result<AnyPipeline> {
+        self.set_offload(OffloadMode::None, device)?;
+        Ok(self)
+    }
+    fn enable_model_cpu_offload(&mut self, device: &Device) -> Result<()> {
+        self.set_offload(OffloadMode::Model, device)
+    }
+    fn enable_sequential_cpu_offload(&mut self, device: &Device) -> Result<()> {
+        self.set_offload(OffloadMode::Sequential, device)
+    }
+    fn set_offload(&mut self, mode: OffloadMode, device: &Device) -> Result<()> {
+        self.pipeline_mut().set_offload(mode, device)
+    }
+    fn compile(&mut self, mode: CompileMode) {
+        self.pipeline_mut().compile(mode)
+    }
+    fn compile_mode(&self) -> CompileMode {
+        self.pipeline().compile_mode()
+    }
+    fn offload_mode(&self) -> OffloadMode {
+        self.pipeline().offload_mode()
+    }
+    fn run_config(&self) -> &RunConfig {
+        self.pipeline().run_config()
+    }
+    fn offload_plan(&self) -> Option<&OffloadPlan> {
+        self.pipeline().offload_plan()
+    }
+    fn offload_log(&self) -> &OffloadLog {
+        self.pipeline().offload_log()
+    }
+    fn device(&self) -> Option<&Device> {
+        self.pipeline().device()
+    }
+    fn dtype(&self) -> DType {
+        self.pipeline().dtype()
+    }
+    fn root(&self) -> &Path {
+        self.pipeline().root()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_argument_a_call_can_give_is_taken_by_some_pipeline() {
+        let everything = GenerateCall {
+            prompt: vec!["a".into()],
+            prompt_2: Some(vec![]),
+            prompt_3: Some(vec![]),
+            negative_prompt: Some(vec![]),
+            negative_prompt_2: Some(vec![]),
+            negative_prompt_3: Some(vec![]),
+            height: Some(1),
+            width: Some(1),
+            num_inference_steps: Some(1),
+            sigmas: Some(vec![]),
+            guidance_scale: Some(1.0),
+            true_cfg_scale: Some(1.0),
+            num_images_per_prompt: Some(1),
+            seed: Some(1),
+            max_sequence_length: Some(1),
+            skip_guidance_layers: Some(vec![]),
+            skip_layer_guidance_scale: Some(1.0),
+            skip_layer_guidance_start: Some(1.0),
+            skip_layer_guidance_stop: Some(1.0),
+            clip_skip: Some(1),
+            ..Default::default()
+        };
+        let given = everything.given();
+        assert_eq!(given.len(), 20);
+        for argument in given {
+            assert!(
+                PipelineKind::ALL.iter().any(|k| k.takes(argument)),
+                "no pipeline takes {argument}"
+            );
+        }
+        for kind in PipelineKind::ALL {
+            assert!(kind.arguments().iter().all(|a| kind.takes(a)));
+        }
+    }
+
+    #[test]
+    fn an_argument_the_pipeline_does_not_take_is_named() {
+        let call = GenerateCall {
+            clip_skip: Some(1),
+            ..GenerateCall::prompt("a")
+        };
+        assert!(PipelineKind::StableDiffusion3.check_arguments(&call).is_ok());
+        let err = PipelineKind::Flux.check_arguments(&call).unwrap_err().to_string();
+        assert_eq!(err, "`clip_skip` is not an argument of FluxPipeline");
+        let call = GenerateCall {
+            true_cfg_scale: Some(2.0),
+            ..GenerateCall::prompt("a")
+        };
+        assert!(PipelineKind::Flux.check_arguments(&call).is_ok());
+        let err = PipelineKind::StableDiffusion3
+            .check_arguments(&call)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "`true_cfg_scale` is not an argument of StableDiffusion3Pipeline");
+        // A generator list counts as `seed`, which every pipeline takes.
+        assert_eq!(
+            GenerateCall {
+                seeds: Some(vec![1]),
+                ..Default::default()
+            }
+            .given(),
+            ["seed"]
+        );
+    }
+
+    #[test]
+    fn defaults_are_the_pipeline_calls_defaults() {
+        assert_eq!(
+            PipelineKind::Flux.defaults(),
+            CallDefaults {
+                height: 0,
+                width: 0,
+                num_inference_steps: 28,
+                guidance_scale: 3.5,
+                max_sequence_length: 512,
+            }
+        );
+        assert_eq!(
+            PipelineKind::StableDiffusion3.defaults(),
+            CallDefaults {
+                height: 0,
+                width: 0,
+                num_inference_steps: 28,
+                guidance_scale: 7.0,
+                max_sequence_length: 256,
+            }
+        );
+    }
+
+    #[test]
+    fn class_names_are_diffusers_and_distinct() {
+        let names: Vec<&str> = PipelineKind::ALL.iter().map(|k| k.class_name()).collect();
+        assert_eq!(names, ["FluxPipeline", "StableDiffusion3Pipeline"]);
+    }
+}
