@@ -15,12 +15,12 @@
 //! (`[N, H, W, C]`), the layout XLA:CPU's convolutions run fastest (`kiln-tensor`'s
 //! `conv_layout` bench).
 //!
-//! [`Module::visit`] names every weight as the checkpoint does; [`Model::compile`] runs the
-//! decoder as compiled programs.
+//! [`Module::visit`] names every weight as the checkpoint does; [`kiln_nn::Model::compile`] runs
+//! the decoder as compiled programs.
 
 use kiln_io::{Activation, AutoencoderKLConfig};
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::{impl_module, Args, Compiled, Conv2d, Error, GroupNorm, Linear, Model, Module, Result, Weights};
+use kiln_nn::{impl_model, impl_module, Args, Compiled, Conv2d, Error, GroupNorm, Linear, Module, Result, Weights};
 use kiln_rng::Generators;
 use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
@@ -598,21 +598,16 @@ impl_module!(AutoencoderKL {
     decode: "",
 });
 
-/// Compiled ([`Self::decode`] only; [`Self::encode`] always runs op by op): in
-/// [`kiln_nn::CompileMode::Full`] `post_quant_conv` and the whole decoder as one program,
-/// `vae.decode`; in [`kiln_nn::CompileMode::RepeatedBlocks`] every `ResnetBlock2D` of the decoder
-/// (mid and up blocks, the bulk of the work) through one compiled function, `vae.decoder.resnets`
-/// — one program per channel count and resolution, shared by the ResNets that have it (6 programs
-/// for FLUX.1's 14 ResNets) — while the convolutions around them, the mid-block attention and the
-/// upsamplers run op by op. The VAE moves whole under offload.
-impl Model for AutoencoderKL {
-    fn compiled(&self) -> &Compiled {
-        &self.compiled
-    }
-    fn compiled_mut(&mut self) -> &mut Compiled {
-        &mut self.compiled
-    }
-}
+impl_model!(
+    /// Compiled ([`AutoencoderKL::decode`] only; [`AutoencoderKL::encode`] always runs op by op):
+    /// in [`kiln_nn::CompileMode::Full`] `post_quant_conv` and the whole decoder as one program,
+    /// `vae.decode`; in [`kiln_nn::CompileMode::RepeatedBlocks`] every `ResnetBlock2D` of the
+    /// decoder (mid and up blocks, the bulk of the work) through one compiled function,
+    /// `vae.decoder.resnets` — one program per channel count and resolution, shared by the ResNets
+    /// that have it (6 programs for FLUX.1's 14 ResNets) — while the convolutions around them, the
+    /// mid-block attention and the upsamplers run op by op. The VAE moves whole under offload.
+    AutoencoderKL { compiled: compiled }
+);
 
 impl AutoencoderKL {
     /// Builds the model from `config` and the weights (diffusers names: `encoder.*`,

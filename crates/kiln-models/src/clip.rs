@@ -10,12 +10,13 @@
 //! The forward reads nothing back from the device: the pooled row of each prompt (its EOS
 //! position) is found on the host from the token ids the caller already has
 //! ([`ClipTextModel::forward_with_host_ids`]), so the same code runs op by op or compiled
-//! ([`Model::compile`]).
+//! ([`kiln_nn::Model::compile`]).
 
 use kiln_io::{Activation, ClipTextConfig};
 use kiln_nn::module::{join_name, map_child, visit_child};
 use kiln_nn::{
-    impl_module, Args, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Model, Module, Outputs, Result, Weights,
+    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Module, Outputs, Result,
+    Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Tensor};
 
@@ -288,18 +289,13 @@ impl Module for ClipTextModel {
     }
 }
 
-/// Compiled: the whole forward as `{component}` (`{component}.with_hidden_states` when it
-/// returns every hidden state), or one encoder layer as `{component}.encoder.layers`, called for
-/// every layer with its weights while the embeddings, final norm and pooling run op by op. The
-/// layers do not stream: CLIP moves whole under offload.
-impl Model for ClipTextModel {
-    fn compiled(&self) -> &Compiled {
-        &self.compiled
-    }
-    fn compiled_mut(&mut self) -> &mut Compiled {
-        &mut self.compiled
-    }
-}
+impl_model!(
+    /// Compiled: the whole forward as `{component}` (`{component}.with_hidden_states` when it
+    /// returns every hidden state), or one encoder layer as `{component}.encoder.layers`, called
+    /// for every layer with its weights while the embeddings, final norm and pooling run op by op.
+    /// The layers do not stream: CLIP moves whole under offload.
+    ClipTextModel { compiled: compiled }
+);
 
 impl ClipTextModel {
     /// Loads the text model from `text_model.*` (or unprefixed) names. `text_projection.weight`

@@ -13,12 +13,13 @@
 //! The forward reads nothing back from the device and creates no tensor from host data: the
 //! relative-position bucket of every (query, key) pair depends only on the sequence length and is
 //! computed on the host before the forward ([`T5EncoderModel::position_buckets`]), so the same
-//! code runs op by op or compiled ([`Model::compile`]).
+//! code runs op by op or compiled ([`kiln_nn::Model::compile`]).
 
 use kiln_io::{Activation, T5Config};
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::offload::BlockList;
-use kiln_nn::{impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Model, Module, Outputs, Result, Weights};
+use kiln_nn::{
+    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, Weights,
+};
 use kiln_tensor::{AttentionMask, DType, Device, Tensor};
 
 use crate::clip::{activation, check_host_ids, check_input_ids, read_input_ids, traced_input_error};
@@ -287,22 +288,18 @@ impl Module for T5EncoderModel {
     }
 }
 
-/// Compiled: the whole forward as `{component}` (`{component}.with_hidden_states` when it
-/// returns every hidden state), or one `T5Block` as `{component}.encoder.block`, called for every
-/// block with its weights while the embedding, position bias and final norm run op by op. In fp16
-/// the residual stream turns f32 after block 0, so blocks compile twice. Sequential offload streams
-/// `encoder.block` (block 0's bucket table stays with the other weights).
-impl Model for T5EncoderModel {
-    fn compiled(&self) -> &Compiled {
-        &self.compiled
+impl_model!(
+    /// Compiled: the whole forward as `{component}` (`{component}.with_hidden_states` when it
+    /// returns every hidden state), or one `T5Block` as `{component}.encoder.block`, called for
+    /// every block with its weights while the embedding, position bias and final norm run op by
+    /// op. In fp16 the residual stream turns f32 after block 0, so blocks compile twice.
+    /// Sequential offload streams `encoder.block` (block 0's bucket table stays with the other
+    /// weights).
+    T5EncoderModel {
+        compiled: compiled,
+        blocks: [block],
     }
-    fn compiled_mut(&mut self) -> &mut Compiled {
-        &mut self.compiled
-    }
-    fn block_lists(&mut self, f: &mut dyn FnMut(&mut dyn BlockList)) {
-        f(&mut self.block);
-    }
-}
+);
 
 /// The results of the whole forward: `last_hidden_state`, then `hidden_states.{i}`.
 impl Outputs for T5EncoderOutput {

@@ -6,9 +6,8 @@
 
 use kiln_io::FluxTransformer2DConfig;
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::offload::BlockList;
 use kiln_nn::{
-    impl_module, rope_tables, Args, Blocks, Compiled, Error, LayerNorm, Linear, Model, Module, Result, RmsNorm,
+    impl_model, impl_module, rope_tables, Args, Blocks, Compiled, Error, LayerNorm, Linear, Module, Result, RmsNorm,
     RopeTables, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
@@ -285,20 +284,14 @@ impl_module!(FluxTransformer2DModel {
     proj_out: "proj_out",
 });
 
-/// `transformer`, `transformer.transformer_blocks` and `transformer.single_transformer_blocks`
-/// are compiled; sequential offload streams the double blocks, then the single blocks.
-impl Model for FluxTransformer2DModel {
-    fn compiled(&self) -> &Compiled {
-        &self.compiled
+impl_model!(
+    /// `transformer`, `transformer.transformer_blocks` and `transformer.single_transformer_blocks`
+    /// are compiled; sequential offload streams the double blocks, then the single blocks.
+    FluxTransformer2DModel {
+        compiled: compiled,
+        blocks: [transformer_blocks, single_transformer_blocks],
     }
-    fn compiled_mut(&mut self) -> &mut Compiled {
-        &mut self.compiled
-    }
-    fn block_lists(&mut self, f: &mut dyn FnMut(&mut dyn BlockList)) {
-        f(&mut self.transformer_blocks);
-        f(&mut self.single_transformer_blocks);
-    }
-}
+);
 
 impl FluxTransformer2DModel {
     pub fn load(config: &FluxTransformer2DConfig, w: &Weights) -> Result<Self> {

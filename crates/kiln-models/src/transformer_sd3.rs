@@ -11,8 +11,9 @@
 
 use kiln_io::SD3Transformer2DConfig;
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::offload::BlockList;
-use kiln_nn::{impl_module, Args, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Model, Module, Result, Weights};
+use kiln_nn::{
+    impl_model, impl_module, Args, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Module, Result, Weights,
+};
 use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
 use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp};
@@ -400,20 +401,16 @@ impl_module!(SD3Transformer2DModel {
     proj_out: "proj_out",
 });
 
-/// `transformer` (`transformer.skip_layers_…` for each set of skipped blocks) and one
-/// `transformer.transformer_blocks[.kind]` per block type are compiled; sequential offload streams
-/// the joint blocks (skipped ones are not fetched).
-impl Model for SD3Transformer2DModel {
-    fn compiled(&self) -> &Compiled {
-        &self.compiled
+impl_model!(
+    /// `transformer` (`transformer.skip_layers_…` for each set of skipped blocks) and one
+    /// `transformer.transformer_blocks[.kind]` per block type are compiled (diffusers offers no
+    /// repeated-block compile for SD3); sequential offload streams the joint blocks (skipped ones
+    /// are not fetched).
+    SD3Transformer2DModel {
+        compiled: compiled,
+        blocks: [transformer_blocks],
     }
-    fn compiled_mut(&mut self) -> &mut Compiled {
-        &mut self.compiled
-    }
-    fn block_lists(&mut self, f: &mut dyn FnMut(&mut dyn BlockList)) {
-        f(&mut self.transformer_blocks);
-    }
-}
+);
 
 impl SD3Transformer2DModel {
     pub fn load(config: &SD3Transformer2DConfig, w: &Weights) -> Result<Self> {

@@ -56,6 +56,30 @@ pub trait Model: Module {
     }
 }
 
+/// Implements [`Model`] for a struct from its [`Compiled`] field and its lists of streamed
+/// [`crate::Blocks`] (in forward order, none by default):
+/// `impl_model!(Transformer { compiled: compiled, blocks: [transformer_blocks] });`.
+/// Attributes (doc comments) before the type go on the impl.
+#[macro_export]
+macro_rules! impl_model {
+    ($(#[$meta:meta])* $ty:ty { compiled: $compiled:ident $(, blocks: [$($list:ident),* $(,)?])? $(,)? }) => {
+        $(#[$meta])*
+        impl $crate::Model for $ty {
+            fn compiled(&self) -> &$crate::Compiled {
+                &self.$compiled
+            }
+            fn compiled_mut(&mut self) -> &mut $crate::Compiled {
+                &mut self.$compiled
+            }
+            $(
+                fn block_lists(&mut self, f: &mut dyn FnMut(&mut dyn $crate::offload::BlockList)) {
+                    $( f(&mut self.$list); )*
+                }
+            )?
+        }
+    };
+}
+
 /// How a model's weights are placed on the devices of a mesh for tensor parallelism. This is the
 /// hook the tensor-parallel work fills in (a plan per model, like diffusers' `_tp_plan`: which
 /// Linear is column- and which row-parallel); until then every model is replicated.
@@ -299,10 +323,7 @@ impl Compiled {
         inputs: Args,
         forward: impl FnOnce(&M, &Args) -> Result<O>,
     ) -> Result<O> {
-        match self.mode {
-            CompileMode::Full => self.call(name, model, inputs, forward),
-            _ => forward(model, &inputs),
-        }
+        self.call_in(CompileMode::Full, name, model, inputs, forward)
     }
 
     /// One repeated block: `forward(block, inputs)`, in [`CompileMode::RepeatedBlocks`] as
@@ -315,9 +336,22 @@ impl Compiled {
         inputs: Args,
         forward: impl FnOnce(&M, &Args) -> Result<O>,
     ) -> Result<O> {
-        match self.mode {
-            CompileMode::RepeatedBlocks => self.call(name, block, inputs, forward),
-            _ => forward(block, &inputs),
+        self.call_in(CompileMode::RepeatedBlocks, name, block, inputs, forward)
+    }
+
+    /// [`Self::call`] in `mode`, else `forward(module, inputs)` directly.
+    fn call_in<M: Module + Clone, O: Outputs>(
+        &self,
+        mode: CompileMode,
+        name: &str,
+        module: &M,
+        inputs: Args,
+        forward: impl FnOnce(&M, &Args) -> Result<O>,
+    ) -> Result<O> {
+        if self.mode == mode {
+            self.call(name, module, inputs, forward)
+        } else {
+            forward(module, &inputs)
         }
     }
 
@@ -353,5 +387,62 @@ impl Compiled {
             .clone()
             .expect("a program's result names are kept when it is traced");
         O::from_args(Args::from_parts(out_names, results))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_tensor::Device;
+
+    fn scalar(v: f32, d: &Device) -> Tensor {
+        Tensor::from_slice(&[v], [1], d).unwrap()
+    }
+
+    fn value(t: &Tensor) -> f32 {
+        t.to_f32_vec().unwrap()[0]
+    }
+
+    #[test]
+    fn args_keep_their_order_replace_by_name_and_name_what_is_missing() {
+        let d = Device::cpu().expect("the CPU PJRT plugin must be installed");
+        let mut args = Args::new()
+            .with("x", &scalar(1.0, &d))
+            .with_opt("none", None)
+            .with("y", &scalar(2.0, &d));
+        args.insert("x", scalar(3.0, &d));
+        args.insert_list("h", [scalar(4.0, &d), scalar(5.0, &d)]);
+        assert_eq!(args.names().collect::<Vec<_>>(), ["x", "y", "h.0", "h.1"]);
+        assert_eq!(value(args.get("x").unwrap()), 3.0);
+        assert!(args.opt("none").is_none());
+        let err = args.get("z").unwrap_err().to_string();
+        assert!(err.contains("no tensor named `z` among [x, y, h.0, h.1]"), "{err}");
+        assert_eq!(args.take_list("h").iter().map(value).collect::<Vec<_>>(), [4.0, 5.0]);
+        assert_eq!(value(&args.take("y").unwrap()), 2.0);
+        assert_eq!(args.len(), 1);
+    }
+
+    /// A compiled call returns its results under the names of the traced forward, also when it
+    /// hits the program and does not run the forward.
+    #[test]
+    fn compiled_results_keep_their_names_on_a_hit() {
+        let d = Device::cpu().expect("the CPU PJRT plugin must be installed");
+        let weight = scalar(10.0, &d);
+        let compiled = Compiled::new("test");
+        let run = |x: f32| -> Args {
+            compiled
+                .call("f", &weight, Args::new().with("x", &scalar(x, &d)), |w, a| {
+                    let x = a.get("x")?;
+                    Ok(Args::new().with("sum", &x.add(w)?).with("product", &x.mul(w)?))
+                })
+                .unwrap()
+        };
+        for x in [1.0, 2.0] {
+            let out = run(x);
+            assert_eq!(out.names().collect::<Vec<_>>(), ["sum", "product"]);
+            assert_eq!(value(out.get("sum").unwrap()), x + 10.0);
+            assert_eq!(value(out.get("product").unwrap()), x * 10.0);
+        }
+        assert_eq!(compiled.programs(), 1);
     }
 }

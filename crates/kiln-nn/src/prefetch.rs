@@ -154,3 +154,100 @@ impl<K: PartialEq> Prefetcher<K> {
         self.log.released(&name, bytes);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::OffloadEvent::{self, Await, Release, Transfer};
+
+    /// Moves named things of 1 byte and no weights, counting the releases it is told of.
+    #[derive(Default)]
+    struct Names {
+        released: Vec<&'static str>,
+    }
+
+    impl Mover<&'static str> for Names {
+        fn transfer(&mut self, key: &&'static str) -> Result<Placed> {
+            Ok(Placed {
+                name: key.to_string(),
+                weights: Vec::new(),
+                bytes: 1,
+            })
+        }
+        fn released(&mut self, key: &&'static str) {
+            self.released.push(key);
+        }
+    }
+
+    fn events(order: Order, steps: impl FnOnce(&mut Prefetcher<&'static str>, &mut Names)) -> Vec<OffloadEvent> {
+        let log = OffloadLog::new();
+        log.set_recording(true);
+        let mut p = Prefetcher::new(order, log.clone());
+        let mut names = Names::default();
+        steps(&mut p, &mut names);
+        assert_eq!(log.weight_bytes(), 0, "every transfer is released in the end");
+        log.events()
+    }
+
+    fn t(s: &str) -> OffloadEvent {
+        Transfer(s.into())
+    }
+    fn a(s: &str) -> OffloadEvent {
+        Await(s.into())
+    }
+    fn r(s: &str) -> OffloadEvent {
+        Release(s.into())
+    }
+
+    /// The entered thing comes from the prefetched slot; the previous one is awaited and released
+    /// before the next transfer; entering the current thing again changes nothing.
+    #[test]
+    fn a_prefetched_thing_is_entered_without_a_new_transfer() {
+        for order in [Order::ReleaseFirst, Order::TransferFirst] {
+            let got = events(order, |p, m| {
+                p.enter("a", &[], m).unwrap();
+                p.prefetch("b", m).unwrap();
+                p.prefetch("b", m).unwrap();
+                p.prefetch("a", m).unwrap();
+                p.enter("b", &[], m).unwrap();
+                p.enter("b", &[], m).unwrap();
+                p.finish(m);
+            });
+            assert_eq!(got, [t("a"), t("b"), a("a"), r("a"), r("b")], "{order:?}");
+        }
+    }
+
+    /// Entering something that was not prefetched: the prefetched other thing is released, and the
+    /// previous one leaves before (components) or after (blocks) the new transfer is issued.
+    #[test]
+    fn the_order_says_when_the_previous_thing_leaves() {
+        let steps = |p: &mut Prefetcher<&'static str>, m: &mut Names| {
+            p.enter("a", &[], m).unwrap();
+            p.prefetch("b", m).unwrap();
+            p.enter("c", &[], m).unwrap();
+            p.finish(m);
+            assert_eq!(m.released.len(), 3);
+        };
+        assert_eq!(
+            events(Order::ReleaseFirst, steps),
+            [t("a"), t("b"), a("a"), r("a"), r("b"), t("c"), r("c")]
+        );
+        assert_eq!(
+            events(Order::TransferFirst, steps),
+            [t("a"), t("b"), r("b"), t("c"), a("a"), r("a"), r("c")]
+        );
+    }
+
+    /// A new prefetch replaces another prefetched thing.
+    #[test]
+    fn prefetching_another_thing_releases_the_first() {
+        let got = events(Order::ReleaseFirst, |p, m| {
+            p.enter("a", &[], m).unwrap();
+            p.prefetch("b", m).unwrap();
+            p.prefetch("c", m).unwrap();
+            p.finish(m);
+            assert_eq!(m.released, ["b", "a", "c"]);
+        });
+        assert_eq!(got, [t("a"), t("b"), r("b"), t("c"), r("a"), r("c")]);
+    }
+}

@@ -3,8 +3,10 @@
 //! compiled blocks; the device holds at most two blocks (kiln's count of live device bytes);
 //! each block's transfer is issued before the previous block's computation is awaited.
 
-use kiln_nn::offload::{move_weights, onload, stop_streaming, stream_blocks, with_weights, BlockList};
-use kiln_nn::{impl_module, Args, Blocks, CompileMode, Compiled, Linear, Model as _, OffloadEvent, OffloadLog};
+use kiln_nn::offload::{move_weights, onload, stop_streaming, stream_blocks, with_weights};
+use kiln_nn::{
+    impl_model, impl_module, Args, Blocks, CompileMode, Compiled, Linear, Model as _, OffloadEvent, OffloadLog,
+};
 use kiln_tensor::{reset_thread_peak_device_memory, thread_device_memory, DType, Device, MemoryKind, Tensor};
 
 const WIDTH: usize = 256;
@@ -29,17 +31,10 @@ impl_module!(Model {
     head: "head",
 });
 
-impl kiln_nn::Model for Model {
-    fn compiled(&self) -> &Compiled {
-        &self.compiled
-    }
-    fn compiled_mut(&mut self) -> &mut Compiled {
-        &mut self.compiled
-    }
-    fn block_lists(&mut self, f: &mut dyn FnMut(&mut dyn BlockList)) {
-        f(&mut self.blocks);
-    }
-}
+impl_model!(Model {
+    compiled: compiled,
+    blocks: [blocks],
+});
 
 fn linear(seed: usize, d: &Device) -> Linear {
     let w: Vec<f32> = (0..WIDTH * WIDTH)
