@@ -15,16 +15,14 @@
 //! (`[N, H, W, C]`), the layout XLA:CPU's convolutions run fastest (`kiln-tensor`'s
 //! `conv_layout` bench).
 //!
-//! [`Module::visit`] names every weight as the checkpoint does; [`AutoencoderKL::compile`] runs
+//! [`Module::visit`] names every weight as the checkpoint does; [`kiln_nn::Model::compile`] runs
 //! the decoder as compiled programs.
-
-use std::sync::Arc;
 
 use kiln_io::{Activation, AutoencoderKLConfig};
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::{call_compiled, impl_module, CompileMode, Conv2d, Error, GroupNorm, Linear, Module, Result, Weights};
+use kiln_nn::{impl_model, impl_module, Args, Compiled, Conv2d, Error, GroupNorm, Linear, Module, Result, Weights};
 use kiln_rng::Generators;
-use kiln_tensor::{AttentionMask, CompiledFunction, Conv2dParams, DType, Tensor};
+use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
 /// diffusers' `Encoder`/`Decoder` pass `resnet_eps=1e-6` to every block; `conv_norm_out` and the
 /// mid-block attention's GroupNorm use the same value.
@@ -151,17 +149,14 @@ impl ResnetBlock2D {
     }
 }
 
-/// Runs `resnet` op by op, or as `compiled` (one program per input signature, shared by every
-/// ResNet of that signature) when given.
-fn run_resnet(resnet: &ResnetBlock2D, x: &Tensor, compiled: Option<&CompiledFunction>) -> Result<Tensor> {
+/// Runs `resnet` op by op, or with `compiled` (the decoder's) as the repeated block
+/// `decoder.resnets` (one program per input signature, shared by every ResNet of that signature).
+fn run_resnet(resnet: &ResnetBlock2D, x: &Tensor, compiled: Option<&Compiled>) -> Result<Tensor> {
     match compiled {
         None => resnet.forward(x),
-        Some(compiled) => {
-            let mut out = call_compiled(compiled, resnet, std::slice::from_ref(x), |r, t| {
-                Ok(vec![r.forward(&t[0])?])
-            })?;
-            Ok(out.remove(0))
-        }
+        Some(compiled) => compiled.block("decoder.resnets", resnet, Args::new().with("x", x), |r, a| {
+            r.forward(a.get("x")?)
+        }),
     }
 }
 
@@ -277,7 +272,7 @@ impl UNetMidBlock2D {
     }
 
     /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
-    fn forward(&self, x: &Tensor, resnet: Option<&CompiledFunction>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, resnet: Option<&Compiled>) -> Result<Tensor> {
         let mut x = run_resnet(&self.resnets[0], x, resnet)?;
         if let Some(attention) = &self.attention {
             x = attention.forward(&x)?;
@@ -360,7 +355,7 @@ impl ResnetStack {
     }
 
     /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
-    fn forward(&self, x: &Tensor, resnet: Option<&CompiledFunction>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, resnet: Option<&Compiled>) -> Result<Tensor> {
         let mut x = x.clone();
         for r in &self.resnets {
             x = run_resnet(r, &x, resnet)?;
@@ -505,7 +500,7 @@ impl Decoder {
     }
 
     /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
-    fn forward(&self, z: &Tensor, resnet: Option<&CompiledFunction>) -> Result<Tensor> {
+    fn forward(&self, z: &Tensor, resnet: Option<&Compiled>) -> Result<Tensor> {
         let sample = self.conv_in.forward_channels_last(z)?;
         let mut sample = self.mid_block.forward(&sample, resnet)?;
         for up_block in &self.up_blocks {
@@ -517,7 +512,7 @@ impl Decoder {
 }
 
 /// What decoding runs: `post_quant_conv` (when the config has it) and the decoder; the unit
-/// [`CompileMode::Full`] compiles, so that its program's parameters are these weights only.
+/// [`kiln_nn::CompileMode::Full`] compiles, so that its program's parameters are these weights only.
 #[derive(Clone, Debug)]
 struct DecodePath {
     post_quant_conv: Option<Conv2d>,
@@ -531,7 +526,7 @@ impl_module!(DecodePath {
 
 impl DecodePath {
     /// `z` NCHW → image NCHW.
-    fn forward(&self, z: &Tensor, resnet: Option<&CompiledFunction>) -> Result<Tensor> {
+    fn forward(&self, z: &Tensor, resnet: Option<&Compiled>) -> Result<Tensor> {
         let z = z.permute(&CHANNELS_LAST)?;
         let z = match &self.post_quant_conv {
             Some(conv) => conv.forward_channels_last(&z)?,
@@ -592,8 +587,7 @@ pub struct AutoencoderKL {
     quant_conv: Option<Conv2d>,
     /// `post_quant_conv` and `decoder`.
     decode: DecodePath,
-    compile_mode: CompileMode,
-    programs: Arc<Programs>,
+    compiled: Compiled,
 }
 
 // Every weight under its checkpoint name: `encoder.*`, `quant_conv.*`, `post_quant_conv.*`,
@@ -604,23 +598,16 @@ impl_module!(AutoencoderKL {
     decode: "",
 });
 
-/// The compiled functions of one VAE (each keeps a program per input signature).
-#[derive(Debug)]
-struct Programs {
-    /// `post_quant_conv` and the whole decoder.
-    decode: CompiledFunction,
-    /// One `ResnetBlock2D` of the decoder: a program per channel count and resolution.
-    decoder_resnet: CompiledFunction,
-}
-
-impl Programs {
-    fn new() -> Arc<Programs> {
-        Arc::new(Programs {
-            decode: CompiledFunction::new("vae.decode"),
-            decoder_resnet: CompiledFunction::new("vae.decoder.resnets"),
-        })
-    }
-}
+impl_model!(
+    /// Compiled ([`AutoencoderKL::decode`] only; [`AutoencoderKL::encode`] always runs op by op):
+    /// in [`kiln_nn::CompileMode::Full`] `post_quant_conv` and the whole decoder as one program,
+    /// `vae.decode`; in [`kiln_nn::CompileMode::RepeatedBlocks`] every `ResnetBlock2D` of the
+    /// decoder (mid and up blocks, the bulk of the work) through one compiled function,
+    /// `vae.decoder.resnets` — one program per channel count and resolution, shared by the ResNets
+    /// that have it (6 programs for FLUX.1's 14 ResNets) — while the convolutions around them, the
+    /// mid-block attention and the upsamplers run op by op. The VAE moves whole under offload.
+    AutoencoderKL { compiled: compiled }
+);
 
 impl AutoencoderKL {
     /// Builds the model from `config` and the weights (diffusers names: `encoder.*`,
@@ -671,25 +658,8 @@ impl AutoencoderKL {
                 post_quant_conv,
                 decoder,
             },
-            compile_mode: CompileMode::None,
-            programs: Programs::new(),
+            compiled: Compiled::new("vae"),
         })
-    }
-
-    /// Runs [`Self::decode`] as compiled programs from now on, or op by op again
-    /// ([`CompileMode::None`]). [`CompileMode::Full`]: `post_quant_conv` and the whole decoder as
-    /// one program. [`CompileMode::RepeatedBlocks`]: every `ResnetBlock2D` of the decoder (mid and
-    /// up blocks, the bulk of the work) through one compiled function — one program per channel
-    /// count and resolution, shared by the ResNets that have it (6 programs for FLUX.1's 14
-    /// ResNets); the convolutions around them, the mid-block attention and the upsamplers run op
-    /// by op. Programs are compiled on the first call with each latent shape and kept, also by
-    /// clones of this model. [`Self::encode`] always runs op by op.
-    pub fn compile(&mut self, mode: CompileMode) {
-        self.compile_mode = mode;
-    }
-
-    pub fn compile_mode(&self) -> CompileMode {
-        self.compile_mode
     }
 
     pub fn config(&self) -> &AutoencoderKLConfig {
@@ -711,16 +681,10 @@ impl AutoencoderKL {
     /// shift: the pipeline de-normalises the latents first.
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.check_input("AutoencoderKL::decode", "latent", z, self.config.latent_channels)?;
-        match self.compile_mode {
-            CompileMode::None => self.decode.forward(z, None),
-            CompileMode::RepeatedBlocks => self.decode.forward(z, Some(&self.programs.decoder_resnet)),
-            CompileMode::Full => {
-                let mut out = call_compiled(&self.programs.decode, &self.decode, std::slice::from_ref(z), |d, t| {
-                    Ok(vec![d.forward(&t[0], None)?])
-                })?;
-                Ok(out.remove(0))
-            }
-        }
+        let compiled = &self.compiled;
+        compiled.whole("decode", &self.decode, Args::new().with("z", z), |d, a| {
+            d.forward(a.get("z")?, Some(compiled))
+        })
     }
 
     /// Image `x` `[B, in_channels, H, W]` in [-1, 1] → the latent distribution, with

@@ -10,14 +10,15 @@
 //! The forward reads nothing back from the device: the pooled row of each prompt (its EOS
 //! position) is found on the host from the token ids the caller already has
 //! ([`ClipTextModel::forward_with_host_ids`]), so the same code runs op by op or compiled
-//! ([`ClipTextModel::compile`]).
-
-use std::sync::Arc;
+//! ([`kiln_nn::Model::compile`]).
 
 use kiln_io::{Activation, ClipTextConfig};
 use kiln_nn::module::{join_name, map_child, visit_child};
-use kiln_nn::{call_compiled, impl_module, CompileMode, Embedding, Error, LayerNorm, Linear, Module, Result, Weights};
-use kiln_tensor::{AttentionMask, CompiledFunction, DType, Tensor};
+use kiln_nn::{
+    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Module, Outputs, Result,
+    Weights,
+};
+use kiln_tensor::{AttentionMask, DType, Tensor};
 
 /// transformers' `ACT2FN[act]` with torch's rounding points for 16-bit tensors: activations that
 /// transformers writes as Python expressions (`gelu_new`, `gelu_fast`, `quick_gelu`) round after
@@ -260,11 +261,10 @@ pub struct ClipTextModel {
     prefix: &'static str,
     token_embedding: Embedding,
     position_embedding: Embedding,
-    layers: Vec<ClipEncoderLayer>,
+    layers: Blocks<ClipEncoderLayer>,
     final_layer_norm: LayerNorm,
     text_projection: Option<Linear>,
-    compile_mode: CompileMode,
-    programs: Arc<Programs>,
+    compiled: Compiled,
 }
 
 /// Every weight under its name in the checkpoint the model was loaded from (with or without the
@@ -289,26 +289,13 @@ impl Module for ClipTextModel {
     }
 }
 
-/// The compiled functions of one CLIP text model (each keeps a program per input signature).
-#[derive(Debug)]
-struct Programs {
-    /// The whole forward, without and with every hidden state among the results.
-    full: [CompiledFunction; 2],
-    /// One encoder layer, called for every layer with its weights.
-    layer: CompiledFunction,
-}
-
-impl Programs {
-    fn new(component: &str) -> Arc<Programs> {
-        Arc::new(Programs {
-            full: [
-                CompiledFunction::new(component),
-                CompiledFunction::new(format!("{component}.with_hidden_states")),
-            ],
-            layer: CompiledFunction::new(format!("{component}.encoder.layers")),
-        })
-    }
-}
+impl_model!(
+    /// Compiled: the whole forward as `{component}` (`{component}.with_hidden_states` when it
+    /// returns every hidden state), or one encoder layer as `{component}.encoder.layers`, called
+    /// for every layer with its weights while the embeddings, final norm and pooling run op by op.
+    /// The layers do not stream: CLIP moves whole under offload.
+    ClipTextModel { compiled: compiled }
+);
 
 impl ClipTextModel {
     /// Loads the text model from `text_model.*` (or unprefixed) names. `text_projection.weight`
@@ -341,6 +328,7 @@ impl ClipTextModel {
         let layers = (0..config.num_hidden_layers)
             .map(|i| ClipEncoderLayer::load(&w.pp(format!("encoder.layers.{i}")), config))
             .collect::<Result<_>>()?;
+        let layers = Blocks::new("encoder.layers", layers);
         let with_projection = config.architectures.iter().any(|a| a == "CLIPTextModelWithProjection");
         let projection = weights.pp("text_projection");
         let text_projection = if with_projection || projection.contains("weight") {
@@ -350,7 +338,7 @@ impl ClipTextModel {
         };
         Ok(ClipTextModel {
             config: config.clone(),
-            programs: Programs::new(&component),
+            compiled: Compiled::new(&component),
             component,
             prefix,
             token_embedding: Embedding::load(&w.pp("embeddings.token_embedding"), config.vocab_size, d)?,
@@ -362,7 +350,6 @@ impl ClipTextModel {
             layers,
             final_layer_norm: LayerNorm::load(&w.pp("final_layer_norm"), d, config.layer_norm_eps)?,
             text_projection,
-            compile_mode: CompileMode::None,
         })
     }
 
@@ -373,19 +360,6 @@ impl ClipTextModel {
     /// Whether `text_projection` was loaded (`CLIPTextModelWithProjection`).
     pub fn has_projection(&self) -> bool {
         self.text_projection.is_some()
-    }
-
-    /// Runs the forward as compiled programs from now on — [`CompileMode::Full`]: the whole
-    /// forward as one program; [`CompileMode::RepeatedBlocks`]: one program for the encoder layer,
-    /// called for every layer with its weights, the embeddings, final norm and pooling op by op —
-    /// or op by op again ([`CompileMode::None`]). Programs are compiled on the first call with each
-    /// input shape (and each `output_hidden_states`) and kept, also by clones of this model.
-    pub fn compile(&mut self, mode: CompileMode) {
-        self.compile_mode = mode;
-    }
-
-    pub fn compile_mode(&self) -> CompileMode {
-        self.compile_mode
     }
 
     /// Encodes token ids `[B, L]` (integer, `L ≤ max_position_embeddings`), with no attention mask.
@@ -452,16 +426,13 @@ impl ClipTextModel {
                 ),
             ));
         }
-        if self.compile_mode != CompileMode::Full {
-            return self.forward_graph(input_ids, pooled_rows, output_hidden_states);
-        }
-        let program = &self.programs.full[usize::from(output_hidden_states)];
-        let args = [input_ids.clone(), pooled_rows.clone()];
-        let out = call_compiled(program, self, &args, |m, t| {
-            m.forward_graph(&t[0], &t[1], output_hidden_states)
-                .map(ClipTextOutput::into_vec)
-        })?;
-        Ok(ClipTextOutput::from_vec(out, self.has_projection()))
+        let program = if output_hidden_states { "with_hidden_states" } else { "" };
+        let args = Args::new()
+            .with("input_ids", input_ids)
+            .with("pooled_rows", pooled_rows);
+        self.compiled.whole(program, self, args, |m, a| {
+            m.forward_graph(a.get("input_ids")?, a.get("pooled_rows")?, output_hidden_states)
+        })
     }
 
     fn check_seq_len(&self, l: usize) -> Result<()> {
@@ -477,7 +448,8 @@ impl ClipTextModel {
         Ok(())
     }
 
-    /// The forward's ops, with each layer compiled on its own in [`CompileMode::RepeatedBlocks`].
+    /// The forward's ops, each layer run through the list (compiled on its own in
+    /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(
         &self,
         input_ids: &Tensor,
@@ -487,20 +459,15 @@ impl ClipTextModel {
         let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
         let positions = self.position_embedding.weight.narrow(0, 0, l)?; // [l, d]
         let mut hidden_states = self.token_embedding.forward(input_ids)?.add(&positions)?; // [b, l, d]
-        let per_layer = self.compile_mode == CompileMode::RepeatedBlocks;
         let mut all_hidden_states = Vec::new();
-        for layer in &self.layers {
+        for i in 0..self.layers.len() {
             if output_hidden_states {
                 all_hidden_states.push(hidden_states.clone());
             }
-            hidden_states = if per_layer {
-                let mut out = call_compiled(&self.programs.layer, layer, &[hidden_states], |layer, t| {
-                    Ok(vec![layer.forward(&t[0])?])
-                })?;
-                out.remove(0)
-            } else {
-                layer.forward(&hidden_states)?
-            };
+            let args = Args::new().with("hidden_states", &hidden_states);
+            hidden_states = self.layers.run(&self.compiled, i, args, |layer, a| {
+                layer.forward(a.get("hidden_states")?)
+            })?;
         }
         if output_hidden_states {
             all_hidden_states.push(hidden_states.clone());
@@ -522,28 +489,32 @@ impl ClipTextModel {
     }
 }
 
-impl ClipTextOutput {
-    /// `[last_hidden_state, pooler_output, text_embeds?, hidden_states...]`: a compiled program's
-    /// results.
-    fn into_vec(self) -> Vec<Tensor> {
-        let mut v = vec![self.last_hidden_state, self.pooler_output];
-        v.extend(self.text_embeds);
-        v.extend(self.hidden_states);
-        v
+/// The results of the whole forward: `last_hidden_state`, `pooler_output`, `text_embeds` (with a
+/// projection), then `hidden_states.{i}`.
+impl Outputs for ClipTextOutput {
+    fn into_args(self) -> Args {
+        let mut args = Args::new()
+            .with("last_hidden_state", &self.last_hidden_state)
+            .with("pooler_output", &self.pooler_output)
+            .with_opt("text_embeds", self.text_embeds.as_ref());
+        args.insert_list("hidden_states", self.hidden_states);
+        args
     }
-
-    fn from_vec(v: Vec<Tensor>, has_projection: bool) -> Self {
-        let mut it = v.into_iter();
-        let mut next = || it.next().expect("the program returns the outputs it was traced with");
-        let last_hidden_state = next();
-        let pooler_output = next();
-        let text_embeds = has_projection.then(&mut next);
-        ClipTextOutput {
+    fn from_args(mut args: Args) -> Result<Self> {
+        let last_hidden_state = args.take("last_hidden_state")?;
+        let pooler_output = args.take("pooler_output")?;
+        let text_embeds = args
+            .opt("text_embeds")
+            .is_some()
+            .then(|| args.take("text_embeds"))
+            .transpose()?;
+        let hidden_states = args.take_list("hidden_states");
+        Ok(ClipTextOutput {
             last_hidden_state,
             pooler_output,
             text_embeds,
-            hidden_states: it.collect(),
-        }
+            hidden_states,
+        })
     }
 }
 

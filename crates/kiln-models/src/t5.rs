@@ -13,17 +13,14 @@
 //! The forward reads nothing back from the device and creates no tensor from host data: the
 //! relative-position bucket of every (query, key) pair depends only on the sequence length and is
 //! computed on the host before the forward ([`T5EncoderModel::position_buckets`]), so the same
-//! code runs op by op or compiled ([`T5EncoderModel::compile`]).
-
-use std::sync::Arc;
+//! code runs op by op or compiled ([`kiln_nn::Model::compile`]).
 
 use kiln_io::{Activation, T5Config};
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::offload::BlockList;
 use kiln_nn::{
-    call_compiled, impl_module, Blocks, CompileMode, Embedding, Error, Linear, Module, Result, StreamBlocks, Weights,
+    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, Weights,
 };
-use kiln_tensor::{AttentionMask, CompiledFunction, DType, Device, Tensor};
+use kiln_tensor::{AttentionMask, DType, Device, Tensor};
 
 use crate::clip::{activation, check_host_ids, check_input_ids, read_input_ids, traced_input_error};
 
@@ -270,8 +267,7 @@ pub struct T5EncoderModel {
     relative_attention_bias: Embedding,
     block: Blocks<T5Block>,
     final_layer_norm: T5LayerNorm,
-    compile_mode: CompileMode,
-    programs: Arc<Programs>,
+    compiled: Compiled,
 }
 
 /// Every weight under its name in the checkpoint the model was loaded from (the token embedding
@@ -292,36 +288,38 @@ impl Module for T5EncoderModel {
     }
 }
 
-/// Sequential offload streams `encoder.block` (block 0's bucket table stays with the other weights).
-impl StreamBlocks for T5EncoderModel {
-    fn block_lists(&mut self, f: &mut dyn FnMut(&str, &mut dyn BlockList)) {
-        f("encoder.block", &mut self.block);
+impl_model!(
+    /// Compiled: the whole forward as `{component}` (`{component}.with_hidden_states` when it
+    /// returns every hidden state), or one `T5Block` as `{component}.encoder.block`, called for
+    /// every block with its weights while the embedding, position bias and final norm run op by
+    /// op. In fp16 the residual stream turns f32 after block 0, so blocks compile twice.
+    /// Sequential offload streams `encoder.block` (block 0's bucket table stays with the other
+    /// weights).
+    T5EncoderModel {
+        compiled: compiled,
+        blocks: [block],
+    }
+);
+
+/// The results of the whole forward: `last_hidden_state`, then `hidden_states.{i}`.
+impl Outputs for T5EncoderOutput {
+    fn into_args(self) -> Args {
+        let mut args = Args::new().with("last_hidden_state", &self.last_hidden_state);
+        args.insert_list("hidden_states", self.hidden_states);
+        args
+    }
+    fn from_args(mut args: Args) -> Result<Self> {
+        let last_hidden_state = args.take("last_hidden_state")?;
+        let hidden_states = args.take_list("hidden_states");
+        Ok(T5EncoderOutput {
+            last_hidden_state,
+            hidden_states,
+        })
     }
 }
 
 /// Block 0's bucket table, which every block uses.
 const RELATIVE_ATTENTION_BIAS: &str = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias";
-
-/// The compiled functions of one T5 encoder (each keeps a program per input signature).
-#[derive(Debug)]
-struct Programs {
-    /// The whole forward, without and with every hidden state among the results.
-    full: [CompiledFunction; 2],
-    /// One `T5Block`, called for every block with its weights.
-    block: CompiledFunction,
-}
-
-impl Programs {
-    fn new(component: &str) -> Arc<Programs> {
-        Arc::new(Programs {
-            full: [
-                CompiledFunction::new(component),
-                CompiledFunction::new(format!("{component}.with_hidden_states")),
-            ],
-            block: CompiledFunction::new(format!("{component}.encoder.block")),
-        })
-    }
-}
 
 impl T5EncoderModel {
     /// Loads `shared.weight` (or its tied alias `encoder.embed_tokens.weight`) and `encoder.*`.
@@ -365,35 +363,21 @@ impl T5EncoderModel {
         let block = (0..config.num_layers)
             .map(|i| T5Block::load(&encoder.pp(format!("block.{i}")), config))
             .collect::<Result<_>>()?;
+        let block = Blocks::new("encoder.block", block);
         Ok(T5EncoderModel {
             config: config.clone(),
-            programs: Programs::new(&component),
+            compiled: Compiled::new(&component),
             component,
             embedding_name,
             shared,
             relative_attention_bias,
             block,
             final_layer_norm: T5LayerNorm::load(&encoder.pp("final_layer_norm"), d, config.layer_norm_epsilon)?,
-            compile_mode: CompileMode::None,
         })
     }
 
     pub fn config(&self) -> &T5Config {
         &self.config
-    }
-
-    /// Runs the forward as compiled programs from now on — [`CompileMode::Full`]: the whole
-    /// forward as one program; [`CompileMode::RepeatedBlocks`]: one program for the `T5Block`,
-    /// called for every block with its weights, the embedding, position bias and final norm op by
-    /// op — or op by op again ([`CompileMode::None`]). Programs are compiled on the first call
-    /// with each input shape (and each `output_hidden_states`) and kept, also by clones of this
-    /// model. In fp16 the residual stream turns f32 after block 0, so blocks compile twice.
-    pub fn compile(&mut self, mode: CompileMode) {
-        self.compile_mode = mode;
-    }
-
-    pub fn compile_mode(&self) -> CompileMode {
-        self.compile_mode
     }
 
     /// The bucket indices `[L, L]` (i64, `[query, key]`) of the relative-position bias for
@@ -479,25 +463,17 @@ impl T5EncoderModel {
                 ),
             });
         }
-        if self.compile_mode != CompileMode::Full {
-            return self.forward_graph(input_ids, position_buckets, output_hidden_states);
-        }
-        let program = &self.programs.full[usize::from(output_hidden_states)];
-        let args = [input_ids.clone(), position_buckets.clone()];
-        let mut out = call_compiled(program, self, &args, |m, t| {
-            let out = m.forward_graph(&t[0], &t[1], output_hidden_states)?;
-            let mut v = vec![out.last_hidden_state];
-            v.extend(out.hidden_states);
-            Ok(v)
-        })?;
-        let last_hidden_state = out.remove(0);
-        Ok(T5EncoderOutput {
-            last_hidden_state,
-            hidden_states: out,
+        let program = if output_hidden_states { "with_hidden_states" } else { "" };
+        let args = Args::new()
+            .with("input_ids", input_ids)
+            .with("position_buckets", position_buckets);
+        self.compiled.whole(program, self, args, |m, a| {
+            m.forward_graph(a.get("input_ids")?, a.get("position_buckets")?, output_hidden_states)
         })
     }
 
-    /// The forward's ops, with each block compiled on its own in [`CompileMode::RepeatedBlocks`].
+    /// The forward's ops, each block run through the list (streamed, or compiled on its own in
+    /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(
         &self,
         input_ids: &Tensor,
@@ -506,23 +482,17 @@ impl T5EncoderModel {
     ) -> Result<T5EncoderOutput> {
         let position_bias = self.position_bias_from_buckets(position_buckets)?;
         let mut hidden_states = self.shared.forward(input_ids)?; // [b, l, d_model]
-        let per_block = self.compile_mode == CompileMode::RepeatedBlocks;
         let mut all_hidden_states = Vec::new();
         for i in 0..self.block.len() {
-            let block = self.block.get(i, &[&hidden_states])?;
-            let block = &*block;
             if output_hidden_states {
                 all_hidden_states.push(hidden_states.clone());
             }
-            hidden_states = if per_block {
-                let args = [hidden_states, position_bias.clone()];
-                let mut out = call_compiled(&self.programs.block, block, &args, |block, t| {
-                    Ok(vec![block.forward(&t[0], &t[1])?])
-                })?;
-                out.remove(0)
-            } else {
-                block.forward(&hidden_states, &position_bias)?
-            };
+            let args = Args::new()
+                .with("hidden_states", &hidden_states)
+                .with("position_bias", &position_bias);
+            hidden_states = self.block.run(&self.compiled, i, args, |block, a| {
+                block.forward(a.get("hidden_states")?, a.get("position_bias")?)
+            })?;
         }
         let last_hidden_state = self.final_layer_norm.forward(&hidden_states)?;
         if output_hidden_states {

@@ -4,16 +4,13 @@
 //!
 //! Layout inside attention is heads-first `[batch, heads, seq, head_dim]`, text tokens first.
 
-use std::sync::Arc;
-
 use kiln_io::FluxTransformer2DConfig;
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::offload::BlockList;
 use kiln_nn::{
-    call_compiled, impl_module, rope_tables, Blocks, CompileMode, Error, LayerNorm, Linear, Module, Result, RmsNorm,
-    RopeTables, StreamBlocks, Weights,
+    impl_model, impl_module, rope_tables, Args, Blocks, Compiled, Error, LayerNorm, Linear, Module, Result, RmsNorm,
+    RopeTables, Weights,
 };
-use kiln_tensor::{AttentionMask, CompiledFunction, DType, Device, RopeLayout, Tensor};
+use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
 use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp};
 
@@ -274,8 +271,7 @@ pub struct FluxTransformer2DModel {
     single_transformer_blocks: Blocks<FluxSingleTransformerBlock>,
     norm_out: Linear,
     proj_out: Linear,
-    compile_mode: CompileMode,
-    programs: Arc<Programs>,
+    compiled: Compiled,
 }
 
 impl_module!(FluxTransformer2DModel {
@@ -288,31 +284,14 @@ impl_module!(FluxTransformer2DModel {
     proj_out: "proj_out",
 });
 
-/// Sequential offload streams the double blocks, then the single blocks.
-impl StreamBlocks for FluxTransformer2DModel {
-    fn block_lists(&mut self, f: &mut dyn FnMut(&str, &mut dyn BlockList)) {
-        f("transformer_blocks", &mut self.transformer_blocks);
-        f("single_transformer_blocks", &mut self.single_transformer_blocks);
+impl_model!(
+    /// `transformer`, `transformer.transformer_blocks` and `transformer.single_transformer_blocks`
+    /// are compiled; sequential offload streams the double blocks, then the single blocks.
+    FluxTransformer2DModel {
+        compiled: compiled,
+        blocks: [transformer_blocks, single_transformer_blocks],
     }
-}
-
-/// The compiled functions of one transformer (each keeps a program per input signature).
-#[derive(Debug)]
-struct Programs {
-    full: CompiledFunction,
-    double_block: CompiledFunction,
-    single_block: CompiledFunction,
-}
-
-impl Programs {
-    fn new() -> Arc<Programs> {
-        Arc::new(Programs {
-            full: CompiledFunction::new("transformer"),
-            double_block: CompiledFunction::new("transformer.transformer_blocks"),
-            single_block: CompiledFunction::new("transformer.single_transformer_blocks"),
-        })
-    }
-}
+);
 
 impl FluxTransformer2DModel {
     pub fn load(config: &FluxTransformer2DConfig, w: &Weights) -> Result<Self> {
@@ -354,6 +333,8 @@ impl FluxTransformer2DModel {
                 FluxSingleTransformerBlock::load(&w.pp(format!("single_transformer_blocks.{i}")), dim, heads, head_dim)
             })
             .collect::<Result<_>>()?;
+        let transformer_blocks = Blocks::new("transformer_blocks", transformer_blocks);
+        let single_transformer_blocks = Blocks::new("single_transformer_blocks", single_transformer_blocks);
         Ok(FluxTransformer2DModel {
             config: config.clone(),
             x_embedder: Linear::load(&w.pp("x_embedder"), config.in_channels, dim, true)?,
@@ -363,27 +344,8 @@ impl FluxTransformer2DModel {
             single_transformer_blocks,
             norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, true)?,
             proj_out: Linear::load(&w.pp("proj_out"), dim, config.out_channels(), true)?,
-            compile_mode: CompileMode::None,
-            programs: Programs::new(),
+            compiled: Compiled::new("transformer"),
         })
-    }
-
-    /// Runs the forward as compiled programs from now on (`torch.compile(transformer)` for
-    /// [`CompileMode::Full`], `transformer.compile_repeated_blocks()` for
-    /// [`CompileMode::RepeatedBlocks`]) or op by op again ([`CompileMode::None`]). Programs are
-    /// compiled on the first call with each input shape and kept.
-    pub fn compile(&mut self, mode: CompileMode) {
-        self.compile_mode = mode;
-    }
-
-    pub fn compile_mode(&self) -> CompileMode {
-        self.compile_mode
-    }
-
-    /// How many programs the compiled functions hold (one per function and input signature).
-    pub fn compiled_programs(&self) -> usize {
-        let p = &self.programs;
-        p.full.num_programs() + p.double_block.num_programs() + p.single_block.num_programs()
     }
 
     pub fn config(&self) -> &FluxTransformer2DConfig {
@@ -405,37 +367,28 @@ impl FluxTransformer2DModel {
                 message: "this model has guidance_embeds=true and needs a guidance value".into(),
             });
         }
-        if self.compile_mode != CompileMode::Full {
-            return self.forward_graph(inputs);
-        }
-        let mut args = vec![
-            inputs.hidden_states.clone(),
-            inputs.encoder_hidden_states.clone(),
-            inputs.pooled_projections.clone(),
-            inputs.timestep.clone(),
-            inputs.rope.cos.clone(),
-            inputs.rope.sin.clone(),
-        ];
-        args.extend(inputs.guidance.filter(|_| self.config.guidance_embeds).cloned());
-        let mut out = call_compiled(&self.programs.full, self, &args, |m, t| {
-            let rope = RopeTables {
-                cos: t[4].clone(),
-                sin: t[5].clone(),
-            };
-            let traced = FluxTransformerInputs {
-                hidden_states: &t[0],
-                encoder_hidden_states: &t[1],
-                pooled_projections: &t[2],
-                timestep: &t[3],
-                guidance: t.get(6),
-                rope: &rope,
-            };
-            Ok(vec![m.forward_graph(&traced)?])
-        })?;
-        Ok(out.remove(0))
+        let args = Args::new()
+            .with("hidden_states", inputs.hidden_states)
+            .with("encoder_hidden_states", inputs.encoder_hidden_states)
+            .with("pooled_projections", inputs.pooled_projections)
+            .with("timestep", inputs.timestep)
+            .with("rope.cos", &inputs.rope.cos)
+            .with("rope.sin", &inputs.rope.sin)
+            .with_opt("guidance", inputs.guidance.filter(|_| self.config.guidance_embeds));
+        self.compiled.whole("", self, args, |m, a| {
+            m.forward_graph(&FluxTransformerInputs {
+                hidden_states: a.get("hidden_states")?,
+                encoder_hidden_states: a.get("encoder_hidden_states")?,
+                pooled_projections: a.get("pooled_projections")?,
+                timestep: a.get("timestep")?,
+                guidance: a.opt("guidance"),
+                rope: &rope_of(a)?,
+            })
+        })
     }
 
-    /// The forward's ops, with each block compiled on its own in [`CompileMode::RepeatedBlocks`].
+    /// The forward's ops, each block run through its list (streamed, or compiled on its own in
+    /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(&self, inputs: &FluxTransformerInputs<'_>) -> Result<Tensor> {
         let x = inputs.hidden_states;
         let dtype = x.dtype();
@@ -458,47 +411,42 @@ impl FluxTransformer2DModel {
             .forward(&t, g.as_ref(), inputs.pooled_projections)?;
         let temb_silu = temb.silu()?;
         let rope = inputs.rope;
-        let per_block = self.compile_mode == CompileMode::RepeatedBlocks;
 
         let mut x = self.x_embedder.forward(x)?;
         let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?;
         for i in 0..self.transformer_blocks.len() {
-            let block = self.transformer_blocks.get(i, &[&x, &ctx])?;
-            let block = &*block;
-            (ctx, x) = if per_block {
-                let args = [x, ctx, temb_silu.clone(), rope.cos.clone(), rope.sin.clone()];
-                let out = call_compiled(&self.programs.double_block, block, &args, |b, t| {
-                    let rope = RopeTables {
-                        cos: t[3].clone(),
-                        sin: t[4].clone(),
-                    };
-                    let (ctx, x) = b.forward(&t[0], &t[1], &t[2], &rope)?;
-                    Ok(vec![ctx, x])
-                })?;
-                let [ctx, x]: [Tensor; 2] = out.try_into().expect("the block program has two results");
-                (ctx, x)
-            } else {
-                block.forward(&x, &ctx, &temb_silu, rope)?
-            };
+            let args = Args::new()
+                .with("hidden_states", &x)
+                .with("encoder_hidden_states", &ctx)
+                .with("temb", &temb_silu)
+                .with("rope.cos", &rope.cos)
+                .with("rope.sin", &rope.sin);
+            let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
+                let (ctx, x) = block.forward(
+                    a.get("hidden_states")?,
+                    a.get("encoder_hidden_states")?,
+                    a.get("temb")?,
+                    &rope_of(a)?,
+                )?;
+                Ok(Args::new()
+                    .with("encoder_hidden_states", &ctx)
+                    .with("hidden_states", &x))
+            })?;
+            (ctx, x) = (out.take("encoder_hidden_states")?, out.take("hidden_states")?);
         }
         let text_len = ctx.dims()[1];
         let mut h = Tensor::cat(&[&ctx, &x], 1)?;
         for i in 0..self.single_transformer_blocks.len() {
-            let block = self.single_transformer_blocks.get(i, &[&h])?;
-            let block = &*block;
-            h = if per_block {
-                let args = [h, temb_silu.clone(), rope.cos.clone(), rope.sin.clone()];
-                let mut out = call_compiled(&self.programs.single_block, block, &args, |b, t| {
-                    let rope = RopeTables {
-                        cos: t[2].clone(),
-                        sin: t[3].clone(),
-                    };
-                    Ok(vec![b.forward(&t[0], &t[1], &rope)?])
+            let args = Args::new()
+                .with("hidden_states", &h)
+                .with("temb", &temb_silu)
+                .with("rope.cos", &rope.cos)
+                .with("rope.sin", &rope.sin);
+            h = self
+                .single_transformer_blocks
+                .run(&self.compiled, i, args, |block, a| {
+                    block.forward(a.get("hidden_states")?, a.get("temb")?, &rope_of(a)?)
                 })?;
-                out.remove(0)
-            } else {
-                block.forward(&h, &temb_silu, rope)?
-            };
         }
         let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;
         // AdaLayerNormContinuous: scale first, then shift.
@@ -506,4 +454,12 @@ impl FluxTransformer2DModel {
         let x = modulate(&LayerNorm::plain(1e-6).forward(&x)?, &e[1], &e[0])?;
         self.proj_out.forward(&x)
     }
+}
+
+/// The rotary tables passed as `rope.cos` and `rope.sin`.
+fn rope_of(a: &Args) -> Result<RopeTables> {
+    Ok(RopeTables {
+        cos: a.get("rope.cos")?.clone(),
+        sin: a.get("rope.sin")?.clone(),
+    })
 }

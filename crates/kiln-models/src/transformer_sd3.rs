@@ -9,17 +9,12 @@
 //! last block is `context_pre_only` (no text output); the output is unpatchified channel-innermost.
 //! Layout inside attention is heads-first `[batch, heads, seq, head_dim]`.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
-
 use kiln_io::SD3Transformer2DConfig;
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::offload::BlockList;
 use kiln_nn::{
-    call_compiled, impl_module, Blocks, CompileMode, Conv2d, Error, LayerNorm, Linear, Module, Result, StreamBlocks,
-    Weights,
+    impl_model, impl_module, Args, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Module, Result, Weights,
 };
-use kiln_tensor::{AttentionMask, CompiledFunction, Conv2dParams, DType, Tensor};
+use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
 use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp};
 
@@ -220,42 +215,6 @@ impl SelfAttention {
     }
 }
 
-/// The block types, each compiled on its own in [`CompileMode::RepeatedBlocks`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum BlockKind {
-    Joint,
-    JointContextPreOnly,
-    Dual,
-    DualContextPreOnly,
-}
-
-impl BlockKind {
-    const ALL: [BlockKind; 4] = [
-        BlockKind::Joint,
-        BlockKind::JointContextPreOnly,
-        BlockKind::Dual,
-        BlockKind::DualContextPreOnly,
-    ];
-
-    fn of(dual: bool, context_pre_only: bool) -> BlockKind {
-        match (dual, context_pre_only) {
-            (false, false) => BlockKind::Joint,
-            (false, true) => BlockKind::JointContextPreOnly,
-            (true, false) => BlockKind::Dual,
-            (true, true) => BlockKind::DualContextPreOnly,
-        }
-    }
-
-    fn program_name(self) -> &'static str {
-        match self {
-            BlockKind::Joint => "transformer.transformer_blocks",
-            BlockKind::JointContextPreOnly => "transformer.transformer_blocks.context_pre_only",
-            BlockKind::Dual => "transformer.transformer_blocks.dual_attention",
-            BlockKind::DualContextPreOnly => "transformer.transformer_blocks.dual_attention.context_pre_only",
-        }
-    }
-}
-
 /// `JointTransformerBlock`. `context_pre_only` (the last block): the text stream is normalized
 /// by `AdaLayerNormContinuous` and only feeds the attention; there is no `to_add_out`, no
 /// `ff_context` and no text output. `attn2` (dual-attention layers): `norm1` is
@@ -339,8 +298,16 @@ impl JointTransformerBlock {
         })
     }
 
-    fn kind(&self) -> BlockKind {
-        BlockKind::of(self.attn2.is_some(), self.to_add_out.is_none())
+    /// The block's type, which gets a program of its own in
+    /// [`kiln_nn::CompileMode::RepeatedBlocks`]: plain, `context_pre_only` (the last block),
+    /// `dual_attention` (with `attn2`) or both.
+    fn kind(&self) -> &'static str {
+        match (self.attn2.is_some(), self.to_add_out.is_none()) {
+            (false, false) => "",
+            (false, true) => "context_pre_only",
+            (true, false) => "dual_attention",
+            (true, true) => "dual_attention.context_pre_only",
+        }
     }
 
     /// Returns the new text stream (`None` for a `context_pre_only` block) and image stream.
@@ -422,8 +389,7 @@ pub struct SD3Transformer2DModel {
     transformer_blocks: Blocks<JointTransformerBlock>,
     norm_out: Linear,
     proj_out: Linear,
-    compile_mode: CompileMode,
-    programs: Arc<Programs>,
+    compiled: Compiled,
 }
 
 impl_module!(SD3Transformer2DModel {
@@ -435,54 +401,16 @@ impl_module!(SD3Transformer2DModel {
     proj_out: "proj_out",
 });
 
-/// Sequential offload streams the joint blocks (skipped ones are not fetched).
-impl StreamBlocks for SD3Transformer2DModel {
-    fn block_lists(&mut self, f: &mut dyn FnMut(&str, &mut dyn BlockList)) {
-        f("transformer_blocks", &mut self.transformer_blocks);
+impl_model!(
+    /// `transformer` (`transformer.skip_layers_…` for each set of skipped blocks) and one
+    /// `transformer.transformer_blocks[.kind]` per block type are compiled (diffusers offers no
+    /// repeated-block compile for SD3); sequential offload streams the joint blocks (skipped ones
+    /// are not fetched).
+    SD3Transformer2DModel {
+        compiled: compiled,
+        blocks: [transformer_blocks],
     }
-}
-
-/// The compiled functions of one transformer (each keeps a program per input signature).
-#[derive(Debug)]
-struct Programs {
-    /// The whole forward, one function per set of skipped blocks (the set changes the program
-    /// but not the arguments' shapes).
-    full: Mutex<BTreeMap<Vec<usize>, Arc<CompiledFunction>>>,
-    /// One block of each [`BlockKind`], in [`BlockKind::ALL`] order.
-    blocks: [CompiledFunction; 4],
-}
-
-impl Programs {
-    fn new() -> Arc<Programs> {
-        Arc::new(Programs {
-            full: Mutex::new(BTreeMap::new()),
-            blocks: BlockKind::ALL.map(|kind| CompiledFunction::new(kind.program_name())),
-        })
-    }
-
-    fn full(&self, skip: &[usize]) -> Arc<CompiledFunction> {
-        let mut full = self.full.lock().unwrap_or_else(|e| e.into_inner());
-        full.entry(skip.to_vec())
-            .or_insert_with(|| {
-                let name = if skip.is_empty() {
-                    "transformer".to_string()
-                } else {
-                    let list: Vec<String> = skip.iter().map(usize::to_string).collect();
-                    format!("transformer.skip_layers_{}", list.join("_"))
-                };
-                Arc::new(CompiledFunction::new(name))
-            })
-            .clone()
-    }
-
-    fn block(&self, kind: BlockKind) -> &CompiledFunction {
-        let index = BlockKind::ALL
-            .iter()
-            .position(|&k| k == kind)
-            .expect("ALL lists every kind");
-        &self.blocks[index]
-    }
-}
+);
 
 impl SD3Transformer2DModel {
     pub fn load(config: &SD3Transformer2DConfig, w: &Weights) -> Result<Self> {
@@ -506,6 +434,8 @@ impl SD3Transformer2DModel {
                 JointTransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), &spec)
             })
             .collect::<Result<_>>()?;
+        let transformer_blocks =
+            Blocks::new("transformer_blocks", transformer_blocks).with_kinds(JointTransformerBlock::kind);
         let patch_out = config.patch_size * config.patch_size * config.out_channels();
         Ok(SD3Transformer2DModel {
             config: config.clone(),
@@ -520,35 +450,8 @@ impl SD3Transformer2DModel {
             transformer_blocks,
             norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, true)?,
             proj_out: Linear::load(&w.pp("proj_out"), dim, patch_out, true)?,
-            compile_mode: CompileMode::None,
-            programs: Programs::new(),
+            compiled: Compiled::new("transformer"),
         })
-    }
-
-    /// Runs the forward as compiled programs from now on (`torch.compile(transformer)` for
-    /// [`CompileMode::Full`]; one program per block type for [`CompileMode::RepeatedBlocks`],
-    /// which diffusers does not offer for SD3) or op by op again ([`CompileMode::None`]).
-    /// Programs are compiled on the first call with each input shape (and, in full mode, each
-    /// set of skipped layers) and kept.
-    pub fn compile(&mut self, mode: CompileMode) {
-        self.compile_mode = mode;
-    }
-
-    pub fn compile_mode(&self) -> CompileMode {
-        self.compile_mode
-    }
-
-    /// How many programs the compiled functions hold (one per function and input signature).
-    pub fn compiled_programs(&self) -> usize {
-        let p = &self.programs;
-        let full: usize = p
-            .full
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .map(|f| f.num_programs())
-            .sum();
-        full + p.blocks.iter().map(CompiledFunction::num_programs).sum::<usize>()
     }
 
     pub fn config(&self) -> &SD3Transformer2DConfig {
@@ -566,30 +469,34 @@ impl SD3Transformer2DModel {
             .collect();
         skip.sort_unstable();
         skip.dedup();
-        if self.compile_mode != CompileMode::Full {
-            return self.forward_graph(inputs, &skip);
-        }
-        let args = [
-            inputs.hidden_states.clone(),
-            inputs.timestep.clone(),
-            inputs.encoder_hidden_states.clone(),
-            inputs.pooled_projections.clone(),
-        ];
-        let mut out = call_compiled(&self.programs.full(&skip), self, &args, |m, t| {
+        // The set of skipped blocks changes the whole-model program but not the arguments' shapes:
+        // one function per set.
+        let program = if skip.is_empty() {
+            String::new()
+        } else {
+            let list: Vec<String> = skip.iter().map(usize::to_string).collect();
+            format!("skip_layers_{}", list.join("_"))
+        };
+        let args = Args::new()
+            .with("hidden_states", inputs.hidden_states)
+            .with("timestep", inputs.timestep)
+            .with("encoder_hidden_states", inputs.encoder_hidden_states)
+            .with("pooled_projections", inputs.pooled_projections);
+        self.compiled.whole(&program, self, args, |m, a| {
             let traced = SD3TransformerInputs {
-                hidden_states: &t[0],
-                timestep: &t[1],
-                encoder_hidden_states: &t[2],
-                pooled_projections: &t[3],
+                hidden_states: a.get("hidden_states")?,
+                timestep: a.get("timestep")?,
+                encoder_hidden_states: a.get("encoder_hidden_states")?,
+                pooled_projections: a.get("pooled_projections")?,
                 skip_layers: &skip,
             };
-            Ok(vec![m.forward_graph(&traced, &skip)?])
-        })?;
-        Ok(out.remove(0))
+            m.forward_graph(&traced, &skip)
+        })
     }
 
-    /// The forward's ops, with each block compiled on its own in [`CompileMode::RepeatedBlocks`].
-    /// `skip` is sorted, without duplicates and in range.
+    /// The forward's ops, each block run through the list (streamed, or compiled on its own in
+    /// [`kiln_nn::CompileMode::RepeatedBlocks`]). `skip` is sorted, without duplicates and in
+    /// range.
     fn forward_graph(&self, inputs: &SD3TransformerInputs<'_>, skip: &[usize]) -> Result<Tensor> {
         let [b, _, height, width] = inputs.hidden_states.dims()[..] else {
             unreachable!("check_inputs requires a rank-4 hidden_states")
@@ -603,28 +510,25 @@ impl SD3Transformer2DModel {
             .forward(inputs.timestep, inputs.pooled_projections)?;
         let temb_silu = temb.silu()?;
         let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?; // [B, L, D]
-        let per_block = self.compile_mode == CompileMode::RepeatedBlocks;
         for i in 0..self.transformer_blocks.len() {
             if skip.binary_search(&i).is_ok() {
                 continue;
             }
-            let block = self.transformer_blocks.get(i, &[&x, &ctx])?;
-            let block = &*block;
-            let (new_ctx, new_x) = if per_block {
-                let args = [x, ctx.clone(), temb_silu.clone()];
-                let mut out = call_compiled(self.programs.block(block.kind()), block, &args, |b, t| {
-                    let (ctx, x) = b.forward(&t[0], &t[1], &t[2])?;
-                    Ok(ctx.into_iter().chain([x]).collect())
-                })?;
-                let x = out.pop().expect("a block program returns the image stream last");
-                (out.pop(), x)
-            } else {
-                block.forward(&x, &ctx, &temb_silu)?
-            };
-            x = new_x;
+            let args = Args::new()
+                .with("hidden_states", &x)
+                .with("encoder_hidden_states", &ctx)
+                .with("temb", &temb_silu);
+            let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
+                let (ctx, x) =
+                    block.forward(a.get("hidden_states")?, a.get("encoder_hidden_states")?, a.get("temb")?)?;
+                Ok(Args::new()
+                    .with_opt("encoder_hidden_states", ctx.as_ref())
+                    .with("hidden_states", &x))
+            })?;
+            x = out.take("hidden_states")?;
             // After a context_pre_only block (the last) the text stream is no longer used.
-            if let Some(new_ctx) = new_ctx {
-                ctx = new_ctx;
+            if let Some(new_ctx) = out.opt("encoder_hidden_states") {
+                ctx = new_ctx.clone();
             }
         }
 

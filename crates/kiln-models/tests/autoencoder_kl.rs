@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use kiln_io::{load_config, AutoencoderKLConfig, Checkpoint};
 use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::Error;
-use kiln_nn::{CompileMode, Module, Weights};
+use kiln_nn::{CompileMode, Model, Module, Weights};
 use kiln_rng::TorchGenerator;
 use kiln_tensor::{thread_op_cache_stats, DType, Tensor};
 use kiln_testing::{assert_close, device, goldens, max_abs_diff, oracle, Golden};

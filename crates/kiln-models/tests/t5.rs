@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use kiln_io::{load_config, Checkpoint, T5Config};
 use kiln_models::t5::T5EncoderModel;
-use kiln_nn::{CompileMode, Error, Module, Weights};
+use kiln_nn::{CompileMode, Error, Model, Module, Weights};
 use kiln_tensor::{thread_op_cache_stats, DType, Tensor};
 use kiln_testing::{assert_close, device, goldens, max_abs_diff, oracle, rel_max_diff, rms_diff, Golden};
 

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use kiln_io::{load_config, Checkpoint, SD3Transformer2DConfig};
 use kiln_models::transformer_sd3::{SD3Transformer2DModel, SD3TransformerInputs};
-use kiln_nn::{CompileMode, Weights};
+use kiln_nn::{CompileMode, Model, Weights};
 use kiln_tensor::{DType, Tensor};
 use kiln_testing::{assert_close, device, goldens, max_abs_diff, oracle, rel_max_diff, Golden};
 

@@ -7,16 +7,19 @@
 
 mod error;
 mod layers;
+mod model;
 pub mod module;
 pub mod offload;
+pub mod prefetch;
 mod rope;
 pub mod run;
 mod weights;
 
 pub use error::{Error, Result};
 pub use layers::{Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm};
-pub use module::{call_compiled, CompileMode, Module};
-pub use offload::{Blocks, OffloadEvent, OffloadLog, StreamBlocks};
+pub use model::{Args, Compiled, Model, Outputs, ShardingPlan};
+pub use module::{CompileMode, Module};
+pub use offload::{Blocks, OffloadEvent, OffloadLog};
 pub use rope::{rope_tables, RopeTables};
 pub use run::{OffloadMode, RunConfig};
 pub use weights::{Weights, WeightsReport};

@@ -1,7 +1,7 @@
 //! [`Module`]: every model exposes its weights by name, so that compiling, offloading and
 //! sharding are each one generic walk instead of code per model.
 
-use kiln_tensor::{CompiledFunction, Tensor};
+use kiln_tensor::Tensor;
 
 use crate::error::Result;
 
@@ -102,27 +102,6 @@ pub fn weights_of(module: &dyn Module) -> Vec<Tensor> {
     let mut out = Vec::new();
     module.visit(&mut |_, t| out.push(t.clone()));
     out
-}
-
-/// Runs `forward(module, inputs)` as `compiled`: one program per input signature whose
-/// parameters are the inputs followed by the module's weights, so one program serves every
-/// module of the same shapes (every block of a repeated type) and weights may move without
-/// recompiling. On a first call `forward` runs once on a copy of `module` whose weights are traced
-/// stand-ins.
-pub fn call_compiled<M: Module + Clone>(
-    compiled: &CompiledFunction,
-    module: &M,
-    inputs: &[Tensor],
-    forward: impl FnOnce(&M, &[Tensor]) -> Result<Vec<Tensor>>,
-) -> Result<Vec<Tensor>> {
-    let n = inputs.len();
-    let args = [inputs, &weights_of(module)].concat();
-    compiled.call(&args, |traced| {
-        let mut stand_ins = traced[n..].iter();
-        let mut m = module.clone();
-        m.map(&mut |_, _| Ok(stand_ins.next().expect("map walks the same weights as visit").clone()))?;
-        forward(&m, &traced[..n])
-    })
 }
 
 /// How a model runs: op by op, or as compiled programs (diffusers' `torch.compile` of the whole

@@ -3,10 +3,10 @@
 //! memory to the device one block ahead of the computation ([`BlockStream`]).
 //!
 //! Models stay unaware of where their weights are: a model keeps its repeated blocks in a
-//! [`Blocks`] and asks it for block `i` right before running it ([`Blocks::get`]). Without a
-//! stream that is the block itself; with one (sequential offload, installed by the pipeline with
-//! [`stream_blocks`]) it is a copy whose weights were moved to the device, and the next block's
-//! transfer has been started so that it runs while this block computes.
+//! [`Blocks`] and runs block `i` through it ([`Blocks::run`]). Without a stream that runs the
+//! block itself; with one (sequential offload, installed by the pipeline with [`stream_blocks`])
+//! a copy whose weights were moved to the device, and the next block's transfer has been started
+//! so that it runs while this block computes.
 
 use std::borrow::Cow;
 use std::collections::HashSet;
@@ -16,7 +16,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kiln_tensor::{MemoryKind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::module::{map_child, visit_child, Module};
+use crate::model::{Args, Compiled, Model, Outputs};
+use crate::module::{join_name, Module};
+use crate::prefetch::{Mover, Order, Placed, Prefetcher};
 
 /// What offload did, in order: the instrumentation tests read to check that transfers are
 /// issued ahead of the computation that needs them.
@@ -183,39 +185,36 @@ struct Slot {
     bytes: u64,
 }
 
-struct StreamState {
-    slots: Vec<Slot>,
-    /// The block whose transfer was started ahead, and its device weights.
-    prefetched: Option<(usize, Vec<Tensor>)>,
-    /// The block handed out last (possibly still computing), and its device weights.
-    current: Option<(usize, Vec<Tensor>)>,
-    log: OffloadLog,
-}
+/// Moves a stream's blocks from their host slots to the device.
+struct Slots<'a>(&'a [Slot]);
 
-impl StreamState {
-    fn transfer(&mut self, slot: usize) -> Result<Vec<Tensor>> {
-        let s = &self.slots[slot];
+impl Mover<usize> for Slots<'_> {
+    fn transfer(&mut self, &slot: &usize) -> Result<Placed> {
+        let s = &self.0[slot];
         let weights = s
             .host
             .iter()
             .map(|t| t.to_memory(MemoryKind::Device))
             .collect::<kiln_tensor::Result<Vec<_>>>()?;
-        self.log.transferred(&s.name, s.bytes);
-        Ok(weights)
-    }
-
-    fn release(&mut self, slot: usize, weights: Vec<Tensor>) {
-        drop(weights);
-        let s = &self.slots[slot];
-        self.log.released(&s.name, s.bytes);
+        Ok(Placed {
+            name: s.name.clone(),
+            weights,
+            bytes: s.bytes,
+        })
     }
 }
 
+struct StreamState {
+    slots: Vec<Slot>,
+    prefetcher: Prefetcher<usize>,
+}
+
 /// Streams the repeated blocks of one model from host memory, one block ahead: when block `j` is
-/// fetched, the computation of the block before it is awaited and its device weights dropped,
-/// and the transfer of block `j + 1` (cyclically: after the last block, the first one of the
-/// next call) is issued, so that the device holds at most two blocks' weights and each transfer
-/// runs while the block before it computes. Cheap to clone: clones share the stream.
+/// fetched, its transfer is issued unless it is on its way, the computation of the block before it
+/// is awaited and its device weights dropped, and the transfer of block `j + 1` (cyclically: after
+/// the last block, the first one of the next call) is issued, so that the device holds at most two
+/// blocks' weights and each transfer runs while the block before it computes (a [`Prefetcher`]
+/// with [`Order::TransferFirst`]). Cheap to clone: clones share the stream.
 #[derive(Clone)]
 pub struct BlockStream(Arc<Mutex<StreamState>>);
 
@@ -241,45 +240,18 @@ impl BlockStream {
             });
         }
         let mut st = self.state();
-        if let Some((s, w)) = &st.current {
-            if *s == slot {
-                return Ok(w.clone());
-            }
-        }
-        let weights = match st.prefetched.take() {
-            Some((s, w)) if s == slot => w,
-            other => {
-                if let Some((s, w)) = other {
-                    st.release(s, w);
-                }
-                st.transfer(slot)?
-            }
-        };
-        if let Some((previous, w)) = st.current.take() {
-            // The inputs are the previous block's results (or depend on them): once they are
-            // ready its weights are no longer read and may leave before a third block arrives.
-            for t in inputs {
-                t.wait()?;
-            }
-            let name = st.slots[previous].name.clone();
-            st.log.awaited(&name);
-            st.release(previous, w);
-        }
-        let next = (slot + 1) % st.slots.len();
-        if next != slot {
-            let w = st.transfer(next)?;
-            st.prefetched = Some((next, w));
-        }
-        st.current = Some((slot, weights.clone()));
+        let StreamState { slots, prefetcher } = &mut *st;
+        let mut mover = Slots(slots);
+        let weights = prefetcher.enter(slot, inputs, &mut mover)?;
+        prefetcher.prefetch((slot + 1) % slots.len(), &mut mover)?;
         Ok(weights)
     }
 
     /// Drops the device weights the stream holds (after the model's last call of a run).
     pub fn release(&self) {
         let mut st = self.state();
-        for (s, w) in [st.current.take(), st.prefetched.take()].into_iter().flatten() {
-            st.release(s, w);
-        }
+        let StreamState { slots, prefetcher } = &mut *st;
+        prefetcher.finish(&mut Slots(slots));
     }
 
     /// Bytes of each block's weights, in stream order.
@@ -299,16 +271,40 @@ impl BlockStream {
 }
 
 /// A list of repeated blocks (an `nn.ModuleList` such as `transformer_blocks`), walked as
-/// `0.…`, `1.…` like a `Vec`, whose weights may stream from host memory (see the module docs).
+/// `0.…`, `1.…` like a `Vec`, run one block at a time ([`Blocks::run`]) op by op or as one
+/// compiled program per block type, with weights where they live or streamed from host memory
+/// (see the module docs).
 #[derive(Clone, Debug)]
 pub struct Blocks<M> {
+    /// The list's name in its model (`transformer_blocks`): its program's and its streamed
+    /// blocks' name.
+    name: &'static str,
     blocks: Vec<M>,
+    /// A block's type within the list, for lists whose blocks differ (one program per type).
+    kind: Option<fn(&M) -> &'static str>,
     stream: Option<(BlockStream, usize)>,
 }
 
 impl<M> Blocks<M> {
-    pub fn new(blocks: Vec<M>) -> Self {
-        Blocks { blocks, stream: None }
+    /// The list `name` (see [`Self::run`]) of `blocks`, all of one type.
+    pub fn new(name: &'static str, blocks: Vec<M>) -> Self {
+        Blocks {
+            name,
+            blocks,
+            kind: None,
+            stream: None,
+        }
+    }
+
+    /// Blocks of several types: `kind` names a block's type (empty for the plain one), and each
+    /// type gets its own program, `name.kind`.
+    pub fn with_kinds(mut self, kind: fn(&M) -> &'static str) -> Self {
+        self.kind = Some(kind);
+        self
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
     }
     pub fn len(&self) -> usize {
         self.blocks.len()
@@ -320,11 +316,10 @@ impl<M> Blocks<M> {
     pub fn iter(&self) -> std::slice::Iter<'_, M> {
         self.blocks.iter()
     }
-}
 
-impl<M> FromIterator<M> for Blocks<M> {
-    fn from_iter<I: IntoIterator<Item = M>>(iter: I) -> Self {
-        Blocks::new(iter.into_iter().collect())
+    /// The compiled function block `i` runs as in [`crate::CompileMode::RepeatedBlocks`].
+    fn program(&self, i: usize) -> String {
+        join_name(self.name, self.kind.map_or("", |kind| kind(&self.blocks[i])))
     }
 }
 
@@ -332,31 +327,43 @@ impl<M: Module + Clone> Blocks<M> {
     /// Block `i`, ready to run on `inputs` (the activations it is about to be given): the block
     /// itself, or with a stream a copy whose weights are on the device (awaiting the previous
     /// block's results and starting the next block's transfer, see [`BlockStream`]).
-    pub fn get(&self, i: usize, inputs: &[&Tensor]) -> Result<Cow<'_, M>> {
+    fn get(&self, i: usize, inputs: &[&Tensor]) -> Result<Cow<'_, M>> {
         let block = &self.blocks[i];
         match &self.stream {
             None => Ok(Cow::Borrowed(block)),
             Some((stream, base)) => Ok(Cow::Owned(with_weights(block, stream.fetch(base + i, inputs)?)?)),
         }
     }
+
+    /// Runs block `i`: `forward(block, inputs)`, with the block's weights fetched to the device
+    /// first when the list streams (every input is awaited before the previous block's weights
+    /// leave), and as the program of the block's type (called with this block's weights) in
+    /// [`crate::CompileMode::RepeatedBlocks`] (see [`Compiled::block`]).
+    pub fn run<O: Outputs>(
+        &self,
+        compiled: &Compiled,
+        i: usize,
+        inputs: Args,
+        forward: impl FnOnce(&M, &Args) -> Result<O>,
+    ) -> Result<O> {
+        let block = self.get(i, &inputs.tensors().collect::<Vec<_>>())?;
+        compiled.block(&self.program(i), &*block, inputs, forward)
+    }
 }
 
 impl<M: Module> Module for Blocks<M> {
     fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        for (i, m) in self.blocks.iter().enumerate() {
-            visit_child(&i.to_string(), m, f);
-        }
+        self.blocks.visit(f)
     }
     fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        for (i, m) in self.blocks.iter_mut().enumerate() {
-            map_child(&i.to_string(), m, f)?;
-        }
-        Ok(())
+        self.blocks.map(f)
     }
 }
 
 /// A list of blocks a [`BlockStream`] can stream (implemented by [`Blocks`]).
 pub trait BlockList {
+    /// The list's name in its model (`transformer_blocks`).
+    fn name(&self) -> &str;
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -368,6 +375,9 @@ pub trait BlockList {
 }
 
 impl<M: Module> BlockList for Blocks<M> {
+    fn name(&self) -> &str {
+        self.name
+    }
     fn len(&self) -> usize {
         self.blocks.len()
     }
@@ -379,23 +389,16 @@ impl<M: Module> BlockList for Blocks<M> {
     }
 }
 
-/// A model with repeated blocks that sequential offload streams.
-pub trait StreamBlocks: Module {
-    /// Calls `f` with each list of repeated blocks and its weight-name prefix, in the order the
-    /// forward runs them.
-    fn block_lists(&mut self, f: &mut dyn FnMut(&str, &mut dyn BlockList));
-}
-
-/// Streams `model`'s repeated blocks (in their current memory, normally a host one) through one
-/// [`BlockStream`] covering every list in forward order, named `component.prefix.i` in `log`;
-/// `None` when the model has no blocks.
-pub fn stream_blocks(model: &mut dyn StreamBlocks, component: &str, log: &OffloadLog) -> Option<BlockStream> {
+/// Streams `model`'s repeated blocks ([`Model::block_lists`], in their current memory, normally a
+/// host one) through one [`BlockStream`] covering every list in forward order, named
+/// `component.list.i` in `log`; `None` when the model has no blocks.
+pub fn stream_blocks(model: &mut dyn Model, component: &str, log: &OffloadLog) -> Option<BlockStream> {
     let mut slots = Vec::new();
-    model.block_lists(&mut |prefix, list| {
+    model.block_lists(&mut |list| {
         for i in 0..list.len() {
             let host = list.block_weights(i);
             slots.push(Slot {
-                name: format!("{component}.{prefix}.{i}"),
+                name: format!("{component}.{}.{i}", list.name()),
                 bytes: host.iter().map(|t| t.size_in_bytes() as u64).sum(),
                 host,
             });
@@ -406,12 +409,10 @@ pub fn stream_blocks(model: &mut dyn StreamBlocks, component: &str, log: &Offloa
     }
     let stream = BlockStream(Arc::new(Mutex::new(StreamState {
         slots,
-        prefetched: None,
-        current: None,
-        log: log.clone(),
+        prefetcher: Prefetcher::new(Order::TransferFirst, log.clone()),
     })));
     let mut base = 0;
-    model.block_lists(&mut |_, list| {
+    model.block_lists(&mut |list| {
         list.set_stream(Some((stream.clone(), base)));
         base += list.len();
     });
@@ -419,6 +420,6 @@ pub fn stream_blocks(model: &mut dyn StreamBlocks, component: &str, log: &Offloa
 }
 
 /// Stops streaming `model`'s blocks: they run with their weights where they are.
-pub fn stop_streaming(model: &mut dyn StreamBlocks) {
-    model.block_lists(&mut |_, list| list.set_stream(None));
+pub fn stop_streaming(model: &mut dyn Model) {
+    model.block_lists(&mut |list| list.set_stream(None));
 }

@@ -3,11 +3,11 @@
 //! compiled blocks; the device holds at most two blocks (kiln's count of live device bytes);
 //! each block's transfer is issued before the previous block's computation is awaited.
 
-use kiln_nn::offload::{move_weights, onload, stop_streaming, stream_blocks, with_weights, BlockList};
-use kiln_nn::{call_compiled, impl_module, Blocks, Linear, OffloadEvent, OffloadLog, StreamBlocks};
-use kiln_tensor::{
-    reset_thread_peak_device_memory, thread_device_memory, CompiledFunction, DType, Device, MemoryKind, Tensor,
+use kiln_nn::offload::{move_weights, onload, stop_streaming, stream_blocks, with_weights};
+use kiln_nn::{
+    impl_model, impl_module, Args, Blocks, CompileMode, Compiled, Linear, Model as _, OffloadEvent, OffloadLog,
 };
+use kiln_tensor::{reset_thread_peak_device_memory, thread_device_memory, DType, Device, MemoryKind, Tensor};
 
 const WIDTH: usize = 256;
 const BLOCKS: usize = 6;
@@ -23,6 +23,7 @@ struct Model {
     embed: Linear,
     blocks: Blocks<Block>,
     head: Linear,
+    compiled: Compiled,
 }
 impl_module!(Model {
     embed: "embed",
@@ -30,11 +31,10 @@ impl_module!(Model {
     head: "head",
 });
 
-impl StreamBlocks for Model {
-    fn block_lists(&mut self, f: &mut dyn FnMut(&str, &mut dyn BlockList)) {
-        f("blocks", &mut self.blocks);
-    }
-}
+impl_model!(Model {
+    compiled: compiled,
+    blocks: [blocks],
+});
 
 fn linear(seed: usize, d: &Device) -> Linear {
     let w: Vec<f32> = (0..WIDTH * WIDTH)
@@ -47,25 +47,30 @@ fn linear(seed: usize, d: &Device) -> Linear {
     }
 }
 
-fn model(d: &Device) -> Model {
-    Model {
+/// The model, compiled as `mode` (its functions are shared by every model of one `compiled`).
+fn model(d: &Device, compiled: &Compiled, mode: CompileMode) -> Model {
+    let mut m = Model {
         embed: linear(100, d),
-        blocks: (0..BLOCKS).map(|i| Block { proj: linear(i, d) }).collect(),
+        blocks: Blocks::new("blocks", (0..BLOCKS).map(|i| Block { proj: linear(i, d) }).collect()),
         head: linear(200, d),
-    }
+        compiled: compiled.clone(),
+    };
+    m.compile(mode);
+    m
 }
 
 impl Model {
-    fn forward(&self, x: &Tensor, compiled: Option<&CompiledFunction>) -> kiln_nn::Result<Tensor> {
-        let mut h = self.embed.forward(x)?;
-        for i in 0..self.blocks.len() {
-            let block = self.blocks.get(i, &[&h])?;
-            h = match compiled {
-                None => block.proj.forward(&h)?.tanh()?,
-                Some(f) => call_compiled(f, &*block, &[h], |b, t| Ok(vec![b.proj.forward(&t[0])?.tanh()?]))?.remove(0),
-            };
-        }
-        self.head.forward(&h)
+    fn forward(&self, x: &Tensor) -> kiln_nn::Result<Tensor> {
+        self.compiled.whole("", self, Args::new().with("x", x), |m, a| {
+            let mut h = m.embed.forward(a.get("x")?)?;
+            for i in 0..m.blocks.len() {
+                let args = Args::new().with("hidden_states", &h);
+                h = m.blocks.run(&m.compiled, i, args, |b, a| {
+                    Ok(b.proj.forward(a.get("hidden_states")?)?.tanh()?)
+                })?;
+            }
+            m.head.forward(&h)
+        })
     }
 }
 
@@ -77,8 +82,13 @@ fn input(d: &Device) -> Tensor {
 }
 
 /// The model in host memory with its blocks streaming, and a device copy of its other weights.
-fn offloaded(d: &Device, log: &OffloadLog) -> (Model, kiln_nn::offload::BlockStream) {
-    let mut host = model(d);
+fn offloaded(
+    d: &Device,
+    log: &OffloadLog,
+    compiled: &Compiled,
+    mode: CompileMode,
+) -> (Model, kiln_nn::offload::BlockStream) {
+    let mut host = model(d, compiled, mode);
     move_weights(&mut host, d.host_memory_kind().unwrap()).unwrap();
     let stream = stream_blocks(&mut host, "model", log).unwrap();
     assert_eq!(stream.block_bytes(), vec![BLOCK_BYTES; BLOCKS]);
@@ -97,23 +107,23 @@ fn offloaded(d: &Device, log: &OffloadLog) -> (Model, kiln_nn::offload::BlockStr
     (on_device, stream)
 }
 
-fn run(compiled: Option<&CompiledFunction>) {
+fn run(compiled: &Compiled, mode: CompileMode) {
     let d = Device::cpu().unwrap();
     let x = input(&d);
     let reference = {
-        let m = model(&d);
-        [m.forward(&x, compiled).unwrap(), m.forward(&x, compiled).unwrap()]
+        let m = model(&d, compiled, mode);
+        [m.forward(&x).unwrap(), m.forward(&x).unwrap()]
     };
     let before = thread_device_memory().live_bytes;
     let log = OffloadLog::new();
     log.set_recording(true);
-    let (m, stream) = offloaded(&d, &log);
+    let (m, stream) = offloaded(&d, &log, compiled, mode);
     let resident = thread_device_memory().live_bytes - before;
     assert_eq!(resident, 2 * BLOCK_BYTES, "embed and head");
 
     reset_thread_peak_device_memory();
     // Two calls: after the last block the stream has the first one on its way for the next call.
-    let outputs = [m.forward(&x, compiled).unwrap(), m.forward(&x, compiled).unwrap()];
+    let outputs = [m.forward(&x).unwrap(), m.forward(&x).unwrap()];
     let peak = thread_device_memory().peak_bytes - before - resident;
     for (got, want) in outputs.iter().zip(&reference) {
         assert_eq!(got.to_bytes().unwrap(), want.to_bytes().unwrap(), "bit for bit");
@@ -167,34 +177,32 @@ fn run(compiled: Option<&CompiledFunction>) {
 
 #[test]
 fn streamed_blocks_match_the_device_model_and_the_device_holds_two_blocks() {
-    run(None);
+    let compiled = Compiled::new("model");
+    run(&compiled, CompileMode::None);
+    assert_eq!(compiled.programs(), 0, "eager compiles no function");
 }
 
 #[test]
 fn streamed_compiled_blocks_match_and_share_one_program() {
-    let f = CompiledFunction::new("model.blocks");
-    run(Some(&f));
-    assert_eq!(f.num_programs(), 1, "moving weights never recompiles");
+    let compiled = Compiled::new("model");
+    run(&compiled, CompileMode::RepeatedBlocks);
+    assert_eq!(compiled.programs(), 1, "moving weights never recompiles");
 }
 
 #[test]
 fn streaming_stops_and_refuses_to_run_inside_a_whole_model_program() {
     let d = Device::cpu().unwrap();
     let log = OffloadLog::new();
-    let (mut m, _stream) = offloaded(&d, &log);
-    let whole = CompiledFunction::new("model");
+    let (mut m, _stream) = offloaded(&d, &log, &Compiled::new("model"), CompileMode::Full);
     let x = input(&d);
-    let err = call_compiled(&whole, &m, std::slice::from_ref(&x), |m, t| {
-        Ok(vec![m.forward(&t[0], None)?])
-    })
-    .unwrap_err()
-    .to_string();
+    let err = m.forward(&x).unwrap_err().to_string();
     assert!(
         err.contains("sequential offload") && err.contains("RepeatedBlocks"),
         "{err}"
     );
     stop_streaming(&mut m);
-    let err = m.forward(&x, None).unwrap_err().to_string();
+    m.compile(CompileMode::None);
+    let err = m.forward(&x).unwrap_err().to_string();
     assert!(
         err.contains("pinned_host memory"),
         "without the stream the host blocks cannot run: {err}"

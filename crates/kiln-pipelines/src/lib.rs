@@ -19,7 +19,7 @@ pub use kiln_nn::RunConfig;
 pub use loading::LoadOptions;
 pub use offload::{ComponentMemory, OffloadMode, OffloadPlan};
 pub use pipeline::{
-    Component, Components, DiffusionPipeline, OutputType, PipelineCore, PipelineOutput, PipelineParts, StepCallback,
-    StepState, Timings,
+    Components, DiffusionPipeline, OutputType, PipelineCore, PipelineOutput, PipelineParts, StepCallback, StepState,
+    Timings,
 };
 pub use sd3::{StableDiffusion3Call, StableDiffusion3Embeddings, StableDiffusion3Pipeline};

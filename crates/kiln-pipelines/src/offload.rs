@@ -19,7 +19,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 
 use kiln_nn::offload::{move_weights, onload, stop_streaming, stream_blocks, weight_bytes, with_weights, BlockStream};
-use kiln_nn::{Module, OffloadLog, StreamBlocks};
+use kiln_nn::prefetch::{Mover, Order, Placed, Prefetcher};
+use kiln_nn::{Model, Module, OffloadLog};
 use kiln_tensor::{Device, MemoryKind, Tensor};
 
 use crate::error::{PipelineError, Result};
@@ -155,23 +156,12 @@ pub(crate) struct Placing {
 }
 
 impl Placing {
-    /// Moves a component that never streams into `memory`.
-    pub fn whole(&mut self, name: &'static str, model: &mut dyn Module, memory: MemoryKind) -> Result<()> {
-        move_weights(model, memory)?;
-        self.components.push(ComponentMemory {
-            name,
-            weight_bytes: weight_bytes(model),
-            block_bytes: Vec::new(),
-        });
-        Ok(())
-    }
-
-    /// Moves a component with repeated blocks into `memory`; with sequential offload its blocks
-    /// stream (named in `log`).
-    pub fn blocks(
+    /// Moves a component into `memory`; with sequential offload its repeated blocks (if it has
+    /// any) stream (named in `log`).
+    pub fn component(
         &mut self,
         name: &'static str,
-        model: &mut dyn StreamBlocks,
+        model: &mut dyn Model,
         memory: MemoryKind,
         mode: OffloadMode,
         log: &OffloadLog,
@@ -246,33 +236,51 @@ pub(crate) fn bytes(n: u64) -> String {
     }
 }
 
-/// One component's weights on the device (in walk order; streamed blocks' stay host tensors).
-struct Placed {
-    component: &'static str,
-    weights: Vec<Tensor>,
-    bytes: u64,
+/// Moves components: the one entered and the next one (their host copies), each with its streamed
+/// blocks' weights left in host memory; releasing a component releases its stream too.
+struct Components<'a> {
+    streams: &'a HashMap<&'static str, (BlockStream, HashSet<usize>)>,
+    models: [Option<(&'static str, &'a dyn Module)>; 2],
 }
 
-#[derive(Default)]
-struct State {
-    current: Option<Placed>,
-    prefetched: Option<Placed>,
+impl Mover<&'static str> for Components<'_> {
+    fn transfer(&mut self, component: &&'static str) -> kiln_nn::Result<Placed> {
+        let (name, model) = self
+            .models
+            .into_iter()
+            .flatten()
+            .find(|(name, _)| name == component)
+            .expect("the prefetcher transfers only the component entered or the next one");
+        let empty = HashSet::new();
+        let kept = self.streams.get(name).map_or(&empty, |(_, keys)| keys);
+        let (weights, bytes) = onload(model, kept)?;
+        Ok(Placed {
+            name: name.to_string(),
+            weights,
+            bytes,
+        })
+    }
+
+    fn released(&mut self, component: &&'static str) {
+        if let Some((stream, _)) = self.streams.get(component) {
+            stream.release();
+        }
+    }
 }
 
-/// Moves a pipeline's components between host memory and the device as the pipeline enters them.
+/// Moves a pipeline's components between host memory and the device as the pipeline enters them:
+/// a [`Prefetcher`] of components with [`Order::ReleaseFirst`].
 pub(crate) struct Offloader {
     plan: OffloadPlan,
-    log: OffloadLog,
     /// Streams of the components whose blocks stream, and the storage keys of their host weights.
     streams: HashMap<&'static str, (BlockStream, HashSet<usize>)>,
-    state: Mutex<State>,
+    prefetcher: Mutex<Prefetcher<&'static str>>,
 }
 
 impl Offloader {
     pub fn new(plan: OffloadPlan, log: OffloadLog, streams: Vec<(&'static str, BlockStream)>) -> Offloader {
         Offloader {
             plan,
-            log,
             streams: streams
                 .into_iter()
                 .map(|(name, s)| {
@@ -280,37 +288,20 @@ impl Offloader {
                     (name, (s, keys))
                 })
                 .collect(),
-            state: Mutex::new(State::default()),
+            prefetcher: Mutex::new(Prefetcher::new(Order::ReleaseFirst, log)),
         }
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn transfer(&self, component: &'static str, model: &dyn Module) -> Result<Placed> {
-        let empty = HashSet::new();
-        let kept = self.streams.get(component).map_or(&empty, |(_, keys)| keys);
-        let (weights, bytes) = onload(model, kept)?;
-        self.log.transferred(component, bytes);
-        Ok(Placed {
-            component,
-            weights,
-            bytes,
-        })
-    }
-
-    fn release(&self, placed: Placed) {
-        if let Some((stream, _)) = self.streams.get(placed.component) {
-            stream.release();
-        }
-        self.log.released(placed.component, placed.bytes);
+    fn prefetcher(&self) -> MutexGuard<'_, Prefetcher<&'static str>> {
+        self.prefetcher.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// `model` (the pipeline's host copy of `component`) ready to run: a copy with its weights on
     /// the device. `after` are the previous component's results: they are awaited before that
-    /// component's weights leave. `next` is the component that runs after this one (`None` when
-    /// it is this one again, or nothing): its transfer starts now if both fit in the room.
+    /// component's weights leave, so that this component's transfer (unless it is already on its
+    /// way) never shares the device with them. `next` is the component that runs after this one
+    /// (`None` when it is this one again, or nothing): its transfer starts now if both fit in the
+    /// room.
     pub fn enter<'m, M: Module + Clone>(
         &self,
         component: &'static str,
@@ -318,58 +309,28 @@ impl Offloader {
         after: &[&Tensor],
         next: Option<(&'static str, &dyn Module)>,
     ) -> Result<Cow<'m, M>> {
-        let mut st = self.state();
-        let weights = match st.current.take() {
-            Some(current) if current.component == component => {
-                let weights = current.weights.clone();
-                st.current = Some(current);
-                weights
-            }
-            previous => {
-                let prefetched = st.prefetched.take();
-                // The previous component's results are awaited, so its weights are no longer
-                // read, before they leave: then this component's transfer (unless it is already
-                // on its way) never shares the device with them.
-                if let Some(previous) = previous {
-                    for t in after {
-                        t.wait()?;
-                    }
-                    self.log.awaited(previous.component);
-                    self.release(previous);
-                }
-                let placed = match prefetched {
-                    Some(p) if p.component == component => p,
-                    other => {
-                        if let Some(p) = other {
-                            self.release(p);
-                        }
-                        self.transfer(component, model)?
-                    }
-                };
-                let weights = placed.weights.clone();
-                st.current = Some(placed);
-                weights
-            }
+        let mut prefetcher = self.prefetcher();
+        let mut mover = Components {
+            streams: &self.streams,
+            models: [Some((component, model as &dyn Module)), next],
         };
-        if let Some((name, next_model)) = next.filter(|(name, _)| *name != component) {
-            let already = st.prefetched.as_ref().is_some_and(|p| p.component == name);
-            if !already && self.plan.need_of(component) + self.plan.need_of(name) <= self.plan.room() {
-                if let Some(p) = st.prefetched.take() {
-                    self.release(p);
-                }
-                st.prefetched = Some(self.transfer(name, next_model)?);
+        let weights = prefetcher.enter(component, after, &mut mover)?;
+        if let Some((name, _)) = next {
+            if self.plan.need_of(component) + self.plan.need_of(name) <= self.plan.room() {
+                prefetcher.prefetch(name, &mut mover)?;
             }
         }
-        drop(st);
+        drop(prefetcher);
         Ok(Cow::Owned(with_weights(model, weights)?))
     }
 
     /// Releases every weight on the device (the end of a call).
     pub fn finish(&self) {
-        let mut st = self.state();
-        for p in [st.current.take(), st.prefetched.take()].into_iter().flatten() {
-            self.release(p);
-        }
+        let mut mover = Components {
+            streams: &self.streams,
+            models: [None, None],
+        };
+        self.prefetcher().finish(&mut mover);
     }
 
     /// Wraps an error of `component`'s work: running out of device memory names the component

@@ -9,12 +9,7 @@ use std::time::{Duration, Instant};
 
 use image::RgbImage;
 use kiln_io::Checkpoint;
-use kiln_models::autoencoder_kl::AutoencoderKL;
-use kiln_models::clip::ClipTextModel;
-use kiln_models::t5::T5EncoderModel;
-use kiln_models::transformer_flux::FluxTransformer2DModel;
-use kiln_models::transformer_sd3::SD3Transformer2DModel;
-use kiln_nn::{CompileMode, Module, OffloadLog, OffloadMode, RunConfig, StreamBlocks, Weights};
+use kiln_nn::{CompileMode, Model, Module, OffloadLog, OffloadMode, RunConfig, Weights};
 use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 
@@ -69,93 +64,44 @@ pub struct PipelineOutput {
     pub warnings: Vec<String>,
 }
 
-/// A model a pipeline runs as one of its components.
-pub trait Component: Module {
-    /// Runs the model as compiled programs from now on (or op by op for [`CompileMode::None`]).
-    fn compile(&mut self, mode: CompileMode);
-    /// The model as a list of repeated blocks that sequential offload streams; `None` when it
-    /// always moves whole.
-    fn streamed(&mut self) -> Option<&mut dyn StreamBlocks> {
-        None
-    }
-}
-
-macro_rules! component {
-    ($($model:ty),* ; streamed: $($streamed:ty),*) => {
-        $(impl Component for $model {
-            fn compile(&mut self, mode: CompileMode) {
-                <$model>::compile(self, mode)
-            }
-        })*
-        $(impl Component for $streamed {
-            fn compile(&mut self, mode: CompileMode) {
-                <$streamed>::compile(self, mode)
-            }
-            fn streamed(&mut self) -> Option<&mut dyn StreamBlocks> {
-                Some(self)
-            }
-        })*
-    };
-}
-
-component!(ClipTextModel, AutoencoderKL; streamed: T5EncoderModel, FluxTransformer2DModel, SD3Transformer2DModel);
-
 /// A pipeline's loaded models, declared once in the order a call runs them (diffusers'
 /// `model_cpu_offload_seq`); see [`components!`].
 pub trait Components {
     /// Every component present, in run order.
-    fn each(&mut self, f: &mut dyn FnMut(&'static str, &mut dyn Component) -> Result<()>) -> Result<()>;
+    fn each(&mut self, f: &mut dyn FnMut(&'static str, &mut dyn Model) -> Result<()>) -> Result<()>;
     /// The component `name`, if present.
     fn find(&self, name: &str) -> Option<&dyn Module>;
 }
 
-/// A field of a [`Components`] struct: a model, or an optional one (a component the folder may lack).
-pub trait ComponentSlot {
-    fn each_in(&mut self, f: &mut dyn FnMut(&mut dyn Component) -> Result<()>) -> Result<()>;
-    fn module(&self) -> Option<&dyn Module>;
-}
-
-impl<M: Component> ComponentSlot for M {
-    fn each_in(&mut self, f: &mut dyn FnMut(&mut dyn Component) -> Result<()>) -> Result<()> {
-        f(self)
-    }
-    fn module(&self) -> Option<&dyn Module> {
-        Some(self)
-    }
-}
-
-impl<M: Component> ComponentSlot for Option<M> {
-    fn each_in(&mut self, f: &mut dyn FnMut(&mut dyn Component) -> Result<()>) -> Result<()> {
-        match self {
-            Some(m) => f(m),
-            None => Ok(()),
-        }
-    }
-    fn module(&self) -> Option<&dyn Module> {
-        self.as_ref().map(|m| m as &dyn Module)
-    }
-}
-
 /// Implements [`Components`] for a struct whose fields, in run order, are the components named
-/// as the fields: `components!(Models { text_encoder, transformer, vae });`.
+/// as the fields; `(optional)` marks an `Option` (a component the folder may lack):
+/// `components!(Models { text_encoder, text_encoder_3 (optional), transformer, vae });`.
 macro_rules! components {
-    ($ty:ident { $($field:ident),* $(,)? }) => {
+    ($ty:ident { $($field:ident $(($optional:ident))?),* $(,)? }) => {
         impl $crate::pipeline::Components for $ty {
             fn each(
                 &mut self,
-                f: &mut dyn FnMut(&'static str, &mut dyn $crate::pipeline::Component) -> $crate::Result<()>,
+                f: &mut dyn FnMut(&'static str, &mut dyn kiln_nn::Model) -> $crate::Result<()>,
             ) -> $crate::Result<()> {
-                $( $crate::pipeline::ComponentSlot::each_in(&mut self.$field, &mut |m| f(stringify!($field), m))?; )*
+                $( components!(@each self, f, $field $($optional)?); )*
                 Ok(())
             }
             fn find(&self, name: &str) -> Option<&dyn kiln_nn::Module> {
                 match name {
-                    $( stringify!($field) => $crate::pipeline::ComponentSlot::module(&self.$field), )*
+                    $( stringify!($field) => components!(@find self, $field $($optional)?), )*
                     _ => None,
                 }
             }
         }
     };
+    (@each $s:ident, $f:ident, $field:ident) => { $f(stringify!($field), &mut $s.$field)? };
+    (@each $s:ident, $f:ident, $field:ident optional) => {
+        if let Some(m) = &mut $s.$field {
+            $f(stringify!($field), m)?
+        }
+    };
+    (@find $s:ident, $field:ident) => { Some(&$s.$field as &dyn kiln_nn::Module) };
+    (@find $s:ident, $field:ident optional) => { $s.$field.as_ref().map(|m| m as &dyn kiln_nn::Module) };
 }
 pub(crate) use components;
 
@@ -269,7 +215,8 @@ impl<C: Components> PipelineCore<C> {
         let run = &self.run;
         if let Some(components) = &mut self.components {
             let _ = components.each(&mut |_, c| {
-                let streams = c.streamed().is_some();
+                let mut streams = false;
+                c.block_lists(&mut |_| streams = true);
                 c.compile(run.compile_mode_of(streams));
                 Ok(())
             });
@@ -329,10 +276,7 @@ pub trait PipelineParts {
         let core = self.core_mut();
         let log = core.offload_log.clone();
         let mut placing = Placing::default();
-        components.each(&mut |name, c| match c.streamed() {
-            Some(blocks) => placing.blocks(name, blocks, memory, mode, &log),
-            None => placing.whole(name, c, memory),
-        })?;
+        components.each(&mut |name, c| placing.component(name, c, memory, mode, &log))?;
         let plan = placing.plan(mode, device);
         core.components = Some(components);
         core.run.device = Some(device.clone());

@@ -73,7 +73,7 @@ pub struct StableDiffusion3Components {
 components!(StableDiffusion3Components {
     text_encoder,
     text_encoder_2,
-    text_encoder_3,
+    text_encoder_3 (optional),
     transformer,
     vae
 });

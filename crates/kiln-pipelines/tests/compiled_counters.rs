@@ -1,7 +1,7 @@
 //! Compiled mode's promise, counted: the first call with a size compiles, later calls with the
 //! same size compile nothing whatever the steps, seed or prompt, and a new size compiles once more.
 
-use kiln_nn::CompileMode;
+use kiln_nn::{CompileMode, Model};
 use kiln_pipelines::DiffusionPipeline;
 use kiln_pipelines::{FluxCall, FluxPipeline, LoadOptions, OutputType};
 use kiln_tensor::{thread_op_cache_stats, DType};

@@ -12,7 +12,7 @@ mod common;
 
 use common::call_from;
 use kiln_io::{AutoencoderKLConfig, ClipTextConfig, FluxTransformer2DConfig, T5Config};
-use kiln_nn::{CompileMode, OffloadEvent};
+use kiln_nn::{CompileMode, Model, OffloadEvent};
 use kiln_pipelines::{
     FluxCall, FluxPipeline, LoadOptions, OffloadMode, OutputType, StableDiffusion3Call, StableDiffusion3Pipeline,
     StepState,
