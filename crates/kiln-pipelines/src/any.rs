@@ -12,11 +12,12 @@ use kiln_nn::{CompileMode, OffloadLog, RunConfig};
 use kiln_tensor::{DType, Device};
 use serde::Deserialize;
 
+use crate::call::{OutputType, PipelineOutput, StepCallback};
 use crate::error::{invalid, Result};
 use crate::flux::{FluxCall, FluxPipeline};
 use crate::loading::{LoadOptions, ModelFolder};
 use crate::offload::{OffloadMode, OffloadPlan};
-use crate::pipeline::{DiffusionPipeline, OutputType, PipelineOutput, StepCallback};
+use crate::pipeline::DiffusionPipeline;
 use crate::sd3::{StableDiffusion3Call, StableDiffusion3Pipeline};
 
 /// The pipelines kiln runs, by diffusers class.

@@ -10,12 +10,10 @@ use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 use std::time::Instant;
 
+use crate::call::{check_same_shape, denoise, finish_call, pipeline_call, OutputType, PipelineOutput};
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{
-    check_same_shape, components, denoise, finish_call, pipeline_call, OutputType, PipelineCore, PipelineOutput,
-    PipelineParts,
-};
+use crate::pipeline::{components, PipelineCore, PipelineParts};
 
 pipeline_call! {
     /// The arguments of a `FluxPipeline` call, with diffusers' defaults. `prompt_2` is T5's;

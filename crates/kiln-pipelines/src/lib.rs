@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 mod any;
+pub mod call;
 mod error;
 pub mod flux;
 mod loading;
@@ -13,13 +14,11 @@ mod progress;
 pub mod sd3;
 
 pub use any::{AnyPipeline, CallDefaults, GenerateCall, PipelineKind};
+pub use call::{OutputType, PipelineOutput, StepCallback, StepState, Timings};
 pub use error::{PipelineError, Result};
 pub use flux::{pack_latents, unpack_latents, FluxCall, FluxPipeline};
 pub use kiln_nn::RunConfig;
 pub use loading::LoadOptions;
 pub use offload::{ComponentMemory, OffloadMode, OffloadPlan};
-pub use pipeline::{
-    Components, DiffusionPipeline, OutputType, PipelineCore, PipelineOutput, PipelineParts, StepCallback, StepState,
-    Timings,
-};
+pub use pipeline::{Components, DiffusionPipeline, PipelineCore, PipelineParts};
 pub use sd3::{StableDiffusion3Call, StableDiffusion3Embeddings, StableDiffusion3Pipeline};

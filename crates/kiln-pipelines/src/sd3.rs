@@ -11,12 +11,10 @@ use kiln_schedulers::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSch
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 
+use crate::call::{check_same_shape, denoise, finish_call, pipeline_call, shown, OutputType, PipelineOutput};
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{
-    check_same_shape, components, denoise, finish_call, pipeline_call, shown, OutputType, PipelineCore, PipelineOutput,
-    PipelineParts,
-};
+use crate::pipeline::{components, PipelineCore, PipelineParts};
 
 const CLIP_MAX_LENGTH: usize = 77;
 

@@ -1,0 +1,365 @@
+//! What every pipeline call shares: the call arguments every pipeline takes ([`pipeline_call!`]),
+//! diffusers' shared checks, the denoising loop, the step callback, and one output type.
+
+use std::time::{Duration, Instant};
+
+use image::RgbImage;
+use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
+use kiln_tensor::{DType, Tensor};
+
+use crate::error::{invalid, PipelineError, Result};
+
+/// What the call returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OutputType {
+    /// Decoded, post-processed RGB images (`output_type="pil"`).
+    #[default]
+    Image,
+    /// The packed latents after the last step (`output_type="latent"`).
+    Latent,
+}
+
+/// What a step callback sees after each denoising step.
+pub struct StepState<'a> {
+    pub step: usize,
+    pub timestep: f32,
+    /// The transformer's prediction at this step (after true CFG, when active).
+    pub noise_pred: &'a Tensor,
+    /// The latents after the scheduler step; the callback may replace them.
+    pub latents: &'a mut Tensor,
+}
+
+/// A per-step callback (`callback_on_step_end`). Returning `false` interrupts the run.
+pub type StepCallback<'a> = dyn FnMut(&mut StepState<'_>) -> bool + 'a;
+
+/// Where the time of a call went (each stage waits for its results before it is timed).
+#[derive(Clone, Debug, Default)]
+pub struct Timings {
+    pub text_encoding: Duration,
+    pub steps: Vec<Duration>,
+    pub decoding: Duration,
+    pub total: Duration,
+}
+
+/// The result of a call.
+pub struct PipelineOutput {
+    /// The images (empty for `OutputType::Latent`).
+    pub images: Vec<RgbImage>,
+    /// The final latents (FLUX: packed `[B·n, S, 64]`; SD3: `[B·n, C, H/vsf, W/vsf]`).
+    pub latents: Tensor,
+    /// The image (height, width) after rounding.
+    pub size: (usize, usize),
+    pub timings: Timings,
+    /// Warnings diffusers would have logged (also sent to `tracing`).
+    pub warnings: Vec<String>,
+}
+
+/// The denoising loop of every pipeline: at each timestep the pipeline's guided prediction
+/// (`predict(step, t, latents)`), the scheduler's Euler step, the step callback, timing and
+/// progress. Returns the final latents and each step's time (each step waits for its latents).
+pub(crate) fn denoise(
+    scheduler: &FlowMatchEulerDiscreteScheduler,
+    timesteps: &[f32],
+    mut latents: Tensor,
+    progress: bool,
+    callback: &mut Option<Box<StepCallback<'_>>>,
+    mut predict: impl FnMut(usize, f32, &Tensor) -> Result<Tensor>,
+) -> Result<(Tensor, Vec<Duration>)> {
+    let bar = crate::progress::step_bar(timesteps.len(), progress);
+    let mut step_times = Vec::with_capacity(timesteps.len());
+    for (i, &t) in timesteps.iter().enumerate() {
+        let started = Instant::now();
+        let noise_pred = predict(i, t, &latents)?;
+        latents = euler_step(&latents, &noise_pred, scheduler.dt(i)?)?;
+        if let Some(cb) = callback.as_mut() {
+            let mut state = StepState {
+                step: i,
+                timestep: t,
+                noise_pred: &noise_pred,
+                latents: &mut latents,
+            };
+            if !cb(&mut state) {
+                return Err(PipelineError::Interrupted { step: i });
+            }
+        }
+        latents.wait()?;
+        step_times.push(started.elapsed());
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok((latents, step_times))
+}
+
+/// `FlowMatchEulerDiscreteScheduler.step`: `x + dt·v` with the sample upcast to f32. On CPU with a
+/// 16-bit model, torch rounds `dt` and `dt·v` to the model dtype before the f32 add.
+fn euler_step(x: &Tensor, v: &Tensor, dt: f32) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let dt = Tensor::from_f32(&[dt], v.dtype(), [], x.device())?;
+    let update = v.mul(&dt)?;
+    if dtype == DType::F32 {
+        return Ok(x.add(&update)?);
+    }
+    Ok(x.to_dtype(DType::F32)?
+        .add(&update.to_dtype(DType::F32)?)?
+        .to_dtype(dtype)?)
+}
+
+/// The end of every call: the final latents decoded (`decode` gives the image tensor `[N, 3, H, W]`
+/// in [-1, 1]) unless latents were asked for, and the output with its timings.
+pub(crate) fn finish_call(
+    output_type: OutputType,
+    latents: Tensor,
+    size: (usize, usize),
+    (started, text_encoding, steps): (Instant, Duration, Vec<Duration>),
+    warnings: Vec<String>,
+    decode: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<PipelineOutput> {
+    let decoding = Instant::now();
+    let images = match output_type {
+        OutputType::Latent => Vec::new(),
+        OutputType::Image => {
+            let decoded = decode(&latents)?;
+            kiln_image::postprocess_bytes(&decoded.to_bytes()?, decoded.dtype(), decoded.shape())?
+        }
+    };
+    let timings = Timings {
+        text_encoding,
+        steps,
+        decoding: decoding.elapsed(),
+        total: started.elapsed(),
+    };
+    Ok(PipelineOutput {
+        images,
+        latents,
+        size,
+        timings,
+        warnings,
+    })
+}
+
+/// `prompt_2`'s value as diffusers prints it in a message.
+pub(crate) fn shown(prompts: Option<&Vec<String>>) -> String {
+    prompts.map_or("None".to_string(), |p| p.join(", "))
+}
+
+/// The part of diffusers' `check_inputs` that every pipeline makes the same way.
+pub(crate) struct SharedChecks<'a> {
+    /// `prompt`, `prompt_2`, ...: each name, whether it was given, and how diffusers shows it.
+    pub prompts: Vec<(&'static str, bool, String)>,
+    /// The same for `negative_prompt`, `negative_prompt_2`, ...
+    pub negative_prompts: Vec<(&'static str, bool, String)>,
+    pub prompt_embeds: Option<&'a Tensor>,
+    pub pooled_prompt_embeds: Option<&'a Tensor>,
+    pub negative_prompt_embeds: Option<&'a Tensor>,
+    pub negative_pooled_prompt_embeds: Option<&'a Tensor>,
+    pub max_sequence_length: usize,
+    pub guidance_scale: f64,
+    pub sigmas: Option<&'a [f64]>,
+    pub num_images_per_prompt: usize,
+    pub seeds: Option<&'a [u64]>,
+    /// The batch (prompts, or rows of `prompt_embeds`).
+    pub batch: usize,
+}
+
+impl SharedChecks<'_> {
+    /// diffusers' messages, in diffusers' order.
+    pub fn check(&self) -> Result<()> {
+        let describe = |t: &Tensor| format!("tensor of shape {}", t.shape());
+        let conflict = |lists: &[(&'static str, bool, String)], embeds: Option<&Tensor>, embeds_name: &str| {
+            let (Some(e), Some((name, _, shown))) = (embeds, lists.iter().find(|(_, given, _)| *given)) else {
+                return Ok(());
+            };
+            Err(invalid(format!(
+                "Cannot forward both `{name}`: {shown} and `{embeds_name}`: {}. Please make sure to only forward one of the two.",
+                describe(e)
+            )))
+        };
+        conflict(&self.prompts, self.prompt_embeds, "prompt_embeds")?;
+        if !self.prompts[0].1 && self.prompt_embeds.is_none() {
+            return Err(invalid(
+                "Provide either `prompt` or `prompt_embeds`. Cannot leave both `prompt` and `prompt_embeds` undefined.",
+            ));
+        }
+        conflict(
+            &self.negative_prompts,
+            self.negative_prompt_embeds,
+            "negative_prompt_embeds",
+        )?;
+        if self.prompt_embeds.is_some() && self.pooled_prompt_embeds.is_none() {
+            return Err(invalid("If `prompt_embeds` are provided, `pooled_prompt_embeds` also have to be passed. Make sure to generate `pooled_prompt_embeds` from the same text encoder that was used to generate `prompt_embeds`."));
+        }
+        if self.negative_prompt_embeds.is_some() && self.negative_pooled_prompt_embeds.is_none() {
+            return Err(invalid("If `negative_prompt_embeds` are provided, `negative_pooled_prompt_embeds` also have to be passed. Make sure to generate `negative_pooled_prompt_embeds` from the same text encoder that was used to generate `negative_prompt_embeds`."));
+        }
+        if self.max_sequence_length > 512 {
+            return Err(invalid(format!(
+                "`max_sequence_length` cannot be greater than 512 but is {}",
+                self.max_sequence_length
+            )));
+        }
+        if self.max_sequence_length == 0 {
+            return Err(invalid("`max_sequence_length` must be at least 1"));
+        }
+        if !self.guidance_scale.is_finite() {
+            return Err(invalid(format!(
+                "`guidance_scale` must be a finite number, got {}",
+                self.guidance_scale
+            )));
+        }
+        if self.sigmas.is_some_and(<[f64]>::is_empty) {
+            return Err(invalid("`sigmas` is empty: give at least one sigma"));
+        }
+        if self.num_images_per_prompt == 0 {
+            return Err(invalid("`num_images_per_prompt` must be at least 1"));
+        }
+        let effective = self.batch * self.num_images_per_prompt;
+        match self.seeds {
+            Some(seeds) if seeds.len() != effective => Err(invalid(format!(
+                "You have passed a list of generators of length {}, but requested an effective batch size of {effective}. Make sure the batch size matches the length of the generators.",
+                seeds.len()
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `prompt_embeds` and `negative_prompt_embeds` given together must have one shape.
+pub(crate) fn check_same_shape(prompt_embeds: Option<&Tensor>, negative: Option<&Tensor>) -> Result<()> {
+    match (prompt_embeds, negative) {
+        (Some(p), Some(np)) if p.dims() != np.dims() => Err(invalid(format!(
+            "`prompt_embeds` and `negative_prompt_embeds` must have the same shape when passed directly, but got: `prompt_embeds` torch.Size({:?}) != `negative_prompt_embeds` torch.Size({:?}).",
+            p.dims(),
+            np.dims()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Declares a pipeline's call struct: the arguments every pipeline's `__call__` takes (diffusers'
+/// names; `seed`/`seeds` stand for `generator`), then the pipeline's own, each with its default.
+macro_rules! pipeline_call {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            guidance_scale: $guidance:expr,
+            max_sequence_length: $max_sequence_length:expr,
+            $( $(#[$field_meta:meta])* pub $field:ident : $ty:ty = $default:expr, )*
+        }
+    ) => {
+        $(#[$meta])*
+        pub struct $name<'a> {
+            /// One prompt per batch element (`prompt`); `None` when `prompt_embeds` are given.
+            pub prompt: Option<Vec<String>>,
+            /// The second text encoder's prompts (`prompt_2`, defaults to `prompt`).
+            pub prompt_2: Option<Vec<String>>,
+            pub negative_prompt: Option<Vec<String>>,
+            pub negative_prompt_2: Option<Vec<String>>,
+            /// `0` means the model's default size (`default_size()`).
+            pub height: usize,
+            pub width: usize,
+            pub num_inference_steps: usize,
+            /// Custom sigmas (their count then sets the number of steps).
+            pub sigmas: Option<Vec<f64>>,
+            pub guidance_scale: f64,
+            pub num_images_per_prompt: usize,
+            /// Seeds one `torch.Generator('cpu')` for the whole batch.
+            pub seed: u64,
+            /// One generator seed per image instead (a generator list).
+            pub seeds: Option<Vec<u64>>,
+            /// Initial latents, shaped as the transformer takes them, instead of noise.
+            pub latents: Option<Tensor>,
+            pub prompt_embeds: Option<Tensor>,
+            pub pooled_prompt_embeds: Option<Tensor>,
+            pub negative_prompt_embeds: Option<Tensor>,
+            pub negative_pooled_prompt_embeds: Option<Tensor>,
+            pub max_sequence_length: usize,
+            pub output_type: $crate::OutputType,
+            /// Show a progress bar on stderr (when it is a terminal).
+            pub progress: bool,
+            pub callback: Option<Box<$crate::StepCallback<'a>>>,
+            $( $(#[$field_meta])* pub $field: $ty, )*
+        }
+
+        impl Default for $name<'_> {
+            fn default() -> Self {
+                $name {
+                    prompt: None,
+                    prompt_2: None,
+                    negative_prompt: None,
+                    negative_prompt_2: None,
+                    height: 0,
+                    width: 0,
+                    num_inference_steps: 28,
+                    sigmas: None,
+                    guidance_scale: $guidance,
+                    num_images_per_prompt: 1,
+                    seed: 0,
+                    seeds: None,
+                    latents: None,
+                    prompt_embeds: None,
+                    pooled_prompt_embeds: None,
+                    negative_prompt_embeds: None,
+                    negative_pooled_prompt_embeds: None,
+                    max_sequence_length: $max_sequence_length,
+                    output_type: $crate::OutputType::Image,
+                    progress: true,
+                    callback: None,
+                    $( $field: $default, )*
+                }
+            }
+        }
+
+        impl $name<'_> {
+            /// A call for one prompt with the other arguments at their defaults.
+            pub fn prompt(prompt: impl Into<String>) -> Self {
+                $name {
+                    prompt: Some(vec![prompt.into()]),
+                    ..Default::default()
+                }
+            }
+
+            /// The batch: the prompts, or the rows of `prompt_embeds`.
+            #[allow(dead_code)]
+            fn batch(&self) -> usize {
+                match (&self.prompt, &self.prompt_embeds) {
+                    (Some(p), _) => p.len(),
+                    (None, e) => e.as_ref().map_or(0, |e| e.dims()[0]),
+                }
+            }
+
+            /// The checks every pipeline makes (see [`SharedChecks`]), with the pipeline's further
+            /// prompts (`prompt_3`, ...) as `(name, given, shown)`.
+            #[allow(dead_code)]
+            fn shared_checks(
+                &self,
+                prompts: &[(&'static str, bool, String)],
+                negative_prompts: &[(&'static str, bool, String)],
+            ) -> $crate::error::Result<()> {
+                let given = |name, p: &Option<Vec<String>>| (name, p.is_some(), $crate::call::shown(p.as_ref()));
+                let mut all = vec![given("prompt", &self.prompt), given("prompt_2", &self.prompt_2)];
+                all.extend_from_slice(prompts);
+                let mut negative = vec![
+                    given("negative_prompt", &self.negative_prompt),
+                    given("negative_prompt_2", &self.negative_prompt_2),
+                ];
+                negative.extend_from_slice(negative_prompts);
+                $crate::call::SharedChecks {
+                    prompts: all,
+                    negative_prompts: negative,
+                    prompt_embeds: self.prompt_embeds.as_ref(),
+                    pooled_prompt_embeds: self.pooled_prompt_embeds.as_ref(),
+                    negative_prompt_embeds: self.negative_prompt_embeds.as_ref(),
+                    negative_pooled_prompt_embeds: self.negative_pooled_prompt_embeds.as_ref(),
+                    max_sequence_length: self.max_sequence_length,
+                    guidance_scale: self.guidance_scale,
+                    sigmas: self.sigmas.as_deref(),
+                    num_images_per_prompt: self.num_images_per_prompt,
+                    seeds: self.seeds.as_deref(),
+                    batch: self.batch(),
+                }
+                .check()
+            }
+        }
+    };
+}
+pub(crate) use pipeline_call;
