@@ -9,6 +9,12 @@ use kiln_tensor::{DType, Tensor};
 
 use crate::error::{invalid, PipelineError, Result};
 
+/// A text encoding's result: the sequence states and the pooled vector, per prompt row.
+pub(crate) struct Encoded {
+    pub embeds: Tensor,
+    pub pooled: Tensor,
+}
+
 /// What the call returns.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OutputType {
@@ -58,11 +64,9 @@ pub struct PipelineOutput {
 /// (`predict(step, t, latents)`), the scheduler's Euler step, the step callback, timing and
 /// progress. Returns the final latents and each step's time (each step waits for its latents).
 pub(crate) fn denoise(
-    scheduler: &FlowMatchEulerDiscreteScheduler,
-    timesteps: &[f32],
+    (scheduler, timesteps): (&FlowMatchEulerDiscreteScheduler, &[f32]),
     mut latents: Tensor,
-    progress: bool,
-    callback: &mut Option<Box<StepCallback<'_>>>,
+    (progress, callback): (bool, &mut Option<Box<StepCallback<'_>>>),
     mut predict: impl FnMut(usize, f32, &Tensor) -> Result<Tensor>,
 ) -> Result<(Tensor, Vec<Duration>)> {
     let bar = crate::progress::step_bar(timesteps.len(), progress);

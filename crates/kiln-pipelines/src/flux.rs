@@ -10,10 +10,10 @@ use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 use std::time::Instant;
 
-use crate::call::{check_same_shape, denoise, finish_call, pipeline_call, OutputType, PipelineOutput};
+use crate::call::{check_same_shape, denoise, finish_call, pipeline_call, Encoded, OutputType, PipelineOutput};
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts};
 
 pipeline_call! {
     /// The arguments of a `FluxPipeline` call, with diffusers' defaults. `prompt_2` is T5's;
@@ -34,12 +34,18 @@ pub struct FluxComponents {
     vae: AutoencoderKL,
 }
 
-components!(FluxComponents {
-    text_encoder,
-    text_encoder_2,
-    transformer,
-    vae
-});
+components!(FluxComponents: text_encoder, text_encoder_2, transformer, vae);
+pipeline_parts!(FluxPipeline, FluxComponents);
+
+/// The classes `model_index.json` must name for each component (besides the scheduler).
+const FOLDER_COMPONENTS: &[(&str, &[&str])] = &[
+    ("text_encoder", &["CLIPTextModel"]),
+    ("text_encoder_2", &["T5EncoderModel"]),
+    ("tokenizer", &["CLIPTokenizer", "CLIPTokenizerFast"]),
+    ("tokenizer_2", &["T5Tokenizer", "T5TokenizerFast"]),
+    ("transformer", &["FluxTransformer2DModel"]),
+    ("vae", &["AutoencoderKL"]),
+];
 
 /// diffusers' `FluxPipeline`.
 pub struct FluxPipeline {
@@ -53,50 +59,12 @@ pub struct FluxPipeline {
     scheduler_config: FlowMatchEulerDiscreteSchedulerConfig,
 }
 
-/// The text states of one encoding, repeated per image.
-struct Encoded {
-    prompt_embeds: Tensor,
-    pooled: Tensor,
-}
-
-impl PipelineParts for FluxPipeline {
-    type Components = FluxComponents;
-    fn core(&self) -> &PipelineCore<FluxComponents> {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut PipelineCore<FluxComponents> {
-        &mut self.core
-    }
-    fn load(&self, device: &Device, memory: MemoryKind) -> Result<FluxComponents> {
-        let w = |name| self.core.weights(name, device, memory);
-        Ok(FluxComponents {
-            text_encoder: ClipTextModel::load(&self.clip_config, &w("text_encoder")?)?,
-            text_encoder_2: T5EncoderModel::load(&self.t5_config, &w("text_encoder_2")?)?,
-            transformer: FluxTransformer2DModel::load(&self.transformer_config, &w("transformer")?)?,
-            vae: AutoencoderKL::load(&self.vae_config, &w("vae")?)?,
-        })
-    }
-}
-
 impl FluxPipeline {
     /// Opens a diffusers FLUX.1 folder (or a Hugging Face repo id in the local cache): parses
     /// every config, builds the tokenizers and maps the weights. Weights reach a device at
     /// `to` (or the first call, on the CPU).
     pub fn from_pretrained(model: &str, options: &LoadOptions) -> Result<Self> {
-        let folder = ModelFolder::open_pipeline(
-            model,
-            options,
-            &["FluxPipeline"],
-            &[
-                ("scheduler", &["FlowMatchEulerDiscreteScheduler"]),
-                ("text_encoder", &["CLIPTextModel"]),
-                ("text_encoder_2", &["T5EncoderModel"]),
-                ("tokenizer", &["CLIPTokenizer", "CLIPTokenizerFast"]),
-                ("tokenizer_2", &["T5Tokenizer", "T5TokenizerFast"]),
-                ("transformer", &["FluxTransformer2DModel"]),
-                ("vae", &["AutoencoderKL"]),
-            ],
-        )?;
+        let folder = ModelFolder::open_pipeline(model, options, &["FluxPipeline"], FOLDER_COMPONENTS)?;
         Ok(FluxPipeline {
             tokenizer: ClipTokenizer::from_folder(folder.component_dir("tokenizer")?)?,
             tokenizer_2: T5Tokenizer::from_folder(folder.component_dir("tokenizer_2")?)?,
@@ -106,6 +74,17 @@ impl FluxPipeline {
             vae_config: folder.config("vae")?,
             scheduler_config: folder.scheduler_config()?,
             core: folder.core(options, &["text_encoder", "text_encoder_2", "transformer", "vae"])?,
+        })
+    }
+
+    /// Loads every component's weights into memory space `memory` of `device`.
+    fn load_components(&self, device: &Device, memory: MemoryKind) -> Result<FluxComponents> {
+        let w = |name| self.core.weights(name, device, memory);
+        Ok(FluxComponents {
+            text_encoder: ClipTextModel::load(&self.clip_config, &w("text_encoder")?)?,
+            text_encoder_2: T5EncoderModel::load(&self.t5_config, &w("text_encoder_2")?)?,
+            transformer: FluxTransformer2DModel::load(&self.transformer_config, &w("transformer")?)?,
+            vae: AutoencoderKL::load(&self.vae_config, &w("vae")?)?,
         })
     }
 
@@ -146,7 +125,7 @@ impl FluxPipeline {
             &[],
             None,
         )?;
-        Ok((e.prompt_embeds, e.pooled))
+        Ok((e.embeds, e.pooled))
     }
 
     /// CLIP then T5 on their prompts. With offload, `after` are the results of the component
@@ -186,7 +165,7 @@ impl FluxPipeline {
                 Ok(out.last_hidden_state.to_dtype(self.core.dtype())?)
             })?;
         Ok(Encoded {
-            prompt_embeds: embeds.repeat_interleave(images_per_prompt, 0)?,
+            embeds: embeds.repeat_interleave(images_per_prompt, 0)?,
             pooled: pooled.repeat_interleave(images_per_prompt, 0)?,
         })
     }
@@ -237,7 +216,7 @@ impl FluxPipeline {
                     Ok(t.to_device(device)?.to_dtype(dtype)?.repeat_interleave(n, 0)?)
                 };
                 return Ok(Encoded {
-                    prompt_embeds: given(e)?,
+                    embeds: given(e)?,
                     pooled: given(p)?,
                 });
             }
@@ -267,15 +246,15 @@ impl FluxPipeline {
                 &negative_prompt_2,
                 &args.negative_prompt_embeds,
                 &args.negative_pooled_prompt_embeds,
-                &[&positive.prompt_embeds],
+                &[&positive.embeds],
                 None,
             )?)
         } else {
             None
         };
-        positive.prompt_embeds.wait()?;
+        positive.embeds.wait()?;
         let text_encoding = t0.elapsed();
-        let text_len = positive.prompt_embeds.dims()[1];
+        let text_len = positive.embeds.dims()[1];
 
         // 4. Latents.
         let h = 2 * (height / (vsf * 2));
@@ -322,11 +301,9 @@ impl FluxPipeline {
         let decodes = args.output_type == OutputType::Image;
         let last_encoded = negative.as_ref().unwrap_or(&positive);
         let (latents, steps) = denoise(
-            &scheduler,
-            &timesteps,
+            (&scheduler, &timesteps),
             latents,
-            args.progress,
-            &mut args.callback,
+            (args.progress, &mut args.callback),
             |i, t, latents| {
                 let timestep = timestep_tensor(t, total, dtype, device)?;
                 let last_step = i + 1 == timesteps.len();
@@ -336,12 +313,12 @@ impl FluxPipeline {
                     self.core.run(
                         "transformer",
                         &models.transformer,
-                        &[&last_encoded.prompt_embeds],
+                        &[&last_encoded.embeds],
                         next,
                         |tr| {
                             Ok(tr.forward(&FluxTransformerInputs {
                                 hidden_states: latents,
-                                encoder_hidden_states: &enc.prompt_embeds,
+                                encoder_hidden_states: &enc.embeds,
                                 pooled_projections: &enc.pooled,
                                 timestep: &timestep,
                                 guidance: guidance.as_ref(),

@@ -38,7 +38,7 @@ pub(crate) struct ModelFolder {
 
 impl ModelFolder {
     /// Opens a pipeline's folder: the dtype must be a float one, `model_index.json` must name one
-    /// of `classes` and each of `components` one of its classes.
+    /// of `classes`, a flow-match Euler scheduler, and each of `components` one of its classes.
     pub fn open_pipeline(
         model: &str,
         options: &LoadOptions,
@@ -53,7 +53,8 @@ impl ModelFolder {
         }
         let folder = ModelFolder::open(model, options.revision.as_deref())?;
         folder.index.require_pipeline(classes)?;
-        for (name, supported) in components {
+        let scheduler = ("scheduler", &["FlowMatchEulerDiscreteScheduler"][..]);
+        for (name, supported) in std::iter::once(&scheduler).chain(components) {
             folder.index.require_component(name, supported)?;
         }
         Ok(folder)

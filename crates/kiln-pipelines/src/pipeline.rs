@@ -28,9 +28,9 @@ pub trait Components {
 
 /// Implements [`Components`] for a struct whose fields, in run order, are the components named
 /// as the fields; `(optional)` marks an `Option` (a component the folder may lack):
-/// `components!(Models { text_encoder, text_encoder_3 (optional), transformer, vae });`.
+/// `components!(Models: text_encoder, text_encoder_3 (optional), transformer, vae);`.
 macro_rules! components {
-    ($ty:ident { $($field:ident $(($optional:ident))?),* $(,)? }) => {
+    ($ty:ident: $($field:ident $(($optional:ident))?),* $(,)?) => {
         impl $crate::pipeline::Components for $ty {
             fn each(
                 &mut self,
@@ -176,6 +176,30 @@ impl<C: Components> PipelineCore<C> {
         }
     }
 }
+
+/// Implements [`PipelineParts`] for a pipeline whose `core` field is its [`PipelineCore`] and whose
+/// inherent `load_components(&self, &Device, MemoryKind)` loads its components.
+macro_rules! pipeline_parts {
+    ($pipeline:ty, $components:ty) => {
+        impl $crate::pipeline::PipelineParts for $pipeline {
+            type Components = $components;
+            fn core(&self) -> &$crate::pipeline::PipelineCore<$components> {
+                &self.core
+            }
+            fn core_mut(&mut self) -> &mut $crate::pipeline::PipelineCore<$components> {
+                &mut self.core
+            }
+            fn load(
+                &self,
+                device: &kiln_tensor::Device,
+                memory: kiln_tensor::MemoryKind,
+            ) -> $crate::Result<$components> {
+                self.load_components(device, memory)
+            }
+        }
+    };
+}
+pub(crate) use pipeline_parts;
 
 /// What a pipeline gives the core: its [`PipelineCore`] and how to load its components.
 /// Everything else a pipeline shares ([`DiffusionPipeline`]) comes from this.

@@ -11,10 +11,10 @@ use kiln_schedulers::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSch
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 
-use crate::call::{check_same_shape, denoise, finish_call, pipeline_call, shown, OutputType, PipelineOutput};
+use crate::call::{check_same_shape, denoise, finish_call, pipeline_call, shown, Encoded, OutputType, PipelineOutput};
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts};
 
 const CLIP_MAX_LENGTH: usize = 77;
 
@@ -68,13 +68,20 @@ pub struct StableDiffusion3Components {
     vae: AutoencoderKL,
 }
 
-components!(StableDiffusion3Components {
-    text_encoder,
-    text_encoder_2,
-    text_encoder_3 (optional),
-    transformer,
-    vae
-});
+components!(StableDiffusion3Components: text_encoder, text_encoder_2, text_encoder_3 (optional), transformer, vae);
+pipeline_parts!(StableDiffusion3Pipeline, StableDiffusion3Components);
+
+/// The classes `model_index.json` must name for each component (besides the scheduler); T5
+/// (`text_encoder_3`, `tokenizer_3`) may be absent.
+const FOLDER_COMPONENTS: &[(&str, &[&str])] = &[
+    ("text_encoder", &["CLIPTextModelWithProjection"]),
+    ("text_encoder_2", &["CLIPTextModelWithProjection"]),
+    ("tokenizer", CLIP_TOKENIZERS),
+    ("tokenizer_2", CLIP_TOKENIZERS),
+    ("transformer", &["SD3Transformer2DModel"]),
+    ("vae", &["AutoencoderKL"]),
+];
+const CLIP_TOKENIZERS: &[&str] = &["CLIPTokenizer", "CLIPTokenizerFast"];
 
 /// diffusers' `StableDiffusion3Pipeline`.
 pub struct StableDiffusion3Pipeline {
@@ -100,68 +107,12 @@ struct TextOptions<'a> {
     then: &'static str,
 }
 
-/// One branch's text states before assembly.
-struct Encoded {
-    embeds: Tensor,
-    pooled: Tensor,
-}
-
-impl PipelineParts for StableDiffusion3Pipeline {
-    type Components = StableDiffusion3Components;
-    fn core(&self) -> &PipelineCore<StableDiffusion3Components> {
-        &self.core
-    }
-    fn core_mut(&mut self) -> &mut PipelineCore<StableDiffusion3Components> {
-        &mut self.core
-    }
-    fn load(&self, device: &Device, memory: MemoryKind) -> Result<StableDiffusion3Components> {
-        let w = |name| self.core.weights(name, device, memory);
-        let text_encoder_3 = match &self.t5_config {
-            Some(config) => Some(T5EncoderModel::load(config, &w("text_encoder_3")?)?),
-            None => None,
-        };
-        let models = StableDiffusion3Components {
-            text_encoder: ClipTextModel::load(&self.clip_config, &w("text_encoder")?)?,
-            text_encoder_2: ClipTextModel::load(&self.clip_2_config, &w("text_encoder_2")?)?,
-            text_encoder_3,
-            transformer: SD3Transformer2DModel::load(&self.transformer_config, &w("transformer")?)?,
-            vae: AutoencoderKL::load(&self.vae_config, &w("vae")?)?,
-        };
-        for (name, model) in [
-            ("text_encoder", &models.text_encoder),
-            ("text_encoder_2", &models.text_encoder_2),
-        ] {
-            if !model.has_projection() {
-                return Err(invalid(format!(
-                    "{name}: CLIPTextModelWithProjection needs `text_projection.weight`, which {} lacks",
-                    self.core.root().join(name).display()
-                )));
-            }
-        }
-        Ok(models)
-    }
-}
-
 impl StableDiffusion3Pipeline {
     /// Opens a diffusers SD3 / SD3.5 folder (or a Hugging Face repo id in the local cache): parses
     /// every config, builds the tokenizers and maps the weights. Weights reach a device at
     /// `to` (or the first call, on the CPU).
     pub fn from_pretrained(model: &str, options: &LoadOptions) -> Result<Self> {
-        let clip_tokenizers: &[&str] = &["CLIPTokenizer", "CLIPTokenizerFast"];
-        let folder = ModelFolder::open_pipeline(
-            model,
-            options,
-            &["StableDiffusion3Pipeline"],
-            &[
-                ("scheduler", &["FlowMatchEulerDiscreteScheduler"]),
-                ("text_encoder", &["CLIPTextModelWithProjection"]),
-                ("text_encoder_2", &["CLIPTextModelWithProjection"]),
-                ("tokenizer", clip_tokenizers),
-                ("tokenizer_2", clip_tokenizers),
-                ("transformer", &["SD3Transformer2DModel"]),
-                ("vae", &["AutoencoderKL"]),
-            ],
-        )?;
+        let folder = ModelFolder::open_pipeline(model, options, &["StableDiffusion3Pipeline"], FOLDER_COMPONENTS)?;
         let has_t5 = folder
             .index
             .optional_component("text_encoder_3", &["T5EncoderModel"])?
@@ -198,6 +149,34 @@ impl StableDiffusion3Pipeline {
             vae_config: folder.config("vae")?,
             scheduler_config,
         })
+    }
+
+    /// Loads every component's weights into memory space `memory` of `device`.
+    fn load_components(&self, device: &Device, memory: MemoryKind) -> Result<StableDiffusion3Components> {
+        let w = |name| self.core.weights(name, device, memory);
+        let text_encoder_3 = match &self.t5_config {
+            Some(config) => Some(T5EncoderModel::load(config, &w("text_encoder_3")?)?),
+            None => None,
+        };
+        let models = StableDiffusion3Components {
+            text_encoder: ClipTextModel::load(&self.clip_config, &w("text_encoder")?)?,
+            text_encoder_2: ClipTextModel::load(&self.clip_2_config, &w("text_encoder_2")?)?,
+            text_encoder_3,
+            transformer: SD3Transformer2DModel::load(&self.transformer_config, &w("transformer")?)?,
+            vae: AutoencoderKL::load(&self.vae_config, &w("vae")?)?,
+        };
+        for (name, model) in [
+            ("text_encoder", &models.text_encoder),
+            ("text_encoder_2", &models.text_encoder_2),
+        ] {
+            if !model.has_projection() {
+                return Err(invalid(format!(
+                    "{name}: CLIPTextModelWithProjection needs `text_projection.weight`, which {} lacks",
+                    self.core.root().join(name).display()
+                )));
+            }
+        }
+        Ok(models)
     }
 
     /// The loaded transformer (`pipe.transformer`); `None` before the pipeline is placed.
@@ -490,14 +469,12 @@ impl StableDiffusion3Pipeline {
 
         // 6. Denoising loop: CFG `uncond + g·(text − uncond)`, plus skip-layer guidance
         // `+ slg·(text − skipped)` inside its window.
-        let skip_layers = args.skip_guidance_layers.clone().unwrap_or_default();
         let decodes = args.output_type == OutputType::Image;
+        let skip_layers = args.skip_guidance_layers.clone().unwrap_or_default();
         let (latents, steps) = denoise(
-            &scheduler,
-            &timesteps,
+            (&scheduler, &timesteps),
             latents,
-            args.progress,
-            &mut args.callback,
+            (args.progress, &mut args.callback),
             |i, t, latents| {
                 // diffusers: strict inequalities on the float products.
                 let fi = i as f64;
