@@ -12,6 +12,7 @@
 use std::sync::Mutex;
 
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
+use kiln_reference::gelu_tanh as reference;
 use kiln_types::DType;
 use kiln_x86::Avx512;
 
@@ -82,11 +83,6 @@ fn gelu_tanh(avx: Option<Avx512>, dtype: DType, x: &[u8], out: &mut [u8], pool: 
         }
         write_as(dtype, &values, &mut chunk);
     });
-}
-
-/// GELU with tanh by its definition, in f64.
-fn reference(x: f64) -> f64 {
-    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
 }
 
 /// The probe: 40 values from −5 to 4.75 against the tanh formula in f64.

@@ -19,6 +19,7 @@
 use std::sync::Mutex;
 
 use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
+use kiln_reference::Arr;
 use kiln_types::DType;
 
 use crate::values::{read_f32, read_f32_into, round_to, write_as};
@@ -235,29 +236,18 @@ fn group_norm(
     });
 }
 
-/// Group norm (and SiLU of its result rounded to `dtype`) of `values` by the definition, in f64.
+/// Group norm (and SiLU of its result rounded to `dtype`) of channels-last `values` by the
+/// definition, in f64 (kiln-reference's).
 fn reference(sh: &Shape, values: &[f32], weight: &[f32], bias: &[f32], eps: f32, dtype: DType, silu: bool) -> Vec<f64> {
     let c = sh.g * sh.cg;
-    let mut out = vec![0f64; values.len()];
-    for image in 0..sh.n {
-        for group in 0..sh.g {
-            let members =
-                || (0..sh.s).flat_map(move |p| (0..sh.cg).map(move |j| (image * sh.s + p) * c + group * sh.cg + j));
-            let count = (sh.s * sh.cg) as f64;
-            let mean = members().map(|i| values[i] as f64).sum::<f64>() / count;
-            let var = members().map(|i| (values[i] as f64 - mean).powi(2)).sum::<f64>() / count;
-            for i in members() {
-                let ch = i % c;
-                let mut y = (values[i] as f64 - mean) / (var + eps as f64).sqrt() * weight[ch] as f64 + bias[ch] as f64;
-                if silu {
-                    y = round_to(dtype, y as f32) as f64;
-                    y /= 1.0 + (-y).exp();
-                }
-                out[i] = y;
-            }
-        }
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let x = Arr::new(&[sh.n, sh.s, c], f64s(values)).permute(&[0, 2, 1]);
+    let (w, b) = (Arr::new(&[c], f64s(weight)), Arr::new(&[c], f64s(bias)));
+    let y = x.group_norm(sh.g, Some(&w), Some(&b), eps as f64).permute(&[0, 2, 1]);
+    match silu {
+        true => y.round(dtype).map(kiln_reference::silu).data,
+        false => y.data,
     }
-    out
 }
 
 /// The probe: a `[1, 3, 2, 2]` input (2 groups of 2 channels) normalised, with SiLU after if

@@ -13,7 +13,7 @@ use std::time::Instant;
 use crate::call::{check_same_shape, denoise, finish_call, pipeline_call, Encoded, OutputType, PipelineOutput};
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, Next, PipelineCore, PipelineParts};
 
 pipeline_call! {
     /// The arguments of a `FluxPipeline` call, with diffusers' defaults. `prompt_2` is T5's;
@@ -144,23 +144,19 @@ impl FluxPipeline {
         let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
         let clip_ids = self.tokenizer.encode_batch(&texts, 77)?;
         let ids = Tensor::from_slice(&clip_ids.input_ids, clip_ids.shape(), device)?;
-        let pooled = self.core.run(
-            "text_encoder",
-            &models.text_encoder,
-            after,
-            Some("text_encoder_2"),
-            |clip| {
+        let pooled = self
+            .core
+            .run("text_encoder", &models.text_encoder, after, Next::InOrder, |clip| {
                 let out = clip.forward_with_host_ids(&ids, &clip_ids.input_ids, false)?;
                 Ok(out.pooler_output.to_dtype(self.core.dtype())?)
-            },
-        )?;
+            })?;
         let texts_2: Vec<&str> = prompt_2.iter().map(String::as_str).collect();
         let t5_ids = self.tokenizer_2.encode_batch(&texts_2, max_sequence_length)?;
         let ids = Tensor::from_slice(&t5_ids.input_ids, t5_ids.shape(), device)?;
-        let then = then.unwrap_or("transformer");
+        let then = then.map_or(Next::InOrder, Next::Then);
         let embeds = self
             .core
-            .run("text_encoder_2", &models.text_encoder_2, &[&pooled], Some(then), |t5| {
+            .run("text_encoder_2", &models.text_encoder_2, &[&pooled], then, |t5| {
                 let out = t5.forward_with_host_ids(&ids, &t5_ids.input_ids, false)?;
                 Ok(out.last_hidden_state.to_dtype(self.core.dtype())?)
             })?;
@@ -309,7 +305,11 @@ impl FluxPipeline {
                 let last_step = i + 1 == timesteps.len();
                 let predict = |enc: &Encoded, last_call: bool| {
                     // The VAE's transfer can start during the last transformer call.
-                    let next = (last_call && decodes).then_some("vae");
+                    let next = if last_call && decodes {
+                        Next::InOrder
+                    } else {
+                        Next::Same
+                    };
                     self.core.run(
                         "transformer",
                         &models.transformer,
@@ -360,7 +360,7 @@ impl FluxPipeline {
         let shift = self.vae_config.shift_factor.unwrap_or(0.0);
         let z = z.div_scalar_f32(self.vae_config.scaling_factor)?.add_scalar(shift)?;
         self.core
-            .run("vae", &models.vae, &[latents], None, |vae| Ok(vae.decode(&z)?))
+            .run("vae", &models.vae, &[latents], Next::InOrder, |vae| Ok(vae.decode(&z)?))
     }
 
     /// diffusers' `check_inputs` (plus the checks `__call__` does early); warnings go to `warnings`.

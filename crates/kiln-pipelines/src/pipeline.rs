@@ -24,6 +24,8 @@ pub trait Components {
     fn each(&mut self, f: &mut dyn FnMut(&'static str, &mut dyn Model) -> Result<()>) -> Result<()>;
     /// The component `name`, if present.
     fn find(&self, name: &str) -> Option<&dyn Module>;
+    /// The names of the components present, in run order.
+    fn names(&self) -> Vec<&'static str>;
 }
 
 /// Implements [`Components`] for a struct whose fields, in run order, are the components named
@@ -45,6 +47,9 @@ macro_rules! components {
                     _ => None,
                 }
             }
+            fn names(&self) -> Vec<&'static str> {
+                [$(stringify!($field)),*].into_iter().filter(|n| self.find(n).is_some()).collect()
+            }
         }
     };
     (@each $s:ident, $f:ident, $field:ident) => { $f(stringify!($field), &mut $s.$field)? };
@@ -57,6 +62,17 @@ macro_rules! components {
     (@find $s:ident, $field:ident optional) => { $s.$field.as_ref().map(|m| m as &dyn kiln_nn::Module) };
 }
 pub(crate) use components;
+
+/// The component that runs after the one a pipeline enters, so that offload can bring it early.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// The next one in the components' run order (none after the last).
+    InOrder,
+    /// Another one (a pipeline that goes back, e.g. to CLIP for the negative prompt).
+    Then(&'static str),
+    /// This one again (e.g. the transformer before the last step).
+    Same,
+}
 
 /// What every pipeline holds the same way: its folder, dtype, checkpoints, run configuration,
 /// loaded components and offloader.
@@ -133,22 +149,30 @@ impl<C: Components> PipelineCore<C> {
 
     /// Runs `f` on component `name` (`model`): with offload, its weights reach the device first
     /// (after the previous component's results `after` are awaited, so that its weights may
-    /// leave), and the transfer of component `next` starts while `f` runs. Running out of device
-    /// memory names the component.
+    /// leave), and the transfer of the component that runs `next` starts while `f` runs. Running
+    /// out of device memory names the component.
     pub(crate) fn run<M: Module + Clone, T>(
         &self,
         name: &'static str,
         model: &M,
         after: &[&Tensor],
-        next: Option<&'static str>,
+        next: Next,
         f: impl FnOnce(&M) -> Result<T>,
     ) -> Result<T> {
-        let model = match &self.offloader {
-            None => Cow::Borrowed(model),
-            Some(o) => {
-                let next = next.and_then(|n| Some((n, self.components.as_ref()?.find(n)?)));
+        let model = match (&self.offloader, &self.components) {
+            (Some(o), Some(components)) => {
+                let next = match next {
+                    Next::InOrder => {
+                        let names = components.names();
+                        names.iter().skip_while(|n| **n != name).nth(1).copied()
+                    }
+                    Next::Then(n) => Some(n),
+                    Next::Same => None,
+                };
+                let next = next.and_then(|n| Some((n, components.find(n)?)));
                 o.enter(name, model, after, next).map_err(|e| self.oom(name, e))?
             }
+            _ => Cow::Borrowed(model),
         };
         f(&model).map_err(|e| self.oom(name, e))
     }
@@ -353,3 +377,7 @@ impl<P: PipelineParts> DiffusionPipeline for P {
         &self.core().root
     }
 }
+
+#[cfg(test)]
+#[path = "pipeline_tests.rs"]
+mod tests;

@@ -14,7 +14,7 @@ use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 use crate::call::{check_same_shape, denoise, finish_call, pipeline_call, shown, Encoded, OutputType, PipelineOutput};
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, Next, PipelineCore, PipelineParts};
 
 const CLIP_MAX_LENGTH: usize = 77;
 
@@ -328,7 +328,7 @@ impl StableDiffusion3Pipeline {
                 let ids = tokenizer.encode_batch(&texts, max_sequence_length)?;
                 let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
                 self.core
-                    .run("text_encoder_3", model, &[&clip_g.embeds], Some(then), |t5| {
+                    .run("text_encoder_3", model, &[&clip_g.embeds], Next::Then(then), |t5| {
                         Ok(t5.forward_with_host_ids(&t, &ids.input_ids, false)?.last_hidden_state)
                     })?
                     .to_dtype(self.core.dtype())?
@@ -362,7 +362,7 @@ impl StableDiffusion3Pipeline {
         let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
         let ids = tokenizer.encode_batch(&texts, CLIP_MAX_LENGTH)?;
         let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
-        let mut out = self.core.run(component, model, after, Some(next), |clip| {
+        let mut out = self.core.run(component, model, after, Next::Then(next), |clip| {
             Ok(clip.forward_with_host_ids(&t, &ids.input_ids, true)?)
         })?;
         let back = clip_skip.unwrap_or(0) + 2;
@@ -487,7 +487,11 @@ impl StableDiffusion3Pipeline {
                         let rows = hidden_states.dims()[0];
                         let timestep = Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?;
                         // The VAE's transfer can start during the last transformer call.
-                        let next = (last_call && decodes).then_some("vae");
+                        let next = if last_call && decodes {
+                            Next::InOrder
+                        } else {
+                            Next::Same
+                        };
                         self.core
                             .run("transformer", &models.transformer, &[&embeds], next, |tr| {
                                 Ok(tr.forward(&SD3TransformerInputs {
@@ -547,7 +551,7 @@ impl StableDiffusion3Pipeline {
             .div_scalar_f32(self.vae_config.scaling_factor)?
             .add_scalar(shift)?;
         self.core
-            .run("vae", &models.vae, &[latents], None, |vae| Ok(vae.decode(&z)?))
+            .run("vae", &models.vae, &[latents], Next::InOrder, |vae| Ok(vae.decode(&z)?))
     }
 
     /// diffusers' `check_inputs` (plus the checks `__call__` makes early).
