@@ -97,16 +97,6 @@ pub struct StableDiffusion3Pipeline {
     scheduler_config: FlowMatchEulerDiscreteSchedulerConfig,
 }
 
-/// How one text encoding runs: per-image repetition, lengths, and with offload the previous
-/// component's results and the component after T5.
-struct TextOptions<'a> {
-    n: usize,
-    max_sequence_length: usize,
-    clip_skip: Option<usize>,
-    after: &'a [&'a Tensor],
-    then: &'static str,
-}
-
 impl StableDiffusion3Pipeline {
     /// Opens a diffusers SD3 / SD3.5 folder (or a Hugging Face repo id in the local cache): parses
     /// every config, builds the tokenizers and maps the weights. Weights reach a device at
@@ -207,8 +197,8 @@ impl StableDiffusion3Pipeline {
 
     /// [`Self::encode_prompt`] after the checks.
     fn encode_with(&self, call: &StableDiffusion3Call<'_>) -> Result<StableDiffusion3Embeddings> {
-        let (models, device) = self.core.loaded()?;
-        let (n, batch, dtype) = (call.num_images_per_prompt, call.batch(), self.core.dtype());
+        let (_, device) = self.core.loaded()?;
+        let (batch, dtype) = (call.batch(), self.core.dtype());
         // diffusers uses given embeddings as they are (no repetition per image).
         let given = |e: &Option<Tensor>, pooled: &Option<Tensor>| -> Result<Option<(Tensor, Tensor)>> {
             let (Some(e), Some(p)) = (e, pooled) else {
@@ -219,16 +209,8 @@ impl StableDiffusion3Pipeline {
                 p.to_device(device)?.to_dtype(dtype)?,
             )))
         };
-        let text = |prompts: [&Vec<String>; 3], clip_skip, after: &[&Tensor], then| {
-            let options = TextOptions {
-                n,
-                max_sequence_length: call.max_sequence_length,
-                clip_skip,
-                after,
-                then,
-            };
-            self.encode_texts(models, device, prompts, options)
-        };
+        let text =
+            |prompts, clip_skip, after: &[&Tensor], then| self.encode_texts(prompts, call, clip_skip, after, then);
         let (prompt_embeds, pooled_prompt_embeds) =
             match (given(&call.prompt_embeds, &call.pooled_prompt_embeds)?, &call.prompt) {
                 (Some(given), _) => given,
@@ -294,21 +276,19 @@ impl StableDiffusion3Pipeline {
         })
     }
 
-    /// CLIP-L, CLIP-G and T5 on their prompts, assembled into `(prompt_embeds, pooled)`.
+    /// CLIP-L, CLIP-G and T5 on their prompts, assembled into `(prompt_embeds, pooled)` and
+    /// repeated per image. With offload, `after` are the results of the component that ran before
+    /// CLIP-L and `then` the component that runs after T5.
     fn encode_texts(
         &self,
-        models: &StableDiffusion3Components,
-        device: &Device,
         [prompt, prompt_2, prompt_3]: [&Vec<String>; 3],
-        options: TextOptions<'_>,
+        call: &StableDiffusion3Call<'_>,
+        clip_skip: Option<usize>,
+        after: &[&Tensor],
+        then: &'static str,
     ) -> Result<(Tensor, Tensor)> {
-        let TextOptions {
-            n,
-            max_sequence_length,
-            clip_skip,
-            after,
-            then,
-        } = options;
+        let (models, device) = self.core.loaded()?;
+        let (n, max_sequence_length) = (call.num_images_per_prompt, call.max_sequence_length);
         for (name, v) in [("prompt_2", prompt_2), ("prompt_3", prompt_3)] {
             if v.len() != prompt.len() {
                 return Err(invalid(format!(
