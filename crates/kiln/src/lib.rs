@@ -1,7 +1,7 @@
 //! kiln: diffusers text-to-image pipelines in Rust, on any accelerator with a PJRT plugin.
 //!
 //! ```no_run
-//! use kiln::{Device, DType, FluxCall, FluxPipeline, LoadOptions};
+//! use kiln::{DType, Device, DiffusionPipeline, FluxCall, FluxPipeline, LoadOptions};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let device = Device::parse("auto")?;
 //! let mut pipe = FluxPipeline::from_pretrained(
