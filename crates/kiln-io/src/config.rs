@@ -13,6 +13,9 @@ use serde::Deserialize;
 
 use crate::error::{IoError, Result};
 
+mod mistral;
+pub use mistral::{Mistral3Config, MistralTextConfig, RopeParameters};
+
 /// Parses the JSON text of the config file `file` (named in errors).
 pub fn parse_config<T: DeserializeOwned>(file: &Path, text: &str) -> Result<T> {
     let config_error = |key: String, message: String| IoError::Config {

@@ -20,7 +20,7 @@ pub mod safetensors;
 
 pub use config::{
     load_config, parse_config, Activation, AutoencoderKLConfig, ClipTextConfig, FluxTransformer2DConfig,
-    SD3Transformer2DConfig, T5Config,
+    Mistral3Config, MistralTextConfig, SD3Transformer2DConfig, T5Config,
 };
 pub use error::{IoError, Result};
 pub use hub::{resolve_model, resolve_model_with, HfCacheEnv};

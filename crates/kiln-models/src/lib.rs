@@ -4,6 +4,7 @@
 
 pub mod autoencoder_kl;
 pub mod clip;
+pub mod mistral;
 mod mmdit;
 pub mod t5;
 pub mod transformer_flux;

@@ -1,6 +1,7 @@
 //! Loading named weights from a checkpoint onto a device.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kiln_io::Checkpoint;
@@ -15,6 +16,7 @@ struct Shared {
     component: String,
     memory: MemoryKind,
     used: Mutex<BTreeSet<String>>,
+    bytes_read: AtomicU64,
 }
 
 /// A view of a checkpoint under a name prefix, loading onto one device in one dtype.
@@ -28,6 +30,8 @@ pub struct Weights {
 #[derive(Clone, Debug, Default)]
 pub struct WeightsReport {
     pub unused: Vec<String>,
+    /// Bytes of tensor data read from the checkpoint (see [`Weights::bytes_read`]).
+    pub bytes_read: u64,
 }
 
 impl Weights {
@@ -59,6 +63,7 @@ impl Weights {
                 component: component.into(),
                 memory,
                 used: Mutex::new(BTreeSet::new()),
+                bytes_read: AtomicU64::new(0),
             }),
             prefix: String::new(),
         }
@@ -147,6 +152,9 @@ impl Weights {
             });
         }
         // Straight from the memory map to the device; the cast happens on the device.
+        self.shared
+            .bytes_read
+            .fetch_add(view.data.len() as u64, Ordering::Relaxed);
         let (device, memory) = (&self.shared.device, self.shared.memory);
         let t = if memory.is_host() && view.dtype == dtype {
             Tensor::from_bytes_in(view.data, view.dtype, view.shape.clone(), device, memory)?
@@ -174,7 +182,14 @@ impl Weights {
         self.shared.used.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
     }
 
-    /// The checkpoint tensors no module loaded.
+    /// Bytes of tensor data read from the checkpoint so far, by every view of it (the stored
+    /// bytes, before any cast): what loading took from the disk. Names that were only looked up
+    /// (`contains`) or marked used count nothing.
+    pub fn bytes_read(&self) -> u64 {
+        self.shared.bytes_read.load(Ordering::Relaxed)
+    }
+
+    /// The checkpoint tensors no module loaded, and the bytes read.
     pub fn report(&self) -> WeightsReport {
         let used = self.shared.used.lock().unwrap_or_else(|e| e.into_inner());
         WeightsReport {
@@ -185,6 +200,7 @@ impl Weights {
                 .filter(|n| !used.contains(*n))
                 .map(str::to_string)
                 .collect(),
+            bytes_read: self.bytes_read(),
         }
     }
 }

@@ -75,6 +75,8 @@ pub(crate) struct FolderConfig {
     pub added_tokens: Vec<(u32, TokenSpec)>,
     pub extra_ids: Option<usize>,
     pub padding_side: Option<PaddingSide>,
+    /// `truncation_side`: which end `truncation=True` cuts (`Left` = keep the end).
+    pub truncation_side: Option<PaddingSide>,
     pub clean_up_tokenization_spaces: bool,
 }
 
@@ -125,6 +127,11 @@ impl FolderConfig {
             .and_then(Value::as_u64)
             .and_then(|n| usize::try_from(n).ok());
         self.padding_side = match json.get("padding_side").and_then(Value::as_str) {
+            Some("left") => Some(PaddingSide::Left),
+            Some("right") => Some(PaddingSide::Right),
+            _ => None,
+        };
+        self.truncation_side = match json.get("truncation_side").and_then(Value::as_str) {
             Some("left") => Some(PaddingSide::Left),
             Some("right") => Some(PaddingSide::Right),
             _ => None,

@@ -111,6 +111,23 @@ pub enum TokenizerError {
         special_tokens: usize,
     },
 
+    /// A chat template does not parse, or rendering it failed (a `raise_exception` call, an
+    /// undefined function, ...).
+    #[error("chat template {path}: {message}")]
+    ChatTemplate {
+        /// The file the template came from.
+        path: PathBuf,
+        /// The template engine's message.
+        message: String,
+    },
+
+    /// A folder has no chat template where one is needed.
+    #[error("{folder}: no chat template (looked for chat_template.jinja, chat_template.json and a `chat_template` key in processor_config.json and tokenizer_config.json)")]
+    MissingChatTemplate {
+        /// The tokenizer folder.
+        folder: PathBuf,
+    },
+
     /// The `tokenizers` library failed while building the pipeline.
     #[error("{folder}: building the {component} failed: {source}")]
     Build {

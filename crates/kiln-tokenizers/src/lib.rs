@@ -3,21 +3,27 @@
 //! * [`ClipTokenizer`]: CLIP byte-level BPE (FLUX.1 / SD3 `tokenizer/`, SD3 CLIP-G
 //!   `tokenizer_2/` with pad `!`).
 //! * [`T5Tokenizer`]: SentencePiece unigram (FLUX.1 `tokenizer_2/`, SD3 `tokenizer_3/`).
+//! * [`MistralTokenizer`]: Mistral/Tekken byte-level BPE with its chat template (FLUX.2
+//!   `tokenizer/`); [`MistralTokenizer::encode_flux2_prompts`] gives FLUX.2's prompt tokens.
 //!
-//! Both are built on [`TextTokenizer`] (a `tokenizers` pipeline plus transformers' padding,
+//! All are built on [`TextTokenizer`] (a `tokenizers` pipeline plus transformers' padding,
 //! truncation and decoding) and implement [`PromptTokenizer`], the call shape the pipelines
 //! use: `encode` (no padding/truncation) and `encode_batch` (`padding="max_length",
 //! truncation=True`).
 #![forbid(unsafe_code)]
 
+mod chat_template;
 mod clip;
 mod config;
 mod error;
+mod mistral;
 mod sentencepiece;
 mod t5;
 mod text;
 
+pub use chat_template::{ChatBlock, ChatContent, ChatMessage, ChatTemplate};
 pub use clip::ClipTokenizer;
 pub use error::{Result, TokenizerError};
+pub use mistral::{flux2_conversation, MistralTokenizer, FLUX2_SYSTEM_MESSAGE};
 pub use t5::T5Tokenizer;
 pub use text::{Encoded, PaddingSide, PromptTokenizer, TextTokenizer, Truncation, TruncationNotice};

@@ -1,0 +1,712 @@
+//! Mistral language model: the text path of transformers' `Mistral3ForConditionalGeneration`
+//! (`model.language_model`, a `MistralModel`; `transformers/models/mistral/modeling_mistral.py`,
+//! transformers 5.24.0), the text encoder of FLUX.2 [dev] (Mistral-Small-3.x-24B).
+//!
+//! Pre-RMSNorm decoder: token embedding, then per layer
+//! `h += o_proj(attn(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))` with `n = input_layernorm(h)`
+//! and `h += down_proj(silu(gate_proj(m)) · up_proj(m))` with `m = post_attention_layernorm(h)`;
+//! no biases anywhere. Attention is grouped-query (query head `j` reads key/value head
+//! `j div (heads / kv_heads)`), causal, and masked by the tokenizer's attention mask; positions
+//! are absolute (`0..L`, pads included), RoPE is rotate-half with θ from the config (1e9 for
+//! FLUX.2). A query row that sees no key at all (a left pad) gets a zero attention output, as
+//! torch's SDPA gives it.
+//!
+//! **Run only as far as it is read.** The model is loaded for a set of `hidden_states` indices
+//! (transformers' `output_hidden_states=True` numbering: 0 = the embeddings, `k` = the output of
+//! decoder layer `k`, `num_hidden_layers` = the output after the final norm) and loads and runs
+//! only the layers up to the last index asked for. FLUX.2 reads 10, 20 and 30
+//! ([`FLUX2_HIDDEN_STATES`]), so layers 30..40, the final norm, `lm_head`, the vision tower and
+//! the projector are never read from the checkpoint. On the real FLUX.2-dev text encoder
+//! (Mistral-Small-3.x: 40 layers, hidden 5120, intermediate 32768, 32 heads / 8 KV heads of 128,
+//! vocab 131072, bf16) that is, **computed from those numbers, not measured**: a layer holds
+//! 4096·5120 + 2·1024·5120 + 5120·4096 (attention) + 3·5120·32768 (MLP) + 2·5120 (norms) =
+//! 555 755 520 parameters; ten layers 5 557 555 200, plus the final norm 5 120 and `lm_head`
+//! 131072·5120 = 671 088 640, together 6 228 648 960 parameters = **12 457 297 920 bytes
+//! (11.6 GiB) in bf16 never read**, 26.4 % of the language model's 47 144 806 400 bytes (the
+//! vision tower and projector, not counted here, come on top). What is read: the embedding and
+//! 30 layers, 34 687 508 480 bytes.
+//!
+//! Precision follows transformers: `MistralRMSNorm` normalizes in f32, rounds to the model
+//! dtype, then multiplies by the weight in that dtype; the RoPE tables are computed in f32 and
+//! rounded to the model dtype, and `q·cos + rotate_half(q)·sin` rounds after every op in 16-bit.
+//!
+//! The forward reads nothing back from the device and creates no tensor from host data: the
+//! attention bias and the RoPE tables depend on the attention mask and the length only and are
+//! built on the host before the forward ([`MistralTextModel::prepare`]), so the same code runs
+//! op by op or compiled ([`kiln_nn::Model::compile`]).
+
+use kiln_io::{Activation, MistralTextConfig};
+use kiln_nn::module::{join_name, map_child, visit_child};
+use kiln_nn::{
+    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, Weights,
+};
+use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
+
+use crate::clip::{activation, check_host_ids, check_input_ids, read_input_ids, traced_input_error};
+
+/// The hidden states FLUX.2 reads (`text_encoder_out_layers` of `Flux2Pipeline`): the outputs of
+/// decoder layers 10, 20 and 30.
+pub const FLUX2_HIDDEN_STATES: [usize; 3] = [10, 20, 30];
+
+/// Where the language model's weights sit in the files that hold one, tried in order:
+/// transformers 5's `Mistral3ForConditionalGeneration`, the legacy LLaVA-style layout older
+/// transformers wrote (and the oracle's files have), `MistralForCausalLM`, a bare `MistralModel`.
+const PREFIXES: [&str; 4] = ["model.language_model", "language_model.model", "model", ""];
+
+/// transformers' `MistralRMSNorm`: `weight · (x / sqrt(mean(x²) + eps)).to(dtype)`.
+#[derive(Clone, Debug)]
+struct MistralRmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl_module!(MistralRmsNorm { weight: "weight" });
+
+impl MistralRmsNorm {
+    fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
+        Ok(MistralRmsNorm {
+            weight: w.get("weight", [dim])?,
+            eps,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.dtype() == DType::F32 && self.weight.dtype() == DType::F32 {
+            return Ok(x.rms_norm(Some(&self.weight), self.eps)?);
+        }
+        // transformers: the f32 result is cast to the input dtype before the weight multiplies it.
+        Ok(x.rms_norm(None, self.eps)?.mul(&self.weight)?)
+    }
+}
+
+/// `MistralAttention`: grouped-query self-attention, no biases.
+#[derive(Clone, Debug)]
+struct MistralAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl_module!(MistralAttention {
+    q_proj: "q_proj",
+    k_proj: "k_proj",
+    v_proj: "v_proj",
+    o_proj: "o_proj",
+});
+
+impl MistralAttention {
+    fn load(w: &Weights, config: &MistralTextConfig) -> Result<Self> {
+        let (d, hd) = (config.hidden_size, config.head_dim());
+        let (q, kv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
+        Ok(MistralAttention {
+            q_proj: Linear::load(&w.pp("q_proj"), d, q, false)?,
+            k_proj: Linear::load(&w.pp("k_proj"), d, kv, false)?,
+            v_proj: Linear::load(&w.pp("v_proj"), d, kv, false)?,
+            o_proj: Linear::load(&w.pp("o_proj"), q, d, false)?,
+            num_heads: config.num_attention_heads,
+            num_kv_heads: config.num_key_value_heads,
+            head_dim: hd,
+        })
+    }
+
+    /// `[B, L, D]` → `[B, L, D]`; see [`DecoderInputs`] for the rest.
+    fn forward(&self, x: &Tensor, inputs: &DecoderInputs<'_>) -> Result<Tensor> {
+        let (b, l) = (x.dims()[0], x.dims()[1]);
+        let heads =
+            |t: Tensor, n: usize| -> Result<Tensor> { Ok(t.reshape([b, l, n, self.head_dim])?.transpose(1, 2)?) };
+        let q = heads(self.q_proj.forward(x)?, self.num_heads)?; // [b, h, l, hd]
+        let k = heads(self.k_proj.forward(x)?, self.num_kv_heads)?; // [b, kv, l, hd]
+        let v = heads(self.v_proj.forward(x)?, self.num_kv_heads)?;
+        let q = apply_rope(&q, inputs.cos, inputs.sin)?;
+        let k = apply_rope(&k, inputs.cos, inputs.sin)?;
+        // transformers `repeat_kv`: kv head j serves query heads j·n .. j·n + n − 1.
+        let n_rep = self.num_heads / self.num_kv_heads;
+        let (k, v) = (k.repeat_interleave(n_rep, 1)?, v.repeat_interleave(n_rep, 1)?);
+        let mask = AttentionMask::Additive(inputs.attention_bias.clone());
+        let attn = Tensor::scaled_dot_product_attention(&q, &k, &v, &mask, None)?;
+        // Rows that see no key: zero, as torch's SDPA returns for fully masked rows.
+        let attn = attn.mul(inputs.attended)?;
+        let attn = attn.transpose(1, 2)?.reshape([b, l, self.num_heads * self.head_dim])?;
+        self.o_proj.forward(&attn)
+    }
+}
+
+/// `q·cos + rotate_half(q)·sin` on `[B, H, L, hd]` with f32 tables `[L, hd]`: one rounding in
+/// f32 (the fused op), after every op with the tables rounded to the dtype in 16-bit (torch).
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if x.dtype() == DType::F32 {
+        return Ok(x.apply_rotary_emb(cos, sin, RopeLayout::HalfSplit)?);
+    }
+    let (cos, sin) = (cos.to_dtype(x.dtype())?, sin.to_dtype(x.dtype())?);
+    let half = x.dims()[x.rank() - 1] / 2;
+    let (first, second) = (x.narrow(-1, 0, half)?, x.narrow(-1, half, half)?);
+    let rotated = Tensor::cat(&[&second.neg()?, &first], -1)?;
+    Ok(x.mul(&cos)?.add(&rotated.mul(&sin)?)?)
+}
+
+/// `MistralMLP`: `down_proj(act(gate_proj(x)) · up_proj(x))`.
+#[derive(Clone, Debug)]
+struct MistralMlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    act: Activation,
+}
+
+impl_module!(MistralMlp {
+    gate_proj: "gate_proj",
+    up_proj: "up_proj",
+    down_proj: "down_proj",
+});
+
+impl MistralMlp {
+    fn load(w: &Weights, config: &MistralTextConfig) -> Result<Self> {
+        let (d, ff) = (config.hidden_size, config.intermediate_size);
+        Ok(MistralMlp {
+            gate_proj: Linear::load(&w.pp("gate_proj"), d, ff, false)?,
+            up_proj: Linear::load(&w.pp("up_proj"), d, ff, false)?,
+            down_proj: Linear::load(&w.pp("down_proj"), ff, d, false)?,
+            act: config.hidden_act,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = activation(&self.gate_proj.forward(x)?, self.act)?;
+        self.down_proj.forward(&gate.mul(&self.up_proj.forward(x)?)?)
+    }
+}
+
+/// What every decoder layer takes besides the hidden states (all built before the forward).
+struct DecoderInputs<'a> {
+    /// `[B, 1, L, L]` in the model dtype: 0 where the key is visible, the dtype's lowest value
+    /// where it is not.
+    attention_bias: &'a Tensor,
+    /// `[B, 1, L, 1]` in the model dtype: 1 where the query row sees a key, 0 where it sees none.
+    attended: &'a Tensor,
+    /// `[L, head_dim]` f32.
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+}
+
+/// `MistralDecoderLayer`.
+#[derive(Clone, Debug)]
+struct MistralDecoderLayer {
+    input_layernorm: MistralRmsNorm,
+    self_attn: MistralAttention,
+    post_attention_layernorm: MistralRmsNorm,
+    mlp: MistralMlp,
+}
+
+impl_module!(MistralDecoderLayer {
+    input_layernorm: "input_layernorm",
+    self_attn: "self_attn",
+    post_attention_layernorm: "post_attention_layernorm",
+    mlp: "mlp",
+});
+
+impl MistralDecoderLayer {
+    fn load(w: &Weights, config: &MistralTextConfig) -> Result<Self> {
+        let (d, eps) = (config.hidden_size, config.rms_norm_eps);
+        Ok(MistralDecoderLayer {
+            input_layernorm: MistralRmsNorm::load(&w.pp("input_layernorm"), d, eps)?,
+            self_attn: MistralAttention::load(&w.pp("self_attn"), config)?,
+            post_attention_layernorm: MistralRmsNorm::load(&w.pp("post_attention_layernorm"), d, eps)?,
+            mlp: MistralMlp::load(&w.pp("mlp"), config)?,
+        })
+    }
+
+    fn forward(&self, hidden_states: &Tensor, inputs: &DecoderInputs<'_>) -> Result<Tensor> {
+        let attn = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(hidden_states)?, inputs)?;
+        let hidden_states = hidden_states.add(&attn)?;
+        let mlp = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&hidden_states)?)?;
+        Ok(hidden_states.add(&mlp)?)
+    }
+}
+
+/// The inputs of [`MistralTextModel::forward_prepared`] besides the ids, built on the host from
+/// the attention mask and the length ([`MistralTextModel::prepare`]).
+#[derive(Clone, Debug)]
+pub struct MistralInputs {
+    /// `[B, 1, L, L]` in the model dtype: 0 where query `i` sees key `k` (`k ≤ i`, `mask[k] = 1`,
+    /// and within the sliding window if the config has one), the dtype's lowest value elsewhere.
+    pub attention_bias: Tensor,
+    /// `[B, 1, L, 1]` in the model dtype: 1 where the query row sees at least one key, else 0.
+    pub attended: Tensor,
+    /// RoPE tables `[L, head_dim]` (f32) for the absolute positions `0..L`.
+    pub cos: Tensor,
+    pub sin: Tensor,
+}
+
+/// What [`MistralTextModel::forward`] returns.
+#[derive(Clone, Debug)]
+pub struct MistralTextOutput {
+    /// `[B, L, hidden]` per index the model was loaded for, in that order (transformers'
+    /// `hidden_states[k]`: 0 = the embeddings, `k` = after layer `k`, `num_hidden_layers` = after
+    /// the final norm).
+    pub hidden_states: Vec<Tensor>,
+}
+
+impl MistralTextOutput {
+    /// The hidden states concatenated per token, `[B, L, n·hidden]`: for FLUX.2 (indices 10, 20,
+    /// 30) the prompt embeddings, `stack(hs, dim=1).permute(0, 2, 1, 3).reshape(B, L, 3·hidden)`.
+    pub fn concat_features(&self) -> Result<Tensor> {
+        let parts: Vec<&Tensor> = self.hidden_states.iter().collect();
+        Ok(Tensor::cat(&parts, -1)?)
+    }
+}
+
+/// The results of the whole forward: `hidden_states.{i}`.
+impl Outputs for MistralTextOutput {
+    fn into_args(self) -> Args {
+        let mut args = Args::new();
+        args.insert_list("hidden_states", self.hidden_states);
+        args
+    }
+    fn from_args(mut args: Args) -> Result<Self> {
+        Ok(MistralTextOutput {
+            hidden_states: args.take_list("hidden_states"),
+        })
+    }
+}
+
+/// The language model of `Mistral3ForConditionalGeneration` (or a `MistralModel`), loaded up to
+/// the last hidden state it is asked for.
+#[derive(Clone, Debug)]
+pub struct MistralTextModel {
+    config: MistralTextConfig,
+    component: String,
+    /// Where the language model sits in the checkpoint (one of [`PREFIXES`]).
+    prefix: &'static str,
+    /// The `hidden_states` indices the forward returns, in the order asked for.
+    outputs: Vec<usize>,
+    embed_tokens: Embedding,
+    /// Layers `0..max(outputs)` (capped at `num_hidden_layers`).
+    layers: Blocks<MistralDecoderLayer>,
+    /// The final norm, loaded only when index `num_hidden_layers` is asked for.
+    norm: Option<MistralRmsNorm>,
+    compiled: Compiled,
+}
+
+/// Every loaded weight under its checkpoint name. The layers past the last one read, the final
+/// norm (unless read), `lm_head`, the vision tower and the projector are not part of the model.
+impl Module for MistralTextModel {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        let name = |n: &str| join_name(self.prefix, n);
+        visit_child(&name("embed_tokens"), &self.embed_tokens, f);
+        visit_child(&name("layers"), &self.layers, f);
+        visit_child(&name("norm"), &self.norm, f);
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        let name = |n: &str| join_name(self.prefix, n);
+        map_child(&name("embed_tokens"), &mut self.embed_tokens, f)?;
+        map_child(&name("layers"), &mut self.layers, f)?;
+        map_child(&name("norm"), &mut self.norm, f)
+    }
+}
+
+impl_model!(
+    /// Compiled: the whole forward as `{component}`, or one decoder layer as `{component}.layers`,
+    /// called for every layer with its weights while the embedding (and the final norm) run op
+    /// by op. Sequential offload streams `layers`.
+    MistralTextModel {
+        compiled: compiled,
+        blocks: [layers],
+    }
+);
+
+impl MistralTextModel {
+    /// Loads the embedding and the decoder layers that `hidden_states` needs (indices as
+    /// transformers numbers `output_hidden_states`: `0..=num_hidden_layers`; FLUX.2 passes
+    /// [`FLUX2_HIDDEN_STATES`]); the final norm only when `num_hidden_layers` is among them.
+    /// Nothing else is read from the checkpoint. The language model is found under
+    /// `model.language_model.`, `language_model.model.`, `model.` or no prefix.
+    pub fn load(config: &MistralTextConfig, weights: &Weights, hidden_states: &[usize]) -> Result<Self> {
+        let component = weights.component().to_string();
+        let config_error = |message: String| Error::Config {
+            component: component.clone(),
+            message,
+        };
+        let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(config_error(format!(
+                "num_attention_heads {heads} must be a positive multiple of num_key_value_heads {kv_heads}"
+            )));
+        }
+        let head_dim = config.head_dim();
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(config_error(format!(
+                "head_dim {head_dim} must be even and positive (rotate-half RoPE)"
+            )));
+        }
+        if config.num_hidden_layers == 0 || config.hidden_size == 0 {
+            return Err(config_error(format!(
+                "num_hidden_layers {} and hidden_size {} must be positive",
+                config.num_hidden_layers, config.hidden_size
+            )));
+        }
+        if config.rope_type() != "default" {
+            return Err(config_error(format!(
+                "rope_type `{}` is not supported (only `default` RoPE)",
+                config.rope_type()
+            )));
+        }
+        let n = config.num_hidden_layers;
+        let Some(&last) = hidden_states.iter().max() else {
+            return Err(config_error(
+                "no hidden state was asked for (FLUX.2 reads 10, 20 and 30)".to_string(),
+            ));
+        };
+        if last > n {
+            return Err(config_error(format!(
+                "hidden state {last} was asked for, but the model has {n} layers (indices 0..={n}: 0 is the \
+                 embeddings, {n} the final-normed output)"
+            )));
+        }
+        let Some(prefix) = PREFIXES
+            .into_iter()
+            .find(|p| weights.contains(&join_name(p, "embed_tokens.weight")))
+        else {
+            return Err(Error::MissingWeight {
+                component,
+                name: "model.language_model.embed_tokens.weight".to_string(),
+                file: weights.checkpoint().source().to_path_buf(),
+            });
+        };
+        let w = if prefix.is_empty() {
+            weights.clone()
+        } else {
+            weights.pp(prefix)
+        };
+        let embed_tokens = Embedding::load(&w.pp("embed_tokens"), config.vocab_size, config.hidden_size)?;
+        let layers = (0..last.min(n))
+            .map(|i| MistralDecoderLayer::load(&w.pp(format!("layers.{i}")), config))
+            .collect::<Result<_>>()?;
+        let norm = if last == n {
+            Some(MistralRmsNorm::load(
+                &w.pp("norm"),
+                config.hidden_size,
+                config.rms_norm_eps,
+            )?)
+        } else {
+            None
+        };
+        Ok(MistralTextModel {
+            config: config.clone(),
+            compiled: Compiled::new(&component),
+            component,
+            prefix,
+            outputs: hidden_states.to_vec(),
+            embed_tokens,
+            layers: Blocks::new("layers", layers),
+            norm,
+        })
+    }
+
+    pub fn config(&self) -> &MistralTextConfig {
+        &self.config
+    }
+
+    /// The `hidden_states` indices the forward returns, in order.
+    pub fn hidden_state_indices(&self) -> &[usize] {
+        &self.outputs
+    }
+
+    /// How many decoder layers were loaded (and run).
+    pub fn num_loaded_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The model dtype (the embedding's).
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.weight.dtype()
+    }
+
+    /// Encodes token ids `[B, L]` (integer) with `attention_mask` `[B, L]` (1 on tokens, 0 on
+    /// padding; `None` means all ones). Reads both back to the host to check the ids and build
+    /// the mask; a caller that has them on the host calls [`Self::forward_with_host_inputs`].
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<MistralTextOutput> {
+        let ids = read_input_ids(&self.component, input_ids)?;
+        let mask = match attention_mask {
+            Some(mask) => {
+                if mask.dims() != input_ids.dims() {
+                    return Err(self.error(format!(
+                        "attention_mask {} must have the shape of input_ids {}",
+                        mask.shape(),
+                        input_ids.shape()
+                    )));
+                }
+                Some(read_input_ids(&self.component, mask)?)
+            }
+            None => None,
+        };
+        self.forward_with_host_inputs(input_ids, &ids, mask.as_deref())
+    }
+
+    /// [`Self::forward`] for a caller that has the ids (and the mask) on the host too, row-major
+    /// `B·L` values each, as the tokenizer returned them. The ids are checked against the
+    /// vocabulary; nothing is read from the device.
+    pub fn forward_with_host_inputs(
+        &self,
+        input_ids: &Tensor,
+        host_ids: &[i64],
+        host_mask: Option<&[i64]>,
+    ) -> Result<MistralTextOutput> {
+        check_host_ids(&self.component, input_ids, host_ids, self.config.vocab_size)?;
+        if input_ids.is_traced() {
+            return Err(traced_input_error(
+                &self.component,
+                "MistralTextModel::forward_with_host_inputs",
+                "MistralTextModel::forward_prepared",
+            ));
+        }
+        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
+        let inputs = self.prepare(host_mask, b, l, input_ids.device())?;
+        self.forward_prepared(input_ids, &inputs)
+    }
+
+    /// The attention bias, the attended rows and the RoPE tables for a batch of `batch` rows of
+    /// `seq_len` tokens with `host_mask` (row-major `[batch, seq_len]`, 1 = token, 0 = padding;
+    /// `None` = all tokens), created on `device`. Padding may be on either side: positions stay
+    /// absolute (`0..seq_len`, pads included), as transformers computes them when it is given no
+    /// `position_ids`.
+    pub fn prepare(
+        &self,
+        host_mask: Option<&[i64]>,
+        batch: usize,
+        seq_len: usize,
+        device: &Device,
+    ) -> Result<MistralInputs> {
+        if let Some(mask) = host_mask {
+            if mask.len() != batch * seq_len {
+                return Err(self.error(format!(
+                    "{} attention mask values given for {batch} rows of {seq_len} tokens",
+                    mask.len()
+                )));
+            }
+            if let Some(v) = mask.iter().find(|&&v| v != 0 && v != 1) {
+                return Err(self.error(format!("attention_mask must hold 0 and 1 only, found {v}")));
+            }
+        }
+        let (visible, attended) = visibility(host_mask, batch, seq_len, self.config.sliding_window);
+        let dtype = self.dtype();
+        let lowest = lowest_value(dtype);
+        let bias: Vec<f32> = visible.iter().map(|&v| if v { 0.0 } else { lowest }).collect();
+        let attended: Vec<f32> = attended.iter().map(|&a| if a { 1.0 } else { 0.0 }).collect();
+        let (cos, sin) = rope_tables(seq_len, self.config.head_dim(), self.config.rope_theta());
+        let hd = self.config.head_dim();
+        Ok(MistralInputs {
+            attention_bias: Tensor::from_f32(&bias, dtype, [batch, 1, seq_len, seq_len], device)?,
+            attended: Tensor::from_f32(&attended, dtype, [batch, 1, seq_len, 1], device)?,
+            cos: Tensor::from_slice(&cos, [seq_len, hd], device)?,
+            sin: Tensor::from_slice(&sin, [seq_len, hd], device)?,
+        })
+    }
+
+    /// The forward on device data only (it runs unchanged inside a compiled function): `inputs`
+    /// is [`Self::prepare`] for `input_ids`' shape. Ids are not range-checked here (the device
+    /// gather clamps them); [`Self::forward_with_host_inputs`] checks them.
+    pub fn forward_prepared(&self, input_ids: &Tensor, inputs: &MistralInputs) -> Result<MistralTextOutput> {
+        check_input_ids(&self.component, input_ids)?;
+        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
+        let hd = self.config.head_dim();
+        let dtype = self.dtype();
+        let expected = [
+            ("attention_bias", &inputs.attention_bias, vec![b, 1, l, l], dtype),
+            ("attended", &inputs.attended, vec![b, 1, l, 1], dtype),
+            ("cos", &inputs.cos, vec![l, hd], DType::F32),
+            ("sin", &inputs.sin, vec![l, hd], DType::F32),
+        ];
+        for (name, t, dims, dt) in expected {
+            if t.dims() != dims.as_slice() || t.dtype() != dt {
+                return Err(self.error(format!(
+                    "{name} must be {dims:?} {dt} for input_ids {} (see MistralTextModel::prepare), got {} {}",
+                    input_ids.shape(),
+                    t.shape(),
+                    t.dtype()
+                )));
+            }
+        }
+        let args = Args::new()
+            .with("input_ids", input_ids)
+            .with("attention_bias", &inputs.attention_bias)
+            .with("attended", &inputs.attended)
+            .with("rope.cos", &inputs.cos)
+            .with("rope.sin", &inputs.sin);
+        self.compiled.whole("", self, args, |m, a| m.forward_graph(a))
+    }
+
+    /// The forward's ops, each layer run through the list (streamed, or compiled on its own in
+    /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
+    fn forward_graph(&self, a: &Args) -> Result<MistralTextOutput> {
+        let mut hidden_states = self.embed_tokens.forward(a.get("input_ids")?)?; // [b, l, d]
+        let mut kept: Vec<Option<Tensor>> = vec![None; self.outputs.len()];
+        let mut keep = |index: usize, h: &Tensor| {
+            for (slot, &want) in kept.iter_mut().zip(&self.outputs) {
+                if want == index {
+                    *slot = Some(h.clone());
+                }
+            }
+        };
+        keep(0, &hidden_states);
+        for i in 0..self.layers.len() {
+            let args = Args::new()
+                .with("hidden_states", &hidden_states)
+                .with("attention_bias", a.get("attention_bias")?)
+                .with("attended", a.get("attended")?)
+                .with("rope.cos", a.get("rope.cos")?)
+                .with("rope.sin", a.get("rope.sin")?);
+            hidden_states = self.layers.run(&self.compiled, i, args, |layer, a| {
+                let inputs = DecoderInputs {
+                    attention_bias: a.get("attention_bias")?,
+                    attended: a.get("attended")?,
+                    cos: a.get("rope.cos")?,
+                    sin: a.get("rope.sin")?,
+                };
+                layer.forward(a.get("hidden_states")?, &inputs)
+            })?;
+            // transformers replaces the last entry by the final-normed output.
+            if i + 1 < self.config.num_hidden_layers {
+                keep(i + 1, &hidden_states);
+            }
+        }
+        if let Some(norm) = &self.norm {
+            keep(self.config.num_hidden_layers, &norm.forward(&hidden_states)?);
+        }
+        let hidden_states = kept
+            .into_iter()
+            .map(|h| h.expect("every index asked for is at most the number of loaded layers"))
+            .collect();
+        Ok(MistralTextOutput { hidden_states })
+    }
+
+    fn error(&self, message: String) -> Error {
+        Error::Config {
+            component: self.component.clone(),
+            message,
+        }
+    }
+}
+
+/// Which keys each query sees (`[B, L, L]`, row-major) and whether it sees any (`[B, L]`):
+/// key `k` is visible to query `i` iff `k ≤ i`, `mask[k] = 1` and, with a sliding window `w`,
+/// `i − k < w` (transformers' causal, padding and sliding-window masks).
+fn visibility(mask: Option<&[i64]>, batch: usize, seq_len: usize, window: Option<usize>) -> (Vec<bool>, Vec<bool>) {
+    let mut visible = Vec::with_capacity(batch * seq_len * seq_len);
+    let mut attended = Vec::with_capacity(batch * seq_len);
+    for b in 0..batch {
+        let token = |k: usize| mask.is_none_or(|m| m[b * seq_len + k] != 0);
+        for i in 0..seq_len {
+            let mut any = false;
+            for k in 0..seq_len {
+                let v = k <= i && token(k) && window.is_none_or(|w| i - k < w);
+                any |= v;
+                visible.push(v);
+            }
+            attended.push(any);
+        }
+    }
+    (visible, attended)
+}
+
+/// transformers' masked score: `torch.finfo(dtype).min`.
+fn lowest_value(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => -65504.0,
+        // bf16's lowest is f32's rounded down to 8 significant bits; f32's own otherwise.
+        DType::BF16 => -3.389_531_4e38,
+        _ => f32::MIN,
+    }
+}
+
+/// transformers' default RoPE tables `[seq_len, head_dim]` for positions `0..seq_len`, in f32 as
+/// torch computes them: `inv_freq_j = 1 / θ^(2j / head_dim)` (f32), angle `p · inv_freq_j` (one
+/// f32 product), `cos`/`sin` of the angle, repeated for both halves (`cat(freqs, freqs)`). The
+/// powers and trigonometric functions are evaluated in f64 and rounded once (torch's f32 ones
+/// are within an ulp of that).
+pub fn rope_tables(seq_len: usize, head_dim: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|j| {
+            let exponent = (2 * j) as f32 / head_dim as f32;
+            (1.0 / theta.powf(f64::from(exponent))) as f32
+        })
+        .collect();
+    let mut cos = Vec::with_capacity(seq_len * head_dim);
+    let mut sin = Vec::with_capacity(seq_len * head_dim);
+    for p in 0..seq_len {
+        let angles: Vec<f64> = inv_freq.iter().map(|&f| f64::from(p as f32 * f)).collect();
+        for _ in 0..2 {
+            cos.extend(angles.iter().map(|a| a.cos() as f32));
+            sin.extend(angles.iter().map(|a| a.sin() as f32));
+        }
+    }
+    (cos, sin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The doc comment's numbers, from the FLUX.2-dev text config.
+    #[test]
+    fn flux2_dev_skips_the_bytes_the_docs_state() {
+        let config = MistralTextConfig {
+            hidden_size: 5120,
+            intermediate_size: 32768,
+            num_hidden_layers: 40,
+            num_attention_heads: 32,
+            num_key_value_heads: 8,
+            head_dim: Some(128),
+            vocab_size: 131072,
+            ..MistralTextConfig::default()
+        };
+        let (d, hd, ff) = (config.hidden_size, config.head_dim(), config.intermediate_size);
+        let (q, kv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
+        let layer = (d * q + 2 * d * kv + q * d + 3 * d * ff + 2 * d) as u64;
+        assert_eq!(layer, 555_755_520);
+        let last_read = *FLUX2_HIDDEN_STATES.iter().max().unwrap() as u64;
+        let skipped = (config.num_hidden_layers as u64 - last_read) * layer + d as u64 + (config.vocab_size * d) as u64;
+        assert_eq!(skipped, 6_228_648_960);
+        assert_eq!(2 * skipped, 12_457_297_920);
+        let embedding = (config.vocab_size * d) as u64;
+        let total = 2 * embedding + config.num_hidden_layers as u64 * layer + d as u64;
+        assert_eq!(2 * total, 47_144_806_400);
+        assert_eq!(2 * (embedding + last_read * layer), 34_687_508_480);
+    }
+
+    #[test]
+    fn visibility_is_causal_padded_and_windowed() {
+        // Row 0 left-padded by 2, row 1 right-padded from 3.
+        let mask = [0, 0, 1, 1, 1, 1, 1, 0];
+        let (visible, attended) = visibility(Some(&mask), 2, 4, None);
+        let row = |b: usize, i: usize| visible[(b * 4 + i) * 4..(b * 4 + i + 1) * 4].to_vec();
+        assert_eq!(row(0, 0), [false; 4]);
+        assert_eq!(row(0, 1), [false; 4]);
+        assert_eq!(row(0, 2), [false, false, true, false]);
+        assert_eq!(row(0, 3), [false, false, true, true]);
+        assert_eq!(row(1, 3), [true, true, true, false]);
+        assert_eq!(attended, [false, false, true, true, true, true, true, true]);
+        let (visible, _) = visibility(None, 1, 4, Some(2));
+        assert_eq!(&visible[12..16], [false, false, true, true]);
+        assert_eq!(&visible[4..8], [true, true, false, false]);
+    }
+
+    #[test]
+    fn rope_tables_repeat_the_half_and_start_at_angle_zero() {
+        let (cos, sin) = rope_tables(3, 8, 1e9);
+        assert_eq!(&cos[..8], [1.0; 8]);
+        assert_eq!(&sin[..8], [0.0; 8]);
+        // Position 1: frequencies 1, 1e9^-1/4, ...; both halves equal.
+        assert_eq!(cos[8..12], cos[12..16]);
+        assert!((sin[8] - 1f32.sin()).abs() < 1e-7);
+        assert!((sin[9] - (1e9f64.powf(-0.25) as f32).sin()).abs() < 1e-7);
+    }
+}
