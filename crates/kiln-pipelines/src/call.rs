@@ -7,6 +7,7 @@ use image::RgbImage;
 use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
 use kiln_tensor::{DType, Tensor};
 
+use crate::budget::CallBudget;
 use crate::error::{invalid, PipelineError, Result};
 
 /// What the call returns.
@@ -159,6 +160,11 @@ pub(crate) struct SharedChecks<'a> {
     pub seeds: Option<&'a [u64]>,
     /// The batch (prompts, or rows of `prompt_embeds`).
     pub batch: usize,
+    /// The steps (the sigmas' count when they are given) and the size (0: the model's default),
+    /// for the budget ([`crate::budget`]).
+    pub num_inference_steps: usize,
+    pub height: usize,
+    pub width: usize,
 }
 
 impl SharedChecks<'_> {
@@ -212,6 +218,15 @@ impl SharedChecks<'_> {
         if self.num_images_per_prompt == 0 {
             return Err(invalid("`num_images_per_prompt` must be at least 1"));
         }
+        CallBudget {
+            num_inference_steps: self.num_inference_steps,
+            batch: self.batch,
+            num_images_per_prompt: self.num_images_per_prompt,
+            height: self.height,
+            width: self.width,
+        }
+        .check()
+        .map_err(PipelineError::OverBudget)?;
         let effective = self.batch * self.num_images_per_prompt;
         match self.seeds {
             Some(seeds) if seeds.len() != effective => Err(invalid(format!(
@@ -356,6 +371,9 @@ macro_rules! pipeline_call {
                     num_images_per_prompt: self.num_images_per_prompt,
                     seeds: self.seeds.as_deref(),
                     batch: self.batch(),
+                    num_inference_steps: self.sigmas.as_ref().map_or(self.num_inference_steps, Vec::len),
+                    height: self.height,
+                    width: self.width,
                 }
                 .check()
             }
