@@ -66,7 +66,7 @@ pub(crate) fn denoise(
     callback: &mut Option<Box<StepCallback<'_>>>,
     mut predict: impl FnMut(usize, f32, &Tensor) -> Result<Tensor>,
 ) -> Result<(Tensor, Vec<Duration>)> {
-    let bar = crate::progress::step_bar(timesteps.len(), progress);
+    let mut bar = crate::progress::step_bar(timesteps.len(), progress);
     let mut step_times = Vec::with_capacity(timesteps.len());
     for (i, &t) in timesteps.iter().enumerate() {
         let started = Instant::now();
@@ -85,9 +85,9 @@ pub(crate) fn denoise(
         }
         latents.wait()?;
         step_times.push(started.elapsed());
-        bar.inc(1);
+        bar.inc();
     }
-    bar.finish_and_clear();
+    bar.finish();
     Ok((latents, step_times))
 }
 
