@@ -144,7 +144,7 @@ impl CallBudget {
                     need.div_ceil(1 << 20)
                 ),
                 limit: format!(
-                    "the device has {} MiB free (its memory or KILN_DEVICE_MEMORY_LIMIT)",
+                    "the device has {} MiB free, by its memory or KILN_DEVICE_MEMORY_LIMIT",
                     free >> 20
                 ),
                 advice: "make fewer or smaller images per call, or try --offload model",

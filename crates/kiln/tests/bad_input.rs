@@ -149,6 +149,36 @@ fn budgets_are_checked_before_any_allocation_and_name_the_flag() {
     }
 }
 
+/// Once the model is on the device, the images of the call are checked against its free memory
+/// (here `KILN_DEVICE_MEMORY_LIMIT` stands for a small device) before any work.
+#[test]
+fn images_that_cannot_fit_the_device_are_refused_naming_the_flag() {
+    let dir = temp_dir("memory");
+    let started = Instant::now();
+    let out = kiln()
+        .args(["generate", "--device", "cpu", "--model"])
+        .arg(tiny_model())
+        .args(["--prompt", "a", "--steps", "1", "--num-images-per-prompt", "64"])
+        .args(["--height", "1024", "--width", "1024", "--output", "out.png"])
+        .env("KILN_DEVICE_MEMORY_LIMIT", "1GiB")
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let stderr = settled(&out, "memory");
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--num-images-per-prompt 64 with 1 prompts at 1024×1024 pixels (at least 1536 MiB"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("MiB free, by its memory or KILN_DEVICE_MEMORY_LIMIT"),
+        "{stderr}"
+    );
+    assert!(files_in(&dir).is_empty());
+    assert!(started.elapsed() < Duration::from_secs(30), "{:?}", started.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn numeric_flags_refuse_negative_values_naming_the_flag() {
     let m = tiny_model();
