@@ -12,8 +12,9 @@ use kiln_nn::{CompileMode, OffloadLog, RunConfig};
 use kiln_tensor::{DType, Device};
 use serde::Deserialize;
 
+use crate::budget::CallBudget;
 use crate::call::{OutputType, PipelineOutput, StepCallback};
-use crate::error::{invalid, Result};
+use crate::error::{invalid, PipelineError, Result};
 use crate::flux::{FluxCall, FluxPipeline};
 use crate::loading::{LoadOptions, ModelFolder};
 use crate::offload::{OffloadMode, OffloadPlan};
@@ -247,7 +248,38 @@ impl Default for GenerateCall<'_> {
     }
 }
 
+/// The rule for prompt text in every entry point: the images' PNG text chunks record the
+/// prompts, and a PNG text chunk cannot hold a NUL character (readers cut the text there), so a
+/// prompt with one is refused. Every other character is kept (non-ASCII text goes to an iTXt
+/// chunk, which holds UTF-8).
+pub fn check_prompt_text(text: &str) -> std::result::Result<(), String> {
+    match text.find('\0') {
+        Some(at) => Err(format!(
+            "the text has a NUL character (at byte {at}), which a PNG text chunk cannot hold; remove it"
+        )),
+        None => Ok(()),
+    }
+}
+
 impl GenerateCall<'_> {
+    /// Every prompt against [`check_prompt_text`]; the error names the argument.
+    pub fn check_text(&self) -> Result<()> {
+        let lists = [
+            ("prompt", Some(&self.prompt)),
+            ("prompt_2", self.prompt_2.as_ref()),
+            ("prompt_3", self.prompt_3.as_ref()),
+            ("negative_prompt", self.negative_prompt.as_ref()),
+            ("negative_prompt_2", self.negative_prompt_2.as_ref()),
+            ("negative_prompt_3", self.negative_prompt_3.as_ref()),
+        ];
+        for (name, list) in lists {
+            for text in list.into_iter().flatten() {
+                check_prompt_text(text).map_err(|e| invalid(format!("`{name}`: {e}")))?;
+            }
+        }
+        Ok(())
+    }
+
     /// A call for one prompt with the other arguments at their defaults.
     pub fn prompt(prompt: impl Into<String>) -> Self {
         GenerateCall {
@@ -363,11 +395,15 @@ impl AnyPipeline {
     /// [`PipelineKind::check_arguments`]).
     pub fn call(&mut self, call: GenerateCall<'_>) -> Result<PipelineOutput> {
         self.kind.check_arguments(&call)?;
+        call.check_text()?;
+        self.check_budget(&call)?;
+        let mode = self.offload_mode();
+        let device = self.device().cloned();
         let defaults = &self.defaults;
-        Ok(match &mut self.pipe {
+        let out = match &mut self.pipe {
             Loaded::Flux(p) => p.call(call_of!(call, defaults, FluxCall, d => {
                 true_cfg_scale: call.true_cfg_scale.unwrap_or(d.true_cfg_scale),
-            }))?,
+            })),
             Loaded::StableDiffusion3(p) => p.call(call_of!(call, defaults, StableDiffusion3Call, d => {
                 prompt_3: call.prompt_3,
                 negative_prompt_3: call.negative_prompt_3,
@@ -376,8 +412,36 @@ impl AnyPipeline {
                 skip_layer_guidance_scale: call.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
                 skip_layer_guidance_start: call.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
                 skip_layer_guidance_stop: call.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
-            }))?,
+            })),
+        };
+        // Running out of memory outside the models' runs (which name their component) names the
+        // work between them and suggests the next offload mode as well.
+        out.map_err(|e| match &device {
+            Some(d) if e.is_out_of_memory() && !matches!(e, PipelineError::OutOfMemory { .. }) => {
+                crate::offload::Offloader::name_oom(mode, d, "the latents between the models", e)
+            }
+            _ => e,
         })
+    }
+
+    /// The budget of `call` ([`CallBudget::check_memory`]) against what the device has free, before
+    /// any work.
+    pub fn check_budget(&self, call: &GenerateCall<'_>) -> Result<()> {
+        let d = &self.defaults;
+        let budget = CallBudget {
+            num_inference_steps: call
+                .num_inference_steps
+                .or(call.sigmas.as_ref().map(Vec::len))
+                .unwrap_or(d.num_inference_steps),
+            batch: call.prompt.len(),
+            num_images_per_prompt: call.num_images_per_prompt.unwrap_or(1),
+            height: call.height.unwrap_or(d.height),
+            width: call.width.unwrap_or(d.width),
+        };
+        let free = self.device().and_then(crate::offload::free_bytes);
+        budget
+            .check_memory(self.default_size(), free)
+            .map_err(PipelineError::OverBudget)
     }
 
     /// The guidance scale `call` runs with, when the model uses one (FLUX.1 [schnell] does not
@@ -554,6 +618,25 @@ mod tests {
                 max_sequence_length: 256,
             }
         );
+    }
+
+    #[test]
+    fn a_nul_in_any_prompt_is_refused_naming_the_argument() {
+        assert!(GenerateCall::prompt("a cat, ünïcode ✓\ttab\nline").check_text().is_ok());
+        let err = GenerateCall::prompt("a\0b").check_text().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "`prompt`: the text has a NUL character (at byte 1), which a PNG text chunk cannot hold; remove it"
+        );
+        let call = GenerateCall {
+            negative_prompt_3: Some(vec!["ok".into(), "\0".into()]),
+            ..GenerateCall::prompt("a")
+        };
+        assert!(call
+            .check_text()
+            .unwrap_err()
+            .to_string()
+            .starts_with("`negative_prompt_3`:"));
     }
 
     #[test]

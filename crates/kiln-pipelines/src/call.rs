@@ -7,6 +7,7 @@ use image::RgbImage;
 use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
 use kiln_tensor::{DType, Tensor};
 
+use crate::budget::CallBudget;
 use crate::error::{invalid, PipelineError, Result};
 
 /// A text encoding's result: the sequence states and the pooled vector, per prompt row.
@@ -69,7 +70,7 @@ pub(crate) fn denoise(
     (progress, callback): (bool, &mut Option<Box<StepCallback<'_>>>),
     mut predict: impl FnMut(usize, f32, &Tensor) -> Result<Tensor>,
 ) -> Result<(Tensor, Vec<Duration>)> {
-    let bar = crate::progress::step_bar(timesteps.len(), progress);
+    let mut bar = crate::progress::step_bar(timesteps.len(), progress);
     let mut step_times = Vec::with_capacity(timesteps.len());
     for (i, &t) in timesteps.iter().enumerate() {
         let started = Instant::now();
@@ -88,9 +89,9 @@ pub(crate) fn denoise(
         }
         latents.wait()?;
         step_times.push(started.elapsed());
-        bar.inc(1);
+        bar.inc();
     }
-    bar.finish_and_clear();
+    bar.finish();
     Ok((latents, step_times))
 }
 
@@ -163,6 +164,11 @@ pub(crate) struct SharedChecks<'a> {
     pub seeds: Option<&'a [u64]>,
     /// The batch (prompts, or rows of `prompt_embeds`).
     pub batch: usize,
+    /// The steps (the sigmas' count when they are given) and the size (0: the model's default),
+    /// for the budget ([`crate::budget`]).
+    pub num_inference_steps: usize,
+    pub height: usize,
+    pub width: usize,
 }
 
 impl SharedChecks<'_> {
@@ -216,6 +222,15 @@ impl SharedChecks<'_> {
         if self.num_images_per_prompt == 0 {
             return Err(invalid("`num_images_per_prompt` must be at least 1"));
         }
+        CallBudget {
+            num_inference_steps: self.num_inference_steps,
+            batch: self.batch,
+            num_images_per_prompt: self.num_images_per_prompt,
+            height: self.height,
+            width: self.width,
+        }
+        .check()
+        .map_err(PipelineError::OverBudget)?;
         let effective = self.batch * self.num_images_per_prompt;
         match self.seeds {
             Some(seeds) if seeds.len() != effective => Err(invalid(format!(
@@ -360,6 +375,9 @@ macro_rules! pipeline_call {
                     num_images_per_prompt: self.num_images_per_prompt,
                     seeds: self.seeds.as_deref(),
                     batch: self.batch(),
+                    num_inference_steps: self.sigmas.as_ref().map_or(self.num_inference_steps, Vec::len),
+                    height: self.height,
+                    width: self.width,
                 }
                 .check()
             }

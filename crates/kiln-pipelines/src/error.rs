@@ -25,6 +25,9 @@ pub enum PipelineError {
     /// A call argument diffusers would reject (the message is diffusers' where it has one).
     #[error("{0}")]
     InvalidArgument(String),
+    /// An argument past kiln's limit for it (checked before any work).
+    #[error("{0}")]
+    OverBudget(crate::budget::OverBudget),
     #[error("interrupted by the step callback at step {step}")]
     Interrupted { step: usize },
     /// The device cannot hold what the offload mode needs of it at once (checked before any work).

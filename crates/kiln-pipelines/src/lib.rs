@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 mod any;
+pub mod budget;
 pub mod call;
 mod error;
 pub mod flux;
@@ -13,7 +14,8 @@ pub mod pipeline;
 mod progress;
 pub mod sd3;
 
-pub use any::{AnyPipeline, CallDefaults, GenerateCall, PipelineKind};
+pub use any::{check_prompt_text, AnyPipeline, CallDefaults, GenerateCall, PipelineKind};
+pub use budget::{CallBudget, OverBudget};
 pub use call::{OutputType, PipelineOutput, StepCallback, StepState, Timings};
 pub use error::{PipelineError, Result};
 pub use flux::{pack_latents, unpack_latents, FluxCall, FluxPipeline};

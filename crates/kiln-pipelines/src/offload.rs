@@ -354,12 +354,25 @@ impl Offloader {
     }
 }
 
-/// Releases an offloader's device weights when a call ends, however it ends.
-pub(crate) struct FinishOnDrop<'a>(pub Option<&'a Offloader>);
+/// The end of a call, however it ends (an error, an interrupt, a panic unwinding): first every
+/// op, program and transfer the call queued on the device is awaited, so that no work of the call
+/// still runs once it has returned (an error leaving while XLA's threads still ran the call's
+/// programs crashed the process as it exited); then the offloader's device weights are released.
+pub(crate) struct FinishOnDrop<'a> {
+    pub device: Option<&'a Device>,
+    pub offloader: Option<&'a Offloader>,
+}
 
 impl Drop for FinishOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(o) = self.0 {
+        if let Some(d) = self.device {
+            // A failure here belongs to work whose result nobody reads any more: the call
+            // already returned its own result or error.
+            if let Err(e) = d.synchronize() {
+                tracing::debug!("work queued by the call failed after it ended: {e}");
+            }
+        }
+        if let Some(o) = self.offloader {
             o.finish();
         }
     }

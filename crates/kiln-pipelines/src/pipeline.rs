@@ -133,7 +133,8 @@ impl<C: Components> PipelineCore<C> {
     }
 
     /// The start of a call: the offload plan is checked against what the device has free now;
-    /// the guard releases the offloaded weights when the call ends, however it ends.
+    /// the guard, when the call ends however it ends, waits for the work the call queued on the
+    /// device and releases the offloaded weights (see [`FinishOnDrop`]).
     pub(crate) fn begin_call(&self) -> Result<FinishOnDrop<'_>> {
         if let (Some(plan), Some(device)) = (self.plan.as_ref(), self.run.device.as_ref()) {
             if plan.mode != OffloadMode::None {
@@ -144,7 +145,10 @@ impl<C: Components> PipelineCore<C> {
                 .check()?;
             }
         }
-        Ok(FinishOnDrop(self.offloader.as_ref()))
+        Ok(FinishOnDrop {
+            device: self.run.device.as_ref(),
+            offloader: self.offloader.as_ref(),
+        })
     }
 
     /// Runs `f` on component `name` (`model`): with offload, its weights reach the device first

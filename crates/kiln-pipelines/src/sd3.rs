@@ -345,7 +345,7 @@ impl StableDiffusion3Pipeline {
         let mut out = self.core.run(component, model, after, Next::Then(next), |clip| {
             Ok(clip.forward_with_host_ids(&t, &ids.input_ids, true)?)
         })?;
-        let back = clip_skip.unwrap_or(0) + 2;
+        let back = clip_skip.unwrap_or(0).saturating_add(2);
         let layers = out.hidden_states.len() - 1;
         if back > out.hidden_states.len() {
             return Err(invalid(format!(

@@ -133,6 +133,16 @@ impl Buffer {
         Event::from_raw(&self.client.plugin, a.event).wait()
     }
 
+    /// Adds the transfer that fills this buffer to the client's in-flight work
+    /// ([`Client::await_in_flight`]).
+    pub(crate) fn track_ready(&self) -> Result<()> {
+        let mut a = sys::PJRT_Buffer_ReadyEvent_Args::new();
+        a.buffer = self.raw;
+        pjrt_call!(&self.client.plugin, PJRT_Buffer_ReadyEvent, &mut a)?;
+        self.client.in_flight.track(&self.client.plugin, a.event);
+        Ok(())
+    }
+
     /// Copies the buffer into `dst` (row-major, little-endian), waiting for the data.
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
         let mut a = sys::PJRT_Buffer_ToHostBuffer_Args::new();
@@ -160,7 +170,9 @@ impl Buffer {
         a.buffer = self.raw;
         a.dst_device = device.raw;
         pjrt_call!(&self.client.plugin, PJRT_Buffer_CopyToDevice, &mut a)?;
-        Ok(Buffer::from_raw(self.client.clone(), a.dst_buffer))
+        let copy = Buffer::from_raw(self.client.clone(), a.dst_buffer);
+        copy.track_ready()?;
+        Ok(copy)
     }
 
     /// Copies the buffer to another memory space (e.g. `pinned_host` for offloading).
@@ -169,7 +181,9 @@ impl Buffer {
         a.buffer = self.raw;
         a.dst_memory = memory.raw;
         pjrt_call!(&self.client.plugin, PJRT_Buffer_CopyToMemory, &mut a)?;
-        Ok(Buffer::from_raw(self.client.clone(), a.dst_buffer))
+        let copy = Buffer::from_raw(self.client.clone(), a.dst_buffer);
+        copy.track_ready()?;
+        Ok(copy)
     }
 }
 

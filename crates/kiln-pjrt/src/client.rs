@@ -8,6 +8,7 @@ use kiln_types::DType;
 use crate::buffer::{buffer_type, Buffer};
 use crate::error::{Error, Result};
 use crate::executable::{CompileOptions, LoadedExecutable};
+use crate::in_flight::InFlight;
 use crate::plugin::{lossy_string, pjrt_call, read_named_values, NamedValue, NamedValueList, Plugin};
 use crate::sys;
 
@@ -95,6 +96,8 @@ pub struct Client {
     devices: Vec<Device>,
     /// Indices into `devices` of the addressable ones, in PJRT's addressable order.
     addressable: Vec<usize>,
+    /// Executions and transfers queued and not yet seen finished.
+    pub(crate) in_flight: InFlight,
 }
 
 // SAFETY: PJRT clients, devices and memories are thread-safe objects.
@@ -131,6 +134,7 @@ impl Client {
             process_index: 0,
             devices: Vec::new(),
             addressable: Vec::new(),
+            in_flight: InFlight::default(),
         };
         client.read_properties()?;
         Ok(Arc::new(client))
@@ -188,6 +192,19 @@ impl Client {
 
     pub fn plugin(&self) -> &Arc<Plugin> {
         &self.plugin
+    }
+
+    /// Blocks until every execution and transfer this client queued has finished (PJRT returns
+    /// as soon as work is queued). Call it before an error leaves work half done, and before the
+    /// process exits: the plugin's threads must not run on while memory is torn down. Returns
+    /// the first failure of that work.
+    pub fn await_in_flight(&self) -> Result<()> {
+        self.in_flight.await_all(&self.plugin)
+    }
+
+    /// How many queued executions and transfers have not finished yet.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.count(&self.plugin)
     }
     /// `cpu`, `cuda`, `tpu`, ...
     pub fn platform_name(&self) -> &str {
@@ -281,6 +298,7 @@ impl Client {
             // With ImmutableOnlyDuringCall the copy is complete; release the event.
             crate::event::Event::from_raw(&self.plugin, a.done_with_host_buffer).wait()?;
         }
+        buffer.track_ready()?;
         Ok(buffer)
     }
 
@@ -316,6 +334,9 @@ impl Client {
 
 impl Drop for Client {
     fn drop(&mut self) {
+        if let Err(e) = self.await_in_flight() {
+            tracing::debug!("work still queued when the PJRT client closed failed: {e}");
+        }
         let mut a = sys::PJRT_Client_Destroy_Args::new();
         a.client = self.raw;
         if let Err(e) = pjrt_call!(&self.plugin, PJRT_Client_Destroy, &mut a) {

@@ -270,7 +270,13 @@ impl LoadedExecutable {
         a.num_devices = self.devices.len();
         a.num_args = num_args;
         a.output_lists = out_ptrs.as_ptr();
+        // One completion event per device: the execution is in flight until they are ready.
+        let mut done: Vec<*mut sys::PJRT_Event> = vec![std::ptr::null_mut(); self.devices.len()];
+        a.device_complete_events = done.as_mut_ptr();
         pjrt_call!(&self.client.plugin, PJRT_LoadedExecutable_Execute, &mut a)?;
+        for event in done {
+            self.client.in_flight.track(&self.client.plugin, event);
+        }
         Ok(outputs
             .into_iter()
             .map(|l| {

@@ -11,6 +11,7 @@ mod error;
 mod event;
 mod executable;
 mod ffi;
+mod in_flight;
 mod plugin;
 pub mod sys;
 

@@ -47,16 +47,32 @@ fn clients() -> &'static Mutex<HashMap<PathBuf, Arc<Client>>> {
     CLIENTS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// The CPU devices `KILN_CPU_DEVICE_COUNT` asks for (1 when unset), and a warning naming the
+/// variable and its accepted values when it is set and cannot be read.
+fn cpu_device_count(value: Option<&str>) -> (i64, Option<String>) {
+    let Some(value) = value else {
+        return (1, None);
+    };
+    match value.trim().parse::<i64>() {
+        Ok(n) if (1..=1024).contains(&n) => (n, None),
+        _ => (
+            1,
+            Some(format!(
+                "KILN_CPU_DEVICE_COUNT={value} is not a number of CPU devices (a whole number from 1 to 1024); using 1"
+            )),
+        ),
+    }
+}
+
 /// Create options kiln passes for a platform. CPU: one device unless `KILN_CPU_DEVICE_COUNT` says
 /// otherwise (the plugin's own default is 4, which only splits the same cores).
 fn create_options(platform: Platform) -> Vec<(String, NamedValue)> {
     match platform {
         Platform::Cpu => {
-            let count = std::env::var("KILN_CPU_DEVICE_COUNT")
-                .ok()
-                .and_then(|v| v.parse::<i64>().ok())
-                .filter(|&n| n > 0)
-                .unwrap_or(1);
+            let (count, problem) = cpu_device_count(std::env::var("KILN_CPU_DEVICE_COUNT").ok().as_deref());
+            if let Some(problem) = problem {
+                tracing::warn!("{problem}");
+            }
             vec![("cpu_device_count".into(), NamedValue::Int64(count))]
         }
         Platform::Cuda => vec![
@@ -90,6 +106,26 @@ pub(crate) fn compile_overrides(platform: Platform) -> &'static [(String, Option
         }),
         Platform::Cpu | Platform::Tpu => &[],
     }
+}
+
+/// Waits for the work queued on every client this process opened ([`Device::synchronize`] of
+/// each plugin); returns the first failure. A process calls it before it exits, so that no
+/// plugin thread still runs while the process tears its memory down.
+pub fn synchronize_all() -> Result<()> {
+    let all: Vec<Arc<Client>> = clients()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .values()
+        .cloned()
+        .collect();
+    let mut first = Ok(());
+    for client in all {
+        let r = client.await_in_flight();
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    Ok(first?)
 }
 
 /// The process-wide client for a plugin file, created on first use.
@@ -144,6 +180,19 @@ impl Device {
 
     pub fn client(&self) -> &Arc<Client> {
         &self.0.client
+    }
+
+    /// Blocks until every op, program and transfer queued on this device's plugin client has
+    /// finished (`torch.cuda.synchronize`); returns the first failure among them. Eager ops and
+    /// compiled calls return as soon as their work is queued: an error path that leaves work
+    /// queued calls this before it returns.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.0.client.await_in_flight()?)
+    }
+
+    /// How many queued ops, programs and transfers of this device's client have not finished.
+    pub fn in_flight(&self) -> usize {
+        self.0.client.in_flight()
     }
 
     /// Index among the client's addressable devices.
@@ -219,5 +268,25 @@ impl Device {
         [MemoryKind::PinnedHost, MemoryKind::UnpinnedHost]
             .into_iter()
             .find(|&k| self.has_memory(k))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_unreadable_cpu_device_count_is_a_warning_naming_the_variable() {
+        use super::cpu_device_count;
+        assert_eq!(cpu_device_count(None), (1, None));
+        assert_eq!(cpu_device_count(Some("4")), (4, None));
+        for bad in ["many", "0", "-2", "", "99999"] {
+            let (n, warning) = cpu_device_count(Some(bad));
+            assert_eq!(n, 1);
+            let warning = warning.unwrap();
+            assert!(
+                warning.starts_with(&format!("KILN_CPU_DEVICE_COUNT={bad} ")),
+                "{warning}"
+            );
+            assert!(warning.contains("from 1 to 1024"), "{warning}");
+        }
     }
 }

@@ -22,14 +22,16 @@
 
 pub mod defaults;
 
-pub use kiln_image::{read_png_parameters, save_png, GenerationParams};
+pub use kiln_image::{encode_png, read_png_parameters, save_png, GenerationParams};
 pub use kiln_nn::{CompileMode, Module};
 pub use kiln_pipelines::{
-    AnyPipeline, CallDefaults, DiffusionPipeline, FluxCall, FluxPipeline, GenerateCall, LoadOptions, OffloadMode,
-    OffloadPlan, OutputType, PipelineError, PipelineKind, PipelineOutput, StableDiffusion3Call,
-    StableDiffusion3Pipeline, StepState, Timings,
+    check_prompt_text, AnyPipeline, CallBudget, CallDefaults, DiffusionPipeline, FluxCall, FluxPipeline, GenerateCall,
+    LoadOptions, OffloadMode, OffloadPlan, OutputType, OverBudget, PipelineError, PipelineKind, PipelineOutput,
+    StableDiffusion3Call, StableDiffusion3Pipeline, StepState, Timings,
 };
-pub use kiln_tensor::{op_cache_stats, CompiledFunction, DType, Device, DeviceSpec, OpCacheStats, Platform, Tensor};
+pub use kiln_tensor::{
+    op_cache_stats, synchronize_all, CompiledFunction, DType, Device, DeviceSpec, OpCacheStats, Platform, Tensor,
+};
 
 /// The `--compile` value: `none`, `blocks`, `full`, or `auto` — the mode that was fastest end to
 /// end for a cold and a warm start (see the README's measurements).

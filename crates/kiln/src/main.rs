@@ -33,11 +33,26 @@ fn main() {
     if std::env::var_os("TF_CPP_MIN_LOG_LEVEL").is_none() {
         std::env::set_var("TF_CPP_MIN_LOG_LEVEL", "1");
     }
+    let (filter, log_problem) = match std::env::var("KILN_LOG") {
+        Err(_) => ("warn".into(), None),
+        Ok(value) => match tracing_subscriber::EnvFilter::try_new(&value) {
+            Ok(filter) => (filter, None),
+            Err(e) => (
+                "warn".into(),
+                Some(format!(
+                    "KILN_LOG={value} cannot be read ({e}); it takes a level (error, warn, info, debug, trace) or directives such as kiln_tensor=debug; using warn"
+                )),
+            ),
+        },
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KILN_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .without_time()
         .init();
+    if let Some(problem) = log_problem {
+        tracing::warn!("{problem}");
+    }
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
@@ -51,8 +66,58 @@ fn main() {
         Command::Bench(args) => cmd::bench::run(*args),
         Command::Selftest(args) => cmd::selftest::run(args),
     };
+    // No plugin thread may still run queued work while the process exits (it tears down the
+    // memory that work reads): wait for it on every path out, errors included.
+    let settled = kiln::synchronize_all();
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", message(&e));
         std::process::exit(1);
+    }
+    if let Err(e) = settled {
+        eprintln!("error: work still queued on the device failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The error and its causes, each printed once: a layer whose message already ends with its
+/// cause's text (`cannot read x: No such file or directory (os error 2)`) does not get it again.
+fn message(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.is_empty() {
+            out = text;
+        } else if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::message;
+
+    #[test]
+    fn a_cause_already_in_the_message_is_printed_once() {
+        let os = || std::io::Error::from(std::io::ErrorKind::NotFound);
+        #[derive(Debug)]
+        struct Read(std::io::Error);
+        impl std::fmt::Display for Read {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "cannot read x.json: {}", self.0)
+            }
+        }
+        impl std::error::Error for Read {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = anyhow::Error::new(Read(os())).context("loading m");
+        let text = message(&e);
+        assert_eq!(text, format!("loading m: cannot read x.json: {}", os()));
+        let plain = anyhow::Error::new(os()).context("writing y.png");
+        assert_eq!(message(&plain), format!("writing y.png: {}", os()));
     }
 }

@@ -76,11 +76,13 @@ fn parse_capability(s: &str) -> Option<(u32, u32)> {
 /// Whether `KILN_CUDNN_ATTENTION` allows the fused lowering (anything but `0`/`off`/`false`).
 fn enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
-    *ENABLED.get_or_init(|| {
-        !matches!(
-            std::env::var("KILN_CUDNN_ATTENTION").as_deref(),
-            Ok("0") | Ok("off") | Ok("false")
-        )
+    *ENABLED.get_or_init(|| match std::env::var("KILN_CUDNN_ATTENTION").as_deref() {
+        Ok("0") | Ok("off") | Ok("false") => false,
+        Ok("1") | Ok("on") | Ok("true") | Err(_) => true,
+        Ok(other) => {
+            tracing::warn!("KILN_CUDNN_ATTENTION={other} is not one of 1, on, true, 0, off, false; using on");
+            true
+        }
     })
 }
 

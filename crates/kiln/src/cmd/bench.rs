@@ -16,17 +16,17 @@ pub struct BenchArgs {
     pub model: String,
     #[arg(long, default_value = "a photo of a cat holding a sign")]
     pub prompt: String,
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, allow_negative_numbers = true, value_parser = crate::cmd::generate::count)]
     pub height: usize,
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, allow_negative_numbers = true, value_parser = crate::cmd::generate::count)]
     pub width: usize,
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = crate::cmd::generate::count)]
     pub steps: usize,
     /// FLUX.1: the embedded guidance (dev); SD3: the classifier-free guidance scale (above 1 the
     /// transformer runs on [negative; prompt], twice the batch, as in diffusers).
-    #[arg(long, default_value_t = 3.5)]
+    #[arg(long, default_value_t = 3.5, allow_negative_numbers = true)]
     pub guidance: f64,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = crate::cmd::generate::count)]
     pub max_sequence_length: usize,
     #[arg(long, default_value = "f32")]
     pub dtype: String,
@@ -39,7 +39,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "none")]
     pub offload: String,
     /// Timed calls after one warm-up call.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = crate::cmd::generate::count)]
     pub runs: usize,
     /// Save the first image of the first call as a PNG (to compare with another engine's).
     #[arg(long, value_name = "PNG")]
@@ -88,11 +88,45 @@ fn call(pipe: &mut AnyPipeline, args: &BenchArgs) -> Result<(Vec<RgbImage>, Timi
     Ok((out.images, out.timings))
 }
 
+/// The checks `kiln generate` makes of the same arguments, before anything is loaded.
+fn check(args: &BenchArgs) -> Result<()> {
+    for (flag, value) in [
+        ("--height", args.height),
+        ("--width", args.width),
+        ("--steps", args.steps),
+    ] {
+        if value == 0 {
+            bail!("{flag} must be at least 1 (a benchmark of an empty image or of no steps measures nothing)");
+        }
+    }
+    if !args.guidance.is_finite() {
+        bail!("--guidance must be a finite number, got {}", args.guidance);
+    }
+    kiln::check_prompt_text(&args.prompt).map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
+    let budget = kiln::CallBudget {
+        num_inference_steps: args.steps,
+        batch: 1,
+        num_images_per_prompt: 1,
+        height: args.height,
+        width: args.width,
+    };
+    if let Err(over) = budget.check() {
+        let flag = if over.argument == "num_inference_steps" {
+            "--steps".to_string()
+        } else {
+            format!("--{}", over.argument.replace('_', "-"))
+        };
+        bail!("{}", over.message(&flag));
+    }
+    Ok(())
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
     let dtype: DType = args.dtype.parse()?;
     if args.runs == 0 {
         bail!("--runs must be at least 1");
     }
+    check(&args)?;
     let device = Device::parse(&args.device)?;
     let compile = kiln::parse_compile_mode(&args.compile)?;
     let offload: OffloadMode = args

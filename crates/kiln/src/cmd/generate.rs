@@ -18,7 +18,7 @@ use kiln::{
 };
 use kiln_image::RgbImage;
 
-pub use call::CallArgs;
+pub use call::{count, CallArgs};
 use call::{flag, DRAW, OUTPUT, RUN};
 
 #[derive(clap::Args)]
@@ -215,6 +215,110 @@ fn timed_calls(
     }
 }
 
+/// A pipeline error for the command line: an argument past its budget is named by its flag.
+fn flagged(e: kiln::PipelineError) -> anyhow::Error {
+    match e {
+        kiln::PipelineError::OverBudget(over) => anyhow::anyhow!("{}", over.message(&flag(over.argument))),
+        e => e.into(),
+    }
+}
+
+/// Every output path checked before any work: its folder exists and takes a new file, the path
+/// is not a folder, no two images share a path, and none is the `--from` image.
+fn check_outputs(paths: &[PathBuf], from: Option<&Path>) -> Result<()> {
+    let mut seen = BTreeSet::new();
+    for p in paths {
+        if !seen.insert(p.clone()) {
+            bail!("--output: two images would be written to {}", p.display());
+        }
+        if p.is_dir() {
+            bail!("cannot write {}: it is a folder; choose another --output", p.display());
+        }
+        let dir = match p.parent().filter(|d| !d.as_os_str().is_empty()) {
+            Some(dir) => dir,
+            None => Path::new("."),
+        };
+        if !dir.is_dir() {
+            bail!(
+                "cannot write {}: the folder {} does not exist",
+                p.display(),
+                dir.display()
+            );
+        }
+        if let Some(png) = from {
+            if p.canonicalize()
+                .ok()
+                .is_some_and(|p| png.canonicalize().ok() == Some(p))
+            {
+                bail!(
+                    "--output {} would overwrite the --from image; choose another --output",
+                    p.display()
+                );
+            }
+        }
+    }
+    // Each folder takes a new file (the images go to temporary files beside their targets).
+    let dirs: BTreeSet<PathBuf> = paths
+        .iter()
+        .map(|p| match p.parent().filter(|d| !d.as_os_str().is_empty()) {
+            Some(d) => d.to_path_buf(),
+            None => PathBuf::from("."),
+        })
+        .collect();
+    for dir in dirs {
+        let probe = temporary_beside(&dir.join("probe.png"));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&probe)
+            .with_context(|| format!("cannot write into {} (for --output)", dir.display()))?;
+        let _ = std::fs::remove_file(&probe);
+    }
+    Ok(())
+}
+
+/// A temporary file name beside `target`, unique to this process.
+fn temporary_beside(target: &Path) -> PathBuf {
+    let name = target.file_name().and_then(|n| n.to_str()).unwrap_or("kiln.png");
+    target.with_file_name(format!(".{name}.kiln-{}.tmp", std::process::id()))
+}
+
+/// Writes every file, all or nothing: each to a temporary file beside its target, renamed over
+/// the targets only when every one was written; on any failure no target is touched and the
+/// temporary files are removed.
+fn write_all_or_nothing(files: &[(PathBuf, Vec<u8>)]) -> Result<()> {
+    let mut written: Vec<PathBuf> = Vec::new();
+    let cleanup = |written: &[PathBuf]| {
+        for t in written {
+            let _ = std::fs::remove_file(t);
+        }
+    };
+    for (path, bytes) in files {
+        let tmp = temporary_beside(path);
+        if let Err(e) = std::fs::write(&tmp, bytes) {
+            let _ = std::fs::remove_file(&tmp);
+            cleanup(&written);
+            return Err(anyhow::Error::new(e).context(format!("cannot write {}", path.display())));
+        }
+        written.push(tmp);
+    }
+    for (k, ((path, _), tmp)) in files.iter().zip(&written).enumerate() {
+        if let Err(e) = std::fs::rename(tmp, path) {
+            cleanup(&written[k..]);
+            return Err(anyhow::Error::new(e).context(format!(
+                "cannot write {}{}",
+                path.display(),
+                if k > 0 {
+                    format!(" ({k} of the {} images were written before it)", files.len())
+                } else {
+                    String::new()
+                }
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Loads the model's pipeline onto the device with the offload mode and the compile mode
 /// (telling the user when sequential offload changes what is compiled), then calls it
 /// `s.calls` times.
@@ -240,7 +344,7 @@ fn load_and_call(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
     );
     let guidance = pipe.guidance_scale(&call.generate_call());
     timed_calls(s, guidance, || {
-        let out = pipe.call(call.generate_call())?;
+        let out = pipe.call(call.generate_call()).map_err(flagged)?;
         Ok((out.images, out.size, out.timings))
     })
 }
@@ -266,7 +370,12 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
         bail!("--dtype must be f32, bf16 or f16, got {}", load.dtype);
     }
-    call.check()?;
+    match &args.from {
+        Some(png) => call
+            .check()
+            .with_context(|| format!("the call of {} with the flags given", png.display()))?,
+        None => call.check()?,
+    }
     if args.calls == 0 {
         bail!("--calls must be at least 1");
     }
@@ -276,28 +385,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--offload: {e}"))?;
     let paths = output_paths(&args.output, call.image_count())?;
-    for p in &paths {
-        if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-            if !dir.is_dir() {
-                bail!(
-                    "cannot write {}: the folder {} does not exist",
-                    p.display(),
-                    dir.display()
-                );
-            }
-        }
-        if let Some(png) = &args.from {
-            if p.canonicalize()
-                .ok()
-                .is_some_and(|p| png.canonicalize().ok() == Some(p))
-            {
-                bail!(
-                    "--output {} would overwrite the --from image; choose another --output",
-                    p.display()
-                );
-            }
-        }
-    }
+    check_outputs(&paths, args.from.as_deref())?;
     let model = match &load.model {
         Some(m) => m.clone(),
         None => default_model_folder()
@@ -383,6 +471,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     if let Some(revision) = &load.revision {
         extras.insert("revision".to_string(), revision.clone());
     }
+    let mut files = Vec::with_capacity(paths.len());
     for (k, (image, path)) in out.images.iter().zip(&paths).enumerate() {
         let (prompt, negative_prompt) = call.prompts_of_image(k);
         let params = GenerationParams {
@@ -400,7 +489,11 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
             call: stored_call.clone(),
             image_index: k,
         };
-        kiln::save_png(path, image, &params)?;
+        let bytes = kiln::encode_png(image, Some(&params)).with_context(|| format!("encoding {}", path.display()))?;
+        files.push((path.clone(), bytes));
+    }
+    write_all_or_nothing(&files)?;
+    for (path, _) in &files {
         println!("{}", path.display());
     }
     Ok(())

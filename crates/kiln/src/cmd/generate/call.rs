@@ -44,64 +44,89 @@ pub struct CallArgs {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub negative_prompt_3: Vec<String>,
     /// Image height in pixels (default: the model's).
-    #[arg(long, value_name = "PIXELS", help_heading = DRAW)]
+    #[arg(long, value_name = "PIXELS", allow_negative_numbers = true, value_parser = count, help_heading = DRAW)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub height: Option<usize>,
     /// Image width in pixels (default: the model's).
-    #[arg(long, value_name = "PIXELS", help_heading = DRAW)]
+    #[arg(long, value_name = "PIXELS", allow_negative_numbers = true, value_parser = count, help_heading = DRAW)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub width: Option<usize>,
     /// Images per prompt (default 1).
-    #[arg(long, value_name = "N", visible_alias = "num-images", help_heading = DRAW)]
+    #[arg(long, value_name = "N", visible_alias = "num-images", allow_negative_numbers = true, value_parser = count, help_heading = DRAW)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_images_per_prompt: Option<usize>,
 
-    /// Seed of the torch CPU generator that draws the initial noise of the batch (default 0).
-    #[arg(long, value_name = "SEED", help_heading = SAMPLE)]
+    /// Seed of the torch CPU generator that draws the initial noise of the batch (default 0). As
+    /// torch's `manual_seed`, a negative seed (down to -2^63) is taken modulo 2^64.
+    #[arg(long, value_name = "SEED", allow_negative_numbers = true, value_parser = seed, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
     /// Denoising steps (default: the model's).
-    #[arg(long, value_name = "N", visible_alias = "steps", help_heading = SAMPLE)]
+    #[arg(long, value_name = "N", visible_alias = "steps", allow_negative_numbers = true, value_parser = count, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_inference_steps: Option<usize>,
     /// The sigmas of the schedule instead, comma-separated (1.0,0.75,0.5,0.25); their count is
     /// the number of steps.
-    #[arg(long, value_name = "S,S,...", value_delimiter = ',', help_heading = SAMPLE)]
+    #[arg(long, value_name = "S,S,...", value_delimiter = ',', allow_negative_numbers = true, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sigmas: Option<Vec<f64>>,
     /// Guidance scale (default: the model's). FLUX.1 [dev] embeds it; [schnell] ignores it.
-    #[arg(long, value_name = "SCALE", visible_alias = "guidance", help_heading = SAMPLE)]
+    #[arg(long, value_name = "SCALE", visible_alias = "guidance", allow_negative_numbers = true, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guidance_scale: Option<f64>,
     /// FLUX.1: true classifier-free guidance (default 1, off); above 1 with a --negative-prompt
     /// the transformer runs twice per step.
-    #[arg(long, value_name = "SCALE", visible_alias = "true-cfg", help_heading = SAMPLE)]
+    #[arg(long, value_name = "SCALE", visible_alias = "true-cfg", allow_negative_numbers = true, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub true_cfg_scale: Option<f64>,
     /// Tokens of the T5 prompt (default: the model's; FLUX.1 allows up to 512).
-    #[arg(long, value_name = "TOKENS", help_heading = SAMPLE)]
+    #[arg(long, value_name = "TOKENS", allow_negative_numbers = true, value_parser = count, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_sequence_length: Option<usize>,
     /// SD3: the transformer layers skip-layer guidance leaves out, comma-separated (7,8,9).
-    #[arg(long, value_name = "I,I,...", value_delimiter = ',', help_heading = SAMPLE)]
+    #[arg(long, value_name = "I,I,...", value_delimiter = ',', allow_negative_numbers = true, value_parser = count, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skip_guidance_layers: Option<Vec<usize>>,
     /// SD3: the skip-layer guidance scale (diffusers' default 2.8).
-    #[arg(long, value_name = "SCALE", help_heading = SAMPLE)]
+    #[arg(long, value_name = "SCALE", allow_negative_numbers = true, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skip_layer_guidance_scale: Option<f64>,
     /// SD3: the fraction of the steps at which skip-layer guidance starts (default 0.01).
-    #[arg(long, value_name = "FRACTION", help_heading = SAMPLE)]
+    #[arg(long, value_name = "FRACTION", allow_negative_numbers = true, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skip_layer_guidance_start: Option<f64>,
     /// SD3: the fraction of the steps at which skip-layer guidance stops (default 0.2).
-    #[arg(long, value_name = "FRACTION", help_heading = SAMPLE)]
+    #[arg(long, value_name = "FRACTION", allow_negative_numbers = true, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skip_layer_guidance_stop: Option<f64>,
     /// SD3: the number of CLIP layers skipped from the end for the prompt embeddings.
-    #[arg(long, value_name = "N", help_heading = SAMPLE)]
+    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = count, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clip_skip: Option<usize>,
+}
+
+/// A count or a size: a whole number, 0 or more (clap names the flag in front of the message).
+pub fn count(value: &str) -> Result<usize, String> {
+    let v = value.trim();
+    if v.strip_prefix('-').is_some_and(|n| n.parse::<f64>().is_ok()) {
+        return Err("it cannot be negative: give a whole number, 0 or more".to_string());
+    }
+    v.parse::<usize>().map_err(|e| match e.kind() {
+        std::num::IntErrorKind::PosOverflow => format!("it is larger than {}", usize::MAX),
+        _ => "give a whole number, 0 or more".to_string(),
+    })
+}
+
+/// A seed as torch's `Generator.manual_seed` takes it: -2^63 ..= 2^64 - 1, a negative seed taken
+/// modulo 2^64 (torch reads it as a signed 64-bit integer and uses its bits).
+pub fn seed(value: &str) -> Result<u64, String> {
+    let range = "a seed is a whole number from -9223372036854775808 to 18446744073709551615 (torch's range)";
+    let v: i128 = value.trim().parse().map_err(|_| range.to_string())?;
+    if v < 0 {
+        i64::try_from(v).map(|s| s as u64).map_err(|_| range.to_string())
+    } else {
+        u64::try_from(v).map_err(|_| range.to_string())
+    }
 }
 
 /// The flag of a `CallArgs` field: `true_cfg_scale` → `--true-cfg-scale`.
@@ -153,6 +178,12 @@ impl CallArgs {
                 );
             }
         }
+        let text_lists = std::iter::once(("prompt", self.prompt.as_slice())).chain(per_prompt_lists(self));
+        for (field, list) in text_lists {
+            for text in list {
+                kiln::check_prompt_text(text).map_err(|e| anyhow::anyhow!("{}: {e}", flag(field)))?;
+            }
+        }
         for (field, value) in [("height", self.height), ("width", self.width)] {
             if value == Some(0) {
                 bail!(
@@ -174,6 +205,23 @@ impl CallArgs {
             if let Some(v) = value.filter(|v| !v.is_finite()) {
                 bail!("{} must be a finite number, got {v}", flag(field));
             }
+        }
+        let budget = kiln::CallBudget {
+            num_inference_steps: self
+                .sigmas
+                .as_ref()
+                .map_or(self.num_inference_steps.unwrap_or(0), Vec::len),
+            batch,
+            num_images_per_prompt: self.num_images_per_prompt.unwrap_or(1),
+            height: self.height.unwrap_or(0),
+            width: self.width.unwrap_or(0),
+        };
+        if let Err(over) = budget.check() {
+            let name = match over.argument {
+                "num_inference_steps" if self.sigmas.is_some() => "--sigmas (their count)".to_string(),
+                argument => flag(argument),
+            };
+            bail!("{}", over.message(&name));
         }
         if let Some(sigmas) = &self.sigmas {
             if let Some(v) = sigmas.iter().find(|v| !v.is_finite()) {
@@ -307,6 +355,41 @@ mod tests {
         for field in a.present() {
             assert!(Cli::command().get_arguments().any(|arg| arg.get_id() == field.as_str()));
         }
+    }
+
+    #[test]
+    fn seeds_follow_torch_and_counts_refuse_negatives() {
+        assert_eq!(seed("0"), Ok(0));
+        assert_eq!(seed("-1"), Ok(u64::MAX));
+        assert_eq!(seed("-9223372036854775808"), Ok(1 << 63));
+        assert_eq!(seed("18446744073709551615"), Ok(u64::MAX));
+        for bad in ["-9223372036854775809", "18446744073709551616", "1.5", "x"] {
+            assert!(seed(bad).unwrap_err().contains("torch's range"), "{bad}");
+        }
+        // torch reads a negative seed's bits as unsigned (kiln_rng's `manual_seed_i64`).
+        assert_eq!(seed("-42"), Ok((-42i64) as u64));
+        assert_eq!(count("7"), Ok(7));
+        assert_eq!(count("0"), Ok(0));
+        assert!(count("-1").unwrap_err().contains("cannot be negative"));
+        assert!(count("-0.5").unwrap_err().contains("cannot be negative"));
+        assert!(count("1e3").unwrap_err().contains("whole number"));
+        assert!(count("99999999999999999999999").unwrap_err().contains("larger than"));
+        let a = parse(&[
+            "--prompt",
+            "a",
+            "--seed",
+            "-1",
+            "--guidance-scale",
+            "-2.5",
+            "--sigmas=-1,0.5",
+        ]);
+        assert_eq!((a.seed, a.guidance_scale), (Some(u64::MAX), Some(-2.5)));
+        assert_eq!(a.sigmas, Some(vec![-1.0, 0.5]));
+        let err = Cli::try_parse_from(["kiln", "--prompt", "a", "--height", "-5"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("--height") && err.contains("cannot be negative"), "{err}");
     }
 
     #[test]
