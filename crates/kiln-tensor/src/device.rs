@@ -50,15 +50,13 @@ fn clients() -> &'static Mutex<HashMap<PathBuf, Arc<Client>>> {
 /// The CPU devices `KILN_CPU_DEVICE_COUNT` asks for (1 when unset), and a warning naming the
 /// variable and its accepted values when it is set and cannot be read.
 fn cpu_device_count(value: Option<&str>) -> (i64, Option<String>) {
-    let Some(value) = value else {
-        return (1, None);
-    };
-    match value.trim().parse::<i64>() {
-        Ok(n) if (1..=1024).contains(&n) => (n, None),
-        _ => (
+    match value.map(|v| (v, v.trim().parse::<i64>())) {
+        None => (1, None),
+        Some((_, Ok(n))) if (1..=1024).contains(&n) => (n, None),
+        Some((v, _)) => (
             1,
             Some(format!(
-                "KILN_CPU_DEVICE_COUNT={value} is not a number of CPU devices (a whole number from 1 to 1024); using 1"
+                "KILN_CPU_DEVICE_COUNT={v} is not a number of CPU devices (a whole number from 1 to 1024); using 1"
             )),
         ),
     }
@@ -118,14 +116,9 @@ pub fn synchronize_all() -> Result<()> {
         .values()
         .cloned()
         .collect();
-    let mut first = Ok(());
-    for client in all {
-        let r = client.await_in_flight();
-        if first.is_ok() {
-            first = r;
-        }
-    }
-    Ok(first?)
+    // Every client is awaited, even after a failure.
+    let results: Vec<_> = all.iter().map(|client| client.await_in_flight()).collect();
+    Ok(results.into_iter().collect::<std::result::Result<(), _>>()?)
 }
 
 /// The process-wide client for a plugin file, created on first use.
