@@ -47,18 +47,15 @@ fn clients() -> &'static Mutex<HashMap<PathBuf, Arc<Client>>> {
     CLIENTS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+const NOT_A_DEVICE_COUNT: &str = "is not a number of CPU devices (a whole number from 1 to 1024); using 1";
+
 /// The CPU devices `KILN_CPU_DEVICE_COUNT` asks for (1 when unset), and a warning naming the
 /// variable and its accepted values when it is set and cannot be read.
 fn cpu_device_count(value: Option<&str>) -> (i64, Option<String>) {
     match value.map(|v| (v, v.trim().parse::<i64>())) {
         None => (1, None),
         Some((_, Ok(n))) if (1..=1024).contains(&n) => (n, None),
-        Some((v, _)) => (
-            1,
-            Some(format!(
-                "KILN_CPU_DEVICE_COUNT={v} is not a number of CPU devices (a whole number from 1 to 1024); using 1"
-            )),
-        ),
+        Some((v, _)) => (1, Some(format!("KILN_CPU_DEVICE_COUNT={v} {NOT_A_DEVICE_COUNT}"))),
     }
 }
 
