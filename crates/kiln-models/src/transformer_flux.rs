@@ -313,6 +313,15 @@ impl FluxTransformer2DModel {
                 config.axes_dims_rope
             )));
         }
+        // A mis-set head count shows first as every weight's width: name the config keys instead.
+        if let Some(rows) = w.checkpoint().info("x_embedder.weight").map(|i| i.shape.dims()[0]) {
+            if rows != dim {
+                return Err(config_error(format!(
+                    "num_attention_heads {heads} × attention_head_dim {head_dim} = {dim}, but the checkpoint's \
+                     x_embedder.weight has {rows} output features: config.json does not match the weights"
+                )));
+            }
+        }
         let tte = w.pp("time_text_embed");
         let frequencies = Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?;
         let time_text_embed = TimeTextEmbed {

@@ -95,3 +95,20 @@ fn config_that_does_not_match_the_weights_names_the_weight() {
         "{err}"
     );
 }
+
+#[test]
+fn a_head_count_that_does_not_match_the_weights_names_the_config_keys() {
+    let dir = oracle().join("pipelines/flux1_dev/transformer");
+    let mut config: FluxTransformer2DConfig = load_config(dir.join("config.json")).unwrap();
+    config.num_attention_heads += 1;
+    let ckpt = Checkpoint::open_component(&dir, "diffusion_pytorch_model").unwrap();
+    let w = Weights::new(ckpt, &device(), DType::F32, "transformer");
+    let err = FluxTransformer2DModel::load(&config, &w)
+        .err()
+        .expect("a mismatched head count")
+        .to_string();
+    assert!(
+        err.contains("num_attention_heads") && err.contains("x_embedder.weight") && !err.contains("time_text_embed"),
+        "{err}"
+    );
+}
