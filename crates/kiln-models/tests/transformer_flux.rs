@@ -104,8 +104,7 @@ fn a_head_count_that_does_not_match_the_weights_names_the_config_keys() {
     let ckpt = Checkpoint::open_component(&dir, "diffusion_pytorch_model").unwrap();
     let w = Weights::new(ckpt, &device(), DType::F32, "transformer");
     let err = FluxTransformer2DModel::load(&config, &w)
-        .err()
-        .expect("a mismatched head count")
+        .expect_err("a mismatched head count")
         .to_string();
     assert!(
         err.contains("num_attention_heads") && err.contains("x_embedder.weight") && !err.contains("time_text_embed"),
