@@ -228,18 +228,8 @@ impl MistralTokenizer {
             .inner
             .post_process(encoding, None, add_special)
             .map_err(encode_error)?;
-        let truncation = if removed_ids.is_empty() {
-            None
-        } else {
-            let removed_text = self.text.decode(&removed_ids)?;
-            let warning = self.text.notice.message(max_length, &removed_text);
-            Some(Truncation {
-                removed_ids,
-                removed_text,
-                untruncated_len,
-                warning,
-            })
-        };
+        // diffusers' FLUX.2 logs nothing when the prompt is cut.
+        let truncation = self.text.truncation(removed_ids, untruncated_len, max_length)?;
         Ok((encoding.get_ids().to_vec(), truncation))
     }
 }

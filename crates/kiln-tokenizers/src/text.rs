@@ -176,20 +176,32 @@ impl TextTokenizer {
                 operation: "encode",
                 source,
             })?;
-        let truncation = if removed_ids.is_empty() {
-            None
-        } else {
-            let removed_text = self.decode(&removed_ids)?;
-            let warning = self.notice.message(max_length, &removed_text);
-            tracing::warn!("{warning}");
-            Some(Truncation {
-                removed_ids,
-                removed_text,
-                untruncated_len,
-                warning,
-            })
-        };
+        let truncation = self.truncation(removed_ids, untruncated_len, max_length)?;
+        if let Some(t) = &truncation {
+            tracing::warn!("{}", t.warning);
+        }
         Ok((encoding.get_ids().to_vec(), truncation))
+    }
+
+    /// What truncating a text to `max_length` removed (`None` when nothing was), with the
+    /// warning transformers words for it.
+    pub(crate) fn truncation(
+        &self,
+        removed_ids: Vec<u32>,
+        untruncated_len: usize,
+        max_length: usize,
+    ) -> Result<Option<Truncation>> {
+        if removed_ids.is_empty() {
+            return Ok(None);
+        }
+        let removed_text = self.decode(&removed_ids)?;
+        let warning = self.notice.message(max_length, &removed_text);
+        Ok(Some(Truncation {
+            removed_ids,
+            removed_text,
+            untruncated_len,
+            warning,
+        }))
     }
 }
 
