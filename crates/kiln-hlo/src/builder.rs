@@ -100,6 +100,9 @@ pub struct Builder {
     pub(crate) body: String,
     module_attrs: Vec<String>,
     module_prelude: Vec<String>,
+    /// `Some(n)`: a per-device program over `n` partitions (see [`Builder::set_manual_partitions`]).
+    manual_partitions: Option<usize>,
+    channels: i64,
 }
 
 impl Default for Builder {
@@ -117,7 +120,28 @@ impl Builder {
             body: String::with_capacity(256),
             module_attrs: Vec::new(),
             module_prelude: Vec::new(),
+            manual_partitions: None,
+            channels: 0,
         }
+    }
+
+    /// Makes the program a per-device (manually partitioned) SPMD program over `partitions`
+    /// devices, as JAX's `shard_map` is: every argument and result is marked
+    /// `mhlo.sharding = "{manual}"`, so each device runs the body on its own local values and the
+    /// only communication is the collectives the body emits ([`Builder::all_reduce`]).
+    pub fn set_manual_partitions(&mut self, partitions: usize) {
+        self.manual_partitions = (partitions > 1).then_some(partitions);
+    }
+
+    /// A fresh channel id for a collective (ids start at 1).
+    pub(crate) fn next_channel(&mut self) -> i64 {
+        self.channels += 1;
+        self.channels
+    }
+
+    /// The partitions of a per-device program, 1 otherwise.
+    pub fn partitions(&self) -> usize {
+        self.manual_partitions.unwrap_or(1)
     }
 
     /// Adds a function argument.
@@ -208,9 +232,16 @@ impl Builder {
         }
         let mut s = String::with_capacity(self.body.len() + 256);
         s.push_str("module @kiln");
-        if !self.module_attrs.is_empty() {
-            let _ = write!(s, " attributes {{{}}}", self.module_attrs.join(", "));
+        let mut module_attrs = self.module_attrs.clone();
+        let manual = self.manual_partitions.map(|n| {
+            module_attrs.push(format!("mhlo.num_partitions = {n} : i32"));
+            "mhlo.sharding = \"{manual}\"".to_string()
+        });
+        if !module_attrs.is_empty() {
+            let _ = write!(s, " attributes {{{}}}", module_attrs.join(", "));
         }
+        let with_manual =
+            |entries: &[String]| -> Vec<String> { entries.iter().cloned().chain(manual.clone()).collect() };
         s.push_str(" {\n");
         for line in &self.module_prelude {
             let _ = writeln!(s, "  {line}");
@@ -221,8 +252,9 @@ impl Builder {
                 s.push_str(", ");
             }
             let _ = write!(s, "{}: {}", v.name(), tensor_type(&v.shape, v.dtype));
-            if !attrs.entries.is_empty() {
-                let _ = write!(s, " {{{}}}", attrs.entries.join(", "));
+            let entries = with_manual(&attrs.entries);
+            if !entries.is_empty() {
+                let _ = write!(s, " {{{}}}", entries.join(", "));
             }
         }
         s.push_str(") -> (");
@@ -231,8 +263,9 @@ impl Builder {
                 s.push_str(", ");
             }
             s.push_str(&tensor_type(&v.shape, v.dtype));
-            if let Some(a) = output_attrs.get(i).filter(|a| !a.entries.is_empty()) {
-                let _ = write!(s, " {{{}}}", a.entries.join(", "));
+            let entries = with_manual(output_attrs.get(i).map_or(&[][..], |a| &a.entries[..]));
+            if !entries.is_empty() {
+                let _ = write!(s, " {{{}}}", entries.join(", "));
             }
         }
         s.push_str(") {\n");

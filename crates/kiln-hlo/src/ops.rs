@@ -759,6 +759,30 @@ impl Builder {
         ))
     }
 
+    /// The sum of `x` over every device of a per-device program (`all_reduce` across all
+    /// partitions; identity in a one-device program). Every device gets the same sum.
+    pub fn all_reduce_sum(&mut self, x: &Value) -> Result<Value> {
+        self.check("all_reduce", x)?;
+        let n = self.partitions();
+        if n == 1 {
+            return Ok(x.clone());
+        }
+        let combiner = if x.dtype == DType::Bool { "or" } else { "add" };
+        let scalar = tensor_type(&Shape::scalar(), x.dtype);
+        let devices: Vec<String> = (0..n).map(|d| d.to_string()).collect();
+        let channel = self.next_channel();
+        let t = ty(x);
+        Ok(self.emit(
+            x.shape.clone(),
+            x.dtype,
+            format_args!(
+                "\"stablehlo.all_reduce\"({}) ({{\n      ^bb0(%lhs: {scalar}, %rhs: {scalar}):\n        %sum = stablehlo.{combiner} %lhs, %rhs : {scalar}\n        stablehlo.return %sum : {scalar}\n    }}) {{replica_groups = dense<[[{}]]> : tensor<1x{n}xi64>, channel_handle = #stablehlo.channel_handle<handle = {channel}, type = 1>, use_global_device_ids}} : ({t}) -> {t}",
+                x.name(),
+                devices.join(", "),
+            ),
+        ))
+    }
+
     /// `torch.index_select(x, dim, indices)` with 1-D integer `indices`.
     pub fn index_select(&mut self, x: &Value, dim: usize, indices: &Value) -> Result<Value> {
         self.check("index_select", x)?;

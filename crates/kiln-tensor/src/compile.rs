@@ -18,7 +18,7 @@ use crate::trace::Trace;
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct Signature {
     client: usize,
-    device: usize,
+    devices: Vec<usize>,
     args: Vec<(Shape, DType)>,
 }
 
@@ -93,7 +93,7 @@ impl CompiledFunction {
         };
         let signature = Signature {
             client: Arc::as_ptr(device.client()) as usize,
-            device: device.index(),
+            devices: device.member_indices().to_vec(),
             args: args.iter().map(|t| (t.shape().clone(), t.dtype())).collect(),
         };
         let cached = self
@@ -142,32 +142,21 @@ impl CompiledFunction {
 
     fn execute(&self, entry: &Entry, device: &crate::Device, args: &[Tensor]) -> Result<Vec<Tensor>> {
         const OP: &str = "compiled function";
-        let buffers = args
-            .iter()
-            .chain(&entry.captured)
-            .map(|t| t.device_buffer(OP))
-            .collect::<Result<Vec<_>>>()?;
+        let buffers = crate::dispatch::per_device_arguments(OP, device, args.iter().chain(&entry.captured))?;
+        let lists: Vec<&[&kiln_pjrt::Buffer]> = buffers.iter().map(Vec::as_slice).collect();
         let failed = |source| Error::ExecuteFunction {
             function: self.name.as_str().into(),
             source: Box::new(source),
         };
         let profile_start = crate::dispatch::profiling().then(std::time::Instant::now);
-        let mut results = entry
-            .exe
-            .execute(&[&buffers], &ExecuteOptions::default())
-            .map_err(failed)?;
-        let per_device = results.pop().unwrap_or_default();
+        let results = entry.exe.execute(&lists, &ExecuteOptions::default()).map_err(failed)?;
         if let Some(start) = profile_start {
-            for b in &per_device {
+            for b in results.iter().flatten() {
                 b.wait_ready().map_err(failed)?;
             }
             crate::dispatch::record_profile(profile_label(&self.name), start.elapsed());
         }
-        per_device
-            .into_iter()
-            .zip(&entry.outputs)
-            .map(|(buf, (shape, dtype))| Tensor::from_buffer(buf, shape.clone(), *dtype, device.clone()))
-            .collect()
+        crate::dispatch::tensors_from_results(results, &entry.outputs, device)
     }
 }
 

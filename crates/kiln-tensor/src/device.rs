@@ -13,18 +13,28 @@ use crate::tensor::MemoryKind;
 
 struct DeviceInner {
     client: Arc<Client>,
-    index: usize,
+    /// The client's addressable devices this handle runs on: one, or the members of a mesh.
+    members: Vec<usize>,
     platform: Platform,
-    ledger: Arc<DeviceLedger>,
+    /// One per member.
+    ledgers: Vec<Arc<DeviceLedger>>,
 }
 
-/// One addressable device of a PJRT plugin. Cheap to clone.
+/// One addressable device of a PJRT plugin, or a mesh of several of one plugin for tensor
+/// parallelism ([`Device::mesh`]). Cheap to clone.
+///
+/// On a mesh every tensor holds one buffer per member device and every op runs as one SPMD
+/// program over all members, each member computing on its own buffer (see `Builder::
+/// set_manual_partitions`): a tensor is *replicated* when every member holds the same value (what
+/// host reads see: they read the first member's buffer) and *sharded* when each holds its slice
+/// ([`Tensor::from_shards`](crate::Tensor::from_shards)); [`Tensor::all_reduce_sum`](crate::Tensor::all_reduce_sum)
+/// turns per-member partial sums into a replicated value.
 #[derive(Clone)]
 pub struct Device(Arc<DeviceInner>);
 
 impl PartialEq for Device {
     fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0.client, &other.0.client) && self.0.index == other.0.index
+        Arc::ptr_eq(&self.0.client, &other.0.client) && self.0.members == other.0.members
     }
 }
 impl Eq for Device {}
@@ -37,13 +47,22 @@ impl fmt::Debug for Device {
 
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.0.platform, self.0.index)
+        match &self.0.members[..] {
+            [one] => write!(f, "{}:{one}", self.0.platform),
+            many => {
+                let list: Vec<String> = many.iter().map(usize::to_string).collect();
+                write!(f, "{}:[{}]", self.0.platform, list.join(","))
+            }
+        }
     }
 }
 
-/// Clients already created in this process, by plugin path.
-fn clients() -> &'static Mutex<HashMap<PathBuf, Arc<Client>>> {
-    static CLIENTS: OnceLock<Mutex<HashMap<PathBuf, Arc<Client>>>> = OnceLock::new();
+/// Clients already created in this process, by plugin path and, for a CPU client made for a
+/// mesh, its device count (`None`: the default client).
+type ClientKey = (PathBuf, Option<i64>);
+
+fn clients() -> &'static Mutex<HashMap<ClientKey, Arc<Client>>> {
+    static CLIENTS: OnceLock<Mutex<HashMap<ClientKey, Arc<Client>>>> = OnceLock::new();
     CLIENTS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
@@ -59,15 +78,20 @@ fn cpu_device_count(value: Option<&str>) -> (i64, Option<String>) {
     }
 }
 
+fn default_cpu_device_count() -> i64 {
+    let (count, problem) = cpu_device_count(std::env::var("KILN_CPU_DEVICE_COUNT").ok().as_deref());
+    if let Some(problem) = problem {
+        tracing::warn!("{problem}");
+    }
+    count
+}
+
 /// Create options kiln passes for a platform. CPU: one device unless `KILN_CPU_DEVICE_COUNT` says
 /// otherwise (the plugin's own default is 4, which only splits the same cores).
-fn create_options(platform: Platform) -> Vec<(String, NamedValue)> {
+fn create_options(platform: Platform, cpu_devices: Option<i64>) -> Vec<(String, NamedValue)> {
     match platform {
         Platform::Cpu => {
-            let (count, problem) = cpu_device_count(std::env::var("KILN_CPU_DEVICE_COUNT").ok().as_deref());
-            if let Some(problem) = problem {
-                tracing::warn!("{problem}");
-            }
+            let count = cpu_devices.unwrap_or_else(default_cpu_device_count);
             vec![("cpu_device_count".into(), NamedValue::Int64(count))]
         }
         Platform::Cuda => vec![
@@ -120,16 +144,23 @@ pub fn synchronize_all() -> Result<()> {
 
 /// The process-wide client for a plugin file, created on first use.
 pub fn client_for(location: &PluginLocation) -> Result<Arc<Client>> {
+    client_with(location, None)
+}
+
+/// [`client_for`], or for `cpu_devices: Some(n)` a CPU client with `n` devices of its own (made
+/// once per count), for a mesh larger than the default CPU client.
+fn client_with(location: &PluginLocation, cpu_devices: Option<i64>) -> Result<Arc<Client>> {
     let mut map = clients().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(c) = map.get(&location.path) {
+    let key = (location.path.clone(), cpu_devices);
+    if let Some(c) = map.get(&key) {
         return Ok(c.clone());
     }
     if location.platform == Platform::Cuda {
         kiln_pjrt::discovery::preload_cuda_libraries(&SearchPaths::from_environment().site_packages);
     }
     let plugin = Plugin::load(&location.path)?;
-    let client = Client::new(plugin, &create_options(location.platform))?;
-    map.insert(location.path.clone(), client.clone());
+    let client = Client::new(plugin, &create_options(location.platform, cpu_devices))?;
+    map.insert(key, client.clone());
     Ok(client)
 }
 
@@ -143,13 +174,101 @@ impl Device {
     }
 
     fn new(client: Arc<Client>, index: usize, platform: Platform) -> Device {
-        let ledger = device_ledger(Arc::as_ptr(&client) as usize, index);
+        Device::with_members(client, vec![index], platform)
+    }
+
+    fn with_members(client: Arc<Client>, members: Vec<usize>, platform: Platform) -> Device {
+        let ledgers = members
+            .iter()
+            .map(|&i| device_ledger(Arc::as_ptr(&client) as usize, i))
+            .collect();
         Device(Arc::new(DeviceInner {
             client,
-            index,
+            members,
             platform,
-            ledger,
+            ledgers,
         }))
+    }
+
+    /// A mesh of `size` devices of `spec`'s platform, starting at `spec`'s index, for tensor
+    /// parallelism (`--tp size`). On the CPU plugin, whose devices are threads of one process, a
+    /// client with `size` devices is made when the default one has fewer. An error says how many
+    /// devices there are when fewer than asked exist.
+    pub fn open_mesh(spec: DeviceSpec, size: usize) -> Result<Device> {
+        if size == 0 {
+            return Err(crate::Error::invalid(
+                "mesh",
+                "a mesh needs at least one device (--tp 1 or more)",
+            ));
+        }
+        let location = SearchPaths::from_environment().find(spec.platform)?;
+        let mut client = client_for(&location)?;
+        let needed = spec.index + size;
+        if location.platform == Platform::Cpu && client.addressable_devices().count() < needed {
+            client = client_with(&location, Some(needed as i64))?;
+        }
+        let available = client.addressable_devices().count();
+        if available < needed {
+            return Err(crate::Error::invalid(
+                "mesh",
+                format!(
+                    "{size} devices were asked for (from index {}) but the {} plugin has {available}; \
+                     ask for at most {} (--tp)",
+                    spec.index,
+                    location.platform,
+                    available.saturating_sub(spec.index)
+                ),
+            ));
+        }
+        if size == 1 {
+            return Ok(Device::new(client, spec.index, location.platform));
+        }
+        Ok(Device::with_members(
+            client,
+            (spec.index..needed).collect(),
+            location.platform,
+        ))
+    }
+
+    /// The single devices of a mesh, in mesh order (itself for a single device).
+    pub fn members(&self) -> Vec<Device> {
+        if self.0.members.len() == 1 {
+            return vec![self.clone()];
+        }
+        self.0
+            .members
+            .iter()
+            .map(|&i| Device::new(self.0.client.clone(), i, self.0.platform))
+            .collect()
+    }
+
+    /// How many devices this handle runs on: 1, or the size of the mesh.
+    pub fn mesh_size(&self) -> usize {
+        self.0.members.len()
+    }
+
+    /// Whether this is a mesh of several devices.
+    pub fn is_mesh(&self) -> bool {
+        self.0.members.len() > 1
+    }
+
+    /// The client indices of the member devices.
+    pub(crate) fn member_indices(&self) -> &[usize] {
+        &self.0.members
+    }
+
+    /// The PJRT devices of the members, in mesh order.
+    pub(crate) fn member_pjrt(&self) -> Vec<&kiln_pjrt::Device> {
+        self.0
+            .members
+            .iter()
+            .map(|&i| {
+                self.0
+                    .client
+                    .addressable_device(i)
+                    .expect("the indices were checked when the Device was created")
+            })
+            .collect()
     }
 
     /// Parses and opens a `--device` string.
@@ -185,36 +304,43 @@ impl Device {
         self.0.client.in_flight()
     }
 
-    /// Index among the client's addressable devices.
+    /// Index among the client's addressable devices (a mesh's first member).
     pub fn index(&self) -> usize {
-        self.0.index
+        self.0.members[0]
     }
 
     pub fn platform(&self) -> Platform {
         self.0.platform
     }
 
+    /// The PJRT device (a mesh's first member).
     pub fn pjrt(&self) -> &kiln_pjrt::Device {
         self.0
             .client
-            .addressable_device(self.0.index)
+            .addressable_device(self.index())
             .expect("the index was checked when the Device was created")
     }
 
-    pub(crate) fn ledger(&self) -> &Arc<DeviceLedger> {
-        &self.0.ledger
+    /// The ledgers of the members, in mesh order.
+    pub(crate) fn ledgers(&self) -> &[Arc<DeviceLedger>] {
+        &self.0.ledgers
     }
 
     /// Device bytes held by tensors on this device, all threads together (kiln's own count: see
     /// the `memory` module). The peak runs from the first tensor or the last
-    /// [`Device::reset_peak_memory`].
+    /// [`Device::reset_peak_memory`]. For a mesh: the most any one member holds (each member's
+    /// own count is its [`Device::members`] entry's).
     pub fn memory(&self) -> DeviceMemory {
-        self.0.ledger.snapshot()
+        let all = self.0.ledgers.iter().map(|l| l.snapshot());
+        all.fold(DeviceMemory::default(), |a, m| DeviceMemory {
+            live_bytes: a.live_bytes.max(m.live_bytes),
+            peak_bytes: a.peak_bytes.max(m.peak_bytes),
+        })
     }
 
     /// Starts a new peak for [`Device::memory`] at the bytes held now.
     pub fn reset_peak_memory(&self) {
-        self.0.ledger.reset_peak()
+        self.0.ledgers.iter().for_each(|l| l.reset_peak())
     }
 
     /// The plugin's own memory statistics (bytes in use, peak, limit); `None` where the plugin
@@ -226,14 +352,14 @@ impl Device {
     /// kiln's limit on the device bytes tensors may hold on this device: `KILN_DEVICE_MEMORY_LIMIT`
     /// or [`Device::set_memory_limit`]; `None` when unlimited.
     pub fn memory_limit(&self) -> Option<u64> {
-        self.0.ledger.limit()
+        self.0.ledgers.iter().filter_map(|l| l.limit()).min()
     }
 
     /// Sets (or with `None` lifts) kiln's device-memory limit for this device, for every handle
     /// of it. A tensor that would pass it is refused with [`crate::Error::OutOfMemory`], as a
     /// device of that size would refuse it.
     pub fn set_memory_limit(&self, limit: Option<u64>) {
-        self.0.ledger.set_limit(limit)
+        self.0.ledgers.iter().for_each(|l| l.set_limit(limit))
     }
 
     /// How many bytes the device offers for tensors: kiln's limit if one is set, else the limit

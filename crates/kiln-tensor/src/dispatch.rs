@@ -112,7 +112,7 @@ pub fn thread_op_cache_stats() -> OpCacheStats {
 #[derive(PartialEq, Eq, Hash)]
 struct CacheKey {
     client: usize,
-    device: usize,
+    devices: Vec<usize>,
     program: String,
 }
 
@@ -129,10 +129,14 @@ fn dump_dir() -> Option<&'static std::path::Path> {
         .as_deref()
 }
 
-/// Compile options for a one-device program on `device`.
-fn single_device_options(device: &Device) -> CompileOptions {
+/// Compile options for a program on `device`: one device, or for a mesh one SPMD program with a
+/// partition per member (in mesh order).
+fn program_options(device: &Device) -> CompileOptions {
+    let ids: Vec<i64> = device.member_pjrt().iter().map(|d| d.id() as i64).collect();
     CompileOptions {
-        device_assignment: Some(vec![vec![device.pjrt().id() as i64]]),
+        num_partitions: ids.len() as u32,
+        use_spmd_partitioning: ids.len() > 1,
+        device_assignment: Some(vec![ids]),
         env_option_overrides: crate::device::compile_overrides(device.platform())
             .iter()
             .chain(xla_option_overrides())
@@ -152,7 +156,7 @@ pub(crate) fn run_host_program(
     out_shape: &[usize],
 ) -> std::result::Result<Vec<f32>, kiln_pjrt::Error> {
     let client = device.client();
-    let exe = client.compile(program, &single_device_options(device))?;
+    let exe = client.compile(program, &program_options(device))?;
     let buffers = inputs
         .iter()
         .map(|(data, shape)| {
@@ -219,7 +223,7 @@ pub(crate) fn compile_or_load(
         let _ = std::fs::create_dir_all(dir);
         let _ = std::fs::write(dir.join(format!("{n:05}_{name}.mlir")), program);
     }
-    let options = single_device_options(device);
+    let options = program_options(device);
     let disk_entry = crate::disk_cache::entry_path(device.client(), program, &options.encode());
     let cached = disk_entry
         .as_deref()
@@ -254,7 +258,7 @@ pub(crate) fn compile_or_load(
 pub(crate) fn executable(op: &'static str, device: &Device, program: String) -> Result<Arc<LoadedExecutable>> {
     let key = CacheKey {
         client: Arc::as_ptr(device.client()) as usize,
-        device: device.index(),
+        devices: device.member_indices().to_vec(),
         program,
     };
     if let Some(exe) = cache().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
@@ -342,6 +346,7 @@ pub(crate) fn apply_on(
         }
     }
     let mut b = Builder::new();
+    b.set_manual_partitions(device.mesh_size());
     let mut params = Vec::with_capacity(inputs.len());
     for t in inputs {
         params.push(parameter_for(&mut b, t).map_err(|source| Error::Build { op, source })?);
@@ -349,25 +354,53 @@ pub(crate) fn apply_on(
     let outputs = build(&mut b, &params).map_err(|source| Error::Build { op, source })?;
     let program = b.finish(&outputs).map_err(|source| Error::Build { op, source })?;
     let exe = executable(op, device, program)?;
-    let buffers = inputs
-        .iter()
-        .map(|t| t.device_buffer(op))
-        .collect::<Result<Vec<&kiln_pjrt::Buffer>>>()?;
+    let buffers = per_device_arguments(op, device, inputs.iter().copied())?;
     let profile_start = profiling().then(std::time::Instant::now);
-    let mut results = exe
-        .execute(&[&buffers], &ExecuteOptions::default())
+    let lists: Vec<&[&kiln_pjrt::Buffer]> = buffers.iter().map(Vec::as_slice).collect();
+    let results = exe
+        .execute(&lists, &ExecuteOptions::default())
         .map_err(|source| Error::Execute { op, source })?;
-    let per_device = results.pop().unwrap_or_default();
     if let Some(start) = profile_start {
-        for b in &per_device {
+        for b in results.iter().flatten() {
             b.wait_ready().map_err(|source| Error::Execute { op, source })?;
         }
         record_profile(op, start.elapsed());
     }
-    per_device
+    let shapes: Vec<_> = outputs.iter().map(|v| (v.shape().clone(), v.dtype())).collect();
+    tensors_from_results(results, &shapes, device)
+}
+
+/// The argument list of each member of `device`: member k's buffer of every input.
+pub(crate) fn per_device_arguments<'a>(
+    op: &'static str,
+    device: &Device,
+    inputs: impl IntoIterator<Item = &'a Tensor>,
+) -> Result<Vec<Vec<&'a kiln_pjrt::Buffer>>> {
+    let mut lists = vec![Vec::new(); device.mesh_size()];
+    for t in inputs {
+        for (list, b) in lists.iter_mut().zip(t.device_buffers(op)?) {
+            list.push(b);
+        }
+    }
+    Ok(lists)
+}
+
+/// Tensors over a program's per-device results (`results[device][output]`).
+pub(crate) fn tensors_from_results(
+    results: Vec<Vec<kiln_pjrt::Buffer>>,
+    outputs: &[(kiln_types::Shape, DType)],
+    device: &Device,
+) -> Result<Vec<Tensor>> {
+    let mut per_output: Vec<Vec<kiln_pjrt::Buffer>> = outputs.iter().map(|_| Vec::new()).collect();
+    for device_results in results {
+        for (slot, buf) in per_output.iter_mut().zip(device_results) {
+            slot.push(buf);
+        }
+    }
+    per_output
         .into_iter()
         .zip(outputs)
-        .map(|(buf, v)| Tensor::from_buffer(buf, v.shape().clone(), v.dtype(), device.clone()))
+        .map(|(bufs, (shape, dtype))| Tensor::from_buffers(bufs, shape.clone(), *dtype, device.clone()))
         .collect()
 }
 

@@ -69,7 +69,8 @@ enum Storage {
     /// cost nothing on their own.
     Buffer {
         location: BufferLocation,
-        buffer: Arc<Held>,
+        /// One per member of the device (one for a single device, see [`Device::mesh_size`]).
+        buffers: Vec<Arc<Held>>,
         physical: Shape,
     },
     /// A value of a program being traced (inside a compiled function): ops on it record into the
@@ -108,36 +109,58 @@ impl fmt::Debug for Tensor {
 impl Tensor {
     /// A tensor over a new device buffer (an op's result), charged to the device-memory count; an
     /// error (the buffer freed) when that passes the device's memory limit.
-    pub(crate) fn from_buffer(buffer: kiln_pjrt::Buffer, shape: Shape, dtype: DType, device: Device) -> Result<Tensor> {
-        Tensor::from_buffer_in(buffer, shape, dtype, device, MemoryKind::Device)
+    pub(crate) fn from_buffers(
+        buffers: Vec<kiln_pjrt::Buffer>,
+        shape: Shape,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
+        Tensor::from_buffers_in(buffers, shape, dtype, device, MemoryKind::Device)
     }
 
-    fn from_buffer_in(
-        buffer: kiln_pjrt::Buffer,
+    /// A tensor over one new buffer per member of `device`, each charged to its member's count.
+    fn from_buffers_in(
+        buffers: Vec<kiln_pjrt::Buffer>,
         shape: Shape,
         dtype: DType,
         device: Device,
         memory: MemoryKind,
     ) -> Result<Tensor> {
-        let charge = match memory {
-            MemoryKind::Device => {
-                let bytes = (shape.numel() * dtype.size_in_bytes()) as u64;
-                Some(Charge::new(device.ledger(), bytes, &device)?)
-            }
-            MemoryKind::PinnedHost | MemoryKind::UnpinnedHost => None,
-        };
-        Ok(Tensor(Arc::new(Inner {
+        if buffers.len() != device.mesh_size() {
+            return Err(Error::invalid(
+                "tensor",
+                format!(
+                    "{} buffers for {device}, which has {} devices",
+                    buffers.len(),
+                    device.mesh_size()
+                ),
+            ));
+        }
+        let bytes = (shape.numel() * dtype.size_in_bytes()) as u64;
+        let mut held = Vec::with_capacity(buffers.len());
+        for (buffer, (ledger, member)) in buffers.into_iter().zip(device.ledgers().iter().zip(device.members())) {
+            let charge = match memory {
+                MemoryKind::Device => Some(Charge::new(ledger, bytes, &member)?),
+                MemoryKind::PinnedHost | MemoryKind::UnpinnedHost => None,
+            };
+            held.push(Arc::new(Held {
+                buffer,
+                _charge: charge,
+            }));
+        }
+        Ok(Tensor::over(held, shape, dtype, device, memory))
+    }
+
+    fn over(buffers: Vec<Arc<Held>>, shape: Shape, dtype: DType, device: Device, memory: MemoryKind) -> Tensor {
+        Tensor(Arc::new(Inner {
             shape: shape.clone(),
             dtype,
             storage: Storage::Buffer {
                 location: BufferLocation { device, memory },
-                buffer: Arc::new(Held {
-                    buffer,
-                    _charge: charge,
-                }),
+                buffers,
                 physical: shape,
             },
-        })))
+        }))
     }
 
     pub(crate) fn traced(trace: Trace, value: kiln_hlo::Value) -> Tensor {
@@ -148,10 +171,96 @@ impl Tensor {
         }))
     }
 
-    /// A tensor over a copy of this tensor's buffer (same physical shape, this logical shape).
-    fn with_copied_buffer(&self, buffer: kiln_pjrt::Buffer, device: Device, memory: MemoryKind) -> Result<Tensor> {
+    /// A tensor over copies of this tensor's buffers (same physical shape, this logical shape).
+    fn with_copied_buffers(
+        &self,
+        buffers: Vec<kiln_pjrt::Buffer>,
+        device: Device,
+        memory: MemoryKind,
+    ) -> Result<Tensor> {
         let physical = self.physical_shape().clone();
-        Tensor::from_buffer_in(buffer, physical, self.dtype(), device, memory)?.view_as(self.shape().clone())
+        Tensor::from_buffers_in(buffers, physical, self.dtype(), device, memory)?.view_as(self.shape().clone())
+    }
+
+    /// One tensor on a mesh from one tensor per member (`shards[k]` on member `k` of `mesh`, all
+    /// of one shape, dtype and memory space): each member keeps its own value, as a weight split
+    /// for tensor parallelism is. No data moves.
+    pub fn from_shards(shards: &[Tensor], mesh: &Device) -> Result<Tensor> {
+        const OP: &str = "from_shards";
+        let members = mesh.members();
+        if shards.len() != members.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} shards for {mesh}, which has {} devices",
+                    shards.len(),
+                    members.len()
+                ),
+            ));
+        }
+        let first = &shards[0];
+        let memory = first
+            .memory()
+            .ok_or_else(|| Error::invalid(OP, "a traced value cannot be a shard"))?;
+        let mut buffers = Vec::with_capacity(shards.len());
+        for (shard, member) in shards.iter().zip(&members) {
+            let shard = shard.with_own_buffer()?;
+            if shard.device() != member || shard.shape() != first.shape() || shard.dtype() != first.dtype() {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "every shard must be {} {} on its own member of {mesh}; got {} {} on {}",
+                        first.shape(),
+                        first.dtype(),
+                        shard.shape(),
+                        shard.dtype(),
+                        shard.device()
+                    ),
+                ));
+            }
+            match &shard.0.storage {
+                Storage::Buffer {
+                    buffers: b, location, ..
+                } if location.memory == memory => buffers.push(b[0].clone()),
+                _ => return Err(Error::invalid(OP, "every shard must be in the same memory space")),
+            }
+        }
+        Ok(Tensor::over(
+            buffers,
+            first.shape().clone(),
+            first.dtype(),
+            mesh.clone(),
+            memory,
+        ))
+    }
+
+    /// The value each member of the device holds, as single-device tensors in mesh order (the
+    /// tensor itself on a single device). No data moves.
+    pub fn shards(&self) -> Result<Vec<Tensor>> {
+        match &self.0.storage {
+            Storage::Buffer {
+                location,
+                buffers,
+                physical,
+            } => {
+                let members = location.device.members();
+                if members.len() == 1 {
+                    return Ok(vec![self.clone()]);
+                }
+                buffers
+                    .iter()
+                    .zip(members)
+                    .map(|(b, device)| {
+                        Tensor::over(vec![b.clone()], physical.clone(), self.dtype(), device, location.memory)
+                            .view_as(self.shape().clone())
+                    })
+                    .collect()
+            }
+            Storage::Traced { .. } => Err(Error::invalid(
+                "shards",
+                "a traced value has no shards; read them outside the compiled function",
+            )),
+        }
     }
 
     /// The same data seen with another shape of the same element count (no device work for a
@@ -160,14 +269,14 @@ impl Tensor {
         match &self.0.storage {
             Storage::Buffer {
                 location,
-                buffer,
+                buffers,
                 physical,
             } => Ok(Tensor(Arc::new(Inner {
                 shape,
                 dtype: self.0.dtype,
                 storage: Storage::Buffer {
                     location: location.clone(),
-                    buffer: buffer.clone(),
+                    buffers: buffers.clone(),
                     physical: physical.clone(),
                 },
             }))),
@@ -221,7 +330,7 @@ impl Tensor {
     /// A key for the buffer behind this tensor (views share it); `None` for a traced value.
     pub(crate) fn buffer_id(&self) -> Option<usize> {
         match &self.0.storage {
-            Storage::Buffer { buffer, .. } => Some(Arc::as_ptr(buffer) as usize),
+            Storage::Buffer { buffers, .. } => Some(Arc::as_ptr(&buffers[0]) as usize),
             Storage::Traced { .. } => None,
         }
     }
@@ -252,10 +361,16 @@ impl Tensor {
     pub fn dim(&self, dim: isize) -> Result<usize> {
         Ok(self.dims()[self.resolve_dim("dim", dim)?])
     }
-    /// The buffer, or an error naming `op` for a traced value (which has no data yet).
+    /// The buffer (a mesh's first member's), or an error naming `op` for a traced value (which
+    /// has no data yet).
     pub(crate) fn buffer(&self, op: &'static str) -> Result<&kiln_pjrt::Buffer> {
+        Ok(self.buffers(op)?[0])
+    }
+
+    /// The buffers, one per member of the device, or an error naming `op` for a traced value.
+    pub(crate) fn buffers(&self, op: &'static str) -> Result<Vec<&kiln_pjrt::Buffer>> {
         match &self.0.storage {
-            Storage::Buffer { buffer, .. } => Ok(&buffer.buffer),
+            Storage::Buffer { buffers, .. } => Ok(buffers.iter().map(|h| &h.buffer).collect()),
             Storage::Traced { .. } => Err(Error::invalid(
                 op,
                 "this tensor is a traced value inside a compiled function and has no data; \
@@ -263,9 +378,9 @@ impl Tensor {
             )),
         }
     }
-    /// The buffer of an operand a program computes on, which must be in device memory (an error
+    /// The buffers of an operand a program computes on, which must be in device memory (an error
     /// naming `op` for data offloaded to a host memory space, or a traced value).
-    pub(crate) fn device_buffer(&self, op: &'static str) -> Result<&kiln_pjrt::Buffer> {
+    pub(crate) fn device_buffers(&self, op: &'static str) -> Result<Vec<&kiln_pjrt::Buffer>> {
         if let Some(p) = self.location().filter(|p| p.memory.is_host()) {
             return Err(Error::invalid(
                 op,
@@ -279,7 +394,7 @@ impl Tensor {
                 ),
             ));
         }
-        self.buffer(op)
+        self.buffers(op)
     }
 
     /// The memory space the data lives in; `None` for a traced value.
@@ -331,16 +446,22 @@ impl Tensor {
                 ),
             ));
         }
-        let space = match memory {
-            MemoryKind::Device => None,
-            kind => Some(device.pjrt().memory(kind.name()).ok_or_else(|| {
-                Error::invalid("from_bytes", format!("device {device} has no `{kind}` memory space"))
-            })?),
-        };
-        let buffer = device
-            .client()
-            .buffer_from_host(bytes, dtype, shape.dims(), device.pjrt(), space)?;
-        Tensor::from_buffer_in(buffer, shape, dtype, device.clone(), memory)
+        // On a mesh every member gets a copy (a replicated tensor).
+        let mut buffers = Vec::with_capacity(device.mesh_size());
+        for member in device.member_pjrt() {
+            let space = match memory {
+                MemoryKind::Device => None,
+                kind => Some(member.memory(kind.name()).ok_or_else(|| {
+                    Error::invalid("from_bytes", format!("device {device} has no `{kind}` memory space"))
+                })?),
+            };
+            buffers.push(
+                device
+                    .client()
+                    .buffer_from_host(bytes, dtype, shape.dims(), member, space)?,
+            );
+        }
+        Tensor::from_buffers_in(buffers, shape, dtype, device.clone(), memory)
     }
 
     /// Copies a host slice to a new tensor on `device`.
@@ -456,7 +577,10 @@ impl Tensor {
 
     /// Blocks until the tensor's value is computed (reports a failed computation).
     pub fn wait(&self) -> Result<()> {
-        Ok(self.buffer("wait")?.wait_ready()?)
+        for b in self.buffers("wait")? {
+            b.wait_ready()?;
+        }
+        Ok(())
     }
 
     // ---- location ----
@@ -467,8 +591,17 @@ impl Tensor {
             return Ok(self.clone());
         }
         if std::sync::Arc::ptr_eq(device.client(), self.device().client()) {
-            let buffer = self.buffer("to_device")?.copy_to_device(device.pjrt())?;
-            return self.with_copied_buffer(buffer, device.clone(), MemoryKind::Device);
+            // Member k of a mesh gets this tensor's member-k value when both are meshes of one
+            // size; otherwise every target member gets the first member's (a replicated value).
+            let sources = self.buffers("to_device")?;
+            let same_size = sources.len() == device.mesh_size();
+            let buffers = device
+                .member_pjrt()
+                .into_iter()
+                .enumerate()
+                .map(|(k, target)| sources[if same_size { k } else { 0 }].copy_to_device(target))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            return self.with_copied_buffers(buffers, device.clone(), MemoryKind::Device);
         }
         Tensor::from_bytes(&self.to_bytes()?, self.dtype(), self.shape().clone(), device)
     }
@@ -491,20 +624,27 @@ impl Tensor {
 
     /// Copies the tensor into another memory space of its device (`"pinned_host"`, `"device"`).
     pub fn to_memory_kind(&self, kind: &str) -> Result<Tensor> {
-        let memory = self.device().pjrt().memory(kind).ok_or_else(|| {
+        let no_space = || {
             Error::invalid(
                 "to_memory_kind",
                 format!("device {} has no `{kind}` memory space", self.device()),
             )
-        })?;
+        };
         let memory_kind = MemoryKind::from_name(kind).ok_or_else(|| {
             Error::invalid(
                 "to_memory_kind",
                 format!("kiln does not know the memory kind `{kind}` (it knows device, pinned_host and unpinned_host)"),
             )
         })?;
-        let buffer = self.buffer("to_memory_kind")?.copy_to_memory(memory)?;
-        self.with_copied_buffer(buffer, self.device().clone(), memory_kind)
+        let mut buffers = Vec::with_capacity(self.device().mesh_size());
+        for (source, member) in self
+            .buffers("to_memory_kind")?
+            .into_iter()
+            .zip(self.device().member_pjrt())
+        {
+            buffers.push(source.copy_to_memory(member.memory(kind).ok_or_else(no_space)?)?);
+        }
+        self.with_copied_buffers(buffers, self.device().clone(), memory_kind)
     }
 
     /// The memory space the data lives in.

@@ -34,10 +34,12 @@ struct TraceState {
 
 impl Trace {
     pub(crate) fn new(device: &Device) -> Trace {
+        let mut builder = Builder::new();
+        builder.set_manual_partitions(device.mesh_size());
         Trace(Arc::new(TraceInner {
             device: device.clone(),
             state: Mutex::new(TraceState {
-                builder: Builder::new(),
+                builder,
                 captured: Vec::new(),
                 lifted: HashMap::new(),
             }),
