@@ -203,6 +203,7 @@ impl SpatialSelfAttention {
         Ok(Linear {
             weight: Tensor::cat(&[&self.to_q.weight, &self.to_k.weight, &self.to_v.weight], 0)?,
             bias: Some(Tensor::cat(&[&bq, &bk, &bv], 0)?),
+            all_reduce: false,
         })
     }
 

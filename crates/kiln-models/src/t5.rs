@@ -144,9 +144,11 @@ impl T5DenseReluDense {
         };
         // transformers `_keep_in_fp32_modules = ["wo"]`: kept in f32 when loading in fp16.
         let wo_dtype = if w.dtype() == DType::F16 { DType::F32 } else { w.dtype() };
+        let wo_weights = w.pp("wo");
         let wo = Linear {
-            weight: w.pp("wo").get_as("weight", [d, ff], wo_dtype)?,
+            weight: wo_weights.get_as("weight", [d, ff], wo_dtype)?,
             bias: None,
+            all_reduce: wo_weights.parallel_style().is_some_and(|s| s.reduces()),
         };
         Ok(T5DenseReluDense {
             wi,

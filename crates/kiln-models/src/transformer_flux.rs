@@ -8,7 +8,7 @@ use kiln_io::FluxTransformer2DConfig;
 use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
     impl_model, impl_module, rope_tables, Args, Blocks, Compiled, Error, LayerNorm, Linear, Module, Result, RmsNorm,
-    RopeTables, Weights,
+    RopeTables, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
@@ -93,11 +93,12 @@ impl QkvProjection {
         })
     }
 
-    /// `[B, S, D]` → q, k, v each `[B, H, S, head_dim]`.
-    fn forward(&self, x: &Tensor, heads: usize) -> Result<[Tensor; 3]> {
+    /// `[B, S, D]` → q, k, v each `[B, H, S, head_dim]`: H is the heads this device holds (all of
+    /// them on one device; 1/N of them on each device of a tensor-parallel mesh).
+    fn forward(&self, x: &Tensor) -> Result<[Tensor; 3]> {
         let (b, s) = (x.dims()[0], x.dims()[1]);
-        let split =
-            |t: Tensor| -> Result<Tensor> { Ok(t.reshape_infer(&[b as isize, s as isize, heads as isize, -1])?) };
+        let head_dim = self.norm_q.weight.dims()[0] as isize;
+        let split = |t: Tensor| -> Result<Tensor> { Ok(t.reshape_infer(&[b as isize, s as isize, -1, head_dim])?) };
         let q = self.norm_q.forward(&split(self.q.forward(x)?)?)?.transpose(1, 2)?;
         let k = self.norm_k.forward(&split(self.k.forward(x)?)?)?.transpose(1, 2)?;
         let v = split(self.v.forward(x)?)?.transpose(1, 2)?;
@@ -124,11 +125,10 @@ struct FluxTransformerBlock {
     to_add_out: Linear,
     ff: FeedForward,
     ff_context: FeedForward,
-    heads: usize,
 }
 
 impl FluxTransformerBlock {
-    fn load(w: &Weights, dim: usize, heads: usize, head_dim: usize) -> Result<Self> {
+    fn load(w: &Weights, dim: usize, head_dim: usize) -> Result<Self> {
         let attn = w.pp("attn");
         Ok(FluxTransformerBlock {
             norm1: Linear::load(&w.pp("norm1.linear"), dim, 6 * dim, true)?,
@@ -144,7 +144,6 @@ impl FluxTransformerBlock {
             to_add_out: Linear::load(&attn.pp("to_add_out"), dim, dim, true)?,
             ff: FeedForward::load(&w.pp("ff"), dim)?,
             ff_context: FeedForward::load(&w.pp("ff_context"), dim)?,
-            heads,
         })
     }
 
@@ -157,8 +156,8 @@ impl FluxTransformerBlock {
         let nx = modulate(&ln.forward(x)?, &m[0], &m[1])?;
         let nc = modulate(&ln.forward(ctx)?, &c[0], &c[1])?;
 
-        let [q, k, v] = self.image.forward(&nx, self.heads)?;
-        let [cq, ck, cv] = self.text.forward(&nc, self.heads)?;
+        let [q, k, v] = self.image.forward(&nx)?;
+        let [cq, ck, cv] = self.text.forward(&nc)?;
         let q = Tensor::cat(&[&cq, &q], 2)?;
         let k = Tensor::cat(&[&ck, &k], 2)?;
         let v = Tensor::cat(&[&cv, &v], 2)?;
@@ -200,11 +199,10 @@ struct FluxSingleTransformerBlock {
     qkv: QkvProjection,
     proj_mlp: Linear,
     proj_out: Linear,
-    heads: usize,
 }
 
 impl FluxSingleTransformerBlock {
-    fn load(w: &Weights, dim: usize, heads: usize, head_dim: usize) -> Result<Self> {
+    fn load(w: &Weights, dim: usize, head_dim: usize) -> Result<Self> {
         let mlp = 4 * dim;
         Ok(FluxSingleTransformerBlock {
             norm: Linear::load(&w.pp("norm.linear"), dim, 3 * dim, true)?,
@@ -216,7 +214,6 @@ impl FluxSingleTransformerBlock {
             )?,
             proj_mlp: Linear::load(&w.pp("proj_mlp"), dim, mlp, true)?,
             proj_out: Linear::load(&w.pp("proj_out"), dim + mlp, dim, true)?,
-            heads,
         })
     }
 
@@ -225,7 +222,7 @@ impl FluxSingleTransformerBlock {
         let m = self.norm.forward(temb_silu)?.chunk(3, 1)?;
         let n = modulate(&LayerNorm::plain(1e-6).forward(h)?, &m[0], &m[1])?;
         let mlp = self.proj_mlp.forward(&n)?.gelu_tanh()?;
-        let [q, k, v] = self.qkv.forward(&n, self.heads)?;
+        let [q, k, v] = self.qkv.forward(&n)?;
         let a = attention(&q, &k, &v, rope)?;
         let joined = Tensor::cat(&[&a, &mlp], 2)?;
         let mut h = gated_residual(h, &m[2], &self.proj_out.forward(&joined)?)?;
@@ -294,6 +291,30 @@ impl_model!(
 );
 
 impl FluxTransformer2DModel {
+    /// diffusers' `_tp_plan` of `FluxTransformer2DModel`: attention heads and MLP hidden units
+    /// split, one all-reduce after each output projection (4 per double block, 1 per single
+    /// block); embedders, modulation, norms and `proj_out` replicated. The single block's
+    /// `proj_out` reads `cat(attention, mlp)`, so its columns split as two blocks (1 : 4).
+    pub fn tp_plan() -> TpPlan {
+        let double = "transformer_blocks.*";
+        let single = "single_transformer_blocks.*";
+        let mut entries = Vec::new();
+        for p in ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"] {
+            entries.push((format!("{double}.attn.{p}"), TpStyle::Colwise));
+        }
+        for p in ["attn.to_out.0", "attn.to_add_out", "ff.net.2", "ff_context.net.2"] {
+            entries.push((format!("{double}.{p}"), TpStyle::Rowwise));
+        }
+        for p in ["ff.net.0.proj", "ff_context.net.0.proj"] {
+            entries.push((format!("{double}.{p}"), TpStyle::Colwise));
+        }
+        for p in ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"] {
+            entries.push((format!("{single}.{p}"), TpStyle::Colwise));
+        }
+        entries.push((format!("{single}.proj_out"), TpStyle::PackedRowwise(vec![1, 4])));
+        TpPlan::new(entries)
+    }
+
     pub fn load(config: &FluxTransformer2DConfig, w: &Weights) -> Result<Self> {
         let dim = config.inner_dim();
         let heads = config.num_attention_heads;
@@ -322,6 +343,8 @@ impl FluxTransformer2DModel {
                 )));
             }
         }
+        w.check_divides("num_attention_heads", heads)?;
+        let w = &w.with_plan(&Self::tp_plan())?;
         let tte = w.pp("time_text_embed");
         let frequencies = Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?;
         let time_text_embed = TimeTextEmbed {
@@ -335,12 +358,10 @@ impl FluxTransformer2DModel {
             text_embedder: Mlp::load(&tte.pp("text_embedder"), config.pooled_projection_dim, dim)?,
         };
         let transformer_blocks = (0..config.num_layers)
-            .map(|i| FluxTransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), dim, heads, head_dim))
+            .map(|i| FluxTransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), dim, head_dim))
             .collect::<Result<_>>()?;
         let single_transformer_blocks = (0..config.num_single_layers)
-            .map(|i| {
-                FluxSingleTransformerBlock::load(&w.pp(format!("single_transformer_blocks.{i}")), dim, heads, head_dim)
-            })
+            .map(|i| FluxSingleTransformerBlock::load(&w.pp(format!("single_transformer_blocks.{i}")), dim, head_dim))
             .collect::<Result<_>>()?;
         let transformer_blocks = Blocks::new("transformer_blocks", transformer_blocks);
         let single_transformer_blocks = Blocks::new("single_transformer_blocks", single_transformer_blocks);

@@ -32,6 +32,12 @@ pub enum Error {
     },
     #[error("{component}: {message}")]
     Config { component: String, message: String },
+    #[error("{component}: tensor parallelism over {devices} devices: {message}")]
+    TensorParallel {
+        component: String,
+        devices: usize,
+        message: String,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

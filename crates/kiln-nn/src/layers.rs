@@ -5,11 +5,13 @@ use kiln_tensor::{Conv2dParams, Tensor};
 use crate::error::Result;
 use crate::weights::Weights;
 
-/// `nn.Linear`: `weight [out, in]`, optional `bias [out]`.
+/// `nn.Linear`: `weight [out, in]`, optional `bias [out]`. On a mesh a row-parallel one
+/// (`all_reduce`) sums its partial products over the devices before the bias is added once.
 #[derive(Clone, Debug)]
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    pub all_reduce: bool,
 }
 
 impl Linear {
@@ -21,10 +23,20 @@ impl Linear {
             } else {
                 None
             },
+            all_reduce: w.parallel_style().is_some_and(|s| s.reduces()),
         })
     }
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.linear(&self.weight, self.bias.as_ref())?)
+        if !self.all_reduce {
+            return Ok(x.linear(&self.weight, self.bias.as_ref())?);
+        }
+        // transformers adds a row-parallel bias once after the sum; torch's DTensor path adds b/n
+        // on every device before it (diffusers' FLUX.1): the same value up to rounding.
+        let sum = x.linear(&self.weight, None)?.all_reduce_sum()?;
+        Ok(match &self.bias {
+            Some(b) => sum.add(b)?,
+            None => sum,
+        })
     }
     pub fn out_features(&self) -> usize {
         self.weight.dims()[0]

@@ -1,5 +1,5 @@
 //! [`Model`]: what every model shares — its compiled functions ([`Compiled`]), its repeated block
-//! lists (for sequential offload), its sharding plan — so that a pipeline drives any component as
+//! lists (for sequential offload) — so that a pipeline drives any component as
 //! a `&mut dyn Model`, and model code only says which part is the whole forward
 //! ([`Compiled::whole`]) and which parts are repeated blocks ([`Compiled::block`],
 //! [`crate::Blocks::run`]).
@@ -17,8 +17,7 @@ use crate::error::{Error, Result};
 use crate::module::{join_name, weights_of, CompileMode, Module};
 use crate::offload::BlockList;
 
-/// A model that pipelines drive without knowing its type: compiling it, streaming its blocks,
-/// sharding it. Implementors hold one [`Compiled`] and give access to it; everything else has a
+/// A model that pipelines drive without knowing its type: compiling it, streaming its blocks. Implementors hold one [`Compiled`] and give access to it; everything else has a
 /// default.
 pub trait Model: Module {
     /// The model's compile mode and compiled functions (shared with its clones).
@@ -29,11 +28,6 @@ pub trait Model: Module {
     /// the forward runs them. Default: the model has none (it moves whole).
     fn block_lists(&mut self, f: &mut dyn FnMut(&mut dyn BlockList)) {
         let _ = f;
-    }
-
-    /// How the model's weights are laid out over the devices of a mesh (see [`ShardingPlan`]).
-    fn sharding_plan(&self) -> ShardingPlan {
-        ShardingPlan::Replicated
     }
 
     /// Runs the forward as compiled programs from now on ([`CompileMode::Full`]: diffusers'
@@ -78,17 +72,6 @@ macro_rules! impl_model {
             )?
         }
     };
-}
-
-/// How a model's weights are placed on the devices of a mesh for tensor parallelism. This is the
-/// hook the tensor-parallel work fills in (a plan per model, like diffusers' `_tp_plan`: which
-/// Linear is column- and which row-parallel); until then every model is replicated.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ShardingPlan {
-    /// Every device holds every weight whole.
-    #[default]
-    Replicated,
 }
 
 /// Tensors under names, in insertion order: the inputs and results of a compiled function (the

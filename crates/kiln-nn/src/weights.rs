@@ -8,6 +8,7 @@ use kiln_io::Checkpoint;
 use kiln_tensor::{DType, Device, MemoryKind, Shape, Tensor};
 
 use crate::error::{Error, Result};
+use crate::parallel::{TpPlan, TpStyle};
 
 struct Shared {
     checkpoint: Arc<Checkpoint>,
@@ -17,6 +18,8 @@ struct Shared {
     memory: MemoryKind,
     used: Mutex<BTreeSet<String>>,
     bytes_read: AtomicU64,
+    /// The most bytes a sharded load held on the host at once (a strided slice's copy).
+    peak_staged: AtomicU64,
 }
 
 /// A view of a checkpoint under a name prefix, loading onto one device in one dtype.
@@ -24,6 +27,8 @@ struct Shared {
 pub struct Weights {
     shared: Arc<Shared>,
     prefix: String,
+    /// The tensor-parallel plan, by full names (see [`Weights::with_plan`]).
+    plan: Option<Arc<TpPlan>>,
 }
 
 /// What a model did not use of its checkpoint.
@@ -64,9 +69,98 @@ impl Weights {
                 memory,
                 used: Mutex::new(BTreeSet::new()),
                 bytes_read: AtomicU64::new(0),
+                peak_staged: AtomicU64::new(0),
             }),
             prefix: String::new(),
+            plan: None,
         }
+    }
+
+    /// These weights loaded by tensor-parallel `plan` (patterns relative to this view's prefix)
+    /// when the device is a mesh: each member then receives only its slice of every planned
+    /// weight. On one device the plan changes nothing. The plan is checked against the checkpoint
+    /// before anything is read: a pattern that names no weight, or a split dimension the mesh size
+    /// does not divide, is an error naming the weight, its size and the device count.
+    pub fn with_plan(&self, plan: &TpPlan) -> Result<Weights> {
+        let n = self.shared.device.mesh_size();
+        let mut view = self.clone();
+        if n == 1 || plan.is_empty() {
+            return Ok(view);
+        }
+        let tp_error = |message: String| Error::TensorParallel {
+            component: self.shared.component.clone(),
+            devices: n,
+            message,
+        };
+        let full = TpPlan::new(plan.entries.iter().map(|(p, s)| (self.full_name(p), s.clone())));
+        let ckpt = &self.shared.checkpoint;
+        for (pattern, style) in &full.entries {
+            let mut found = false;
+            for name in ckpt.names() {
+                let Some((module, param)) = name.rsplit_once('.') else {
+                    continue;
+                };
+                if !crate::parallel::path_matches(pattern, module) {
+                    continue;
+                }
+                found = true;
+                let Some((dim, blocks)) = style.split_of(param) else {
+                    continue;
+                };
+                let shape = ckpt.info(name).map(|i| i.shape.clone()).unwrap_or_default();
+                let size = shape.dims().get(dim).copied().ok_or_else(|| {
+                    tp_error(format!(
+                        "weight `{name}` has shape {shape}, which has no dimension {dim} to split ({style})"
+                    ))
+                })?;
+                crate::parallel::shard_ranges(size, &blocks, 0, n).map_err(|why| {
+                    tp_error(format!(
+                        "weight `{name}` ({shape}, split along dimension {dim}, {style}): {why}"
+                    ))
+                })?;
+            }
+            if !found {
+                return Err(tp_error(format!(
+                    "the plan names `{pattern}`, which {} lacks; the checkpoint is not this model's",
+                    ckpt.source().display()
+                )));
+            }
+        }
+        view.plan = Some(Arc::new(full));
+        Ok(view)
+    }
+
+    /// An error naming `what` (a config key such as `num_attention_heads`) when the mesh these
+    /// weights load onto has a size that does not divide `value`.
+    pub fn check_divides(&self, what: &str, value: usize) -> Result<()> {
+        let n = self.shared.device.mesh_size();
+        if value.is_multiple_of(n) {
+            return Ok(());
+        }
+        let divisors: Vec<String> = (1..=value)
+            .filter(|d| value.is_multiple_of(*d))
+            .map(|d| d.to_string())
+            .collect();
+        Err(Error::TensorParallel {
+            component: self.shared.component.clone(),
+            devices: n,
+            message: format!(
+                "{what} {value} is not divisible by {n}; use a device count that divides it ({})",
+                divisors.join(", ")
+            ),
+        })
+    }
+
+    /// The tensor-parallel style of the module these weights are the prefix of, when loading onto
+    /// a mesh by a plan that names it.
+    pub fn parallel_style(&self) -> Option<&TpStyle> {
+        self.plan.as_ref()?.style_of(&self.prefix)
+    }
+
+    /// The most host bytes one sharded weight's load held at once (a strided slice gathered from
+    /// the file); 0 when every slice was read in place.
+    pub fn peak_staged_bytes(&self) -> u64 {
+        self.shared.peak_staged.load(Ordering::Relaxed)
     }
 
     /// The weights under `prefix.segment`.
@@ -79,6 +173,7 @@ impl Weights {
         Weights {
             shared: self.shared.clone(),
             prefix,
+            plan: self.plan.clone(),
         }
     }
 
@@ -151,6 +246,11 @@ impl Weights {
                 expected,
             });
         }
+        if let Some((dim, blocks)) = self.plan.as_ref().and_then(|p| p.split_of(&full)) {
+            let t = self.load_sharded(&full, dim, &blocks, dtype)?;
+            self.shared.used.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
+            return Ok(t);
+        }
         // Straight from the memory map to the device; the cast happens on the device.
         self.shared
             .bytes_read
@@ -165,6 +265,48 @@ impl Weights {
         };
         self.shared.used.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
         Ok(t)
+    }
+
+    /// Loads the planned weight `full` onto the mesh: member `k` gets the `k`-th part of every
+    /// block along `dim`, read from the file alone (contiguous rows in place; strided columns
+    /// gathered into one host buffer of that slice's size, freed before the next).
+    fn load_sharded(&self, full: &str, dim: usize, blocks: &[usize], dtype: DType) -> Result<Tensor> {
+        let (mesh, memory) = (&self.shared.device, self.shared.memory);
+        let ckpt = &self.shared.checkpoint;
+        let view = ckpt.tensor(full)?;
+        let members = mesh.members();
+        let n = members.len();
+        let mut shards = Vec::with_capacity(n);
+        for (k, member) in members.iter().enumerate() {
+            let ranges = crate::parallel::shard_ranges(view.shape.dims()[dim], blocks, k, n).map_err(|message| {
+                Error::TensorParallel {
+                    component: self.shared.component.clone(),
+                    devices: n,
+                    message: format!("weight `{full}`: {message}"),
+                }
+            })?;
+            let mut parts = Vec::with_capacity(ranges.len());
+            for range in ranges {
+                let mut shape = view.shape.dims().to_vec();
+                shape[dim] = range.len();
+                let bytes = view.narrow(dim, range)?;
+                self.shared.bytes_read.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                if let std::borrow::Cow::Owned(staged) = &bytes {
+                    self.shared
+                        .peak_staged
+                        .fetch_max(staged.len() as u64, Ordering::Relaxed);
+                }
+                parts.push(Tensor::from_bytes(&bytes, view.dtype, shape, member)?.to_dtype(dtype)?);
+            }
+            let refs: Vec<&Tensor> = parts.iter().collect();
+            let shard = if refs.len() == 1 {
+                parts.remove(0)
+            } else {
+                Tensor::cat(&refs, dim as isize)?
+            };
+            shards.push(shard);
+        }
+        Ok(Tensor::from_shards(&shards, mesh)?.to_memory(memory)?)
     }
 
     /// Loads `name` if present.

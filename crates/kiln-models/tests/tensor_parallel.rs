@@ -1,0 +1,140 @@
+//! Tensor parallelism on CPU virtual devices: each sharded model against the oracle's module
+//! goldens on a 2-device mesh, eager and compiled, with each device holding 1/N of every planned
+//! weight; and the errors for plans a mesh cannot take.
+
+use kiln_io::{load_config, Checkpoint, FluxTransformer2DConfig};
+use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInputs};
+use kiln_nn::{CompileMode, Model, Module, Weights};
+use kiln_tensor::{DType, Device, DeviceSpec, Tensor};
+use kiln_testing::{assert_close, goldens, oracle, rel_max_diff};
+
+fn mesh(n: usize) -> Device {
+    Device::open_mesh(DeviceSpec::CPU, n).expect("the CPU PJRT plugin must be installed (see README)")
+}
+
+/// Device bytes each member of `mesh` holds while `f` keeps what it returns alive.
+fn bytes_per_member<T>(mesh: &Device, f: impl FnOnce() -> T) -> (T, Vec<u64>) {
+    let before: Vec<u64> = mesh.members().iter().map(|d| d.memory().live_bytes).collect();
+    let out = f();
+    let after = mesh.members().into_iter().map(|d| d.memory().live_bytes);
+    (out, after.zip(before).map(|(a, b)| a - b).collect())
+}
+
+fn flux_weights(pipeline: &str, device: &Device) -> (FluxTransformer2DConfig, Weights) {
+    let dir = oracle().join("pipelines").join(pipeline).join("transformer");
+    let config: FluxTransformer2DConfig = load_config(dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open_component(&dir, "diffusion_pytorch_model").unwrap();
+    (config, Weights::new(ckpt, device, DType::F32, "transformer"))
+}
+
+/// Bytes of the checkpoint's f32 tensors that the plan splits, and of all the others.
+fn planned_and_replicated_bytes(w: &Weights, plan: &kiln_nn::TpPlan) -> (u64, u64) {
+    let ckpt = w.checkpoint();
+    let (mut planned, mut replicated) = (0, 0);
+    for name in ckpt.names() {
+        let bytes = ckpt.info(name).unwrap().shape.numel() as u64 * 4;
+        if plan.split_of(name).is_some() {
+            planned += bytes;
+        } else {
+            replicated += bytes;
+        }
+    }
+    (planned, replicated)
+}
+
+#[test]
+fn flux_transformer_on_two_devices_matches_diffusers_eager_and_compiled() {
+    let g = goldens(&oracle().join("modules/flux1/transformer.safetensors"));
+    let m = mesh(2);
+    for (pipeline, prefix) in [
+        ("flux1_dev", "transformer_b2"),
+        ("flux1_schnell", "schnell_transformer_b1"),
+    ] {
+        let (config, w) = flux_weights(pipeline, &m);
+        let (model, held) = bytes_per_member(&m, || FluxTransformer2DModel::load(&config, &w).unwrap());
+        let mut model = model;
+        assert!(w.report().unused.is_empty(), "unused: {:?}", w.report().unused);
+        // Each member holds half of every planned weight and all of the rest.
+        let (planned, replicated) = planned_and_replicated_bytes(&w, &FluxTransformer2DModel::tp_plan());
+        assert!(planned > replicated, "the plan splits most of the weights");
+        let mut weight_bytes = 0;
+        model.visit(&mut |name, t| {
+            if w.checkpoint().contains(name) {
+                weight_bytes += t.size_in_bytes() as u64
+            }
+        });
+        assert_eq!(
+            weight_bytes,
+            planned / 2 + replicated,
+            "{pipeline}: weight bytes per member"
+        );
+        for (k, bytes) in held.iter().enumerate() {
+            // The weights and the model's own small tables (the timestep frequencies).
+            assert!(
+                (weight_bytes..weight_bytes + 1024).contains(bytes),
+                "{pipeline}: member {k} holds {bytes} bytes for {weight_bytes} of weights"
+            );
+        }
+        // What the file gave: every planned byte once (split), every replicated byte once.
+        assert_eq!(w.bytes_read(), planned + replicated, "{pipeline}: bytes read");
+        let get = |k: &str| &g[&format!("{prefix}.{k}")];
+        let txt_ids: Vec<f64> = get("txt_ids").f32().iter().map(|&v| v as f64).collect();
+        let img_ids: Vec<f64> = get("img_ids").f32().iter().map(|&v| v as f64).collect();
+        let rope = model.rope(&txt_ids, &img_ids, &m).unwrap();
+        let guidance = g.get(&format!("{prefix}.guidance")).map(|t| t.to_tensor(&m));
+        let (hidden, text, pooled, timestep): (Tensor, Tensor, Tensor, Tensor) = (
+            get("hidden_states").to_tensor(&m),
+            get("encoder_hidden_states").to_tensor(&m),
+            get("pooled_projections").to_tensor(&m),
+            get("timestep").to_tensor(&m),
+        );
+        let want = get("output").f32();
+        for mode in [CompileMode::None, CompileMode::Full, CompileMode::RepeatedBlocks] {
+            model.compile(mode);
+            let inputs = FluxTransformerInputs {
+                hidden_states: &hidden,
+                encoder_hidden_states: &text,
+                pooled_projections: &pooled,
+                timestep: &timestep,
+                guidance: guidance.as_ref(),
+                rope: &rope,
+            };
+            let out = model.forward(&inputs).unwrap();
+            assert_eq!(out.device(), &m);
+            for (k, shard) in out.shards().unwrap().iter().enumerate() {
+                let got = shard.to_f32_vec().unwrap();
+                let name = format!("{pipeline} {prefix} {mode} member {k}");
+                eprintln!("{name}: max |Δ| / absmax = {:.2e}", rel_max_diff(&got, &want));
+                assert_close(&name, &got, &want, 1e-4, 1e-4);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_head_count_the_mesh_does_not_divide_is_refused_before_any_weight_is_read() {
+    // The oracle's FLUX.1 transformer has 2 heads.
+    let (config, w) = flux_weights("flux1_dev", &mesh(4));
+    let err = FluxTransformer2DModel::load(&config, &w).unwrap_err().to_string();
+    assert!(
+        err.contains("num_attention_heads 2") && err.contains("4") && err.contains("(1, 2)"),
+        "{err}"
+    );
+    assert_eq!(w.bytes_read(), 0);
+}
+
+#[test]
+fn a_plan_naming_a_weight_the_checkpoint_lacks_names_it() {
+    let (_, w) = flux_weights("flux1_dev", &mesh(2));
+    let plan = kiln_nn::TpPlan::new([("transformer_blocks.*.attn.to_qkv", kiln_nn::TpStyle::Colwise)]);
+    let err = w.with_plan(&plan).err().unwrap().to_string();
+    assert!(err.contains("transformer_blocks.*.attn.to_qkv"), "{err}");
+    // A split dimension the mesh does not divide names the weight, its shape and the count.
+    let plan = kiln_nn::TpPlan::new([("time_text_embed.timestep_embedder.linear_1", kiln_nn::TpStyle::Rowwise)]);
+    let (_, w3) = flux_weights("flux1_dev", &mesh(3));
+    let err = w3.with_plan(&plan).err().unwrap().to_string();
+    assert!(
+        err.contains("time_text_embed.timestep_embedder.linear_1.weight") && err.contains("3 devices"),
+        "{err}"
+    );
+}
