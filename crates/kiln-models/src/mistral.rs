@@ -38,7 +38,8 @@
 use kiln_io::{Activation, MistralTextConfig};
 use kiln_nn::module::{join_name, map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, Weights,
+    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, TpPlan,
+    TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
@@ -116,11 +117,14 @@ impl MistralAttention {
     /// `[B, L, D]` → `[B, L, D]`; see [`DecoderInputs`] for the rest.
     fn forward(&self, x: &Tensor, inputs: &DecoderInputs<'_>) -> Result<Tensor> {
         let (b, l) = (x.dims()[0], x.dims()[1]);
+        // On a tensor-parallel mesh each device holds 1/N of the query and of the KV heads.
+        let devices = x.device().mesh_size();
+        let (num_heads, num_kv_heads) = (self.num_heads / devices, self.num_kv_heads / devices);
         let heads =
             |t: Tensor, n: usize| -> Result<Tensor> { Ok(t.reshape([b, l, n, self.head_dim])?.transpose(1, 2)?) };
-        let q = heads(self.q_proj.forward(x)?, self.num_heads)?; // [b, h, l, hd]
-        let k = heads(self.k_proj.forward(x)?, self.num_kv_heads)?; // [b, kv, l, hd]
-        let v = heads(self.v_proj.forward(x)?, self.num_kv_heads)?;
+        let q = heads(self.q_proj.forward(x)?, num_heads)?; // [b, h, l, hd]
+        let k = heads(self.k_proj.forward(x)?, num_kv_heads)?; // [b, kv, l, hd]
+        let v = heads(self.v_proj.forward(x)?, num_kv_heads)?;
         let q = apply_rope(&q, inputs.cos, inputs.sin)?;
         let k = apply_rope(&k, inputs.cos, inputs.sin)?;
         // transformers `repeat_kv`: kv head j serves query heads j·n .. j·n + n − 1.
@@ -130,7 +134,7 @@ impl MistralAttention {
         let attn = Tensor::scaled_dot_product_attention(&q, &k, &v, &mask, None)?;
         // Rows that see no key: zero, as torch's SDPA returns for fully masked rows.
         let attn = attn.mul(inputs.attended)?;
-        let attn = attn.transpose(1, 2)?.reshape([b, l, self.num_heads * self.head_dim])?;
+        let attn = attn.transpose(1, 2)?.reshape([b, l, num_heads * self.head_dim])?;
         self.o_proj.forward(&attn)
     }
 }
@@ -323,6 +327,24 @@ impl_model!(
 );
 
 impl MistralTextModel {
+    /// transformers' plan for the Mistral language model: q, k, v and gate/up colwise (heads
+    /// and MLP units split; KV heads too, so the device count must divide the KV head count),
+    /// o_proj and down_proj rowwise (two all-reduces per layer). The token embedding stays
+    /// replicated (transformers splits its vocabulary rows, `embedding_rowwise`; kiln keeps the
+    /// lookup whole, which costs one copy of the table per device and no all-reduce).
+    pub fn tp_plan() -> TpPlan {
+        let layer = "layers.*";
+        let mut entries: Vec<(String, TpStyle)> = ["q_proj", "k_proj", "v_proj"]
+            .iter()
+            .map(|p| (format!("{layer}.self_attn.{p}"), TpStyle::Colwise))
+            .collect();
+        entries.push((format!("{layer}.self_attn.o_proj"), TpStyle::Rowwise));
+        entries.push((format!("{layer}.mlp.gate_proj"), TpStyle::Colwise));
+        entries.push((format!("{layer}.mlp.up_proj"), TpStyle::Colwise));
+        entries.push((format!("{layer}.mlp.down_proj"), TpStyle::Rowwise));
+        TpPlan::new(entries)
+    }
+
     /// Loads the embedding and the decoder layers that `hidden_states` needs (indices as
     /// transformers numbers `output_hidden_states`: `0..=num_hidden_layers`; FLUX.2 passes
     /// [`FLUX2_HIDDEN_STATES`]); the final norm only when `num_hidden_layers` is among them.
@@ -380,11 +402,13 @@ impl MistralTextModel {
                 file: weights.checkpoint().source().to_path_buf(),
             });
         };
+        weights.check_divides("num_key_value_heads", kv_heads)?;
         let w = if prefix.is_empty() {
             weights.clone()
         } else {
             weights.pp(prefix)
         };
+        let w = w.with_plan(&Self::tp_plan())?;
         let embed_tokens = Embedding::load(&w.pp("embed_tokens"), config.vocab_size, config.hidden_size)?;
         let layers = (0..last.min(n))
             .map(|i| MistralDecoderLayer::load(&w.pp(format!("layers.{i}")), config))

@@ -18,7 +18,8 @@
 use kiln_io::{Activation, T5Config};
 use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, Weights,
+    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, TpPlan,
+    TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, Tensor};
 
@@ -58,7 +59,6 @@ struct T5Attention {
     k: Linear,
     v: Linear,
     o: Linear,
-    n_heads: usize,
     d_kv: usize,
 }
 
@@ -78,7 +78,6 @@ impl T5Attention {
             k: Linear::load(&w.pp("k"), d, inner, false)?,
             v: Linear::load(&w.pp("v"), d, inner, false)?,
             o: Linear::load(&w.pp("o"), inner, d, false)?,
-            n_heads: config.num_heads,
             d_kv: config.d_kv,
         })
     }
@@ -86,14 +85,18 @@ impl T5Attention {
     /// `[B, L, d_model]` with `position_bias` `[1, H, L, L]` → `[B, L, d_model]`.
     fn forward(&self, hidden_states: &Tensor, position_bias: &Tensor) -> Result<Tensor> {
         let (b, l) = (hidden_states.dims()[0], hidden_states.dims()[1]);
-        let heads = |t: Tensor| -> Result<Tensor> { Ok(t.reshape([b, l, self.n_heads, self.d_kv])?.transpose(1, 2)?) };
+        // The heads this device holds: all of them, or 1/N on a tensor-parallel mesh.
+        let d_kv = self.d_kv as isize;
+        let heads = |t: Tensor| -> Result<Tensor> {
+            Ok(t.reshape_infer(&[b as isize, l as isize, -1, d_kv])?.transpose(1, 2)?)
+        };
         let q = heads(self.q.forward(hidden_states)?)?; // [b, h, l, d_kv]
         let k = heads(self.k.forward(hidden_states)?)?;
         let v = heads(self.v.forward(hidden_states)?)?;
         let mask = AttentionMask::Additive(position_bias.clone());
         // T5 folds the scaling into its initialisation: scores are q·kᵀ, unscaled.
         let attn = Tensor::scaled_dot_product_attention(&q, &k, &v, &mask, Some(1.0))?;
-        let attn = attn.transpose(1, 2)?.reshape([b, l, self.n_heads * self.d_kv])?; // [b, l, inner]
+        let attn = attn.transpose(1, 2)?.flatten(2, 3)?; // [b, l, inner]
         self.o.forward(&attn)
     }
 }
@@ -324,6 +327,30 @@ impl Outputs for T5EncoderOutput {
 const RELATIVE_ATTENTION_BIAS: &str = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias";
 
 impl T5EncoderModel {
+    /// transformers' T5 plan: attention heads (q, k, v colwise, o rowwise) and feed-forward
+    /// units (wi / wi_0 / wi_1 colwise, wo rowwise) split, two all-reduces per block; the
+    /// relative-attention bias table's head columns split with the heads; the token embedding
+    /// and norms replicated.
+    pub fn tp_plan(config: &T5Config) -> TpPlan {
+        let block = "encoder.block.*.layer";
+        let mut entries: Vec<(String, TpStyle)> = ["q", "k", "v"]
+            .iter()
+            .map(|p| (format!("{block}.0.SelfAttention.{p}"), TpStyle::Colwise))
+            .collect();
+        entries.push((format!("{block}.0.SelfAttention.o"), TpStyle::Rowwise));
+        entries.push((RELATIVE_ATTENTION_BIAS.to_string(), TpStyle::EmbeddingColwise));
+        let wi: &[&str] = if config.is_gated_act() {
+            &["wi_0", "wi_1"]
+        } else {
+            &["wi"]
+        };
+        for p in wi {
+            entries.push((format!("{block}.1.DenseReluDense.{p}"), TpStyle::Colwise));
+        }
+        entries.push((format!("{block}.1.DenseReluDense.wo"), TpStyle::Rowwise));
+        TpPlan::new(entries)
+    }
+
     /// Loads `shared.weight` (or its tied alias `encoder.embed_tokens.weight`) and `encoder.*`.
     pub fn load(config: &T5Config, weights: &Weights) -> Result<Self> {
         let component = weights.component().to_string();
@@ -347,6 +374,8 @@ impl T5EncoderModel {
                 ),
             });
         }
+        weights.check_divides("num_heads", config.num_heads)?;
+        let weights = &weights.with_plan(&Self::tp_plan(config))?;
         let (vocab, d) = (config.vocab_size, config.d_model);
         let embedding_name = if weights.contains("shared.weight") || !weights.contains("encoder.embed_tokens.weight") {
             // The tied alias, when a checkpoint stores it too, is the same matrix.
@@ -409,7 +438,7 @@ impl T5EncoderModel {
     fn position_bias_from_buckets(&self, buckets: &Tensor) -> Result<Tensor> {
         let seq_len = buckets.dims()[0];
         let values = self.relative_attention_bias.forward(buckets)?; // [l, l, h]
-        let heads = self.config.num_heads;
+        let heads = values.dims()[2];
         Ok(values.permute(&[2, 0, 1])?.reshape([1, heads, seq_len, seq_len])?)
     }
 

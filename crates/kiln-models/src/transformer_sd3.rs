@@ -12,7 +12,8 @@
 use kiln_io::SD3Transformer2DConfig;
 use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Module, Result, Weights,
+    impl_model, impl_module, Args, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Module, Result, TpPlan, TpStyle,
+    Weights,
 };
 use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
@@ -173,6 +174,8 @@ impl QkvProjection {
     /// `[B, S, D]` → q, k, v each `[B, H, S, head_dim]`.
     fn forward(&self, x: &Tensor, heads: usize) -> Result<[Tensor; 3]> {
         let (b, s) = (x.dims()[0], x.dims()[1]);
+        // On a tensor-parallel mesh each device holds 1/N of the heads (the plan splits q, k, v).
+        let heads = heads / x.device().mesh_size();
         let split = |t: Tensor| -> Result<Tensor> {
             Ok(t.reshape_infer(&[b as isize, s as isize, heads as isize, -1])?
                 .transpose(1, 2)?)
@@ -413,8 +416,35 @@ impl_model!(
 );
 
 impl SD3Transformer2DModel {
+    /// kiln's plan for `SD3Transformer2DModel` (diffusers has none), in diffusers' vocabulary and
+    /// on FLUX.1's pattern: q, k, v of both streams (and of `attn2`) and the MLP inputs colwise,
+    /// the output projections rowwise (one all-reduce each); embedders, modulation, norms and
+    /// `proj_out` replicated.
+    pub fn tp_plan(config: &SD3Transformer2DConfig) -> TpPlan {
+        let block = "transformer_blocks.*";
+        let mut entries = Vec::new();
+        for p in ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"] {
+            entries.push((format!("{block}.attn.{p}"), TpStyle::Colwise));
+        }
+        for p in ["attn.to_out.0", "attn.to_add_out", "ff.net.2", "ff_context.net.2"] {
+            entries.push((format!("{block}.{p}"), TpStyle::Rowwise));
+        }
+        for p in ["ff.net.0.proj", "ff_context.net.0.proj"] {
+            entries.push((format!("{block}.{p}"), TpStyle::Colwise));
+        }
+        if (0..config.num_layers).any(|i| config.is_dual_attention_layer(i)) {
+            for p in ["to_q", "to_k", "to_v"] {
+                entries.push((format!("{block}.attn2.{p}"), TpStyle::Colwise));
+            }
+            entries.push((format!("{block}.attn2.to_out.0"), TpStyle::Rowwise));
+        }
+        TpPlan::new(entries)
+    }
+
     pub fn load(config: &SD3Transformer2DConfig, w: &Weights) -> Result<Self> {
         check_config(config, w)?;
+        w.check_divides("num_attention_heads", config.num_attention_heads)?;
+        let w = &w.with_plan(&Self::tp_plan(config))?;
         let dim = config.inner_dim();
         let tte = w.pp("time_text_embed");
         let time_text_embed = TimeTextEmbed {

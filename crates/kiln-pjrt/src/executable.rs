@@ -143,6 +143,10 @@ impl CompileOptions {
 pub struct ExecuteOptions {
     /// Inputs that must not be donated even if the program marks them donatable.
     pub non_donatable_input_indices: Vec<i64>,
+    /// Identifies one launch of a program over several devices (0: none). The CPU plugin keys
+    /// the rendezvous of its collectives by it, so consecutive launches of one SPMD program
+    /// need different ids, or their all-reduces can meet the wrong launch's partners.
+    pub launch_id: i32,
 }
 
 /// Sizes reported by the compiler for one executable.
@@ -262,6 +266,7 @@ impl LoadedExecutable {
         let mut opts = sys::PJRT_ExecuteOptions::new();
         opts.non_donatable_input_indices = options.non_donatable_input_indices.as_ptr();
         opts.num_non_donatable_input_indices = options.non_donatable_input_indices.len();
+        opts.launch_id = options.launch_id;
 
         let mut a = sys::PJRT_LoadedExecutable_Execute_Args::new();
         a.executable = self.raw;

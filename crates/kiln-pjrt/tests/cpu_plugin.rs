@@ -173,6 +173,7 @@ fn donation_moves_the_input_into_the_output() {
         .unwrap();
     let keep = ExecuteOptions {
         non_donatable_input_indices: vec![0],
+        ..Default::default()
     };
     exe.execute(&[&[&a, &b]], &keep).unwrap();
     assert!(!a.is_deleted().unwrap());

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::fmt::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use kiln_pjrt::{ExecuteOptions, LoadedExecutable};
+use kiln_pjrt::LoadedExecutable;
 use kiln_types::{DType, Shape};
 
 use crate::dispatch::{common_device, compile_or_load, count_hit};
@@ -149,7 +149,7 @@ impl CompiledFunction {
             source: Box::new(source),
         };
         let profile_start = crate::dispatch::profiling().then(std::time::Instant::now);
-        let results = entry.exe.execute(&lists, &ExecuteOptions::default()).map_err(failed)?;
+        let results = crate::dispatch::execute_on(&entry.exe, device, &lists).map_err(failed)?;
         if let Some(start) = profile_start {
             for b in results.iter().flatten() {
                 b.wait_ready().map_err(failed)?;

@@ -357,9 +357,7 @@ pub(crate) fn apply_on(
     let buffers = per_device_arguments(op, device, inputs.iter().copied())?;
     let profile_start = profiling().then(std::time::Instant::now);
     let lists: Vec<&[&kiln_pjrt::Buffer]> = buffers.iter().map(Vec::as_slice).collect();
-    let results = exe
-        .execute(&lists, &ExecuteOptions::default())
-        .map_err(|source| Error::Execute { op, source })?;
+    let results = execute_on(&exe, device, &lists).map_err(|source| Error::Execute { op, source })?;
     if let Some(start) = profile_start {
         for b in results.iter().flatten() {
             b.wait_ready().map_err(|source| Error::Execute { op, source })?;
@@ -368,6 +366,39 @@ pub(crate) fn apply_on(
     }
     let shapes: Vec<_> = outputs.iter().map(|v| (v.shape().clone(), v.dtype())).collect();
     tensors_from_results(results, &shapes, device)
+}
+
+/// Runs `exe` with one argument list per member of `device`. Programs over a mesh are launched
+/// one at a time, each with its own launch id, so that every member queues them in the same
+/// order: two programs whose collectives were queued in opposite orders on two devices would
+/// each wait for the other.
+pub(crate) fn execute_on(
+    exe: &LoadedExecutable,
+    device: &Device,
+    lists: &[&[&kiln_pjrt::Buffer]],
+) -> std::result::Result<Vec<Vec<kiln_pjrt::Buffer>>, kiln_pjrt::Error> {
+    if !device.is_mesh() {
+        return exe.execute(lists, &ExecuteOptions::default());
+    }
+    // Each launch gets its own id (the CPU plugin's collectives meet by it), in launch order.
+    static MESH_LAUNCH: Mutex<i32> = Mutex::new(0);
+    let mut launch = MESH_LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+    *launch = launch.checked_add(1).filter(|&id| id > 0).unwrap_or(1);
+    let options = ExecuteOptions {
+        launch_id: *launch,
+        ..Default::default()
+    };
+    let results = exe.execute(lists, &options)?;
+    if device.platform() == kiln_pjrt::Platform::Cpu {
+        // The CPU plugin runs every device's part on one shared thread pool, and a part waiting
+        // in a collective holds its thread: with two launches in flight, the parts of one can
+        // take every thread while its partners of the other wait for one. So on CPU a mesh
+        // program finishes before the next one starts.
+        for buffer in results.iter().flatten() {
+            buffer.wait_ready()?;
+        }
+    }
+    Ok(results)
 }
 
 /// The argument list of each member of `device`: member k's buffer of every input.

@@ -142,3 +142,27 @@ fn single_device_tensors_do_not_mix_with_mesh_tensors() {
         assert_eq!(s.to_vec::<f32>().unwrap(), vec![2.0, 4.0]);
     }
 }
+
+#[test]
+fn programs_with_collectives_from_two_threads_do_not_wait_on_each_other() {
+    // Each thread queues all-reduces on the same two devices; if the devices took them in
+    // different orders, each would wait for the other forever.
+    let m = mesh(2);
+    let (done, finished) = std::sync::mpsc::channel();
+    for seed in 0..2u32 {
+        let (m, done) = (m.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut x = Tensor::from_f32(&values(256, seed), DType::F32, [16, 16], &m).unwrap();
+            for _ in 0..40 {
+                x = x.all_reduce_sum().unwrap().mul_scalar(0.5).unwrap();
+            }
+            done.send(x.to_vec::<f32>().unwrap()).unwrap();
+        });
+    }
+    for _ in 0..2 {
+        let got = finished
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .expect("the two threads' collectives deadlocked");
+        assert_eq!(got.len(), 256);
+    }
+}

@@ -161,6 +161,7 @@ fn donation(dev: &Device) -> Result<String> {
         &[&[&kept]],
         &ExecuteOptions {
             non_donatable_input_indices: vec![0],
+            ..Default::default()
         },
     )?;
     ensure!(read(&out[0][0])? == want, "wrong result without donation");
