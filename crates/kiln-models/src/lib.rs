@@ -8,6 +8,7 @@ pub mod mistral;
 mod mmdit;
 pub mod t5;
 pub mod transformer_flux;
+pub mod transformer_flux2;
 pub mod transformer_sd3;
 
 pub use kiln_nn::{Error, Result};
