@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod autoencoder_kl;
+pub mod autoencoder_kl_flux2;
 pub mod clip;
 pub mod mistral;
 mod mmdit;
