@@ -593,3 +593,95 @@ fn rope_of(a: &Args) -> Result<RopeTables> {
         sin: a.get("rope.sin")?.clone(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in about [-0.5, 0.5].
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 1013) as f32 / 1013.0 - 0.5) * 0.6)
+            .collect()
+    }
+
+    /// Rows `ranges` of a row-major `[rows, cols]` matrix, stacked.
+    fn rows(m: &[f32], cols: usize, ranges: &[std::ops::Range<usize>]) -> Vec<f32> {
+        ranges
+            .iter()
+            .flat_map(|r| m[r.start * cols..r.end * cols].to_vec())
+            .collect()
+    }
+
+    /// A single block whose `to_qkv_mlp_proj` holds the rank's contiguous share of every
+    /// sub-block's rows (q, k, v, gate, up) and whose `to_out` holds the matching columns (the
+    /// tensor-parallel layout) runs unchanged: the head count follows the width, the fused
+    /// output splits in proportion, and the ranks' residual updates add up to the whole block's.
+    #[test]
+    fn a_row_sharded_single_block_runs_unchanged() {
+        let d = Device::cpu().expect("the CPU PJRT plugin must be installed");
+        let (dim, head_dim, mlp, seq, ranks) = (32usize, 8usize, 48usize, 5usize, 2usize);
+        let fused = values((3 * dim + 2 * mlp) * dim, 1);
+        let out = values(dim * (dim + mlp), 2);
+        let t = |v: Vec<f32>, shape: &[usize]| Tensor::from_slice(&v, shape.to_vec(), &d).unwrap();
+        let norm = |seed| RmsNorm {
+            weight: t(values(head_dim, seed).iter().map(|v| 1.0 + v).collect(), &[head_dim]),
+            eps: 1e-6,
+        };
+        let block =
+            |qkv: Vec<f32>, qkv_rows: usize, to_out: Vec<f32>, to_out_cols: usize| Flux2SingleTransformerBlock {
+                to_qkv_mlp_proj: Linear {
+                    weight: t(qkv, &[qkv_rows, dim]),
+                    bias: None,
+                },
+                norm_q: norm(3),
+                norm_k: norm(4),
+                to_out: Linear {
+                    weight: t(to_out, &[dim, to_out_cols]),
+                    bias: None,
+                },
+                head_dim,
+                eps: 1e-6,
+                qkv_share: (3 * dim, 3 * dim + 2 * mlp),
+            };
+        let full = block(fused.clone(), 3 * dim + 2 * mlp, out.clone(), dim + mlp);
+        let ids: Vec<f64> = (0..seq).flat_map(|s| [0.0, s as f64, (s * 2) as f64, 1.0]).collect();
+        let rope = rope_tables(&ids, &[2, 2, 2, 2], 2000.0, &d).unwrap();
+        let h = t(values(seq * dim, 5), &[1, seq, dim]);
+        let modulation = t(values(3 * dim, 6), &[1, 3 * dim]);
+        let whole = full.forward(&h, &modulation, &rope).unwrap().sub(&h).unwrap();
+
+        let (a, m) = (dim / ranks, mlp / ranks);
+        let mut sum: Option<Tensor> = None;
+        for r in 0..ranks {
+            // [q_r | k_r | v_r | gate_r | up_r] rows; to_out columns [attn_r | mlp_r].
+            let starts = [0, dim, 2 * dim];
+            let mut ranges: Vec<_> = starts.iter().map(|s| s + r * a..s + (r + 1) * a).collect();
+            ranges.extend([
+                3 * dim + r * m..3 * dim + (r + 1) * m,
+                3 * dim + mlp + r * m..3 * dim + mlp + (r + 1) * m,
+            ]);
+            let qkv = rows(&fused, dim, &ranges);
+            let cols: Vec<usize> = (r * a..(r + 1) * a).chain(dim + r * m..dim + (r + 1) * m).collect();
+            let to_out: Vec<f32> = (0..dim)
+                .flat_map(|o| cols.iter().map(|&c| out[o * (dim + mlp) + c]).collect::<Vec<_>>())
+                .collect();
+            let shard = block(qkv, 3 * a + 2 * m, to_out, a + m);
+            let update = shard.forward(&h, &modulation, &rope).unwrap().sub(&h).unwrap();
+            sum = Some(match sum {
+                None => update,
+                Some(s) => s.add(&update).unwrap(),
+            });
+        }
+        let (got, want) = (sum.unwrap().to_f32_vec().unwrap(), whole.to_f32_vec().unwrap());
+        let diff = got.iter().zip(&want).fold(0f32, |mx, (x, y)| mx.max((x - y).abs()));
+        let absmax = want.iter().fold(0f32, |mx, v| mx.max(v.abs()));
+        assert!(absmax > 1e-2, "the block update is trivially small");
+        assert!(diff <= 1e-5 * absmax.max(1.0), "sharded sum differs by {diff}");
+
+        // A width that does not split in the 3·inner : 2·mlp proportion is an error, not a panic.
+        let odd = block(values(100 * dim, 7), 100, out, dim + mlp);
+        let err = odd.forward(&h, &modulation, &rope).unwrap_err().to_string();
+        assert!(err.contains("to_qkv_mlp_proj gives 100 features"), "{err}");
+    }
+}
