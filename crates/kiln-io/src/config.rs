@@ -2,8 +2,8 @@
 //!
 //! Every struct is `#[serde(default)]` with a `Default` that spells the Python class defaults, so
 //! a missing key takes the default exactly as `from_pretrained` would; unknown keys are ignored.
-//! A wrong type or a bad value is an error naming the file and the key. To add a model (FLUX.2's
-//! `Flux2Transformer2DModel`), add one more struct like these.
+//! A wrong type or a bad value is an error naming the file and the key. To add a model, add one
+//! more struct like these (the FLUX.2 ones are in `config/flux2.rs`).
 
 use std::fmt;
 use std::path::Path;
@@ -13,7 +13,9 @@ use serde::Deserialize;
 
 use crate::error::{IoError, Result};
 
+mod flux2;
 mod mistral;
+pub use flux2::{AutoencoderKLFlux2Config, Flux2TransformerConfig};
 pub use mistral::{Mistral3Config, MistralTextConfig, RopeParameters};
 
 /// Parses the JSON text of the config file `file` (named in errors).

@@ -3,11 +3,13 @@
 #![forbid(unsafe_code)]
 
 pub mod autoencoder_kl;
+pub mod autoencoder_kl_flux2;
 pub mod clip;
 pub mod mistral;
 mod mmdit;
 pub mod t5;
 pub mod transformer_flux;
+pub mod transformer_flux2;
 pub mod transformer_sd3;
 
 pub use kiln_nn::{Error, Result};

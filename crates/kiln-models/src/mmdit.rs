@@ -1,21 +1,39 @@
 //! Pieces the diffusers MMDiT transformers share (FLUX.1's `FluxTransformer2DModel`, SD3's
-//! `SD3Transformer2DModel`): the sinusoidal timestep projection and its MLP
+//! `SD3Transformer2DModel`, FLUX.2's `Flux2Transformer2DModel`): the sinusoidal timestep projection and its MLP
 //! (`diffusers/models/embeddings.py`), the gelu-tanh `FeedForward` (`attention.py`) and the
 //! adaptive-norm modulation (`normalization.py`).
 
 use kiln_nn::{impl_module, Linear, Result, Weights};
 use kiln_tensor::Tensor;
 
+/// Where torch's f32 `exp` (MKL's vectorized exp on x86) does not round `get_timestep_embedding`'s
+/// frequencies to the nearest f32: `(half, k, ulps)` = entry `k` of the `half`-long table is
+/// `ulps` f32 steps above the correctly rounded value. For `half = 128` (every diffusers
+/// transformer's 256-channel projection) `exp(-0.86346942)` lies 0.021 ulp below the midpoint of
+/// its two f32 neighbours and torch returns the upper one. A timestep `t` multiplies the
+/// frequency, so the step shifts the angle by about `t · 3e-8`: at guidance 6 (`6000`) it moved
+/// the FLUX.2 transformer's output by 7e-5, twenty times torch's own f32 noise, and the goldens
+/// of both the module calls and every pipeline step agree with the upper neighbour (and with no
+/// other change to the table).
+const TORCH_EXP_ROUNDING: [(usize, usize, u32); 1] = [(128, 12, 1)];
+
 /// `get_timestep_embedding` frequencies for a `2·half`-d sinusoid (`flip_sin_to_cos=True`,
-/// `downscale_freq_shift=0`), computed in f32 op by op as torch does.
+/// `downscale_freq_shift=0`), computed in f32 op by op as torch does (including torch's rounding
+/// of `exp`, see [`TORCH_EXP_ROUNDING`]).
 pub(crate) fn timestep_frequencies(half: usize) -> Vec<f32> {
     let neg_log_period = -(10000f64.ln()) as f32;
-    (0..half)
+    let mut frequencies: Vec<f32> = (0..half)
         .map(|k| {
             let exponent = (neg_log_period * k as f32) / (half as f32);
             (exponent as f64).exp() as f32
         })
-        .collect()
+        .collect();
+    for &(n, k, ulps) in &TORCH_EXP_ROUNDING {
+        if n == half {
+            frequencies[k] = f32::from_bits(frequencies[k].to_bits() + ulps);
+        }
+    }
+    frequencies
 }
 
 /// The sinusoidal projection of `t` (`[B]` f32) with `frequencies` (`[half]` f32):
@@ -34,9 +52,13 @@ pub(crate) struct Mlp {
 
 impl Mlp {
     pub(crate) fn load(w: &Weights, input: usize, dim: usize) -> Result<Self> {
+        Self::load_with_bias(w, input, dim, true)
+    }
+    /// With or without biases (FLUX.2's embedders have none).
+    pub(crate) fn load_with_bias(w: &Weights, input: usize, dim: usize, bias: bool) -> Result<Self> {
         Ok(Mlp {
-            linear_1: Linear::load(&w.pp("linear_1"), input, dim, true)?,
-            linear_2: Linear::load(&w.pp("linear_2"), dim, dim, true)?,
+            linear_1: Linear::load(&w.pp("linear_1"), input, dim, bias)?,
+            linear_2: Linear::load(&w.pp("linear_2"), dim, dim, bias)?,
         })
     }
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {

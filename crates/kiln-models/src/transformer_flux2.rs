@@ -1,0 +1,687 @@
+//! FLUX.2 transformer: diffusers' `Flux2Transformer2DModel`
+//! (`diffusers/models/transformers/transformer_flux2.py`, diffusers 0.42.1), the MMDiT of
+//! black-forest-labs/FLUX.2-dev (and, without the guidance embedder, FLUX.2 [klein]). Weight
+//! names are diffusers'.
+//!
+//! Differences from FLUX.1 (`transformer_flux.rs`): no biases anywhere; one modulation per
+//! forward shared by every block (`double_stream_modulation_img/txt`, `single_stream_modulation`);
+//! fused SwiGLU feed-forwards (`linear_in` = `[gate | up]`); single blocks with one fused
+//! `to_qkv_mlp_proj` (`[q | k | v | gate | up]`) and one `to_out`; torch `nn.RMSNorm` qk-norms;
+//! 4-axis RoPE (θ from the config, 2000) over int64 `(t, h, w, l)` ids; no pooled text input.
+//!
+//! Tensor-parallel readiness: attention head counts are derived from the width of each projected
+//! activation (`heads = width / head_dim`), never from `num_attention_heads`, and the fused
+//! single-block projection is split in proportion (`3·inner : 2·mlp_hidden`), so that weights
+//! holding a contiguous 1/N of every sub-block's rows run unchanged.
+//!
+//! Layout inside attention is heads-first `[batch, heads, seq, head_dim]`, text tokens first.
+
+use kiln_io::Flux2TransformerConfig;
+use kiln_nn::{
+    impl_model, impl_module, rope_tables, Args, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
+    RopeTables, Weights,
+};
+use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
+
+use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, Mlp};
+
+fn input_error(op: &'static str, message: String) -> Error {
+    Error::Tensor(kiln_tensor::Error::Invalid { op, message })
+}
+
+/// `[B, S, W]` → `[B, heads, S, head_dim]` with `heads = W / head_dim` (the local head count when
+/// the projection holds a shard of the heads).
+fn split_heads(x: &Tensor, head_dim: usize, norm: Option<&RmsNorm>) -> Result<Tensor> {
+    let &[b, s, width] = x.dims() else {
+        return Err(input_error(
+            "Flux2 attention",
+            format!("needs a [batch, seq, width] projection, got {}", x.shape()),
+        ));
+    };
+    if head_dim == 0 || !width.is_multiple_of(head_dim) {
+        return Err(input_error(
+            "Flux2 attention",
+            format!("a projection of width {width} does not split into heads of {head_dim}"),
+        ));
+    }
+    let x = x.reshape([b, s, width / head_dim, head_dim])?;
+    let x = match norm {
+        Some(norm) => norm.forward(&x)?,
+        None => x,
+    };
+    Ok(x.transpose(1, 2)?)
+}
+
+/// Rotary embedding then attention; returns `[B, S, H·head_dim]`.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+    let q = q.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
+    let k = k.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
+    let o = Tensor::scaled_dot_product_attention(&q, &k, v, &AttentionMask::None, None)?;
+    Ok(o.transpose(1, 2)?.flatten(2, 3)?)
+}
+
+/// `Flux2SwiGLU` on a `[..., 2·F]` activation: `silu(first half) ⊙ second half`.
+fn swiglu(x: &Tensor) -> Result<Tensor> {
+    let halves = x.chunk(2, -1)?;
+    Ok(halves[0].silu()?.mul(&halves[1])?)
+}
+
+/// `Flux2FeedForward`: `linear_out(swiglu(linear_in(x)))`, no biases.
+#[derive(Clone, Debug)]
+struct Flux2FeedForward {
+    linear_in: Linear,
+    linear_out: Linear,
+}
+
+impl_module!(Flux2FeedForward {
+    linear_in: "linear_in",
+    linear_out: "linear_out",
+});
+
+impl Flux2FeedForward {
+    fn load(w: &Weights, dim: usize, hidden: usize) -> Result<Self> {
+        Ok(Flux2FeedForward {
+            linear_in: Linear::load(&w.pp("linear_in"), dim, 2 * hidden, false)?,
+            linear_out: Linear::load(&w.pp("linear_out"), hidden, dim, false)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.linear_out.forward(&swiglu(&self.linear_in.forward(x)?)?)
+    }
+}
+
+/// The `(shift, scale, gate)` triples of a modulation output `[B, 3·n·D]`.
+fn mod_params(m: &Tensor, sets: usize) -> Result<Vec<Tensor>> {
+    Ok(m.chunk(3 * sets, 1)?)
+}
+
+/// `Flux2TransformerBlock`: the double-stream block (joint attention over [text, image]).
+#[derive(Clone, Debug)]
+struct Flux2TransformerBlock {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    norm_q: RmsNorm,
+    norm_k: RmsNorm,
+    add_q_proj: Linear,
+    add_k_proj: Linear,
+    add_v_proj: Linear,
+    norm_added_q: RmsNorm,
+    norm_added_k: RmsNorm,
+    to_out: Linear,
+    to_add_out: Linear,
+    ff: Flux2FeedForward,
+    ff_context: Flux2FeedForward,
+    head_dim: usize,
+    eps: f64,
+}
+
+impl_module!(Flux2TransformerBlock {
+    to_q: "attn.to_q",
+    to_k: "attn.to_k",
+    to_v: "attn.to_v",
+    norm_q: "attn.norm_q",
+    norm_k: "attn.norm_k",
+    add_q_proj: "attn.add_q_proj",
+    add_k_proj: "attn.add_k_proj",
+    add_v_proj: "attn.add_v_proj",
+    norm_added_q: "attn.norm_added_q",
+    norm_added_k: "attn.norm_added_k",
+    to_out: "attn.to_out.0",
+    to_add_out: "attn.to_add_out",
+    ff: "ff",
+    ff_context: "ff_context",
+});
+
+impl Flux2TransformerBlock {
+    fn load(w: &Weights, c: &Flux2TransformerConfig) -> Result<Self> {
+        let (dim, head_dim, eps) = (c.inner_dim(), c.attention_head_dim, c.eps);
+        let attn = w.pp("attn");
+        let linear = |name: &str| Linear::load(&attn.pp(name), dim, dim, false);
+        let norm = |name: &str| RmsNorm::load(&attn.pp(name), head_dim, eps);
+        Ok(Flux2TransformerBlock {
+            to_q: linear("to_q")?,
+            to_k: linear("to_k")?,
+            to_v: linear("to_v")?,
+            norm_q: norm("norm_q")?,
+            norm_k: norm("norm_k")?,
+            add_q_proj: linear("add_q_proj")?,
+            add_k_proj: linear("add_k_proj")?,
+            add_v_proj: linear("add_v_proj")?,
+            norm_added_q: norm("norm_added_q")?,
+            norm_added_k: norm("norm_added_k")?,
+            to_out: linear("to_out.0")?,
+            to_add_out: linear("to_add_out")?,
+            ff: Flux2FeedForward::load(&w.pp("ff"), dim, c.mlp_hidden_dim())?,
+            ff_context: Flux2FeedForward::load(&w.pp("ff_context"), dim, c.mlp_hidden_dim())?,
+            head_dim,
+            eps,
+        })
+    }
+
+    /// `mod_img`, `mod_txt`: the shared modulations `[B, 6D]`. Returns the new (text, image)
+    /// streams.
+    fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Tensor,
+        mod_img: &Tensor,
+        mod_txt: &Tensor,
+        rope: &RopeTables,
+    ) -> Result<(Tensor, Tensor)> {
+        let ln = LayerNorm::plain(self.eps);
+        let hd = self.head_dim;
+        // (shift, scale, gate) for attention, then for the MLP.
+        let m = mod_params(mod_img, 2)?;
+        let c = mod_params(mod_txt, 2)?;
+        let nx = modulate(&ln.forward(x)?, &m[0], &m[1])?;
+        let nc = modulate(&ln.forward(ctx)?, &c[0], &c[1])?;
+
+        let q = split_heads(&self.to_q.forward(&nx)?, hd, Some(&self.norm_q))?;
+        let k = split_heads(&self.to_k.forward(&nx)?, hd, Some(&self.norm_k))?;
+        let v = split_heads(&self.to_v.forward(&nx)?, hd, None)?;
+        let cq = split_heads(&self.add_q_proj.forward(&nc)?, hd, Some(&self.norm_added_q))?;
+        let ck = split_heads(&self.add_k_proj.forward(&nc)?, hd, Some(&self.norm_added_k))?;
+        let cv = split_heads(&self.add_v_proj.forward(&nc)?, hd, None)?;
+        let q = Tensor::cat(&[&cq, &q], 2)?;
+        let k = Tensor::cat(&[&ck, &k], 2)?;
+        let v = Tensor::cat(&[&cv, &v], 2)?;
+        let o = attention(&q, &k, &v, rope)?;
+        let text_len = ctx.dims()[1];
+        let parts = o.split_sizes(&[text_len, x.dims()[1]], 1)?;
+        let (o_ctx, o_x) = (&parts[0], &parts[1]);
+
+        let x = gated_residual(x, &m[2], &self.to_out.forward(o_x)?)?;
+        let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
+        let x = gated_residual(&x, &m[5], &self.ff.forward(&ff_in)?)?;
+
+        let ctx = gated_residual(ctx, &c[2], &self.to_add_out.forward(o_ctx)?)?;
+        let ff_in = modulate(&ln.forward(&ctx)?, &c[3], &c[4])?;
+        let mut ctx = gated_residual(&ctx, &c[5], &self.ff_context.forward(&ff_in)?)?;
+        if ctx.dtype() == DType::F16 {
+            // diffusers clips only the text stream of the double block in fp16.
+            ctx = ctx.clamp(-65504.0, 65504.0)?;
+        }
+        Ok((ctx, x))
+    }
+}
+
+/// `Flux2SingleTransformerBlock`: parallel attention + SwiGLU MLP on the joint sequence, with
+/// one fused input projection and one fused output projection.
+#[derive(Clone, Debug)]
+struct Flux2SingleTransformerBlock {
+    to_qkv_mlp_proj: Linear,
+    norm_q: RmsNorm,
+    norm_k: RmsNorm,
+    to_out: Linear,
+    head_dim: usize,
+    eps: f64,
+    /// `(3·inner, 3·inner + 2·mlp_hidden)`: the share of `to_qkv_mlp_proj`'s output that is q|k|v.
+    qkv_share: (usize, usize),
+}
+
+impl_module!(Flux2SingleTransformerBlock {
+    to_qkv_mlp_proj: "attn.to_qkv_mlp_proj",
+    norm_q: "attn.norm_q",
+    norm_k: "attn.norm_k",
+    to_out: "attn.to_out",
+});
+
+impl Flux2SingleTransformerBlock {
+    fn load(w: &Weights, c: &Flux2TransformerConfig) -> Result<Self> {
+        let (dim, head_dim, eps, mlp) = (c.inner_dim(), c.attention_head_dim, c.eps, c.mlp_hidden_dim());
+        let attn = w.pp("attn");
+        Ok(Flux2SingleTransformerBlock {
+            to_qkv_mlp_proj: Linear::load(&attn.pp("to_qkv_mlp_proj"), dim, 3 * dim + 2 * mlp, false)?,
+            norm_q: RmsNorm::load(&attn.pp("norm_q"), head_dim, eps)?,
+            norm_k: RmsNorm::load(&attn.pp("norm_k"), head_dim, eps)?,
+            to_out: Linear::load(&attn.pp("to_out"), dim + mlp, dim, false)?,
+            head_dim,
+            eps,
+            qkv_share: (3 * dim, 3 * dim + 2 * mlp),
+        })
+    }
+
+    /// `modulation`: the shared single-stream modulation `[B, 3D]`.
+    fn forward(&self, h: &Tensor, modulation: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+        let m = mod_params(modulation, 1)?;
+        let n = modulate(&LayerNorm::plain(self.eps).forward(h)?, &m[0], &m[1])?;
+        let p = self.to_qkv_mlp_proj.forward(&n)?;
+        // As diffusers' processor: [q | k | v] then [gate | up], in proportion to the widths so
+        // that a shard of every sub-block splits the same way.
+        let width = p.dims()[2];
+        let (qkv_part, total) = self.qkv_share;
+        let qkv_width = width * qkv_part / total;
+        if qkv_width * total != width * qkv_part || !qkv_width.is_multiple_of(3) {
+            return Err(input_error(
+                "Flux2SingleTransformerBlock",
+                format!(
+                    "to_qkv_mlp_proj gives {width} features, which do not split as q|k|v|gate|up in the \
+                     proportion {qkv_part}:{}",
+                    total - qkv_part
+                ),
+            ));
+        }
+        let parts = p.split_sizes(&[qkv_width, width - qkv_width], 2)?;
+        let qkv = parts[0].chunk(3, 2)?;
+        let q = split_heads(&qkv[0], self.head_dim, Some(&self.norm_q))?;
+        let k = split_heads(&qkv[1], self.head_dim, Some(&self.norm_k))?;
+        let v = split_heads(&qkv[2], self.head_dim, None)?;
+        let a = attention(&q, &k, &v, rope)?;
+        let mlp = swiglu(&parts[1])?;
+        let joined = Tensor::cat(&[&a, &mlp], 2)?;
+        let mut h = gated_residual(h, &m[2], &self.to_out.forward(&joined)?)?;
+        if h.dtype() == DType::F16 {
+            h = h.clamp(-65504.0, 65504.0)?;
+        }
+        Ok(h)
+    }
+}
+
+/// `Flux2TimestepGuidanceEmbeddings`: `timestep_embedder(sinusoid(t))` (+ `guidance_embedder(
+/// sinusoid(g))` when the model has one), no biases.
+#[derive(Clone, Debug)]
+struct TimeGuidanceEmbed {
+    frequencies: Tensor,
+    timestep_embedder: Mlp,
+    guidance_embedder: Option<Mlp>,
+}
+
+// `frequencies` is kiln's precomputed sinusoid table (not a checkpoint tensor); it is walked so
+// that it moves and is passed like every weight.
+impl_module!(TimeGuidanceEmbed {
+    frequencies: "time_proj.frequencies",
+    timestep_embedder: "timestep_embedder",
+    guidance_embedder: "guidance_embedder",
+});
+
+impl TimeGuidanceEmbed {
+    /// `t`, `g`: `[B]` f32 (already ×1000); the result is in `dtype`.
+    fn forward(&self, t: &Tensor, g: Option<&Tensor>, dtype: DType) -> Result<Tensor> {
+        let proj = sinusoid(t, &self.frequencies)?.to_dtype(dtype)?;
+        let mut emb = self.timestep_embedder.forward(&proj)?;
+        if let (Some(embedder), Some(g)) = (&self.guidance_embedder, g) {
+            let proj = sinusoid(g, &self.frequencies)?.to_dtype(dtype)?;
+            emb = emb.add(&embedder.forward(&proj)?)?;
+        }
+        Ok(emb)
+    }
+}
+
+/// The inputs of one transformer call, as `Flux2Pipeline` passes them.
+#[derive(Clone, Copy, Debug)]
+pub struct Flux2TransformerInputs<'a> {
+    /// Packed latents `[B, S_img, in_channels]`.
+    pub hidden_states: &'a Tensor,
+    /// Text encoder features `[B, S_txt, joint_attention_dim]`.
+    pub encoder_hidden_states: &'a Tensor,
+    /// `[B]` timesteps already divided by 1000 (the model multiplies by 1000 in its dtype).
+    pub timestep: &'a Tensor,
+    /// `[B]` guidance scale (f32); required when `guidance_embeds` is set, ignored otherwise.
+    pub guidance: Option<&'a Tensor>,
+    /// Rotary tables for `cat(txt_ids, img_ids)`, from [`Flux2Transformer2DModel::rope`] or
+    /// [`Flux2Transformer2DModel::rope_from_ids`].
+    pub rope: &'a RopeTables,
+}
+
+/// diffusers `Flux2Transformer2DModel`.
+#[derive(Clone, Debug)]
+pub struct Flux2Transformer2DModel {
+    config: Flux2TransformerConfig,
+    time_guidance_embed: TimeGuidanceEmbed,
+    double_stream_modulation_img: Linear,
+    double_stream_modulation_txt: Linear,
+    single_stream_modulation: Linear,
+    x_embedder: Linear,
+    context_embedder: Linear,
+    transformer_blocks: Blocks<Flux2TransformerBlock>,
+    single_transformer_blocks: Blocks<Flux2SingleTransformerBlock>,
+    norm_out: Linear,
+    proj_out: Linear,
+    compiled: Compiled,
+}
+
+impl_module!(Flux2Transformer2DModel {
+    time_guidance_embed: "time_guidance_embed",
+    double_stream_modulation_img: "double_stream_modulation_img.linear",
+    double_stream_modulation_txt: "double_stream_modulation_txt.linear",
+    single_stream_modulation: "single_stream_modulation.linear",
+    x_embedder: "x_embedder",
+    context_embedder: "context_embedder",
+    transformer_blocks: "transformer_blocks",
+    single_transformer_blocks: "single_transformer_blocks",
+    norm_out: "norm_out.linear",
+    proj_out: "proj_out",
+});
+
+impl_model!(
+    /// `transformer`, `transformer.transformer_blocks` and `transformer.single_transformer_blocks`
+    /// are compiled (diffusers' `_repeated_blocks`); sequential offload streams the double
+    /// blocks, then the single blocks.
+    Flux2Transformer2DModel {
+        compiled: compiled,
+        blocks: [transformer_blocks, single_transformer_blocks],
+    }
+);
+
+impl Flux2Transformer2DModel {
+    /// Builds the model from `config` and the weights (diffusers names). Every shape is checked
+    /// against the config; a mismatch names the weight.
+    pub fn load(config: &Flux2TransformerConfig, w: &Weights) -> Result<Self> {
+        let dim = config.inner_dim();
+        let heads = config.num_attention_heads;
+        let head_dim = config.attention_head_dim;
+        let config_error = |message: String| Error::Config {
+            component: w.component().to_string(),
+            message,
+        };
+        if dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(config_error(format!(
+                "num_attention_heads {heads} × attention_head_dim {head_dim} must be positive with an even head_dim"
+            )));
+        }
+        if config.axes_dims_rope.iter().sum::<usize>() != head_dim || config.axes_dims_rope.iter().any(|d| d % 2 != 0) {
+            return Err(config_error(format!(
+                "axes_dims_rope {:?} must be even and add up to attention_head_dim {head_dim}",
+                config.axes_dims_rope
+            )));
+        }
+        if config.mlp_hidden_dim() == 0 {
+            return Err(config_error(format!(
+                "mlp_ratio {} gives no feed-forward width",
+                config.mlp_ratio
+            )));
+        }
+        let channels = config.timestep_guidance_channels;
+        if channels == 0 || !channels.is_multiple_of(2) {
+            return Err(config_error(format!(
+                "timestep_guidance_channels {channels} must be even and positive"
+            )));
+        }
+        if !(config.rope_theta.is_finite() && config.rope_theta > 0.0) {
+            return Err(config_error(format!(
+                "rope_theta {} must be positive",
+                config.rope_theta
+            )));
+        }
+        // A mis-set head count shows first as every weight's width: name the config keys instead.
+        if let Some(rows) = w.checkpoint().info("x_embedder.weight").map(|i| i.shape.dims()[0]) {
+            if rows != dim {
+                return Err(config_error(format!(
+                    "num_attention_heads {heads} × attention_head_dim {head_dim} = {dim}, but the checkpoint's \
+                     x_embedder.weight has {rows} output features: config.json does not match the weights"
+                )));
+            }
+        }
+        let tge = w.pp("time_guidance_embed");
+        let half = channels / 2;
+        let time_guidance_embed = TimeGuidanceEmbed {
+            frequencies: Tensor::from_slice(&timestep_frequencies(half), [half], w.device())?,
+            timestep_embedder: Mlp::load_with_bias(&tge.pp("timestep_embedder"), channels, dim, false)?,
+            guidance_embedder: if config.guidance_embeds {
+                Some(Mlp::load_with_bias(&tge.pp("guidance_embedder"), channels, dim, false)?)
+            } else {
+                None
+            },
+        };
+        let modulation = |name: &str, sets: usize| Linear::load(&w.pp(name).pp("linear"), dim, 3 * sets * dim, false);
+        let transformer_blocks = (0..config.num_layers)
+            .map(|i| Flux2TransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), config))
+            .collect::<Result<_>>()?;
+        let single_transformer_blocks = (0..config.num_single_layers)
+            .map(|i| Flux2SingleTransformerBlock::load(&w.pp(format!("single_transformer_blocks.{i}")), config))
+            .collect::<Result<_>>()?;
+        let out = config.patch_size * config.patch_size * config.out_channels();
+        Ok(Flux2Transformer2DModel {
+            config: config.clone(),
+            time_guidance_embed,
+            double_stream_modulation_img: modulation("double_stream_modulation_img", 2)?,
+            double_stream_modulation_txt: modulation("double_stream_modulation_txt", 2)?,
+            single_stream_modulation: modulation("single_stream_modulation", 1)?,
+            x_embedder: Linear::load(&w.pp("x_embedder"), config.in_channels, dim, false)?,
+            context_embedder: Linear::load(&w.pp("context_embedder"), config.joint_attention_dim, dim, false)?,
+            transformer_blocks: Blocks::new("transformer_blocks", transformer_blocks),
+            single_transformer_blocks: Blocks::new("single_transformer_blocks", single_transformer_blocks),
+            norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, false)?,
+            proj_out: Linear::load(&w.pp("proj_out"), dim, out, false)?,
+            compiled: Compiled::new("transformer"),
+        })
+    }
+
+    pub fn config(&self) -> &Flux2TransformerConfig {
+        &self.config
+    }
+
+    /// The rotary tables (`Flux2PosEmbed`, θ = `rope_theta`) of the joint sequence: text ids
+    /// `[S_txt, n_axes]` then image ids `[S_img, n_axes]`, row-major int64 (`(t, h, w, l)` for
+    /// FLUX.2), `n_axes = len(axes_dims_rope)`. Ids go through f32 as diffusers' `ids.float()`.
+    pub fn rope(&self, txt_ids: &[i64], img_ids: &[i64], device: &Device) -> Result<RopeTables> {
+        let n_axes = self.config.axes_dims_rope.len();
+        for (what, ids) in [("txt_ids", txt_ids), ("img_ids", img_ids)] {
+            if n_axes == 0 || !ids.len().is_multiple_of(n_axes) {
+                return Err(input_error(
+                    "Flux2Transformer2DModel::rope",
+                    format!("{what} has {} values, not rows of {n_axes} axes", ids.len()),
+                ));
+            }
+        }
+        let ids: Vec<f64> = txt_ids.iter().chain(img_ids).map(|&v| v as f32 as f64).collect();
+        rope_tables(&ids, &self.config.axes_dims_rope, self.config.rope_theta, device)
+    }
+
+    /// [`Self::rope`] from the id tensors as the pipeline passes them: int64 `[B, S, n_axes]`
+    /// (only batch row 0 is used, as diffusers does) or `[S, n_axes]`.
+    pub fn rope_from_ids(&self, txt_ids: &Tensor, img_ids: &Tensor) -> Result<RopeTables> {
+        let n_axes = self.config.axes_dims_rope.len();
+        let first_row = |what: &str, ids: &Tensor| -> Result<Vec<i64>> {
+            let ok_rank = matches!(ids.rank(), 2 | 3) && ids.dims().last() == Some(&n_axes);
+            if !ok_rank || ids.dtype() != DType::I64 {
+                return Err(input_error(
+                    "Flux2Transformer2DModel::rope_from_ids",
+                    format!(
+                        "{what} must be int64 [batch, seq, {n_axes}] or [seq, {n_axes}], got {} {}",
+                        ids.shape(),
+                        ids.dtype()
+                    ),
+                ));
+            }
+            let values = ids.to_vec::<i64>()?;
+            let row = ids.dims()[ids.rank() - 2] * n_axes;
+            Ok(values[..row].to_vec())
+        };
+        let txt = first_row("txt_ids", txt_ids)?;
+        let img = first_row("img_ids", img_ids)?;
+        self.rope(&txt, &img, img_ids.device())
+    }
+
+    /// Predicts the flow velocity `[B, S_img, patch_size²·out_channels]`.
+    pub fn forward(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<Tensor> {
+        if self.config.guidance_embeds && inputs.guidance.is_none() {
+            return Err(Error::Config {
+                component: "transformer".into(),
+                message: "this model has guidance_embeds=true and needs a guidance value".into(),
+            });
+        }
+        let args = Args::new()
+            .with("hidden_states", inputs.hidden_states)
+            .with("encoder_hidden_states", inputs.encoder_hidden_states)
+            .with("timestep", inputs.timestep)
+            .with("rope.cos", &inputs.rope.cos)
+            .with("rope.sin", &inputs.rope.sin)
+            .with_opt("guidance", inputs.guidance.filter(|_| self.config.guidance_embeds));
+        self.compiled.whole("", self, args, |m, a| {
+            m.forward_graph(&Flux2TransformerInputs {
+                hidden_states: a.get("hidden_states")?,
+                encoder_hidden_states: a.get("encoder_hidden_states")?,
+                timestep: a.get("timestep")?,
+                guidance: a.opt("guidance"),
+                rope: &rope_of(a)?,
+            })
+        })
+    }
+
+    /// The forward's ops, each block run through its list (streamed, or compiled on its own in
+    /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
+    fn forward_graph(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<Tensor> {
+        let x = inputs.hidden_states;
+        let dtype = x.dtype();
+        let guidance = inputs.guidance.filter(|_| self.config.guidance_embeds);
+        // diffusers: `timestep.to(dtype) * 1000` and `guidance.to(dtype) * 1000` in the model dtype.
+        let times_1000 =
+            |v: &Tensor| -> Result<Tensor> { Ok(v.to_dtype(dtype)?.mul_scalar_f32(1000.0)?.to_dtype(DType::F32)?) };
+        let t = times_1000(inputs.timestep)?;
+        let g = guidance.map(times_1000).transpose()?;
+        let temb = self.time_guidance_embed.forward(&t, g.as_ref(), dtype)?;
+        let temb_silu = temb.silu()?;
+        // One modulation per forward, shared by every block of a kind.
+        let mod_img = self.double_stream_modulation_img.forward(&temb_silu)?;
+        let mod_txt = self.double_stream_modulation_txt.forward(&temb_silu)?;
+        let mod_single = self.single_stream_modulation.forward(&temb_silu)?;
+        let rope = inputs.rope;
+
+        let mut x = self.x_embedder.forward(x)?;
+        let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?;
+        for i in 0..self.transformer_blocks.len() {
+            let args = Args::new()
+                .with("hidden_states", &x)
+                .with("encoder_hidden_states", &ctx)
+                .with("mod_img", &mod_img)
+                .with("mod_txt", &mod_txt)
+                .with("rope.cos", &rope.cos)
+                .with("rope.sin", &rope.sin);
+            let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
+                let (ctx, x) = block.forward(
+                    a.get("hidden_states")?,
+                    a.get("encoder_hidden_states")?,
+                    a.get("mod_img")?,
+                    a.get("mod_txt")?,
+                    &rope_of(a)?,
+                )?;
+                Ok(Args::new()
+                    .with("encoder_hidden_states", &ctx)
+                    .with("hidden_states", &x))
+            })?;
+            (ctx, x) = (out.take("encoder_hidden_states")?, out.take("hidden_states")?);
+        }
+        let text_len = ctx.dims()[1];
+        let mut h = Tensor::cat(&[&ctx, &x], 1)?;
+        for i in 0..self.single_transformer_blocks.len() {
+            let args = Args::new()
+                .with("hidden_states", &h)
+                .with("mod", &mod_single)
+                .with("rope.cos", &rope.cos)
+                .with("rope.sin", &rope.sin);
+            h = self
+                .single_transformer_blocks
+                .run(&self.compiled, i, args, |block, a| {
+                    block.forward(a.get("hidden_states")?, a.get("mod")?, &rope_of(a)?)
+                })?;
+        }
+        let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;
+        // AdaLayerNormContinuous: scale first, then shift.
+        let e = self.norm_out.forward(&temb_silu)?.chunk(2, 1)?;
+        let x = modulate(&LayerNorm::plain(self.config.eps).forward(&x)?, &e[1], &e[0])?;
+        self.proj_out.forward(&x)
+    }
+}
+
+/// The rotary tables passed as `rope.cos` and `rope.sin`.
+fn rope_of(a: &Args) -> Result<RopeTables> {
+    Ok(RopeTables {
+        cos: a.get("rope.cos")?.clone(),
+        sin: a.get("rope.sin")?.clone(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in about [-0.5, 0.5].
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 1013) as f32 / 1013.0 - 0.5) * 0.6)
+            .collect()
+    }
+
+    /// Rows `ranges` of a row-major `[rows, cols]` matrix, stacked.
+    fn rows(m: &[f32], cols: usize, ranges: &[std::ops::Range<usize>]) -> Vec<f32> {
+        ranges
+            .iter()
+            .flat_map(|r| m[r.start * cols..r.end * cols].to_vec())
+            .collect()
+    }
+
+    /// A single block whose `to_qkv_mlp_proj` holds the rank's contiguous share of every
+    /// sub-block's rows (q, k, v, gate, up) and whose `to_out` holds the matching columns (the
+    /// tensor-parallel layout) runs unchanged: the head count follows the width, the fused
+    /// output splits in proportion, and the ranks' residual updates add up to the whole block's.
+    #[test]
+    fn a_row_sharded_single_block_runs_unchanged() {
+        let d = Device::cpu().expect("the CPU PJRT plugin must be installed");
+        let (dim, head_dim, mlp, seq, ranks) = (32usize, 8usize, 48usize, 5usize, 2usize);
+        let fused = values((3 * dim + 2 * mlp) * dim, 1);
+        let out = values(dim * (dim + mlp), 2);
+        let t = |v: Vec<f32>, shape: &[usize]| Tensor::from_slice(&v, shape.to_vec(), &d).unwrap();
+        let norm = |seed| RmsNorm {
+            weight: t(values(head_dim, seed).iter().map(|v| 1.0 + v).collect(), &[head_dim]),
+            eps: 1e-6,
+        };
+        let block =
+            |qkv: Vec<f32>, qkv_rows: usize, to_out: Vec<f32>, to_out_cols: usize| Flux2SingleTransformerBlock {
+                to_qkv_mlp_proj: Linear {
+                    weight: t(qkv, &[qkv_rows, dim]),
+                    bias: None,
+                },
+                norm_q: norm(3),
+                norm_k: norm(4),
+                to_out: Linear {
+                    weight: t(to_out, &[dim, to_out_cols]),
+                    bias: None,
+                },
+                head_dim,
+                eps: 1e-6,
+                qkv_share: (3 * dim, 3 * dim + 2 * mlp),
+            };
+        let full = block(fused.clone(), 3 * dim + 2 * mlp, out.clone(), dim + mlp);
+        let ids: Vec<f64> = (0..seq).flat_map(|s| [0.0, s as f64, (s * 2) as f64, 1.0]).collect();
+        let rope = rope_tables(&ids, &[2, 2, 2, 2], 2000.0, &d).unwrap();
+        let h = t(values(seq * dim, 5), &[1, seq, dim]);
+        let modulation = t(values(3 * dim, 6), &[1, 3 * dim]);
+        let whole = full.forward(&h, &modulation, &rope).unwrap().sub(&h).unwrap();
+
+        let (a, m) = (dim / ranks, mlp / ranks);
+        let mut sum: Option<Tensor> = None;
+        for r in 0..ranks {
+            // [q_r | k_r | v_r | gate_r | up_r] rows; to_out columns [attn_r | mlp_r].
+            let starts = [0, dim, 2 * dim];
+            let mut ranges: Vec<_> = starts.iter().map(|s| s + r * a..s + (r + 1) * a).collect();
+            ranges.extend([
+                3 * dim + r * m..3 * dim + (r + 1) * m,
+                3 * dim + mlp + r * m..3 * dim + mlp + (r + 1) * m,
+            ]);
+            let qkv = rows(&fused, dim, &ranges);
+            let cols: Vec<usize> = (r * a..(r + 1) * a).chain(dim + r * m..dim + (r + 1) * m).collect();
+            let to_out: Vec<f32> = (0..dim)
+                .flat_map(|o| cols.iter().map(|&c| out[o * (dim + mlp) + c]).collect::<Vec<_>>())
+                .collect();
+            let shard = block(qkv, 3 * a + 2 * m, to_out, a + m);
+            let update = shard.forward(&h, &modulation, &rope).unwrap().sub(&h).unwrap();
+            sum = Some(match sum {
+                None => update,
+                Some(s) => s.add(&update).unwrap(),
+            });
+        }
+        let (got, want) = (sum.unwrap().to_f32_vec().unwrap(), whole.to_f32_vec().unwrap());
+        let diff = got.iter().zip(&want).fold(0f32, |mx, (x, y)| mx.max((x - y).abs()));
+        let absmax = want.iter().fold(0f32, |mx, v| mx.max(v.abs()));
+        assert!(absmax > 1e-2, "the block update is trivially small");
+        assert!(diff <= 1e-5 * absmax.max(1.0), "sharded sum differs by {diff}");
+
+        // A width that does not split in the 3·inner : 2·mlp proportion is an error, not a panic.
+        let odd = block(values(100 * dim, 7), 100, out, dim + mlp);
+        let err = odd.forward(&h, &modulation, &rope).unwrap_err().to_string();
+        assert!(err.contains("to_qkv_mlp_proj gives 100 features"), "{err}");
+    }
+}
