@@ -16,6 +16,7 @@ use crate::budget::CallBudget;
 use crate::call::{OutputType, PipelineOutput, StepCallback};
 use crate::error::{invalid, PipelineError, Result};
 use crate::flux::{FluxCall, FluxPipeline};
+use crate::flux2::{Flux2Call, Flux2Pipeline};
 use crate::loading::{LoadOptions, ModelFolder};
 use crate::offload::{OffloadMode, OffloadPlan};
 use crate::pipeline::DiffusionPipeline;
@@ -28,6 +29,8 @@ pub enum PipelineKind {
     Flux,
     /// diffusers' `StableDiffusion3Pipeline` (SD3 and SD3.5 [medium, large]).
     StableDiffusion3,
+    /// diffusers' `Flux2Pipeline` (FLUX.2 [dev]).
+    Flux2,
 }
 
 /// The call arguments every pipeline takes (`seed` stands for `generator`).
@@ -51,6 +54,8 @@ struct Spec {
     class_name: &'static str,
     /// The call arguments it takes besides [`COMMON_ARGUMENTS`].
     arguments: &'static [&'static str],
+    /// The [`COMMON_ARGUMENTS`] it does not take.
+    without: &'static [&'static str],
     defaults: CallDefaults,
 }
 
@@ -69,13 +74,14 @@ macro_rules! defaults_of {
 }
 
 impl PipelineKind {
-    pub const ALL: &'static [PipelineKind] = &[PipelineKind::Flux, PipelineKind::StableDiffusion3];
+    pub const ALL: &'static [PipelineKind] = &[PipelineKind::Flux, PipelineKind::StableDiffusion3, PipelineKind::Flux2];
 
     fn spec(self) -> Spec {
         match self {
             PipelineKind::Flux => Spec {
                 class_name: "FluxPipeline",
                 arguments: &["true_cfg_scale"],
+                without: &[],
                 defaults: defaults_of!(FluxCall::default()),
             },
             PipelineKind::StableDiffusion3 => Spec {
@@ -89,7 +95,14 @@ impl PipelineKind {
                     "skip_layer_guidance_stop",
                     "clip_skip",
                 ],
+                without: &[],
                 defaults: defaults_of!(StableDiffusion3Call::default()),
+            },
+            PipelineKind::Flux2 => Spec {
+                class_name: "Flux2Pipeline",
+                arguments: &["text_encoder_out_layers"],
+                without: &["prompt_2", "negative_prompt", "negative_prompt_2"],
+                defaults: defaults_of!(Flux2Call::default()),
             },
         }
     }
@@ -102,12 +115,20 @@ impl PipelineKind {
     /// The arguments its `__call__` takes, by [`GenerateCall`] field name (`seed` stands for
     /// `generator`).
     pub fn arguments(self) -> Vec<&'static str> {
-        COMMON_ARGUMENTS.iter().chain(self.spec().arguments).copied().collect()
+        let spec = self.spec();
+        COMMON_ARGUMENTS
+            .iter()
+            .filter(|a| !spec.without.contains(a))
+            .chain(spec.arguments)
+            .copied()
+            .collect()
     }
 
     /// Whether its `__call__` takes `argument` (a [`GenerateCall`] field name).
     pub fn takes(self, argument: &str) -> bool {
-        COMMON_ARGUMENTS.contains(&argument) || self.spec().arguments.contains(&argument)
+        let spec = self.spec();
+        (COMMON_ARGUMENTS.contains(&argument) && !spec.without.contains(&argument))
+            || spec.arguments.contains(&argument)
     }
 
     /// Its call defaults (diffusers').
@@ -211,6 +232,8 @@ pub struct GenerateCall<'a> {
     pub skip_layer_guidance_stop: Option<f64>,
     /// SD3: CLIP layers skipped from the end for the prompt embeddings.
     pub clip_skip: Option<usize>,
+    /// FLUX.2: the text encoder's hidden states stacked into the prompt embeddings (10, 20, 30).
+    pub text_encoder_out_layers: Option<Vec<usize>>,
     pub output_type: OutputType,
     /// Show a progress bar on stderr (when it is a terminal).
     pub progress: bool,
@@ -241,6 +264,7 @@ impl Default for GenerateCall<'_> {
             skip_layer_guidance_start: None,
             skip_layer_guidance_stop: None,
             clip_skip: None,
+            text_encoder_out_layers: None,
             output_type: OutputType::Image,
             progress: true,
             callback: None,
@@ -311,6 +335,7 @@ impl GenerateCall<'_> {
             ("skip_layer_guidance_start", self.skip_layer_guidance_start.is_some()),
             ("skip_layer_guidance_stop", self.skip_layer_guidance_stop.is_some()),
             ("clip_skip", self.clip_skip.is_some()),
+            ("text_encoder_out_layers", self.text_encoder_out_layers.is_some()),
         ]
         .into_iter()
         .filter_map(|(name, given)| given.then_some(name))
@@ -355,6 +380,7 @@ macro_rules! call_of {
 enum Loaded {
     Flux(Box<FluxPipeline>),
     StableDiffusion3(Box<StableDiffusion3Pipeline>),
+    Flux2(Box<Flux2Pipeline>),
 }
 
 /// `$body` with `$p` bound to the loaded pipeline, whichever it is.
@@ -363,6 +389,7 @@ macro_rules! each {
         match $loaded {
             Loaded::Flux($p) => $body,
             Loaded::StableDiffusion3($p) => $body,
+            Loaded::Flux2($p) => $body,
         }
     };
 }
@@ -387,6 +414,7 @@ impl AnyPipeline {
             PipelineKind::StableDiffusion3 => {
                 Loaded::StableDiffusion3(Box::new(StableDiffusion3Pipeline::from_pretrained(model, options)?))
             }
+            PipelineKind::Flux2 => Loaded::Flux2(Box::new(Flux2Pipeline::from_pretrained(model, options)?)),
         };
         Ok(AnyPipeline { kind, defaults, pipe })
     }
@@ -412,6 +440,9 @@ impl AnyPipeline {
                 skip_layer_guidance_scale: call.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
                 skip_layer_guidance_start: call.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
                 skip_layer_guidance_stop: call.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
+            })),
+            Loaded::Flux2(p) => p.call(call_of!(call, defaults, Flux2Call, d => {
+                text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
             })),
         };
         // Running out of memory outside the models' runs (which name their component) names the
@@ -450,6 +481,7 @@ impl AnyPipeline {
         let uses_guidance = match &self.pipe {
             Loaded::Flux(p) => p.transformer_config().guidance_embeds,
             Loaded::StableDiffusion3(_) => true,
+            Loaded::Flux2(p) => p.transformer_config().guidance_embeds,
         };
         uses_guidance.then(|| call.guidance_scale.unwrap_or(self.defaults.guidance_scale))
     }
@@ -551,10 +583,11 @@ mod tests {
             skip_layer_guidance_start: Some(1.0),
             skip_layer_guidance_stop: Some(1.0),
             clip_skip: Some(1),
+            text_encoder_out_layers: Some(vec![]),
             ..Default::default()
         };
         let given = everything.given();
-        assert_eq!(given.len(), 20);
+        assert_eq!(given.len(), 21);
         for argument in given {
             assert!(
                 PipelineKind::ALL.iter().any(|k| k.takes(argument)),
@@ -585,6 +618,35 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert_eq!(err, "`true_cfg_scale` is not an argument of StableDiffusion3Pipeline");
+        // FLUX.2 has one text encoder and no negative prompt, and its own hidden-state layers.
+        let call = GenerateCall {
+            text_encoder_out_layers: Some(vec![10, 20, 30]),
+            ..GenerateCall::prompt("a")
+        };
+        assert!(PipelineKind::Flux2.check_arguments(&call).is_ok());
+        let err = PipelineKind::Flux.check_arguments(&call).unwrap_err().to_string();
+        assert_eq!(err, "`text_encoder_out_layers` is not an argument of FluxPipeline");
+        for (argument, call) in [
+            (
+                "prompt_2",
+                GenerateCall {
+                    prompt_2: Some(vec!["b".into()]),
+                    ..GenerateCall::prompt("a")
+                },
+            ),
+            (
+                "negative_prompt",
+                GenerateCall {
+                    negative_prompt: Some(vec!["b".into()]),
+                    ..GenerateCall::prompt("a")
+                },
+            ),
+        ] {
+            let err = PipelineKind::Flux2.check_arguments(&call).unwrap_err().to_string();
+            assert_eq!(err, format!("`{argument}` is not an argument of Flux2Pipeline"));
+        }
+        assert!(!PipelineKind::Flux2.arguments().contains(&"negative_prompt_2"));
+        assert!(PipelineKind::Flux2.arguments().contains(&"text_encoder_out_layers"));
         // A generator list counts as `seed`, which every pipeline takes.
         assert_eq!(
             GenerateCall {
@@ -618,6 +680,16 @@ mod tests {
                 max_sequence_length: 256,
             }
         );
+        assert_eq!(
+            PipelineKind::Flux2.defaults(),
+            CallDefaults {
+                height: 0,
+                width: 0,
+                num_inference_steps: 50,
+                guidance_scale: 4.0,
+                max_sequence_length: 512,
+            }
+        );
     }
 
     #[test]
@@ -642,6 +714,6 @@ mod tests {
     #[test]
     fn class_names_are_diffusers_and_distinct() {
         let names: Vec<&str> = PipelineKind::ALL.iter().map(|k| k.class_name()).collect();
-        assert_eq!(names, ["FluxPipeline", "StableDiffusion3Pipeline"]);
+        assert_eq!(names, ["FluxPipeline", "StableDiffusion3Pipeline", "Flux2Pipeline"]);
     }
 }

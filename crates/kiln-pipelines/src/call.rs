@@ -158,6 +158,10 @@ pub(crate) struct SharedChecks<'a> {
     pub negative_prompt_embeds: Option<&'a Tensor>,
     pub negative_pooled_prompt_embeds: Option<&'a Tensor>,
     pub max_sequence_length: usize,
+    /// The largest `max_sequence_length` the pipeline accepts (`None`: no limit, FLUX.2).
+    pub max_sequence_length_limit: Option<usize>,
+    /// Whether `prompt_embeds` need `pooled_prompt_embeds` (FLUX.2 has no pooled embeddings).
+    pub needs_pooled: bool,
     pub guidance_scale: f64,
     pub sigmas: Option<&'a [f64]>,
     pub num_images_per_prompt: usize,
@@ -195,15 +199,15 @@ impl SharedChecks<'_> {
             self.negative_prompt_embeds,
             "negative_prompt_embeds",
         )?;
-        if self.prompt_embeds.is_some() && self.pooled_prompt_embeds.is_none() {
+        if self.needs_pooled && self.prompt_embeds.is_some() && self.pooled_prompt_embeds.is_none() {
             return Err(invalid("If `prompt_embeds` are provided, `pooled_prompt_embeds` also have to be passed. Make sure to generate `pooled_prompt_embeds` from the same text encoder that was used to generate `prompt_embeds`."));
         }
         if self.negative_prompt_embeds.is_some() && self.negative_pooled_prompt_embeds.is_none() {
             return Err(invalid("If `negative_prompt_embeds` are provided, `negative_pooled_prompt_embeds` also have to be passed. Make sure to generate `negative_pooled_prompt_embeds` from the same text encoder that was used to generate `negative_prompt_embeds`."));
         }
-        if self.max_sequence_length > 512 {
+        if let Some(limit) = self.max_sequence_length_limit.filter(|&l| self.max_sequence_length > l) {
             return Err(invalid(format!(
-                "`max_sequence_length` cannot be greater than 512 but is {}",
+                "`max_sequence_length` cannot be greater than {limit} but is {}",
                 self.max_sequence_length
             )));
         }
@@ -262,6 +266,7 @@ macro_rules! pipeline_call {
         pub struct $name:ident {
             guidance_scale: $guidance:expr,
             max_sequence_length: $max_sequence_length:expr,
+            $( num_inference_steps: $steps:expr, )?
             $( $(#[$field_meta:meta])* pub $field:ident : $ty:ty = $default:expr, )*
         }
     ) => {
@@ -308,7 +313,7 @@ macro_rules! pipeline_call {
                     negative_prompt_2: None,
                     height: 0,
                     width: 0,
-                    num_inference_steps: 28,
+                    num_inference_steps: $crate::call::pipeline_call!(@or $($steps)? ; 28),
                     sigmas: None,
                     guidance_scale: $guidance,
                     num_images_per_prompt: 1,
@@ -354,6 +359,16 @@ macro_rules! pipeline_call {
                 prompts: &[(&'static str, bool, String)],
                 negative_prompts: &[(&'static str, bool, String)],
             ) -> $crate::error::Result<()> {
+                self.shared_checks_of(prompts, negative_prompts).check()
+            }
+
+            /// [`Self::shared_checks`] before they run, for a pipeline that changes one of them.
+            #[allow(dead_code)]
+            fn shared_checks_of(
+                &self,
+                prompts: &[(&'static str, bool, String)],
+                negative_prompts: &[(&'static str, bool, String)],
+            ) -> $crate::call::SharedChecks<'_> {
                 let given = |name, p: &Option<Vec<String>>| (name, p.is_some(), $crate::call::shown(p.as_ref()));
                 let mut all = vec![given("prompt", &self.prompt), given("prompt_2", &self.prompt_2)];
                 all.extend_from_slice(prompts);
@@ -370,6 +385,8 @@ macro_rules! pipeline_call {
                     negative_prompt_embeds: self.negative_prompt_embeds.as_ref(),
                     negative_pooled_prompt_embeds: self.negative_pooled_prompt_embeds.as_ref(),
                     max_sequence_length: self.max_sequence_length,
+                    max_sequence_length_limit: Some(512),
+                    needs_pooled: true,
                     guidance_scale: self.guidance_scale,
                     sigmas: self.sigmas.as_deref(),
                     num_images_per_prompt: self.num_images_per_prompt,
@@ -379,9 +396,14 @@ macro_rules! pipeline_call {
                     height: self.height,
                     width: self.width,
                 }
-                .check()
             }
         }
+    };
+    (@or $value:expr ; $default:expr) => {
+        $value
+    };
+    (@or ; $default:expr) => {
+        $default
     };
 }
 pub(crate) use pipeline_call;

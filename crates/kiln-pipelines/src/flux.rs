@@ -405,7 +405,7 @@ pub fn unpack_latents(x: &Tensor, h: usize, w: usize) -> Result<Tensor> {
 }
 
 /// `t.expand(N).to(dtype) / 1000` as the pipeline passes it (division in f32, then the dtype).
-fn timestep_tensor(t: f32, n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+pub(crate) fn timestep_tensor(t: f32, n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let t_dtype = kiln_types::bytes_to_f32(&kiln_types::f32_to_bytes(&[t], dtype), dtype)[0];
     let value = t_dtype / 1000.0;
     Ok(Tensor::from_f32(&vec![value; n], dtype, [n], device)?)
