@@ -418,6 +418,17 @@ impl Flux2Pipeline {
             None if !self.has_text_encoder() => return Err(no_text_encoder()),
             None => {
                 self.check_out_layers(&args.text_encoder_out_layers)?;
+                let (joint, hidden) = (
+                    self.transformer_config.joint_attention_dim,
+                    self.text_encoder_config.as_ref().map_or(0, |c| c.hidden_size),
+                );
+                let k = args.text_encoder_out_layers.len();
+                if k * hidden != joint {
+                    return Err(invalid(format!(
+                        "`text_encoder_out_layers` gives {k} hidden states of {hidden} features ({}), but the transformer's joint_attention_dim is {joint}",
+                        k * hidden
+                    )));
+                }
                 // diffusers has no limit; the text encoder's positions do.
                 let positions = self
                     .text_encoder_config

@@ -3,8 +3,8 @@
 
 use kiln_pipelines::DiffusionPipeline;
 use kiln_pipelines::{
-    AnyPipeline, FluxCall, FluxPipeline, GenerateCall, LoadOptions, PipelineKind, StableDiffusion3Call,
-    StableDiffusion3Pipeline,
+    AnyPipeline, Flux2Call, Flux2Pipeline, FluxCall, FluxPipeline, GenerateCall, LoadOptions, PipelineKind,
+    StableDiffusion3Call, StableDiffusion3Pipeline,
 };
 use kiln_tensor::Tensor;
 use kiln_testing::{device, oracle};
@@ -29,6 +29,7 @@ fn the_model_index_names_the_pipeline() {
     for (name, kind) in [
         ("flux1_schnell", PipelineKind::Flux),
         ("sd3", PipelineKind::StableDiffusion3),
+        ("flux2_dev", PipelineKind::Flux2),
     ] {
         let (root, found) = PipelineKind::of_model(&folder(name), None).unwrap();
         assert_eq!(found, kind);
@@ -48,7 +49,7 @@ fn the_model_index_names_the_pipeline() {
         .to_string();
     assert!(
         err.contains(
-            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline)"
+            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline, Flux2Pipeline)"
         ),
         "{err}"
     );
@@ -164,4 +165,79 @@ fn an_sd3_call_through_any_pipeline_is_the_pipelines_own() {
         .expect("true_cfg_scale is FLUX.1's")
         .to_string();
     assert_eq!(err, "`true_cfg_scale` is not an argument of StableDiffusion3Pipeline");
+}
+
+#[test]
+fn a_flux2_call_through_any_pipeline_is_the_pipelines_own() {
+    let mut any = load("flux2_dev");
+    assert_eq!(any.kind(), PipelineKind::Flux2);
+    // FLUX.2 [dev] embeds guidance: diffusers' default 4.0 when left out.
+    assert_eq!(any.guidance_scale(&GenerateCall::prompt("a")), Some(4.0));
+    let mut flux2 = Flux2Pipeline::from_pretrained(&folder("flux2_dev"), &LoadOptions::default())
+        .unwrap()
+        .to(&device())
+        .unwrap();
+    assert_eq!(
+        (any.default_size(), any.vae_scale_factor(), any.root()),
+        (flux2.default_size(), flux2.vae_scale_factor(), flux2.root())
+    );
+    let got = any.call(GenerateCall {
+        prompt: vec!["a red square".into(), "a blue circle".into()],
+        height: Some(32),
+        width: Some(48),
+        num_inference_steps: Some(2),
+        num_images_per_prompt: Some(2),
+        max_sequence_length: Some(40),
+        text_encoder_out_layers: Some(vec![30, 10]),
+        seed: Some(5),
+        progress: false,
+        ..Default::default()
+    });
+    // The transformer takes 3 × hidden features: two layers are the wrong width, named.
+    let err = got.err().expect("two layers give 32 features, not 48").to_string();
+    assert!(
+        err.contains("`text_encoder_out_layers`") && err.contains("joint_attention_dim is 48"),
+        "{err}"
+    );
+    let got = any
+        .call(GenerateCall {
+            prompt: vec!["a red square".into(), "a blue circle".into()],
+            height: Some(32),
+            width: Some(48),
+            num_inference_steps: Some(2),
+            num_images_per_prompt: Some(2),
+            max_sequence_length: Some(40),
+            text_encoder_out_layers: Some(vec![30, 20, 10]),
+            seed: Some(5),
+            progress: false,
+            ..Default::default()
+        })
+        .unwrap();
+    let want = flux2
+        .call(Flux2Call {
+            prompt: Some(vec!["a red square".into(), "a blue circle".into()]),
+            height: 32,
+            width: 48,
+            num_inference_steps: 2,
+            num_images_per_prompt: 2,
+            max_sequence_length: 40,
+            text_encoder_out_layers: vec![30, 20, 10],
+            seed: 5,
+            progress: false,
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!((got.size, got.timings.steps.len()), (want.size, 2));
+    assert_eq!(values(&got.latents), values(&want.latents));
+    assert_eq!(got.images, want.images);
+    assert_eq!(got.images.len(), 4);
+    let err = any
+        .call(GenerateCall {
+            negative_prompt: Some(vec!["b".into()]),
+            ..GenerateCall::prompt("a")
+        })
+        .err()
+        .expect("FLUX.2 has no negative prompt")
+        .to_string();
+    assert_eq!(err, "`negative_prompt` is not an argument of Flux2Pipeline");
 }

@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
 use kiln_models::autoencoder_kl_flux2::{pack_latents, unpack_latents, unpatchify};
-use kiln_nn::CompileMode;
+use kiln_nn::{CompileMode, OffloadEvent};
 use kiln_pipelines::flux2::{latent_ids, text_ids};
 use kiln_pipelines::{DiffusionPipeline, Flux2Call, Flux2Pipeline, LoadOptions, PipelineOutput, StepState};
 use kiln_rng::{randn_tensor, TorchGenerator};
@@ -315,8 +315,9 @@ fn flux2_dev_case_matches_diffusers_with_compiled_blocks() {
     run_case(&oracle().join("cases/flux2_dev/basic"), CompileMode::RepeatedBlocks);
 }
 
-/// Model offload runs the same programs on the same data: the same latents and images, byte for
-/// byte, and every offloaded weight has left the device after the call.
+/// Model and sequential offload run the same programs on the same data: the same latents and
+/// images, byte for byte; the text encoder leaves the device after encoding, and every offloaded
+/// weight has left it after the call.
 #[test]
 fn model_offload_gives_the_same_bytes() {
     let case = oracle().join("cases/flux2_dev/batch2_images_per_prompt2");
@@ -331,14 +332,34 @@ fn model_offload_gives_the_same_bytes() {
     let want = plain.call(call()).unwrap();
     let mut offloaded = load(&folder());
     offloaded.enable_model_cpu_offload(&d).unwrap();
+    offloaded.offload_log().set_recording(true);
     let got = offloaded.call(call()).unwrap();
     assert_eq!(got.latents.to_bytes().unwrap(), want.latents.to_bytes().unwrap());
     assert_eq!(got.images, want.images);
+    // The text encoder's weights leave the device once its results are awaited, before the
+    // transformer's results are.
+    let events = offloaded.offload_log().events();
+    let at = |e: &OffloadEvent| {
+        events
+            .iter()
+            .position(|x| x == e)
+            .unwrap_or_else(|| panic!("{e:?} in {events:?}"))
+    };
+    assert!(
+        at(&OffloadEvent::Release("text_encoder".into())) < at(&OffloadEvent::Await("transformer".into())),
+        "{events:?}"
+    );
     let plan = offloaded.offload_plan().unwrap();
     let names: Vec<&str> = plan.components.iter().map(|c| c.name).collect();
     assert_eq!(names, ["text_encoder", "transformer", "vae"]);
     // After the call nothing offloaded stays on the device.
     assert_eq!(offloaded.offload_log().weight_bytes(), 0);
+    // Sequential offload (blocks streamed) too.
+    let mut streamed = load(&folder());
+    streamed.enable_sequential_cpu_offload(&d).unwrap();
+    let got = streamed.call(call()).unwrap();
+    assert_eq!(got.latents.to_bytes().unwrap(), want.latents.to_bytes().unwrap());
+    assert_eq!(got.images, want.images);
 }
 
 /// A folder whose `model_index.json` has no text encoder (the remote-text-encoder path) loads

@@ -733,3 +733,79 @@ fn offload_writes_the_same_png_and_a_device_too_small_is_a_clear_error() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Every FLUX.2 [dev] oracle case run by `kiln generate` (picked from `model_index.json`, flags
+/// named after the call's keyword arguments) gives diffusers' images; FLUX.2 has no negative
+/// prompt, and the refusal names the flag.
+#[test]
+fn flux2_cases_through_the_cli_give_the_golden_images() {
+    let dir = temp_dir("flux2");
+    let cases = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../fixtures/oracle/cases/flux2_dev"
+    ));
+    let mut names: Vec<String> = std::fs::read_dir(&cases)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 4, "flux2_dev cases: {names:?}");
+    let model = oracle_pipeline("flux2_dev");
+    let model = model.to_str().unwrap();
+    for name in &names {
+        let call: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(cases.join(name).join("call.json")).unwrap()).unwrap();
+        let mut args: Vec<(String, String)> = vec![
+            ("--model".into(), model.into()),
+            ("--seed".into(), call["seed"].to_string()),
+            ("--compile".into(), "none".into()),
+            ("--output".into(), format!("{name}.png")),
+        ];
+        for (key, value) in call["call_kwargs"].as_object().unwrap() {
+            let flag = format!("--{}", key.replace('_', "-"));
+            match value {
+                serde_json::Value::String(s) => args.push((flag, s.clone())),
+                serde_json::Value::Array(items) => {
+                    args.extend(items.iter().map(|v| (flag.clone(), v.as_str().unwrap().to_string())))
+                }
+                other => args.push((flag, other.to_string())),
+            }
+        }
+        if name == "basic" {
+            args.push(("--text-encoder-out-layers".into(), "10,20,30".into()));
+        }
+        let args: Vec<(&str, &str)> = args.iter().map(|(f, v)| (f.as_str(), v.as_str())).collect();
+        generate_ok(&dir, &args);
+        let images = call["derived"]["effective_batch"].as_u64().unwrap() as usize;
+        for k in 0..images {
+            let file = if images == 1 {
+                format!("{name}.png")
+            } else {
+                format!("{name}-{k}.png")
+            };
+            assert_matches_golden(&dir.join(file), &oracle_image(&format!("flux2_dev/{name}"), k));
+        }
+    }
+    let out = kiln()
+        .args([
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "a cat",
+            "--negative-prompt",
+            "a dog",
+        ])
+        .args(["--device", "cpu", "--output"])
+        .arg(dir.join("refused.png"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--negative-prompt is not an argument of Flux2Pipeline"),
+        "{stderr}"
+    );
+    assert!(!dir.join("refused.png").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}

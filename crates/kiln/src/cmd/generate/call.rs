@@ -103,6 +103,11 @@ pub struct CallArgs {
     #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = count, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clip_skip: Option<usize>,
+    /// FLUX.2: the text encoder's hidden states stacked into the prompt embeddings,
+    /// comma-separated (diffusers' default 10,20,30).
+    #[arg(long, value_name = "K,K,...", value_delimiter = ',', allow_negative_numbers = true, value_parser = count, help_heading = SAMPLE)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_encoder_out_layers: Option<Vec<usize>>,
 }
 
 /// A count or a size: a whole number, 0 or more (clap names the flag in front of the message).
@@ -291,6 +296,7 @@ impl CallArgs {
             skip_layer_guidance_start: self.skip_layer_guidance_start,
             skip_layer_guidance_stop: self.skip_layer_guidance_stop,
             clip_skip: self.clip_skip,
+            text_encoder_out_layers: self.text_encoder_out_layers.clone(),
             ..Default::default()
         }
     }
@@ -348,9 +354,13 @@ mod tests {
             "1.0,0.75,0.5",
             "--skip-guidance-layers",
             "7,8,9",
+            "--text-encoder-out-layers",
+            "10,20,30",
         ]);
         assert_eq!(a.sigmas, Some(vec![1.0, 0.75, 0.5]));
         assert_eq!(a.skip_guidance_layers, Some(vec![7, 8, 9]));
+        assert_eq!(a.text_encoder_out_layers, Some(vec![10, 20, 30]));
+        assert_eq!(a.generate_call().text_encoder_out_layers, Some(vec![10, 20, 30]));
         // Every field is a flag of the same name, and the JSON keys are the field names.
         for field in a.present() {
             assert!(Cli::command().get_arguments().any(|arg| arg.get_id() == field.as_str()));
