@@ -233,7 +233,7 @@ fn bad_arguments_are_clear_errors() {
     assert!(!ok);
     assert!(
         stderr.contains(
-            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline)"
+            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline, Flux2Pipeline)"
         ),
         "{stderr}"
     );
@@ -785,6 +785,28 @@ fn flux2_cases_through_the_cli_give_the_golden_images() {
             };
             assert_matches_golden(&dir.join(file), &oracle_image(&format!("flux2_dev/{name}"), k));
         }
+    }
+    // The PNG records the FLUX.2 arguments; --from makes the same files again.
+    let params = kiln::read_png_parameters(dir.join("basic.png")).unwrap();
+    assert_eq!(params.call["text_encoder_out_layers"], serde_json::json!([10, 20, 30]));
+    generate_ok(&dir, &[("--from", "basic.png"), ("--output", "basic-again.png")]);
+    let stderr = generate_ok(
+        &dir,
+        &[
+            ("--from", "batch2_images_per_prompt2-3.png"),
+            ("--output", "batch-again.png"),
+        ],
+    );
+    assert!(stderr.contains("image 3 of 4"), "{stderr}");
+    for (a, b) in [
+        ("basic.png", "basic-again.png"),
+        ("batch2_images_per_prompt2-0.png", "batch-again-0.png"),
+        ("batch2_images_per_prompt2-3.png", "batch-again-3.png"),
+    ] {
+        assert!(
+            std::fs::read(dir.join(a)).unwrap() == std::fs::read(dir.join(b)).unwrap(),
+            "{b} differs from {a}"
+        );
     }
     let out = kiln()
         .args([
