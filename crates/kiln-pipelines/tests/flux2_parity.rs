@@ -352,6 +352,31 @@ fn model_offload_gives_the_same_bytes() {
     let plan = offloaded.offload_plan().unwrap();
     let names: Vec<&str> = plan.components.iter().map(|c| c.name).collect();
     assert_eq!(names, ["text_encoder", "transformer", "vae"]);
+    // The text encoder holds the embedding and layers 0..30 only: not layers 30 and 31 of the 32,
+    // the final norm, `lm_head`, the vision tower or the projector.
+    let bytes = std::fs::read(folder().join("text_encoder/model.safetensors")).unwrap();
+    let checkpoint = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let read: u64 = checkpoint
+        .tensors()
+        .iter()
+        .filter(|(name, _)| {
+            let layer = name
+                .split_once("layers.")
+                .and_then(|(_, rest)| rest.split('.').next()?.parse::<usize>().ok());
+            name.contains("language_model")
+                && (name.ends_with("embed_tokens.weight")
+                    || (layer.is_some_and(|l| l < 30) && !name.contains("vision")))
+        })
+        .map(|(_, t)| t.data().len() as u64)
+        .sum();
+    let all: u64 = checkpoint.tensors().iter().map(|(_, t)| t.data().len() as u64).sum();
+    let text_encoder = &plan.components[0];
+    eprintln!(
+        "text encoder: {} of the checkpoint's {all} bytes loaded",
+        text_encoder.weight_bytes
+    );
+    assert_eq!(text_encoder.weight_bytes, read);
+    assert!(read < all);
     // After the call nothing offloaded stays on the device.
     assert_eq!(offloaded.offload_log().weight_bytes(), 0);
     // Sequential offload (blocks streamed) too.
