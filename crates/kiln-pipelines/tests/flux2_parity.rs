@@ -578,3 +578,48 @@ fn arguments_flux2_does_not_take_are_named() {
     );
     assert_eq!(pipe.default_size(), 128 * 2);
 }
+
+/// The real FLUX.2-dev tokenizer pads on the left (`padding_side` in `tokenizer_config.json`):
+/// the pipeline follows the folder, positions stay absolute, and since RoPE scores depend on
+/// relative positions only, each real token's prompt embedding is the right-padded golden's.
+#[test]
+fn a_left_padding_tokenizer_folder_gives_the_same_token_embeddings() {
+    let dir = std::env::temp_dir().join(format!("kiln-flux2-left-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("tokenizer")).unwrap();
+    for sub in ["scheduler", "text_encoder", "transformer", "vae"] {
+        std::os::unix::fs::symlink(folder().join(sub), dir.join(sub)).unwrap();
+    }
+    std::fs::copy(folder().join("model_index.json"), dir.join("model_index.json")).unwrap();
+    for entry in std::fs::read_dir(folder().join("tokenizer")).unwrap() {
+        let path = entry.unwrap().path();
+        let target = dir.join("tokenizer").join(path.file_name().unwrap());
+        let text = std::fs::read_to_string(&path).unwrap();
+        let text = match path.file_name().unwrap() == "tokenizer_config.json" {
+            true => text.replace("\"padding_side\": \"right\"", "\"padding_side\": \"left\""),
+            false => text,
+        };
+        std::fs::write(target, text).unwrap();
+    }
+    let case = oracle().join("cases/flux2_dev/basic");
+    let cj = call_json(&case);
+    let g = goldens(&case.join("tensors.safetensors"));
+    let max_len = cj["call_kwargs"]["max_sequence_length"].as_u64().unwrap() as usize;
+    let prompt = strings(&cj["call_kwargs"]["prompt"]).unwrap();
+    let mut pipe = load(&dir).to(&device()).unwrap();
+    let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
+    let tokens = pipe.tokenizer().unwrap().encode_flux2_prompts(&texts, max_len).unwrap();
+    let real = g["mistral.attention_mask"].i64().iter().filter(|&&m| m == 1).count();
+    assert!(real < max_len);
+    let pads = max_len - real;
+    assert!(tokens.attention_mask[..pads].iter().all(|&m| m == 0));
+    assert_eq!(tokens.input_ids[pads..], g["mistral.input_ids"].i64()[..real]);
+    let embeds = pipe.encode_prompt(&prompt, 1, max_len, &[10, 20, 30]).unwrap();
+    let (got, want) = (embeds.to_f32_vec().unwrap(), g["prompt_embeds"].f32());
+    let f = want.len() / max_len;
+    assert!(got.iter().all(|v| v.is_finite()));
+    let (got, want) = (&got[pads * f..], &want[..real * f]);
+    eprintln!("left-padded real tokens: max |Δ| = {:.2e}", max_abs_diff(got, want));
+    assert_close("left-padded prompt_embeds", got, want, 2e-4, 1e-4);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -79,7 +79,8 @@ pub struct CallArgs {
     #[arg(long, value_name = "SCALE", visible_alias = "true-cfg", allow_negative_numbers = true, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub true_cfg_scale: Option<f64>,
-    /// Tokens of the T5 prompt (default: the model's; FLUX.1 allows up to 512).
+    /// Tokens of the T5 prompt (FLUX.2: of the Mistral chat text) (default: the model's; FLUX.1 and
+    /// SD3 allow up to 512).
     #[arg(long, value_name = "TOKENS", allow_negative_numbers = true, value_parser = count, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_sequence_length: Option<usize>,
