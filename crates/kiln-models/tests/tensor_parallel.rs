@@ -291,3 +291,53 @@ fn mistral_with_fewer_kv_heads_than_devices_is_refused_naming_the_key() {
     assert!(err.contains("num_key_value_heads 1 is not divisible by 2"), "{err}");
     assert_eq!(w.bytes_read(), 0);
 }
+
+#[test]
+fn flux2_transformer_on_two_devices_matches_diffusers_eager_and_compiled() {
+    use kiln_io::Flux2TransformerConfig;
+    use kiln_models::transformer_flux2::{Flux2Transformer2DModel, Flux2TransformerInputs};
+    let g = goldens(&oracle().join("modules/flux2/text_encoder_transformer.safetensors"));
+    let dir = oracle().join("pipelines/flux2_dev/transformer");
+    let config: Flux2TransformerConfig = load_config(dir.join("config.json")).unwrap();
+    let m = mesh(2);
+    let w = Weights::new(
+        Checkpoint::open_component(&dir, "diffusion_pytorch_model").unwrap(),
+        &m,
+        DType::F32,
+        "transformer",
+    );
+    let mut model = Flux2Transformer2DModel::load(&config, &w).unwrap();
+    assert!(w.report().unused.is_empty(), "unused: {:?}", w.report().unused);
+    let plan = Flux2Transformer2DModel::tp_plan(&config);
+    let (planned, replicated) = planned_and_replicated_bytes(&w, &plan);
+    assert_eq!(w.bytes_read(), planned + replicated);
+    for mode in [CompileMode::None, CompileMode::Full, CompileMode::RepeatedBlocks] {
+        model.compile(mode);
+        for prefix in ["transformer_b1", "transformer_b2"] {
+            let get = |k: &str| g[&format!("{prefix}.{k}")].to_tensor(&m);
+            let rope = model.rope_from_ids(&get("txt_ids"), &get("img_ids")).unwrap();
+            let (hidden, text, timestep, guidance) = (
+                get("hidden_states"),
+                get("encoder_hidden_states"),
+                get("timestep"),
+                get("guidance"),
+            );
+            let out = model
+                .forward(&Flux2TransformerInputs {
+                    hidden_states: &hidden,
+                    encoder_hidden_states: &text,
+                    timestep: &timestep,
+                    guidance: Some(&guidance),
+                    rope: &rope,
+                })
+                .unwrap();
+            check_members(
+                &format!("flux2 {mode} {prefix}"),
+                &out,
+                &g[&format!("{prefix}.output")],
+                1e-4,
+                1e-4,
+            );
+        }
+    }
+}
