@@ -666,12 +666,14 @@ mod tests {
                 to_qkv_mlp_proj: Linear {
                     weight: t(qkv, &[qkv_rows, dim]),
                     bias: None,
+                    all_reduce: false,
                 },
                 norm_q: norm(3),
                 norm_k: norm(4),
                 to_out: Linear {
                     weight: t(to_out, &[dim, to_out_cols]),
                     bias: None,
+                    all_reduce: false,
                 },
                 head_dim,
                 eps: 1e-6,
