@@ -19,7 +19,7 @@
 use kiln_io::Flux2TransformerConfig;
 use kiln_nn::{
     impl_model, impl_module, rope_tables, Args, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
-    RopeTables, Weights,
+    RopeTables, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
@@ -366,6 +366,37 @@ impl_model!(
 );
 
 impl Flux2Transformer2DModel {
+    /// diffusers' `_tp_plan` of `Flux2Transformer2DModel`: heads and MLP units split, 4
+    /// all-reduces per double block and 1 per single block, no all-gathers. The fused SwiGLU input
+    /// splits its gate and up halves separately; the single block's fused projection splits
+    /// q | k | v | gate | up separately and its output projection reads `cat(attention, mlp)`.
+    pub fn tp_plan(config: &Flux2TransformerConfig) -> TpPlan {
+        let (dim, mlp) = (config.inner_dim(), config.mlp_hidden_dim());
+        let double = "transformer_blocks.*";
+        let single = "single_transformer_blocks.*.attn";
+        let mut entries = Vec::new();
+        for p in ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"] {
+            entries.push((format!("{double}.attn.{p}"), TpStyle::Colwise));
+        }
+        for p in [
+            "attn.to_out.0",
+            "attn.to_add_out",
+            "ff.linear_out",
+            "ff_context.linear_out",
+        ] {
+            entries.push((format!("{double}.{p}"), TpStyle::Rowwise));
+        }
+        for p in ["ff.linear_in", "ff_context.linear_in"] {
+            entries.push((format!("{double}.{p}"), TpStyle::PackedColwise(vec![1, 1])));
+        }
+        entries.push((
+            format!("{single}.to_qkv_mlp_proj"),
+            TpStyle::PackedColwise(vec![dim, dim, dim, mlp, mlp]),
+        ));
+        entries.push((format!("{single}.to_out"), TpStyle::PackedRowwise(vec![dim, mlp])));
+        TpPlan::new(entries)
+    }
+
     /// Builds the model from `config` and the weights (diffusers names). Every shape is checked
     /// against the config; a mismatch names the weight.
     pub fn load(config: &Flux2TransformerConfig, w: &Weights) -> Result<Self> {
@@ -414,6 +445,8 @@ impl Flux2Transformer2DModel {
                 )));
             }
         }
+        w.check_divides("num_attention_heads", heads)?;
+        let w = &w.with_plan(&Self::tp_plan(config))?;
         let tge = w.pp("time_guidance_embed");
         let half = channels / 2;
         let time_guidance_embed = TimeGuidanceEmbed {
@@ -633,12 +666,14 @@ mod tests {
                 to_qkv_mlp_proj: Linear {
                     weight: t(qkv, &[qkv_rows, dim]),
                     bias: None,
+                    all_reduce: false,
                 },
                 norm_q: norm(3),
                 norm_k: norm(4),
                 to_out: Linear {
                     weight: t(to_out, &[dim, to_out_cols]),
                     bias: None,
+                    all_reduce: false,
                 },
                 head_dim,
                 eps: 1e-6,

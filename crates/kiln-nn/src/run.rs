@@ -64,6 +64,19 @@ impl RunConfig {
         }
     }
 
+    /// Whether `offload` can run on `device`; the reason when it cannot. Tensor parallelism (a
+    /// mesh) runs without offload and with model offload (each device moves its own slices);
+    /// sequential offload is refused there: its block streaming moves one device's weights.
+    pub fn placement_problem(offload: OffloadMode, device: &Device) -> Option<String> {
+        (device.is_mesh() && offload == OffloadMode::Sequential).then(|| {
+            format!(
+                "sequential offload is not supported with tensor parallelism ({device}, {} devices): \
+                 use --offload model or none, or --tp 1",
+                device.mesh_size()
+            )
+        })
+    }
+
     /// What the combination changes, to tell the user; `None` when nothing changes.
     pub fn note(&self) -> Option<&'static str> {
         (self.compile_mode_of(true) != self.compile).then_some(

@@ -527,6 +527,9 @@ impl DiffusionPipeline for AnyPipeline {
     fn set_offload(&mut self, mode: OffloadMode, device: &Device) -> Result<()> {
         self.pipeline_mut().set_offload(mode, device)
     }
+    fn enable_tensor_parallel(&mut self, devices: usize) -> Result<()> {
+        self.pipeline_mut().enable_tensor_parallel(devices)
+    }
     fn compile(&mut self, mode: CompileMode) {
         self.pipeline_mut().compile(mode)
     }

@@ -256,6 +256,9 @@ pub trait PipelineParts {
         if core.run.device.as_ref() == Some(device) && core.components.is_some() && core.run.offload == mode {
             return Ok(());
         }
+        if let Some(problem) = RunConfig::placement_problem(mode, device) {
+            return Err(invalid(problem));
+        }
         let memory = weights_memory(mode, device)?;
         if mode == OffloadMode::None {
             let stored = core
@@ -318,6 +321,11 @@ pub trait DiffusionPipeline {
     fn enable_sequential_cpu_offload(&mut self, device: &Device) -> Result<()>;
     /// Places the pipeline on `device` with `mode` (see [`PipelineParts::place`]).
     fn set_offload(&mut self, mode: OffloadMode, device: &Device) -> Result<()>;
+    /// Tensor parallelism over `devices` devices of the pipeline's platform (the CPU plugin when
+    /// it was not placed yet), from its device's index on: the models are loaded again, each
+    /// device reading only its slices of every weight its model's plan splits (`to(mesh)` with a
+    /// [`Device::open_mesh`] does the same for a mesh of your choice). The offload mode is kept.
+    fn enable_tensor_parallel(&mut self, devices: usize) -> Result<()>;
     /// Compiles every component as `mode` says (`torch.compile` of each model, or
     /// `compile_repeated_blocks`). Programs are compiled on the first call with each size and
     /// kept in memory and on disk.
@@ -350,6 +358,18 @@ impl<P: PipelineParts> DiffusionPipeline for P {
     }
     fn set_offload(&mut self, mode: OffloadMode, device: &Device) -> Result<()> {
         self.place(mode, device)
+    }
+    fn enable_tensor_parallel(&mut self, devices: usize) -> Result<()> {
+        let (platform, index) = self
+            .device()
+            .map_or((kiln_tensor::Platform::Cpu, 0), |d| (d.platform(), d.index()));
+        let spec = kiln_tensor::DeviceSpec {
+            platform: Some(platform),
+            index,
+        };
+        let mesh = Device::open_mesh(spec, devices)?;
+        let mode = self.offload_mode();
+        self.place(mode, &mesh)
     }
     fn compile(&mut self, mode: CompileMode) {
         let core = self.core_mut();

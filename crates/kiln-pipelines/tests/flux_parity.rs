@@ -48,6 +48,13 @@ fn run_case(case: &Path) {
 
 /// One oracle case with the transformer run as `mode`.
 fn run_case_in(case: &Path, mode: CompileMode) {
+    run_case_on(case, mode, &device())
+}
+
+/// One oracle case with every model run as `mode` on `d` (a device, or a mesh for tensor
+/// parallelism: the values are compared as the first device holds them, and every step's
+/// latents must be the same on every device).
+fn run_case_on(case: &Path, mode: CompileMode, d: &kiln_tensor::Device) {
     let call_json: Value = serde_json::from_str(&std::fs::read_to_string(case.join("call.json")).unwrap()).unwrap();
     let g = goldens(&case.join("tensors.safetensors"));
     let dtype = match call_json["dtype"].as_str().unwrap() {
@@ -58,12 +65,11 @@ fn run_case_in(case: &Path, mode: CompileMode) {
     let tol = Tolerance {
         bf16: dtype == DType::BF16,
     };
-    eprintln!("case {} (compile: {mode})", case.display());
-    let d = device();
+    eprintln!("case {} (compile: {mode}, on {d})", case.display());
     let folder = oracle().join(call_json["pipeline_dir"].as_str().unwrap());
     let mut pipe = FluxPipeline::from_pretrained(folder.to_str().unwrap(), &LoadOptions { dtype, revision: None })
         .unwrap()
-        .to(&d)
+        .to(d)
         .unwrap();
     pipe.compile(mode);
     let seed = call_json["seed"].as_u64().unwrap();
@@ -96,7 +102,7 @@ fn run_case_in(case: &Path, mode: CompileMode) {
         &init.bytes[..],
         "latents.init_unpacked must be bit-exact"
     );
-    let packed = pack_latents(&Tensor::from_bytes(noise.as_bytes(), dtype, init.shape.clone(), &d).unwrap()).unwrap();
+    let packed = pack_latents(&Tensor::from_bytes(noise.as_bytes(), dtype, init.shape.clone(), d).unwrap()).unwrap();
     assert_eq!(
         packed.to_bytes().unwrap(),
         g["latents.init"].bytes,
@@ -110,6 +116,15 @@ fn run_case_in(case: &Path, mode: CompileMode) {
         ..call_from(kwargs)
     };
     call.callback = Some(Box::new(|s: &mut StepState<'_>| {
+        let shards = s.latents.shards().unwrap();
+        let first = shards[0].to_bytes().unwrap();
+        for (k, other) in shards.iter().enumerate().skip(1) {
+            assert_eq!(
+                other.to_bytes().unwrap(),
+                first,
+                "device {k} holds other latents than device 0"
+            );
+        }
         steps
             .borrow_mut()
             .push((s.noise_pred.to_f32_vec().unwrap(), s.latents.to_f32_vec().unwrap()));
@@ -220,6 +235,20 @@ fn flux1_cases_match_diffusers_with_the_whole_transformer_compiled() {
     for pipeline in ["flux1_schnell", "flux1_dev", "flux1_dev_bf16"] {
         for case in cases(pipeline) {
             run_case_in(&case, CompileMode::Full);
+        }
+    }
+}
+
+/// Tensor parallelism: every FLUX.1 case on two CPU devices (the transformer and T5 sharded,
+/// CLIP and the VAE replicated), eager and with each model compiled whole, within the same
+/// tolerances as one device.
+#[test]
+fn flux1_cases_match_diffusers_on_two_devices() {
+    let mesh = kiln_tensor::Device::open_mesh(kiln_tensor::DeviceSpec::CPU, 2).unwrap();
+    for pipeline in ["flux1_schnell", "flux1_dev"] {
+        for case in cases(pipeline) {
+            run_case_on(&case, CompileMode::None, &mesh);
+            run_case_on(&case, CompileMode::Full, &mesh);
         }
     }
 }

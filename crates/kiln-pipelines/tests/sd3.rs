@@ -107,15 +107,20 @@ fn combine(a: &[f32], b: &[f32], g: f32) -> Vec<f32> {
 type Step = (f32, Vec<f32>, Vec<f32>);
 
 fn run_case(case: &Path, mode: CompileMode) {
+    run_case_on(case, mode, &device())
+}
+
+/// One oracle case on `d` (a device, or a mesh for tensor parallelism: values are compared as
+/// the first device holds them).
+fn run_case_on(case: &Path, mode: CompileMode, d: &kiln_tensor::Device) {
     let call_json: Value = serde_json::from_str(&std::fs::read_to_string(case.join("call.json")).unwrap()).unwrap();
     assert_eq!(call_json["dtype"], "float32");
     let g = goldens(&case.join("tensors.safetensors"));
-    eprintln!("case {} (compile: {mode})", case.display());
-    let d = device();
+    eprintln!("case {} (compile: {mode}, on {d})", case.display());
     let folder = oracle().join(call_json["pipeline_dir"].as_str().unwrap());
     let mut pipe = StableDiffusion3Pipeline::from_pretrained(folder.to_str().unwrap(), &LoadOptions::default())
         .unwrap()
-        .to(&d)
+        .to(d)
         .unwrap();
     pipe.compile(mode);
     let kwargs = &call_json["call_kwargs"];
@@ -254,6 +259,17 @@ fn sd3_cases_match_diffusers_compiled() {
     }
     for name in ["skip_layer_guidance", "batch2_images_per_prompt2"] {
         run_case(&oracle().join("cases/sd3").join(name), CompileMode::RepeatedBlocks);
+    }
+}
+
+/// Tensor parallelism: every SD3 case on two CPU devices (the transformer and T5 sharded, both
+/// CLIPs and the VAE replicated), eager and compiled whole.
+#[test]
+fn sd3_cases_match_diffusers_on_two_devices() {
+    let mesh = kiln_tensor::Device::open_mesh(kiln_tensor::DeviceSpec::CPU, 2).unwrap();
+    for case in cases() {
+        run_case_on(&case, CompileMode::None, &mesh);
+        run_case_on(&case, CompileMode::Full, &mesh);
     }
 }
 

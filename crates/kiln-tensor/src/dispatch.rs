@@ -155,6 +155,8 @@ pub(crate) fn run_host_program(
     inputs: &[(&[f32], &[usize])],
     out_shape: &[usize],
 ) -> std::result::Result<Vec<f32>, kiln_pjrt::Error> {
+    // A probe runs on one device, the first of a mesh.
+    let device = &device.members()[0];
     let client = device.client();
     let exe = client.compile(program, &program_options(device))?;
     let buffers = inputs

@@ -33,6 +33,18 @@ pub use kiln_tensor::{
     op_cache_stats, synchronize_all, CompiledFunction, DType, Device, DeviceSpec, OpCacheStats, Platform, Tensor,
 };
 
+/// The device of `--device SPEC --tp N`: the device itself for `N = 1`, else a mesh of `N`
+/// devices of its platform starting at its index (tensor parallelism; the CPU plugin makes as
+/// many devices as asked, which share the machine's cores).
+pub fn open_device(spec: &str, tp: usize) -> anyhow::Result<kiln_tensor::Device> {
+    use anyhow::Context;
+    if tp == 1 {
+        return Ok(kiln_tensor::Device::parse(spec)?);
+    }
+    let parsed: kiln_tensor::DeviceSpec = spec.parse().with_context(|| format!("--device {spec}"))?;
+    kiln_tensor::Device::open_mesh(parsed, tp).with_context(|| format!("--device {spec} --tp {tp}"))
+}
+
 /// The `--compile` value: `none`, `blocks`, `full`, or `auto` — the mode that was fastest end to
 /// end for a cold and a warm start (see the README's measurements).
 pub fn parse_compile_mode(value: &str) -> anyhow::Result<CompileMode> {

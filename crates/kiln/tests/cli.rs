@@ -831,3 +831,78 @@ fn flux2_cases_through_the_cli_give_the_golden_images() {
     assert!(!dir.join("refused.png").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--tp 2`: FLUX.1 and SD3 sharded over two CPU devices, eager and compiled, give diffusers'
+/// images; a count that does not divide the heads, and sequential offload, are clear errors.
+#[test]
+fn tensor_parallel_generate_gives_diffusers_images() {
+    let dir = temp_dir("tp");
+    let schnell = oracle_pipeline("flux1_schnell");
+    let sd3 = oracle_pipeline("sd3");
+    for compile in ["none", "full"] {
+        let out = format!("flux-{compile}.png");
+        generate_ok(
+            &dir,
+            &[
+                ("--model", schnell.to_str().unwrap()),
+                ("--prompt", "a photo of a cat"),
+                ("--height", "32"),
+                ("--width", "32"),
+                ("--num-inference-steps", "4"),
+                ("--max-sequence-length", "256"),
+                ("--seed", "0"),
+                ("--tp", "2"),
+                ("--compile", compile),
+                ("--output", &out),
+            ],
+        );
+        assert_matches_golden(&dir.join(&out), &oracle_image("flux1_schnell/basic_square", 0));
+    }
+    generate_ok(
+        &dir,
+        &[
+            ("--model", sd3.to_str().unwrap()),
+            ("--prompt", "a photo of a cat"),
+            ("--height", "32"),
+            ("--width", "32"),
+            ("--num-inference-steps", "4"),
+            ("--guidance-scale", "5"),
+            ("--max-sequence-length", "64"),
+            ("--seed", "0"),
+            ("--tp", "2"),
+            ("--offload", "model"),
+            ("--output", "sd3.png"),
+        ],
+    );
+    assert_matches_golden(&dir.join("sd3.png"), &oracle_image("sd3/cfg_basic", 0));
+    for (flags, expected) in [
+        (vec!["--tp", "4"], "num_attention_heads 2 is not divisible by 4"),
+        (
+            vec!["--tp", "2", "--offload", "sequential"],
+            "sequential offload is not supported with tensor parallelism",
+        ),
+    ] {
+        let out = kiln()
+            .arg("generate")
+            .args([
+                "--model",
+                schnell.to_str().unwrap(),
+                "--device",
+                "cpu",
+                "--output",
+                "bad.png",
+                "--prompt",
+                "x",
+            ])
+            .args(&flags)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(expected),
+            "{flags:?}: {stderr}"
+        );
+        assert!(!dir.join("bad.png").exists());
+    }
+}

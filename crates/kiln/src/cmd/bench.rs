@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use kiln::{AnyPipeline, DType, Device, GenerateCall, LoadOptions, OffloadMode, Timings};
+use kiln::{AnyPipeline, DType, GenerateCall, LoadOptions, OffloadMode, Timings};
 use kiln_image::RgbImage;
 
 #[derive(clap::Args)]
@@ -32,6 +32,9 @@ pub struct BenchArgs {
     pub dtype: String,
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Tensor parallelism over N devices (as `kiln generate --tp`).
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cmd::generate::count)]
+    pub tp: usize,
     /// none, blocks, full or auto (as `kiln generate --compile`).
     #[arg(long, default_value = "auto")]
     pub compile: String,
@@ -127,7 +130,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("--runs must be at least 1");
     }
     check(&args)?;
-    let device = Device::parse(&args.device)?;
+    let device = kiln::open_device(&args.device, args.tp)?;
     let compile = kiln::parse_compile_mode(&args.compile)?;
     let offload: OffloadMode = args
         .offload

@@ -33,6 +33,15 @@ pub fn run() -> Result<()> {
             println!("  {name}: {value}");
         }
         println!("  platform {} {}", client.platform_name(), client.platform_version());
+        let count = client.addressable_devices().count();
+        match loc.platform {
+            kiln_pjrt::Platform::Cpu => println!(
+                "  tensor parallelism: --tp N makes a mesh of N CPU devices, cpu:[0..N-1], sharing this machine's cores"
+            ),
+            platform => println!(
+                "  tensor parallelism: --tp N uses {platform}:[0..N-1], N from 2 to {count} (--device {platform}:i starts at i)"
+            ),
+        }
         for (i, d) in client.addressable_devices().enumerate() {
             let kinds: Vec<&str> = d.memories().iter().map(|m| m.kind()).collect();
             println!(

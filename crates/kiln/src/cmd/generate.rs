@@ -42,6 +42,12 @@ pub struct GenerateArgs {
     /// cpu, cuda[:i], tpu[:i] or auto.
     #[arg(long, default_value = "auto", help_heading = RUN)]
     pub device: String,
+    /// Tensor parallelism over N devices of the --device platform (from its index): each model
+    /// sharded across them as one SPMD program, each device holding 1/N of every split weight.
+    /// On CPU the plugin makes N devices that share the cores (this shows the cost of
+    /// partitioning, not a speed-up).
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cmd::generate::count, help_heading = RUN)]
+    pub tp: usize,
     /// How the models run: none (op by op), blocks (one compiled program per repeated block
     /// type), full (each model as one program), or auto (the fastest on the device's platform).
     /// Compiled programs are kept on disk (KILN_CACHE_DIR).
@@ -91,6 +97,7 @@ pub struct Load {
     pub revision: Option<String>,
     pub dtype: String,
     pub device: String,
+    pub tp: usize,
     pub compile: String,
 }
 
@@ -101,6 +108,7 @@ impl Load {
             revision: args.revision.clone(),
             dtype: args.dtype.clone(),
             device: args.device.clone(),
+            tp: args.tp,
             compile: args.compile.clone(),
         }
     }
@@ -399,9 +407,9 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     call.resolve(&pipeline.model_defaults(&root)?);
 
     let device = match &args.from {
-        Some(png) if !given.contains("device") => Device::parse(&load.device)
+        Some(png) if !given.contains("device") => kiln::open_device(&load.device, load.tp)
             .with_context(|| format!("device {} (from {}; pass --device)", load.device, png.display()))?,
-        _ => Device::parse(&load.device)?,
+        _ => kiln::open_device(&load.device, load.tp)?,
     };
     let compile = kiln::parse_compile_mode(&load.compile)?;
     let settings = Settings {

@@ -64,6 +64,8 @@ pub fn read(png: &Path, args: &GenerateArgs, given: &Given) -> Result<FromPng> {
         },
         dtype: pick("dtype", &args.dtype),
         device: pick("device", &args.device),
+        // How many devices ran it is not part of the image: --tp is this run's.
+        tp: args.tp,
         compile: pick("compile", &args.compile),
     };
     Ok(FromPng {
