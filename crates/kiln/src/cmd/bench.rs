@@ -143,6 +143,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     pipe.compile(compile);
     let pipeline = pipe.kind();
     let load_s = secs(t_load.elapsed());
+    // What the loaded weights hold on each device (the most any device of a mesh holds).
+    let weights_mib_per_device = device.memory().live_bytes as f64 / (1u64 << 20) as f64;
 
     let t_first = Instant::now();
     let (images, _) = call(&mut pipe, &args)?;
@@ -194,6 +196,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "compile": compile.to_string(),
         "offload": offload.to_string(),
         "peak_device_mib": peak_device_mib,
+        "weights_mib_per_device": weights_mib_per_device,
+        "devices": device.mesh_size(),
         "programs_compiled": programs.compiled(),
         "programs_disk_loaded": programs.disk_loads,
         "compile_s": programs.compile_seconds(),
