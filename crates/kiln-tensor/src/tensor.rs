@@ -630,6 +630,9 @@ impl Tensor {
                 format!("device {} has no `{kind}` memory space", self.device()),
             )
         };
+        if self.device().member_pjrt().iter().any(|m| m.memory(kind).is_none()) {
+            return Err(no_space());
+        }
         let memory_kind = MemoryKind::from_name(kind).ok_or_else(|| {
             Error::invalid(
                 "to_memory_kind",
