@@ -1,7 +1,10 @@
-//! The repo's oracle fixtures (`fixtures/oracle`), stored packed so that each distinct file is in
-//! the repo once, and unpacked in place on first use.
+//! The repo's oracle fixtures (`fixtures/oracle`) and bundled model (`assets/tiny-flux`), stored
+//! packed so that each distinct file is in the repo once, and unpacked in place on first use.
 //!
-//! `fixtures/oracle/PACK.json` lists every file that is not stored as itself, with its size and
+//! Tests get them through [`oracle`] (or `kiln_testing::oracle()`, the same) and [`tiny_flux`]:
+//! both return the folder complete, unpacking what is missing once per process.
+//!
+//! A packed folder's `PACK.json` (`fixtures/oracle/PACK.json`, `assets/tiny-flux/PACK.json`) lists every file that is not stored as itself, with its size and
 //! sha256 and how to make it:
 //! - `"xz"`: `<path>.xz` holds the file, xz-compressed;
 //! - `"xz-shuffled"`: `<path>.xz` holds a safetensors file whose header is kept as is and whose data
@@ -12,7 +15,8 @@
 //!   even (torch's `.to(torch.bfloat16)`).
 //!
 //! Files repeated elsewhere in the repo (the tokenizers of `assets/tiny-flux`, configs two
-//! pipelines share) are relative symbolic links to the one copy, which readers follow.
+//! pipelines share) are relative symbolic links to the one copy, which readers follow; so the
+//! oracle is complete only once `assets/tiny-flux` is too ([`unpack_oracle`] does both).
 //! `tools/fixtures/oracle_pack.py` writes this form (`pack`) and unpacks it without Rust
 //! (`unpack`, for `scripts/gpu-check` on a machine without a toolchain); the two agree because both
 //! check every unpacked file against the size and sha256 in the index.
@@ -21,6 +25,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
@@ -33,15 +38,49 @@ pub fn oracle_dir() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle"))
 }
 
-/// This repo's `fixtures/oracle`, complete: every packed file unpacked in place (checked once per
-/// process). Panics with the reason when that fails (it is meant for tests).
+/// This repo's `assets/tiny-flux` (the bundled model; packed like the oracle, its files linked to).
+pub fn tiny_flux_dir() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/tiny-flux"))
+}
+
+/// This repo's `fixtures/oracle`, complete: every packed file unpacked in place, and those of
+/// `assets/tiny-flux` its links point to (checked once per process). Panics with the reason when
+/// that fails (it is meant for tests).
 pub fn oracle() -> PathBuf {
     static DONE: OnceLock<Result<(), String>> = OnceLock::new();
     let dir = oracle_dir();
+    if let Err(e) = DONE.get_or_init(|| unpack_oracle(&dir).map(|_| ()).map_err(|e| e.to_string())) {
+        panic!("unpacking {}: {e}", dir.display());
+    }
+    dir
+}
+
+/// This repo's `assets/tiny-flux`, complete (unpacked in place, checked once per process). Panics
+/// with the reason when that fails (it is meant for tests).
+pub fn tiny_flux() -> PathBuf {
+    static DONE: OnceLock<Result<(), String>> = OnceLock::new();
+    let dir = tiny_flux_dir();
     if let Err(e) = DONE.get_or_init(|| unpack(&dir).map(|_| ()).map_err(|e| e.to_string())) {
         panic!("unpacking {}: {e}", dir.display());
     }
     dir
+}
+
+/// The packed `assets/tiny-flux` beside an oracle folder laid out as in the repo
+/// (`<oracle>/../../assets/tiny-flux` with a `PACK.json`), whose files the oracle's links point to.
+pub fn linked_assets(oracle: &Path) -> Option<PathBuf> {
+    let dir = oracle.join("../../assets/tiny-flux");
+    dir.join(INDEX).is_file().then_some(dir)
+}
+
+/// [`unpack`] of the [`linked_assets`] (when there are), then of `oracle`; returns how many files
+/// it wrote in all.
+pub fn unpack_oracle(oracle: &Path) -> io::Result<usize> {
+    let assets = match linked_assets(oracle) {
+        Some(dir) => unpack(&dir)?,
+        None => 0,
+    };
+    Ok(assets + unpack(oracle)?)
 }
 
 /// One entry of the index.
@@ -153,9 +192,12 @@ pub fn unpack(oracle: &Path) -> io::Result<usize> {
         }
         let dir = dst.parent().ok_or_else(|| invalid(format!("{}: no parent", p.path)))?;
         std::fs::create_dir_all(dir)?;
+        // Unique per process and call: two threads (or processes) may unpack the same folder.
+        static CALLS: AtomicUsize = AtomicUsize::new(0);
         let tmp = dir.join(format!(
-            ".unpack-{}-{}",
+            ".unpack-{}-{}-{}",
             std::process::id(),
+            CALLS.fetch_add(1, Ordering::Relaxed),
             dst.file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default()

@@ -6,9 +6,8 @@ use kiln_fixtures::{index, oracle_dir, stale, unpack, How};
 
 /// A copy of what git tracks of the packed files: the index, every `.xz`, and the float32 files
 /// the bf16 copies are rounded from when those are stored as themselves.
-fn tracked_copy(dst: &Path) -> usize {
-    let src = oracle_dir();
-    let entries = index(&src).unwrap();
+fn tracked_copy(src: &Path, dst: &Path) -> usize {
+    let entries = index(src).unwrap();
     let copy = |rel: &str| {
         let to = dst.join(rel);
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();
@@ -36,7 +35,7 @@ fn tracked_copy(dst: &Path) -> usize {
 #[test]
 fn every_packed_file_unpacks_to_its_recorded_bytes() {
     let tmp = tempfile::tempdir().unwrap();
-    let n = tracked_copy(tmp.path());
+    let n = tracked_copy(&oracle_dir(), tmp.path());
     assert!(n > 0, "an empty index");
     assert_eq!(stale(tmp.path()).unwrap().len(), n);
     // unpack checks every file against its size and sha256 and fails on a mismatch.
@@ -55,7 +54,7 @@ fn every_packed_file_unpacks_to_its_recorded_bytes() {
 #[test]
 fn a_changed_file_is_stale_and_rewritten() {
     let tmp = tempfile::tempdir().unwrap();
-    tracked_copy(tmp.path());
+    tracked_copy(&oracle_dir(), tmp.path());
     unpack(tmp.path()).unwrap();
     let first = index(tmp.path()).unwrap().remove(0);
     let file = tmp.path().join(&first.path);
@@ -71,7 +70,7 @@ fn a_changed_file_is_stale_and_rewritten() {
 #[test]
 fn a_corrupt_packed_file_is_an_error_not_a_wrong_fixture() {
     let tmp = tempfile::tempdir().unwrap();
-    tracked_copy(tmp.path());
+    tracked_copy(&oracle_dir(), tmp.path());
     let first = index(tmp.path())
         .unwrap()
         .into_iter()
@@ -96,12 +95,26 @@ fn the_repo_oracle_is_complete_after_oracle() {
     assert!(vocab.starts_with(b"{"), "vocab.json does not read as JSON");
 }
 
+#[test]
+fn the_bundled_model_is_complete_after_tiny_flux() {
+    let dir = kiln_fixtures::tiny_flux();
+    assert!(!index(&dir).unwrap().is_empty(), "assets/tiny-flux has an empty index");
+    assert!(stale(&dir).unwrap().is_empty());
+    let merges = std::fs::read_to_string(dir.join("tokenizer/merges.txt")).unwrap();
+    assert!(merges.lines().count() > 1000, "merges.txt is not the CLIP merges");
+}
+
 /// `tools/fixtures/oracle_pack.py unpack` (what scripts/gpu-check runs where there is no Rust)
-/// writes the same bytes as this crate.
+/// writes the same bytes as this crate, for the oracle and for the bundled model.
 #[test]
 fn the_python_unpacker_writes_the_same_files() {
+    python_unpacks_like_rust(&oracle_dir());
+    python_unpacks_like_rust(&kiln_fixtures::tiny_flux_dir());
+}
+
+fn python_unpacks_like_rust(src: &Path) {
     let tmp = tempfile::tempdir().unwrap();
-    let n = tracked_copy(tmp.path());
+    let n = tracked_copy(src, tmp.path());
     let script = oracle_dir().join("../../tools/fixtures/oracle_pack.py");
     let out = std::process::Command::new("python3")
         .arg(&script)

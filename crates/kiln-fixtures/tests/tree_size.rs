@@ -68,19 +68,24 @@ fn tracked_tree_fits_the_gpu_payload_budget() {
 }
 
 #[test]
-fn unpacked_oracle_files_are_not_tracked_and_their_sources_are() {
-    let oracle = kiln_fixtures::oracle_dir();
-    let entries = kiln_fixtures::index(&oracle).unwrap();
+fn unpacked_files_are_not_tracked_and_their_sources_are() {
     let tracked: std::collections::HashSet<String> = tracked().into_iter().collect();
-    for p in &entries {
-        let path = format!("fixtures/oracle/{}", p.path);
-        assert!(
-            !tracked.contains(&path),
-            "{path} is unpacked from {} but tracked too (it would travel twice)",
-            kiln_fixtures::INDEX
-        );
-        if matches!(p.how, kiln_fixtures::How::Xz | kiln_fixtures::How::XzShuffled) {
-            assert!(tracked.contains(&format!("{path}.xz")), "{path}.xz is not tracked");
+    for (folder, rel) in [
+        (kiln_fixtures::oracle_dir(), "fixtures/oracle"),
+        (kiln_fixtures::tiny_flux_dir(), "assets/tiny-flux"),
+    ] {
+        let entries = kiln_fixtures::index(&folder).unwrap();
+        assert!(!entries.is_empty(), "{rel}: an empty index");
+        for p in &entries {
+            let path = format!("{rel}/{}", p.path);
+            assert!(
+                !tracked.contains(&path),
+                "{path} is unpacked from {} but tracked too (it would travel twice)",
+                kiln_fixtures::INDEX
+            );
+            if matches!(p.how, kiln_fixtures::How::Xz | kiln_fixtures::How::XzShuffled) {
+                assert!(tracked.contains(&format!("{path}.xz")), "{path}.xz is not tracked");
+            }
         }
     }
 }
