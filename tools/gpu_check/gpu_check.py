@@ -25,6 +25,9 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import folder as folder_mod  # noqa: E402
 
+sys.path.insert(0, str(REPO / "tools" / "fixtures"))
+import oracle_pack  # noqa: E402
+
 PROMPT = "a photo of a cat holding a sign that says hello world"
 # Reference figures of the issue, for the full-size run.
 REFERENCE = {
@@ -437,6 +440,10 @@ def main() -> int:
     if not kiln or not Path(kiln).is_file():
         log("no kiln binary: pass --kiln PATH or set KILN_BIN (built here: cargo build --release -p kiln)")
         return 2
+    # The fixtures are stored packed (tools/fixtures/oracle_pack.py): unpack them in place first.
+    t0 = time.time()
+    n = oracle_pack.unpack(REPO / "fixtures" / "oracle", quiet=True)
+    log(f"fixtures: unpacked {n} packed files in {time.time() - t0:.1f} s")
     template = REPO / "fixtures/oracle/pipelines/flux1_schnell"
     oracle_case = REPO / "fixtures/oracle/cases/flux1_schnell/basic_square"
     case = json.loads((oracle_case / "call.json").read_text())

@@ -50,6 +50,19 @@ pub struct DotDims {
     pub rhs_contract: Vec<usize>,
 }
 
+/// The `precision_config` of a dot or convolution with `operand` inputs: HIGHEST for f32 and f64,
+/// so that f32 means f32 on every platform (XLA:GPU otherwise may run f32 products as TF32 on
+/// Ampere and later, and TPUs as one bf16 pass); none for bf16/f16, the fast path. XLA:CPU runs
+/// f32 the same either way (`pjrt-notes.md` §1a: same speed and error).
+fn precision_config(operand: DType) -> &'static str {
+    match operand {
+        DType::F32 | DType::F64 => {
+            ", precision_config = [#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]"
+        }
+        _ => "",
+    }
+}
+
 /// Where the channels of a convolution's input and output are; the weight is always OIHW.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum ConvLayout {
@@ -684,13 +697,14 @@ impl Builder {
             shape,
             out_dtype,
             format_args!(
-                "\"stablehlo.dot_general\"({}, {}) {{dot_dimension_numbers = #stablehlo.dot<lhs_batching_dimensions = [{}], rhs_batching_dimensions = [{}], lhs_contracting_dimensions = [{}], rhs_contracting_dimensions = [{}]>}} : ({}, {}) -> {out_t}",
+                "\"stablehlo.dot_general\"({}, {}) {{dot_dimension_numbers = #stablehlo.dot<lhs_batching_dimensions = [{}], rhs_batching_dimensions = [{}], lhs_contracting_dimensions = [{}], rhs_contracting_dimensions = [{}]>{}}} : ({}, {}) -> {out_t}",
                 lhs.name(),
                 rhs.name(),
                 join(&dims.lhs_batch),
                 join(&dims.rhs_batch),
                 join(&dims.lhs_contract),
                 join(&dims.rhs_contract),
+                precision_config(lhs.dtype),
                 ty(lhs),
                 ty(rhs)
             ),
@@ -874,7 +888,7 @@ impl Builder {
             shape,
             out_dtype,
             format_args!(
-                "\"stablehlo.convolution\"({}, {}) {{dimension_numbers = #stablehlo.conv<{numbers}>, window_strides = {}, padding = dense<[[{}, {}], [{}, {}]]> : tensor<2x2xi64>, lhs_dilation = {}, rhs_dilation = {}, feature_group_count = {g} : i64, batch_group_count = 1 : i64}} : ({}, {}) -> {out_t}",
+                "\"stablehlo.convolution\"({}, {}) {{dimension_numbers = #stablehlo.conv<{numbers}>, window_strides = {}, padding = dense<[[{}, {}], [{}, {}]]> : tensor<2x2xi64>, lhs_dilation = {}, rhs_dilation = {}, feature_group_count = {g} : i64, batch_group_count = 1 : i64{}}} : ({}, {}) -> {out_t}",
                 x.name(),
                 w.name(),
                 arr(&dims.stride),
@@ -884,6 +898,7 @@ impl Builder {
                 dims.padding[1].1,
                 arr(&dims.lhs_dilation),
                 arr(&dims.rhs_dilation),
+                precision_config(x.dtype),
                 ty(x),
                 ty(w)
             ),
@@ -1155,6 +1170,52 @@ mod tests {
         let z = b.constant(0.0, DType::F32);
         let p = b.pad(&x, &z, &[0, 0, 0, 0], &[0, 0, 1, 1], &[0, 0, 0, 0]).unwrap();
         assert_eq!(p.dims(), &[1, 4, 9, 9]);
+    }
+
+    /// f32 products ask for full f32 (no TF32 on GPU, no single bf16 pass on TPU); bf16 ones keep
+    /// the platform's fast default.
+    #[test]
+    fn f32_dots_and_convolutions_ask_for_highest_precision() {
+        let highest = "precision_config = [#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]";
+        let contract = DotDims {
+            lhs_contract: vec![1],
+            rhs_contract: vec![0],
+            ..Default::default()
+        };
+        let conv = ConvDims {
+            padding: [(1, 1), (1, 1)],
+            ..Default::default()
+        };
+        for (dtype, out, want) in [
+            (DType::F32, DType::F32, true),
+            (DType::F64, DType::F64, true),
+            (DType::BF16, DType::F32, false),
+            (DType::BF16, DType::BF16, false),
+        ] {
+            let mut b = Builder::new();
+            let x = b.parameter([2, 3], dtype);
+            let w = b.parameter([3, 4], dtype);
+            let y = b.dot_general(&x, &w, &contract, out).unwrap();
+            let text = b.finish(&[y]).unwrap();
+            let line = text.lines().find(|l| l.contains("stablehlo.dot_general")).unwrap();
+            assert_eq!(line.contains(highest), want, "{dtype:?}: {line}");
+            assert!(
+                line.contains(&format!(
+                    "rhs_contracting_dimensions = [0]>{}}}",
+                    if want { format!(", {highest}") } else { String::new() }
+                )),
+                "{line}"
+            );
+
+            let mut b = Builder::new();
+            let x = b.parameter([1, 2, 4, 4], dtype);
+            let w = b.parameter([3, 2, 3, 3], dtype);
+            let y = b.convolution(&x, &w, &conv, out).unwrap();
+            let text = b.finish(&[y]).unwrap();
+            let line = text.lines().find(|l| l.contains("stablehlo.convolution")).unwrap();
+            assert_eq!(line.contains(highest), want, "{dtype:?}: {line}");
+            assert!(line.contains("batch_group_count = 1 : i64"), "{line}");
+        }
     }
 
     #[test]

@@ -10,11 +10,13 @@ use kiln_image::{
 use kiln_types::{bf16, f16, Shape};
 use safetensors::{Dtype, SafeTensors};
 
-const ORACLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle");
+fn oracle() -> PathBuf {
+    kiln_fixtures::oracle()
+}
 
 fn case_dirs() -> Vec<PathBuf> {
     let mut dirs = Vec::new();
-    for pipeline in std::fs::read_dir(Path::new(ORACLE).join("cases")).expect("cases dir") {
+    for pipeline in std::fs::read_dir(oracle().join("cases")).expect("cases dir") {
         let pipeline = pipeline.expect("dir entry").path();
         for case in std::fs::read_dir(&pipeline).expect("pipeline dir") {
             let case = case.expect("dir entry").path();
@@ -70,7 +72,7 @@ fn postprocess_case(case: &Path) -> (Vec<RgbImage>, Vec<u8>, Dtype) {
 #[test]
 fn postprocess_matches_every_case() {
     let cases = case_dirs();
-    assert!(!cases.is_empty(), "no cases under {ORACLE}/cases");
+    assert!(!cases.is_empty(), "no cases under {}/cases", oracle().display());
     let mut dtypes_seen = Vec::new();
     for case in cases {
         let (images, want, dtype) = postprocess_case(&case);
@@ -229,7 +231,7 @@ fn reading_errors_name_the_path() {
     assert!(err.to_string().contains("not.png"), "{err}");
 
     // A PNG without kiln's chunk (here: an oracle image written by PIL).
-    let plain = Path::new(ORACLE).join("cases/flux1_schnell/basic_square/image_0.png");
+    let plain = oracle().join("cases/flux1_schnell/basic_square/image_0.png");
     let err = read_png_parameters(&plain).unwrap_err();
     assert!(matches!(err, ImageError::MissingParameters { .. }), "{err}");
 

@@ -8,7 +8,9 @@ use kiln_types::DType;
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
-const ORACLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle");
+fn oracle() -> std::path::PathBuf {
+    kiln_fixtures::oracle()
+}
 
 #[derive(Debug, Deserialize)]
 struct Case {
@@ -42,8 +44,8 @@ struct Oracle {
 
 impl Oracle {
     fn load() -> Oracle {
-        let cases = std::fs::read(format!("{ORACLE}/rng/cases.json")).expect("rng/cases.json");
-        let file = std::fs::read(format!("{ORACLE}/rng/randn.safetensors")).expect("randn");
+        let cases = std::fs::read(oracle().join("rng/cases.json")).expect("rng/cases.json");
+        let file = std::fs::read(oracle().join("rng/randn.safetensors")).expect("randn");
         Oracle {
             cases: serde_json::from_slice(&cases).expect("rng/cases.json: list of cases"),
             file,
@@ -174,7 +176,7 @@ fn randn_tensor_with_a_generator_per_sample_is_bit_exact() {
 #[test]
 fn generator_list_of_the_wrong_length_is_diffusers_error() {
     // diffusers' message from the errors golden, when present (its numbers drive the call).
-    let errors = std::fs::read_to_string(format!("{ORACLE}/errors/flux1.json")).unwrap_or_default();
+    let errors = std::fs::read_to_string(oracle().join("errors/flux1.json")).unwrap_or_default();
     let marker = "You have passed a list of generators of length ";
     let message = errors
         .split('"')

@@ -12,10 +12,8 @@ use kiln_schedulers::{
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-const ORACLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle");
-
 fn oracle(rel: &str) -> PathBuf {
-    Path::new(ORACLE).join(rel)
+    kiln_fixtures::oracle().join(rel)
 }
 
 fn read_json(path: &Path) -> Value {
@@ -225,7 +223,7 @@ fn case_dirs() -> Vec<PathBuf> {
 #[test]
 fn every_case_schedule_matches() {
     let cases = case_dirs();
-    assert!(!cases.is_empty(), "no cases under {ORACLE}/cases");
+    assert!(!cases.is_empty(), "no cases under {}", oracle("cases").display());
     for case in cases {
         let name = case.display().to_string();
         let call = read_json(&case.join("call.json"));

@@ -5,8 +5,9 @@ use std::path::PathBuf;
 
 use kiln_tensor::{DType, Device, Tensor};
 
+/// The repo's `fixtures/oracle`, complete (its packed files unpacked in place; see kiln-fixtures).
 pub fn oracle() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle"))
+    kiln_fixtures::oracle()
 }
 
 pub fn device() -> Device {

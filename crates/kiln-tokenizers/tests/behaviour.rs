@@ -1,13 +1,15 @@
 //! Spec test vectors, truncation reports, padding layout and load errors.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer, TokenizerError};
 
-const TOKENIZERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle/tokenizers");
+fn tokenizers() -> PathBuf {
+    kiln_fixtures::oracle().join("tokenizers")
+}
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(TOKENIZERS).join(name)
+    tokenizers().join(name)
 }
 
 fn clip() -> ClipTokenizer {

@@ -1,14 +1,16 @@
 //! Token ids against the transformers-5 goldens in fixtures/oracle/tokenizers.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 use safetensors::{Dtype, SafeTensors};
 
-const TOKENIZERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle/tokenizers");
+fn tokenizers() -> PathBuf {
+    kiln_fixtures::oracle().join("tokenizers")
+}
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(TOKENIZERS).join(name)
+    tokenizers().join(name)
 }
 
 struct Case {

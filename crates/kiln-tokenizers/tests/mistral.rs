@@ -10,10 +10,8 @@ use kiln_tokenizers::{
 };
 use safetensors::{Dtype, SafeTensors};
 
-const ORACLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle");
-
 fn processor_folder() -> PathBuf {
-    Path::new(ORACLE).join("tokenizers/mistral_processor")
+    kiln_fixtures::oracle().join("tokenizers/mistral_processor")
 }
 
 fn tokenizer() -> MistralTokenizer {
@@ -58,8 +56,8 @@ fn edited_folder(tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> tempfi
 #[test]
 fn plain_ids_match_the_goldens() {
     let tok = tokenizer();
-    let cases = read_json(&Path::new(ORACLE).join("tokenizers/mistral_cases.json"));
-    let goldens = std::fs::read(Path::new(ORACLE).join("tokenizers/mistral_goldens.safetensors")).unwrap();
+    let cases = read_json(&kiln_fixtures::oracle().join("tokenizers/mistral_cases.json"));
+    let goldens = std::fs::read(kiln_fixtures::oracle().join("tokenizers/mistral_goldens.safetensors")).unwrap();
     let cases = cases.as_array().unwrap();
     assert_eq!(cases.len(), 20);
     for case in cases {
@@ -87,7 +85,7 @@ fn plain_ids_match_the_goldens() {
 }
 
 fn flux2_cases() -> Vec<PathBuf> {
-    let dir = Path::new(ORACLE).join("cases/flux2_dev");
+    let dir = kiln_fixtures::oracle().join("cases/flux2_dev");
     let mut cases: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.unwrap().path())

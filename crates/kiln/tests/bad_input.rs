@@ -11,11 +11,11 @@ fn kiln() -> Command {
 }
 
 fn oracle_pipeline(name: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle/pipelines")).join(name)
+    kiln_fixtures::oracle().join("pipelines").join(name)
 }
 
 fn tiny_model() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/tiny-flux"))
+    kiln_fixtures::tiny_flux()
 }
 
 fn temp_dir(name: &str) -> PathBuf {

@@ -8,7 +8,7 @@ fn kiln() -> Command {
 }
 
 fn oracle_pipeline(name: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle/pipelines")).join(name)
+    kiln_fixtures::oracle().join("pipelines").join(name)
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -281,7 +281,8 @@ fn a_plugin_path_that_does_not_exist_is_an_error_everywhere() {
 }
 
 fn oracle_image(case: &str, index: usize) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle/cases"))
+    kiln_fixtures::oracle()
+        .join("cases")
         .join(case)
         .join(format!("image_{index}.png"))
 }
@@ -529,7 +530,7 @@ fn from_errors_name_the_file_and_write_nothing() {
 #[test]
 fn sd3_cases_through_the_cli_give_the_golden_images() {
     let dir = temp_dir("sd3");
-    let cases = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle/cases/sd3"));
+    let cases = kiln_fixtures::oracle().join("cases/sd3");
     let mut names: Vec<String> = std::fs::read_dir(&cases)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -13,10 +13,7 @@ fn temp_dir(name: &str) -> PathBuf {
 
 /// The counts `kiln generate` prints: (compiled, loaded from disk).
 fn generate(cache: &Path, mode: &str, output: &Path) -> (u64, u64) {
-    let model = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../fixtures/oracle/pipelines/flux1_schnell"
-    ));
+    let model = kiln_fixtures::oracle().join("pipelines/flux1_schnell");
     let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args([
             "generate", "--prompt", "a cat", "--height", "32", "--width", "32", "--steps", "2",

@@ -11,7 +11,7 @@ use kiln::{CallDefaults, DType, Device, FluxCall, FluxPipeline, LoadOptions};
 use serde_json::Value;
 
 fn model() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../assets/tiny-flux"))
+    kiln_fixtures::tiny_flux()
 }
 
 /// The check's parameters, read from eval.json.

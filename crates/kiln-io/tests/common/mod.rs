@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 pub fn fixtures() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/oracle"))
+    kiln_fixtures::oracle()
 }
 
 pub fn pipeline(name: &str) -> PathBuf {

@@ -401,6 +401,11 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
             .to_string_lossy()
             .into_owned(),
     };
+    // The bundled model is stored packed in the repo (see the kiln-fixtures crate): a local folder
+    // with a PACK.json gets its packed files unpacked in place (and checked) first.
+    if Path::new(&model).join(kiln_fixtures::INDEX).is_file() {
+        kiln_fixtures::unpack(Path::new(&model)).with_context(|| format!("unpacking {model}"))?;
+    }
     let (root, pipeline) =
         PipelineKind::of_model(&model, load.revision.as_deref()).with_context(|| format!("loading {model}"))?;
     check_taken_by(&call, pipeline, &root, args.from.as_deref(), given)?;

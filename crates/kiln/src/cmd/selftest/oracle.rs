@@ -126,6 +126,14 @@ pub fn run(dev: &Device, oracle: Option<&Path>) -> Vec<Row> {
             })
             .collect();
     };
+    // The repo's fixtures are stored packed (see the kiln-fixtures crate): unpack them in place,
+    // and the assets/tiny-flux files their links point to.
+    if oracle.join(kiln_fixtures::INDEX).is_file() {
+        if let Err(e) = kiln_fixtures::unpack_oracle(oracle) {
+            let detail = format!("unpacking {}: {e}", oracle.display());
+            return vec![Row::new("oracle", name("eager"), Status::Fail, detail)];
+        }
+    }
     let case = match smallest_case(oracle) {
         Ok(c) => c,
         Err(e) => return vec![Row::new("oracle", name("eager"), Status::Fail, format!("{e:#}"))],
