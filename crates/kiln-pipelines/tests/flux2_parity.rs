@@ -669,6 +669,9 @@ fn a_left_padding_tokenizer_folder_gives_the_same_token_embeddings() {
     std::fs::copy(folder().join("model_index.json"), dir.join("model_index.json")).unwrap();
     for entry in std::fs::read_dir(folder().join("tokenizer")).unwrap() {
         let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "xz") {
+            continue; // the packed form of a file that is there unpacked too
+        }
         let target = dir.join("tokenizer").join(path.file_name().unwrap());
         let text = std::fs::read_to_string(&path).unwrap();
         let text = match path.file_name().unwrap() == "tokenizer_config.json" {
