@@ -386,3 +386,12 @@ fn bad_skip_layers_and_clip_skip_are_clear_errors() {
         "clip_skip must change the image"
     );
 }
+
+/// The oracle's SD3 transformer and T5 have 4 heads: every case on four CPU devices too.
+#[test]
+fn sd3_cases_match_diffusers_on_four_devices() {
+    let mesh = kiln_tensor::Device::open_mesh(kiln_tensor::DeviceSpec::CPU, 4).unwrap();
+    for case in cases() {
+        run_case_on(&case, CompileMode::None, &mesh);
+    }
+}

@@ -876,6 +876,24 @@ fn tensor_parallel_generate_gives_diffusers_images() {
         ],
     );
     assert_matches_golden(&dir.join("sd3.png"), &oracle_image("sd3/cfg_basic", 0));
+    // The oracle's SD3 transformer and T5 have 4 heads: 4 devices, compiled whole.
+    generate_ok(
+        &dir,
+        &[
+            ("--model", sd3.to_str().unwrap()),
+            ("--prompt", "a photo of a cat"),
+            ("--height", "32"),
+            ("--width", "32"),
+            ("--num-inference-steps", "4"),
+            ("--guidance-scale", "5"),
+            ("--max-sequence-length", "64"),
+            ("--seed", "0"),
+            ("--tp", "4"),
+            ("--compile", "full"),
+            ("--output", "sd3-tp4.png"),
+        ],
+    );
+    assert_matches_golden(&dir.join("sd3-tp4.png"), &oracle_image("sd3/cfg_basic", 0));
     for (flags, expected) in [
         (vec!["--tp", "4"], "num_attention_heads 2 is not divisible by 4"),
         (
