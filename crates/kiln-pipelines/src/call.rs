@@ -351,6 +351,22 @@ macro_rules! pipeline_call {
                 }
             }
 
+            /// [`Self::batch`], or diffusers' error for an empty prompt list.
+            #[allow(dead_code)]
+            fn nonempty_batch(&self) -> $crate::error::Result<usize> {
+                match self.batch() {
+                    0 => Err($crate::error::invalid("`prompt` is an empty list: give at least one prompt")),
+                    n => Ok(n),
+                }
+            }
+
+            /// `(height, width)`, each 0 (not given) replaced by the pipeline's `default` size.
+            #[allow(dead_code)]
+            fn size_or(&self, default: usize) -> (usize, usize) {
+                let size = |s: usize| if s == 0 { default } else { s };
+                (size(self.height), size(self.width))
+            }
+
             /// The checks every pipeline makes (see [`SharedChecks`]), with the pipeline's further
             /// prompts (`prompt_3`, ...) as `(name, given, shown)`.
             #[allow(dead_code)]

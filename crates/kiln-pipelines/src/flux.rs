@@ -176,8 +176,7 @@ impl FluxPipeline {
         let start = Instant::now();
         let mut warnings = Vec::new();
         let vsf = self.vae_scale_factor();
-        let size = |s: usize| if s == 0 { self.default_size() } else { s };
-        let (height, width) = (size(args.height), size(args.width));
+        let (height, width) = args.size_or(self.default_size());
         self.check_inputs(&args, height, width, &mut warnings)?;
         let dtype = self.core.dtype();
         let transformer_in = self.transformer_config.in_channels;
@@ -185,10 +184,7 @@ impl FluxPipeline {
         let _finish = self.core.begin_call()?;
 
         // 2. Batch size and prompts.
-        let batch = args.batch();
-        if batch == 0 {
-            return Err(invalid("`prompt` is an empty list: give at least one prompt"));
-        }
+        let batch = args.nonempty_batch()?;
         let n = args.num_images_per_prompt;
         let total = batch * n;
         let has_negative = args.negative_prompt.is_some()

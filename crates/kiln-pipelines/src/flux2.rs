@@ -220,8 +220,7 @@ impl Flux2Pipeline {
         let start = Instant::now();
         let mut warnings = Vec::new();
         let vsf = self.vae_scale_factor();
-        let size = |s: usize| if s == 0 { self.default_size() } else { s };
-        let (height, width) = (size(args.height), size(args.width));
+        let (height, width) = args.size_or(self.default_size());
         self.check_inputs(&args, height, width, &mut warnings)?;
         let dtype = self.core.dtype();
         let channels = self.transformer_config.in_channels;
@@ -229,10 +228,7 @@ impl Flux2Pipeline {
         let _finish = self.core.begin_call()?;
 
         // 2. Batch size.
-        let batch = args.batch();
-        if batch == 0 {
-            return Err(invalid("`prompt` is an empty list: give at least one prompt"));
-        }
+        let batch = args.nonempty_batch()?;
         let n = args.num_images_per_prompt;
         let total = batch * n;
 

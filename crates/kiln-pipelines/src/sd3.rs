@@ -376,18 +376,14 @@ impl StableDiffusion3Pipeline {
     fn run(&self, mut args: StableDiffusion3Call<'_>) -> Result<PipelineOutput> {
         let start = Instant::now();
         let vsf = self.vae_scale_factor();
-        let size = |s: usize| if s == 0 { self.default_size() } else { s };
-        let (height, width) = (size(args.height), size(args.width));
+        let (height, width) = args.size_or(self.default_size());
         self.check_inputs(&args, height, width)?;
         let dtype = self.core.dtype();
         let (models, device) = self.core.loaded()?;
         let _finish = self.core.begin_call()?;
 
         // 2-3. Batch and text encoding.
-        let batch = args.batch();
-        if batch == 0 {
-            return Err(invalid("`prompt` is an empty list: give at least one prompt"));
-        }
+        let batch = args.nonempty_batch()?;
         let total = batch * args.num_images_per_prompt;
         let do_cfg = args.do_classifier_free_guidance();
         let t0 = Instant::now();
