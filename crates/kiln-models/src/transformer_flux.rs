@@ -402,8 +402,7 @@ impl FluxTransformer2DModel {
             .with("encoder_hidden_states", inputs.encoder_hidden_states)
             .with("pooled_projections", inputs.pooled_projections)
             .with("timestep", inputs.timestep)
-            .with("rope.cos", &inputs.rope.cos)
-            .with("rope.sin", &inputs.rope.sin)
+            .with_rope(inputs.rope)
             .with_opt("guidance", inputs.guidance.filter(|_| self.config.guidance_embeds));
         self.compiled.whole("", self, args, |m, a| {
             m.forward_graph(&FluxTransformerInputs {
@@ -412,7 +411,7 @@ impl FluxTransformer2DModel {
                 pooled_projections: a.get("pooled_projections")?,
                 timestep: a.get("timestep")?,
                 guidance: a.opt("guidance"),
-                rope: &rope_of(a)?,
+                rope: &a.rope()?,
             })
         })
     }
@@ -449,14 +448,13 @@ impl FluxTransformer2DModel {
                 .with("hidden_states", &x)
                 .with("encoder_hidden_states", &ctx)
                 .with("temb", &temb_silu)
-                .with("rope.cos", &rope.cos)
-                .with("rope.sin", &rope.sin);
+                .with_rope(rope);
             let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
                 let (ctx, x) = block.forward(
                     a.get("hidden_states")?,
                     a.get("encoder_hidden_states")?,
                     a.get("temb")?,
-                    &rope_of(a)?,
+                    &a.rope()?,
                 )?;
                 Ok(Args::new()
                     .with("encoder_hidden_states", &ctx)
@@ -470,12 +468,11 @@ impl FluxTransformer2DModel {
             let args = Args::new()
                 .with("hidden_states", &h)
                 .with("temb", &temb_silu)
-                .with("rope.cos", &rope.cos)
-                .with("rope.sin", &rope.sin);
+                .with_rope(rope);
             h = self
                 .single_transformer_blocks
                 .run(&self.compiled, i, args, |block, a| {
-                    block.forward(a.get("hidden_states")?, a.get("temb")?, &rope_of(a)?)
+                    block.forward(a.get("hidden_states")?, a.get("temb")?, &a.rope()?)
                 })?;
         }
         let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;
@@ -484,12 +481,4 @@ impl FluxTransformer2DModel {
         let x = modulate(&LayerNorm::plain(1e-6).forward(&x)?, &e[1], &e[0])?;
         self.proj_out.forward(&x)
     }
-}
-
-/// The rotary tables passed as `rope.cos` and `rope.sin`.
-fn rope_of(a: &Args) -> Result<RopeTables> {
-    Ok(RopeTables {
-        cos: a.get("rope.cos")?.clone(),
-        sin: a.get("rope.sin")?.clone(),
-    })
 }

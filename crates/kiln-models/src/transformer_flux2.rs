@@ -540,8 +540,7 @@ impl Flux2Transformer2DModel {
             .with("hidden_states", inputs.hidden_states)
             .with("encoder_hidden_states", inputs.encoder_hidden_states)
             .with("timestep", inputs.timestep)
-            .with("rope.cos", &inputs.rope.cos)
-            .with("rope.sin", &inputs.rope.sin)
+            .with_rope(inputs.rope)
             .with_opt("guidance", inputs.guidance.filter(|_| self.config.guidance_embeds));
         self.compiled.whole("", self, args, |m, a| {
             m.forward_graph(&Flux2TransformerInputs {
@@ -549,7 +548,7 @@ impl Flux2Transformer2DModel {
                 encoder_hidden_states: a.get("encoder_hidden_states")?,
                 timestep: a.get("timestep")?,
                 guidance: a.opt("guidance"),
-                rope: &rope_of(a)?,
+                rope: &a.rope()?,
             })
         })
     }
@@ -581,15 +580,14 @@ impl Flux2Transformer2DModel {
                 .with("encoder_hidden_states", &ctx)
                 .with("mod_img", &mod_img)
                 .with("mod_txt", &mod_txt)
-                .with("rope.cos", &rope.cos)
-                .with("rope.sin", &rope.sin);
+                .with_rope(rope);
             let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
                 let (ctx, x) = block.forward(
                     a.get("hidden_states")?,
                     a.get("encoder_hidden_states")?,
                     a.get("mod_img")?,
                     a.get("mod_txt")?,
-                    &rope_of(a)?,
+                    &a.rope()?,
                 )?;
                 Ok(Args::new()
                     .with("encoder_hidden_states", &ctx)
@@ -603,12 +601,11 @@ impl Flux2Transformer2DModel {
             let args = Args::new()
                 .with("hidden_states", &h)
                 .with("mod", &mod_single)
-                .with("rope.cos", &rope.cos)
-                .with("rope.sin", &rope.sin);
+                .with_rope(rope);
             h = self
                 .single_transformer_blocks
                 .run(&self.compiled, i, args, |block, a| {
-                    block.forward(a.get("hidden_states")?, a.get("mod")?, &rope_of(a)?)
+                    block.forward(a.get("hidden_states")?, a.get("mod")?, &a.rope()?)
                 })?;
         }
         let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;
@@ -617,14 +614,6 @@ impl Flux2Transformer2DModel {
         let x = modulate(&LayerNorm::plain(self.config.eps).forward(&x)?, &e[1], &e[0])?;
         self.proj_out.forward(&x)
     }
-}
-
-/// The rotary tables passed as `rope.cos` and `rope.sin`.
-fn rope_of(a: &Args) -> Result<RopeTables> {
-    Ok(RopeTables {
-        cos: a.get("rope.cos")?.clone(),
-        sin: a.get("rope.sin")?.clone(),
-    })
 }
 
 #[cfg(test)]

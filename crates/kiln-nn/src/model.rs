@@ -127,6 +127,19 @@ impl Args {
         self.opt(name).ok_or_else(|| self.missing(name))
     }
 
+    /// `self` with rotary tables under `rope.cos` and `rope.sin`.
+    pub fn with_rope(self, rope: &crate::RopeTables) -> Self {
+        self.with("rope.cos", &rope.cos).with("rope.sin", &rope.sin)
+    }
+
+    /// The rotary tables passed with [`Args::with_rope`].
+    pub fn rope(&self) -> Result<crate::RopeTables> {
+        Ok(crate::RopeTables {
+            cos: self.get("rope.cos")?.clone(),
+            sin: self.get("rope.sin")?.clone(),
+        })
+    }
+
     /// The tensor named `name`, if there is one.
     pub fn opt(&self, name: &str) -> Option<&Tensor> {
         self.entries.iter().find(|(n, _)| n == name).map(|(_, t)| t)
