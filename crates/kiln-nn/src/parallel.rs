@@ -6,7 +6,7 @@
 //! to a [`TpStyle`]; everything the plan does not name is replicated (every device holds it whole
 //! and computes it redundantly, as in diffusers). Loading through a [`crate::Weights`] with a
 //! plan on a mesh reads only each device's slice of every planned weight
-//! ([`kiln_io::Checkpoint::read_slice`]); a row-parallel [`crate::Linear`] sums its partial
+//! ([`kiln_io::TensorView::narrow`]); a row-parallel [`crate::Linear`] sums its partial
 //! products over the devices ([`kiln_tensor::Tensor::all_reduce_sum`]). Attention then runs on
 //! each device's own heads: models take their head count from the width of the projected
 //! activation, never from the config.

@@ -247,7 +247,7 @@ impl Weights {
             });
         }
         if let Some((dim, blocks)) = self.plan.as_ref().and_then(|p| p.split_of(&full)) {
-            let t = self.load_sharded(&full, dim, &blocks, dtype)?;
+            let t = self.load_sharded(&full, &view, dim, &blocks, dtype)?;
             self.shared.used.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
             return Ok(t);
         }
@@ -270,10 +270,15 @@ impl Weights {
     /// Loads the planned weight `full` onto the mesh: member `k` gets the `k`-th part of every
     /// block along `dim`, read from the file alone (contiguous rows in place; strided columns
     /// gathered into one host buffer of that slice's size, freed before the next).
-    fn load_sharded(&self, full: &str, dim: usize, blocks: &[usize], dtype: DType) -> Result<Tensor> {
+    fn load_sharded(
+        &self,
+        full: &str,
+        view: &kiln_io::TensorView<'_>,
+        dim: usize,
+        blocks: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor> {
         let (mesh, memory) = (&self.shared.device, self.shared.memory);
-        let ckpt = &self.shared.checkpoint;
-        let view = ckpt.tensor(full)?;
         let members = mesh.members();
         let n = members.len();
         let mut shards = Vec::with_capacity(n);
