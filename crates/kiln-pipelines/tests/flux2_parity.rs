@@ -6,6 +6,9 @@
 //! encoder runs from `prompt_embeds`; and the inputs diffusers rejects (`errors/flux2.json`).
 //! Tolerances: the oracle README's float32 ones.
 
+mod common;
+
+use common::{strings, tensor};
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
@@ -36,32 +39,6 @@ fn folder() -> PathBuf {
 
 fn load(model: &Path) -> Flux2Pipeline {
     Flux2Pipeline::from_pretrained(model.to_str().unwrap(), &LoadOptions::default()).unwrap()
-}
-
-/// A prompt argument: a string, a list of strings, or absent.
-fn strings(v: &Value) -> Option<Vec<String>> {
-    match v {
-        Value::String(s) => Some(vec![s.clone()]),
-        Value::Array(a) => Some(a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect()),
-        _ => None,
-    }
-}
-
-/// A tensor the oracle describes by shape and fill.
-fn tensor(v: &Value) -> Option<Tensor> {
-    let t = v.get("tensor")?;
-    let shape: Vec<usize> = t["shape"]
-        .as_array()?
-        .iter()
-        .map(|d| d.as_u64().unwrap() as usize)
-        .collect();
-    assert_eq!(t["dtype"], "float32");
-    let value = match t["fill"].as_str()? {
-        "zeros" => 0.0,
-        "ones" => 1.0,
-        other => panic!("unknown fill {other}"),
-    };
-    Some(Tensor::full(value, shape, DType::F32, &device()).unwrap())
 }
 
 /// The call diffusers made, with the progress bar off; a `generator` argument sets the seed(s).

@@ -1,4 +1,6 @@
-//! Helpers shared by the FluxPipeline tests: oracle `call.json` kwargs to a [`FluxCall`].
+//! Helpers shared by the pipeline tests: oracle `call.json` kwargs to a [`FluxCall`], prompt and
+//! tensor arguments for any pipeline's call.
+#![allow(dead_code)]
 
 use kiln_pipelines::FluxCall;
 use kiln_tensor::{DType, Tensor};
