@@ -20,7 +20,6 @@ use tokenizers::{SplitDelimiterBehavior, Tokenizer};
 use crate::config::{existing, read_json, read_to_string, FolderConfig, TokenSpec};
 use crate::error::{Result, TokenizerError};
 use crate::text::{add_tokens, required_id, PaddingSide, TextTokenizer, TruncationNotice};
-use crate::{Encoded, PromptTokenizer};
 
 /// The pre-tokenizer regex of transformers' `CLIPTokenizer` (also OpenAI CLIP's).
 const CLIP_SPLIT_PATTERN: &str =
@@ -147,27 +146,7 @@ impl ClipTokenizer {
     }
 }
 
-impl PromptTokenizer for ClipTokenizer {
-    fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.text.encode(text)
-    }
-
-    fn encode_batch(&self, texts: &[&str], max_length: usize) -> Result<Encoded> {
-        self.text.encode_batch(texts, max_length)
-    }
-
-    fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.text.decode(ids)
-    }
-
-    fn pad_id(&self) -> u32 {
-        self.text.pad_id()
-    }
-
-    fn model_max_length(&self) -> Option<usize> {
-        self.text.model_max_length()
-    }
-}
+prompt_tokenizer_by_text!(ClipTokenizer);
 
 /// The BPE vocabulary and merges: from tokenizer.json if present, else vocab.json + merges.txt.
 fn read_vocab_and_merges(folder: &Path) -> Result<(Vocab, Merges)> {

@@ -12,6 +12,30 @@
 //! truncation=True`).
 #![forbid(unsafe_code)]
 
+/// `impl PromptTokenizer for $ty` by its `text: TextTokenizer` field, for the tokenizers that are
+/// a `TextTokenizer` plus their own loading (CLIP, T5, Mistral).
+macro_rules! prompt_tokenizer_by_text {
+    ($ty:ty) => {
+        impl $crate::PromptTokenizer for $ty {
+            fn encode(&self, text: &str) -> $crate::Result<Vec<u32>> {
+                self.text.encode(text)
+            }
+            fn encode_batch(&self, texts: &[&str], max_length: usize) -> $crate::Result<$crate::Encoded> {
+                self.text.encode_batch(texts, max_length)
+            }
+            fn decode(&self, ids: &[u32]) -> $crate::Result<String> {
+                self.text.decode(ids)
+            }
+            fn pad_id(&self) -> u32 {
+                self.text.pad_id()
+            }
+            fn model_max_length(&self) -> Option<usize> {
+                self.text.model_max_length()
+            }
+        }
+    };
+}
+
 mod chat_template;
 mod clip;
 mod config;

@@ -20,7 +20,7 @@ use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::config::{existing, FolderConfig, TokenSpec};
 use crate::error::{Result, TokenizerError};
 use crate::text::{add_tokens, required_id, PaddingSide, TextTokenizer, Truncation, TruncationNotice};
-use crate::{Encoded, PromptTokenizer};
+use crate::Encoded;
 
 /// The system message of diffusers' `Flux2Pipeline` (`SYSTEM_MESSAGE` in `pipeline_flux2.py`):
 /// 168 characters, one newline (between "object" and "attribution"), none at the end.
@@ -234,26 +234,6 @@ impl MistralTokenizer {
     }
 }
 
-/// `processor.tokenizer(...)` calls: `encode` adds `<s>`; `encode_batch` pads on the padding side
-/// and truncates the content on the right.
-impl PromptTokenizer for MistralTokenizer {
-    fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.text.encode(text)
-    }
-
-    fn encode_batch(&self, texts: &[&str], max_length: usize) -> Result<Encoded> {
-        self.text.encode_batch(texts, max_length)
-    }
-
-    fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.text.decode(ids)
-    }
-
-    fn pad_id(&self) -> u32 {
-        self.text.pad_id()
-    }
-
-    fn model_max_length(&self) -> Option<usize> {
-        self.text.model_max_length()
-    }
-}
+// `processor.tokenizer(...)` calls: `encode` adds `<s>`; `encode_batch` pads on the padding side
+// and truncates the content on the right.
+prompt_tokenizer_by_text!(MistralTokenizer);

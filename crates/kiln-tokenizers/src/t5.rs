@@ -21,7 +21,6 @@ use crate::config::{existing, read_json, FolderConfig, TokenSpec};
 use crate::error::{Result, TokenizerError};
 use crate::sentencepiece::{PieceType, SentencePieceModel};
 use crate::text::{add_tokens, required_id, PaddingSide, TextTokenizer, TruncationNotice};
-use crate::{Encoded, PromptTokenizer};
 
 const DEFAULT_EOS: &str = "</s>";
 const DEFAULT_UNK: &str = "<unk>";
@@ -154,27 +153,7 @@ impl T5Tokenizer {
     }
 }
 
-impl PromptTokenizer for T5Tokenizer {
-    fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.text.encode(text)
-    }
-
-    fn encode_batch(&self, texts: &[&str], max_length: usize) -> Result<Encoded> {
-        self.text.encode_batch(texts, max_length)
-    }
-
-    fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.text.decode(ids)
-    }
-
-    fn pad_id(&self) -> u32 {
-        self.text.pad_id()
-    }
-
-    fn model_max_length(&self) -> Option<usize> {
-        self.text.model_max_length()
-    }
-}
+prompt_tokenizer_by_text!(T5Tokenizer);
 
 fn parts_from_sentencepiece(path: &Path, extra_ids: usize) -> Result<UnigramParts> {
     let model = SentencePieceModel::read(path)?;
