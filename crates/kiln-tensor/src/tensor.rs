@@ -55,6 +55,18 @@ impl fmt::Display for MemoryKind {
     }
 }
 
+/// Member `k` of a device, as error messages name it (`cpu:1`); the device itself when single.
+struct MemberName<'a>(&'a Device, usize);
+
+impl fmt::Display for MemberName<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.is_mesh() {
+            false => write!(f, "{}", self.0),
+            true => write!(f, "{}:{}", self.0.platform(), self.0.member_indices()[self.1]),
+        }
+    }
+}
+
 /// A PJRT buffer and, for one in device memory, its charge to the device-memory count (released
 /// after the buffer is destroyed).
 pub(crate) struct Held {
@@ -138,9 +150,9 @@ impl Tensor {
         }
         let bytes = (shape.numel() * dtype.size_in_bytes()) as u64;
         let mut held = Vec::with_capacity(buffers.len());
-        for (buffer, (ledger, member)) in buffers.into_iter().zip(device.ledgers().iter().zip(device.members())) {
+        for (k, (buffer, ledger)) in buffers.into_iter().zip(device.ledgers()).enumerate() {
             let charge = match memory {
-                MemoryKind::Device => Some(Charge::new(ledger, bytes, &member)?),
+                MemoryKind::Device => Some(Charge::new(ledger, bytes, &MemberName(&device, k))?),
                 MemoryKind::PinnedHost | MemoryKind::UnpinnedHost => None,
             };
             held.push(Arc::new(Held {
