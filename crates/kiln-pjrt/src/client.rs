@@ -9,6 +9,7 @@ use crate::buffer::{buffer_type, Buffer};
 use crate::error::{Error, Result};
 use crate::executable::{CompileOptions, LoadedExecutable};
 use crate::in_flight::InFlight;
+use crate::kv_store::{self, KeyValueStore, StoreBox};
 use crate::plugin::{lossy_string, pjrt_call, read_named_values, NamedValue, NamedValueList, Plugin};
 use crate::sys;
 
@@ -98,6 +99,8 @@ pub struct Client {
     addressable: Vec<usize>,
     /// Executions and transfers queued and not yet seen finished.
     pub(crate) in_flight: InFlight,
+    /// The key-value store the plugin may call back into while the client lives.
+    _store: Option<StoreBox>,
 }
 
 // SAFETY: PJRT clients, devices and memories are thread-safe objects.
@@ -120,10 +123,24 @@ impl std::fmt::Debug for Client {
 impl Client {
     /// Creates a client with named create options (e.g. `("cpu_device_count", Int64(2))`).
     pub fn new(plugin: Arc<Plugin>, options: &[(String, NamedValue)]) -> Result<Arc<Client>> {
+        Client::with_store(plugin, options, None)
+    }
+
+    /// [`Client::new`] for one process of a multi-process job: the plugin gets `store` as its
+    /// key-value callbacks (it exchanges topology and collective ids through it).
+    pub fn with_store(
+        plugin: Arc<Plugin>,
+        options: &[(String, NamedValue)],
+        store: Option<Arc<dyn KeyValueStore>>,
+    ) -> Result<Arc<Client>> {
         let list = NamedValueList::new(options);
         let mut args = sys::PJRT_Client_Create_Args::new();
         args.create_options = list.values.as_ptr();
         args.num_options = list.values.len();
+        let store: Option<StoreBox> = store.map(Box::new);
+        if let Some(store) = &store {
+            kv_store::install(&mut args, store);
+        }
         pjrt_call!(&plugin, PJRT_Client_Create, &mut args)?;
         let raw = args.client;
         let mut client = Client {
@@ -135,6 +152,7 @@ impl Client {
             devices: Vec::new(),
             addressable: Vec::new(),
             in_flight: InFlight::default(),
+            _store: store,
         };
         client.read_properties()?;
         Ok(Arc::new(client))

@@ -1,8 +1,9 @@
 //! Safe Rust over the PJRT C API: plugins, clients, devices, memories, buffers, executables.
 //!
-//! With `kiln-x86` (inline assembly and intrinsics for the native CPU kernels), the only crate of
-//! kiln with `unsafe` code. Every raw pointer stays inside it; every PJRT error becomes an
-//! [`Error`] carrying the plugin's message and code.
+//! With `kiln-x86` (inline assembly and intrinsics for the native CPU kernels) and
+//! `kiln-distributed` (process launching: `pre_exec`, signals), one of the crates of kiln with
+//! `unsafe` code. Every raw pointer stays inside it; every PJRT error becomes an [`Error`]
+//! carrying the plugin's message and code.
 
 mod buffer;
 mod client;
@@ -12,6 +13,7 @@ mod event;
 mod executable;
 mod ffi;
 mod in_flight;
+pub mod kv_store;
 mod plugin;
 pub mod sys;
 
@@ -21,4 +23,5 @@ pub use discovery::{DeviceSpec, Platform, PluginLocation, PluginSource, SearchPa
 pub use error::{Error, ErrorCode, Result};
 pub use executable::{CompileOptions, CompiledMemoryStats, ExecuteOptions, LoadedExecutable, OptionOverride};
 pub use ffi::{host_pool_tasks_run, HostBuffer, HostBufferMut, HostKernel, HostPool};
+pub use kv_store::{KeyValueError, KeyValueStore};
 pub use plugin::{check_api_version, NamedValue, Plugin, MIN_API_MINOR, REQUIRED_API_MAJOR};

@@ -163,6 +163,38 @@ pjrt_struct!(PJRT_Client_Create_Args {
     kv_try_get_callback: *mut c_void,
     kv_try_get_user_arg: *mut c_void,
 });
+/// `PJRT_CallbackError`: makes a `PJRT_Error` from a code and a message (owned by the plugin).
+pub type PJRT_CallbackError =
+    Option<unsafe extern "C" fn(code: PJRT_Error_Code, message: *const c_char, message_size: usize) -> *mut PJRT_Error>;
+/// Frees a value a key-value callback returned; gets only the pointer.
+pub type PJRT_KeyValue_ValueDeleter = Option<unsafe extern "C" fn(value: *mut c_char)>;
+pjrt_struct!(PJRT_KeyValueGetCallback_Args {
+    key: *const c_char,
+    key_size: usize,
+    timeout_in_ms: c_int,
+    callback_error: *mut PJRT_CallbackError,
+    user_arg: *mut c_void,
+    value: *mut c_char,
+    value_size: usize,
+    value_deleter_callback: PJRT_KeyValue_ValueDeleter,
+});
+pjrt_struct!(PJRT_KeyValueTryGetCallback_Args {
+    key: *const c_char,
+    key_size: usize,
+    callback_error: *mut PJRT_CallbackError,
+    user_arg: *mut c_void,
+    value: *mut c_char,
+    value_size: usize,
+    value_deleter_callback: PJRT_KeyValue_ValueDeleter,
+});
+pjrt_struct!(PJRT_KeyValuePutCallback_Args {
+    key: *const c_char,
+    key_size: usize,
+    value: *const c_char,
+    value_size: usize,
+    callback_error: *mut PJRT_CallbackError,
+    user_arg: *mut c_void,
+});
 pjrt_struct!(PJRT_Client_Destroy_Args { client: *mut PJRT_Client });
 pjrt_struct!(PJRT_Client_PlatformName_Args {
     client: *mut PJRT_Client,
@@ -587,6 +619,18 @@ pub const CHECKED_STRUCTS: &[(&str, usize)] = &[
     ("PJRT_Error_Destroy_Args", PJRT_Error_Destroy_Args::STRUCT_SIZE),
     ("PJRT_Error_Message_Args", PJRT_Error_Message_Args::STRUCT_SIZE),
     ("PJRT_Error_GetCode_Args", PJRT_Error_GetCode_Args::STRUCT_SIZE),
+    (
+        "PJRT_KeyValueGetCallback_Args",
+        PJRT_KeyValueGetCallback_Args::STRUCT_SIZE,
+    ),
+    (
+        "PJRT_KeyValueTryGetCallback_Args",
+        PJRT_KeyValueTryGetCallback_Args::STRUCT_SIZE,
+    ),
+    (
+        "PJRT_KeyValuePutCallback_Args",
+        PJRT_KeyValuePutCallback_Args::STRUCT_SIZE,
+    ),
     ("PJRT_NamedValue", PJRT_NamedValue::STRUCT_SIZE),
     ("PJRT_Plugin_Initialize_Args", PJRT_Plugin_Initialize_Args::STRUCT_SIZE),
     ("PJRT_Plugin_Attributes_Args", PJRT_Plugin_Attributes_Args::STRUCT_SIZE),

@@ -86,9 +86,72 @@ fn default_cpu_device_count() -> i64 {
     count
 }
 
+/// This process's place in a multi-process job (`kiln launch`), set once before any client is
+/// made: the plugins join the job through its key-value store.
+pub struct ProcessJob {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    /// The job's store for a platform's plugin (keys prefixed with the platform, as JAX does).
+    pub store_for: Box<dyn Fn(Platform) -> Arc<dyn kiln_pjrt::KeyValueStore> + Send + Sync>,
+}
+
+fn process_job_cell() -> &'static OnceLock<ProcessJob> {
+    static JOB: OnceLock<ProcessJob> = OnceLock::new();
+    &JOB
+}
+
+/// Makes this process one of a multi-process job: every client created after this gets the job's
+/// node id, node count and key-value callbacks where its plugin takes them (see
+/// [`job_create_options`]). Fails when a client exists already or a job was set before.
+pub fn join_process_job(job: ProcessJob) -> Result<()> {
+    if !clients().lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+        return Err(crate::Error::invalid(
+            "job",
+            "a PJRT client was created before the process joined its job",
+        ));
+    }
+    process_job_cell()
+        .set(job)
+        .map_err(|_| crate::Error::invalid("job", "this process already joined a job"))
+}
+
+/// The job this process joined: (rank, world size), if any.
+pub fn process_job() -> Option<(usize, usize)> {
+    process_job_cell().get().map(|job| (job.rank, job.world_size))
+}
+
+/// The create options a plugin gets for one process of a job. CUDA takes `node_id`, `num_nodes`
+/// and `visible_devices` (this process's chip); libtpu reads its chip and process layout from the
+/// `TPU_*` variables `kiln launch` sets; the CPU plugin validates its option names and knows none
+/// of these (it runs no cross-process collectives), so it gets only the callbacks.
+pub fn job_create_options(
+    platform: Platform,
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+) -> Vec<(String, NamedValue)> {
+    match platform {
+        Platform::Cuda => vec![
+            ("node_id".into(), NamedValue::Int64(rank as i64)),
+            ("num_nodes".into(), NamedValue::Int64(world_size as i64)),
+            ("visible_devices".into(), NamedValue::Int64List(vec![local_rank as i64])),
+        ],
+        Platform::Cpu | Platform::Tpu => Vec::new(),
+    }
+}
+
 /// Create options kiln passes for a platform. CPU: one device unless `KILN_CPU_DEVICE_COUNT` says
 /// otherwise (the plugin's own default is 4, which only splits the same cores).
 fn create_options(platform: Platform, cpu_devices: Option<i64>) -> Vec<(String, NamedValue)> {
+    let mut options = single_process_options(platform, cpu_devices);
+    if let Some(job) = process_job_cell().get() {
+        options.extend(job_create_options(platform, job.rank, job.world_size, job.local_rank));
+    }
+    options
+}
+
+fn single_process_options(platform: Platform, cpu_devices: Option<i64>) -> Vec<(String, NamedValue)> {
     match platform {
         Platform::Cpu => {
             let count = cpu_devices.unwrap_or_else(default_cpu_device_count);
@@ -159,7 +222,8 @@ fn client_with(location: &PluginLocation, cpu_devices: Option<i64>) -> Result<Ar
         kiln_pjrt::discovery::preload_cuda_libraries(&SearchPaths::from_environment().site_packages);
     }
     let plugin = Plugin::load(&location.path)?;
-    let client = Client::new(plugin, &create_options(location.platform, cpu_devices))?;
+    let store = process_job_cell().get().map(|job| (job.store_for)(location.platform));
+    let client = Client::with_store(plugin, &create_options(location.platform, cpu_devices), store)?;
     map.insert(key, client.clone());
     Ok(client)
 }

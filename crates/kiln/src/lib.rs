@@ -38,6 +38,9 @@ pub use kiln_tensor::{
 /// many devices as asked, which share the machine's cores).
 pub fn open_device(spec: &str, tp: usize) -> anyhow::Result<kiln_tensor::Device> {
     use anyhow::Context;
+    if let Some(job) = job().filter(|job| job.membership.world_size > 1) {
+        return Err(job.mesh_problem(spec, tp));
+    }
     if tp == 1 {
         return Ok(kiln_tensor::Device::parse(spec)?);
     }
@@ -55,4 +58,94 @@ pub fn parse_compile_mode(value: &str) -> anyhow::Result<CompileMode> {
     // fastest end to end and compiled the fewest programs cold. GPU and TPU are not measured yet
     // and get the same default.
     Ok(CompileMode::Full)
+}
+
+/// This process's multi-process job (`kiln launch`): its place and its coordination client.
+pub struct Job {
+    pub membership: kiln_distributed::Membership,
+    pub client: std::sync::Arc<kiln_distributed::CoordinationClient>,
+}
+
+static JOB: std::sync::OnceLock<Job> = std::sync::OnceLock::new();
+
+/// The job this process joined with [`join_job_from_env`], if any.
+pub fn job() -> Option<&'static Job> {
+    JOB.get()
+}
+
+/// Joins the job `kiln launch` started this process in (nothing outside one): registers with the
+/// coordination service, waits until every rank has (the error names the ranks that did not come
+/// within `--rendezvous-timeout`), and hands the job's key-value store to the PJRT plugins.
+pub fn join_job_from_env() -> anyhow::Result<Option<&'static Job>> {
+    use anyhow::Context;
+    let Some(membership) = kiln_distributed::Membership::from_env()? else {
+        return Ok(None);
+    };
+    let options = kiln_distributed::ClientOptions {
+        connect_timeout: membership.rendezvous_timeout,
+        exit_on_job_failure: true,
+        ..Default::default()
+    };
+    let client = kiln_distributed::CoordinationClient::connect(&membership.coordinator, membership.rank, options)
+        .with_context(|| format!("rank {} joining the job at {}", membership.rank, membership.coordinator))?;
+    client.wait_for_all(membership.rendezvous_timeout).with_context(|| {
+        format!(
+            "rank {} waiting {} s for the other ranks (--rendezvous-timeout)",
+            membership.rank,
+            membership.rendezvous_timeout.as_secs()
+        )
+    })?;
+    let client = std::sync::Arc::new(client);
+    let store_client = client.clone();
+    kiln_tensor::join_process_job(kiln_tensor::ProcessJob {
+        rank: membership.rank,
+        world_size: membership.world_size,
+        local_rank: membership.local_rank,
+        store_for: Box::new(move |platform| {
+            std::sync::Arc::new(kiln_distributed::PjrtStore::new(
+                store_client.clone(),
+                &platform.to_string(),
+            ))
+        }),
+    })?;
+    let _ = JOB.set(Job { membership, client });
+    Ok(JOB.get())
+}
+
+impl Job {
+    /// Why `--device spec --tp tp` cannot run in this job of several processes.
+    fn mesh_problem(&self, spec: &str, tp: usize) -> anyhow::Error {
+        let m = &self.membership;
+        if tp != m.world_size {
+            return anyhow::anyhow!(
+                "rank {} of a {}-process job: --tp {tp} must be the job's size (one chip per process): --tp {}",
+                m.rank,
+                m.world_size,
+                m.world_size
+            );
+        }
+        let platform = spec
+            .parse::<kiln_tensor::DeviceSpec>()
+            .ok()
+            .and_then(|s| kiln_pjrt::SearchPaths::from_environment().find(s.platform).ok())
+            .map(|location| location.platform.to_string())
+            .unwrap_or_else(|| "this".into());
+        if platform == "cpu" {
+            return anyhow::anyhow!(
+                "rank {} of a {}-process job: the CPU plugin sees only its own process's devices and runs no \
+                 cross-process collectives (its C API exposes none); run `kiln generate --tp {}` in one process instead",
+                m.rank,
+                m.world_size,
+                m.world_size
+            );
+        }
+        anyhow::anyhow!(
+            "rank {} of a {}-process job: a mesh spanning processes is not implemented in kiln yet (the job \
+             rendezvouses and the {platform} plugin joins it, but tensors are not yet placed across processes); \
+             run `kiln generate --tp {}` in one process, which drives every local chip",
+            m.rank,
+            m.world_size,
+            m.world_size
+        )
+    }
 }

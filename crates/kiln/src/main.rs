@@ -26,6 +26,9 @@ enum Command {
     /// Check a plugin and device: every op against an f64 reference, buffers, views, donation,
     /// memory spaces, serialization and a FLUX.1 oracle case; prints a table of what passed.
     Selftest(cmd::selftest::SelftestArgs),
+    /// Start N processes of a command, one per chip (as torchrun does), coordinated through XLA's
+    /// coordination service: `kiln launch --nproc-per-node N -- kiln generate --tp N ...`.
+    Launch(cmd::launch::LaunchArgs),
 }
 
 fn main() {
@@ -55,6 +58,21 @@ fn main() {
     }
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Command::Launch(args) = cli.command {
+        match cmd::launch::run(args) {
+            Ok(code) => std::process::exit(code),
+            Err(e) => {
+                eprintln!("error: {}", message(&e));
+                std::process::exit(2);
+            }
+        }
+    }
+    // Started by `kiln launch`: join the job before any plugin is loaded.
+    // (`kiln launch` sees a rank that fails exit and names it to the others.)
+    if let Err(e) = kiln::join_job_from_env() {
+        eprintln!("error: {}", message(&e));
+        std::process::exit(1);
+    }
     let result = match cli.command {
         Command::Generate(args) => {
             let generate = matches
@@ -65,6 +83,7 @@ fn main() {
         Command::Devices => cmd::devices::run(),
         Command::Bench(args) => cmd::bench::run(*args),
         Command::Selftest(args) => cmd::selftest::run(args),
+        Command::Launch(_) => unreachable!("handled above"),
     };
     // No plugin thread may still run queued work while the process exits (it tears down the
     // memory that work reads): wait for it on every path out, errors included.

@@ -10,6 +10,9 @@ pub fn run() -> Result<()> {
             p.display()
         );
     }
+    if let Some(job) = kiln::job() {
+        return job_devices(job, paths);
+    }
     let found = paths.find_all();
     if found.is_empty() {
         bail!(
@@ -58,5 +61,55 @@ pub fn run() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// Under `kiln launch`: each rank creates its client (with the job's key-value callbacks), puts
+/// what it sees into the job's store, and rank 0 prints every rank's line, read back from it.
+fn job_devices(job: &kiln::Job, paths: &kiln_pjrt::SearchPaths) -> Result<()> {
+    use anyhow::Context;
+    let m = &job.membership;
+    let location = paths.find(None)?;
+    let client = kiln_tensor::client_for(&location)?;
+    let devices: Vec<String> = client
+        .addressable_devices()
+        .enumerate()
+        .map(|(i, d)| format!("{}:{i} {} (id {})", location.platform, d.kind(), d.id()))
+        .collect();
+    let line = format!(
+        "rank {} of {} (local {}), pid {}: {} plugin {} {}, {} device(s) of {} in the client: {}",
+        m.rank,
+        m.world_size,
+        m.local_rank,
+        std::process::id(),
+        location.platform,
+        client.platform_name(),
+        client.platform_version(),
+        devices.len(),
+        client.devices().len(),
+        devices.join(", ")
+    );
+    println!("{line}");
+    let timeout = m.rendezvous_timeout;
+    job.client
+        .put(&format!("kiln/devices/{}", m.rank), line.as_bytes())
+        .context("putting this rank's devices into the job's store")?;
+    job.client
+        .barrier("kiln/devices", timeout)
+        .context("waiting for every rank's devices")?;
+    if m.rank == 0 {
+        println!("job of {} processes, coordinated at {}:", m.world_size, m.coordinator);
+        for rank in 0..m.world_size {
+            let value = job
+                .client
+                .get(&format!("kiln/devices/{rank}"), timeout)
+                .with_context(|| format!("reading rank {rank}'s devices"))?;
+            println!("  {}", String::from_utf8_lossy(&value));
+        }
+    }
+    // Nobody leaves before rank 0 has read every line.
+    job.client
+        .barrier("kiln/devices/read", timeout)
+        .context("waiting for rank 0 to read the job's devices")?;
     Ok(())
 }

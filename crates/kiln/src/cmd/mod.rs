@@ -1,4 +1,5 @@
 pub mod bench;
 pub mod devices;
 pub mod generate;
+pub mod launch;
 pub mod selftest;
