@@ -142,6 +142,21 @@ impl ModelIndex {
         }
     }
 
+    /// The pipeline option `name` (a `register_to_config` argument such as FLUX.2 [klein]'s
+    /// `is_distilled`): `default` when absent or null (the constructor's default), an error
+    /// naming the key when it is not a boolean.
+    pub fn bool_option(&self, name: &str, default: bool) -> Result<bool> {
+        match self.options.get(name) {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(other) => Err(IoError::Config {
+                file: self.file.clone(),
+                key: name.to_string(),
+                message: format!("must be true or false, not {}", json::kind(other)),
+            }),
+        }
+    }
+
     /// The component `name` if present (checked against `supported`); `None` when absent or null.
     pub fn optional_component(&self, name: &str, supported: &[&str]) -> Result<Option<&ComponentSpec>> {
         match self.component(name) {

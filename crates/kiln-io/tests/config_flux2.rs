@@ -122,3 +122,40 @@ fn bad_values_name_file_and_key() {
         assert!(key.starts_with(want), "{key} for {json}");
     }
 }
+
+// Qwen/Qwen3-4B `config.json` (the FLUX.2 [klein] 4B text encoder), keys that differ from the
+// class defaults.
+const QWEN3_4B: &str = r#"{
+  "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "bos_token_id": 151643,
+  "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2560,
+  "intermediate_size": 9728, "max_position_embeddings": 40960, "max_window_layers": 36,
+  "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36,
+  "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000,
+  "sliding_window": null, "tie_word_embeddings": true, "use_sliding_window": false,
+  "vocab_size": 151936 }"#;
+
+#[test]
+fn qwen3_configs_parse_old_and_new_layouts() {
+    let real: kiln_io::Qwen3Config = parse(QWEN3_4B);
+    assert_eq!((real.hidden_size, real.num_hidden_layers, real.head_dim()), (2560, 36, 128));
+    assert_eq!((real.num_attention_heads, real.num_key_value_heads), (32, 8));
+    assert_eq!((real.rope_theta(), real.rope_type()), (1e6, "default"));
+    assert!(real.tie_word_embeddings && !real.attention_bias);
+    assert_eq!(real.layer_window(35), None);
+    assert_eq!(real.hidden_act, Activation::Silu);
+
+    let fixture: kiln_io::Qwen3Config = load_config(pipeline("flux2_klein").join("text_encoder/config.json")).unwrap();
+    assert_eq!((fixture.hidden_size, fixture.num_hidden_layers, fixture.head_dim()), (16, 28, 8));
+    assert_eq!((fixture.num_attention_heads, fixture.num_key_value_heads), (2, 1));
+    assert_eq!((fixture.rope_theta(), fixture.rms_norm_eps), (1e6, 1e-6));
+    assert_eq!(fixture.layer_types.as_ref().map(Vec::len), Some(28));
+    assert_eq!(fixture.layer_window(27), None);
+
+    // Sliding layers: from layer_types, else from max_window_layers with use_sliding_window.
+    let sliding: kiln_io::Qwen3Config =
+        parse(r#"{"use_sliding_window": true, "max_window_layers": 2, "sliding_window": 16}"#);
+    assert_eq!((sliding.layer_window(1), sliding.layer_window(2)), (None, Some(16)));
+    let typed: kiln_io::Qwen3Config =
+        parse(r#"{"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}"#);
+    assert_eq!((typed.layer_window(0), typed.layer_window(1)), (Some(8), None));
+}

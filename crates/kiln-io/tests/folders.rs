@@ -80,6 +80,12 @@ fn model_index_errors_name_file_and_key() {
     .unwrap();
     assert_eq!(ok.options.len(), 2);
     assert_eq!(ok.diffusers_version, None);
+    assert!(ok.bool_option("force_zeros_for_empty_prompt", false).unwrap());
+    assert!(ok.bool_option("is_distilled", true).unwrap());
+    assert!(!ok.bool_option("is_distilled", false).unwrap());
+    let bad = parse(r#"{"_class_name": "Flux2KleinPipeline", "is_distilled": "yes"}"#).unwrap();
+    let err = bad.bool_option("is_distilled", false).unwrap_err().to_string();
+    assert!(err.contains("is_distilled") && err.contains("true or false"), "{err}");
     let cases = [
         (r#"{"vae": ["diffusers", "AutoencoderKL"]}"#, "_class_name"),
         (r#"{"_class_name": 3}"#, "_class_name"),
