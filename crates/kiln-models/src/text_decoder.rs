@@ -1,41 +1,34 @@
-//! Mistral language model: the text path of transformers' `Mistral3ForConditionalGeneration`
-//! (`model.language_model`, a `MistralModel`; `transformers/models/mistral/modeling_mistral.py`,
-//! transformers 5.24.0), the text encoder of FLUX.2 [dev] (Mistral-Small-3.x-24B).
+//! The decoder-only language model of the FLUX.2 text encoders, run only as far as it is read:
+//! transformers' Mistral (`MistralModel`, the text path of `Mistral3ForConditionalGeneration`,
+//! FLUX.2 [dev]; see [`crate::mistral`]) and Qwen3 (`Qwen3Model` of `Qwen3ForCausalLM`,
+//! FLUX.2 [klein]; see [`crate::qwen3`]), transformers 5.24.0. The two differ only in what
+//! [`TextDecoderArch`] says: Qwen3 RMS-normalizes every query and key head (`q_norm`, `k_norm`,
+//! before RoPE) and may have attention biases; everything else is one code path.
 //!
 //! Pre-RMSNorm decoder: token embedding, then per layer
 //! `h += o_proj(attn(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))` with `n = input_layernorm(h)`
-//! and `h += down_proj(silu(gate_proj(m)) · up_proj(m))` with `m = post_attention_layernorm(h)`;
-//! no biases anywhere. Attention is grouped-query (query head `j` reads key/value head
-//! `j div (heads / kv_heads)`), causal, and masked by the tokenizer's attention mask; positions
-//! are absolute (`0..L`, pads included), RoPE is rotate-half with θ from the config (1e9 for
-//! FLUX.2). A query row that sees no key at all (a left pad) gets a zero attention output, as
-//! torch's SDPA gives it.
+//! and `h += down_proj(silu(gate_proj(m)) · up_proj(m))` with `m = post_attention_layernorm(h)`.
+//! Attention is grouped-query (query head `j` reads key/value head `j div (heads / kv_heads)`),
+//! causal, and masked by the tokenizer's attention mask; positions are absolute (`0..L`, pads
+//! included), RoPE is rotate-half with θ from the config. A query row that sees no key at all (a
+//! left pad) gets a zero attention output, as torch's SDPA gives it.
 //!
 //! **Run only as far as it is read.** The model is loaded for a set of `hidden_states` indices
 //! (transformers' `output_hidden_states=True` numbering: 0 = the embeddings, `k` = the output of
 //! decoder layer `k`, `num_hidden_layers` = the output after the final norm) and loads and runs
-//! only the layers up to the last index asked for. FLUX.2 reads 10, 20 and 30
-//! ([`FLUX2_HIDDEN_STATES`]), so layers 30..40, the final norm, `lm_head`, the vision tower and
-//! the projector are never read from the checkpoint. On the real FLUX.2-dev text encoder
-//! (Mistral-Small-3.x: 40 layers, hidden 5120, intermediate 32768, 32 heads / 8 KV heads of 128,
-//! vocab 131072, bf16) that is, **computed from those numbers, not measured**: a layer holds
-//! 4096·5120 + 2·1024·5120 + 5120·4096 (attention) + 3·5120·32768 (MLP) + 2·5120 (norms) =
-//! 555 755 520 parameters; ten layers 5 557 555 200, plus the final norm 5 120 and `lm_head`
-//! 131072·5120 = 671 088 640, together 6 228 648 960 parameters = **12 457 297 920 bytes
-//! (11.6 GiB) in bf16 never read**, 26.4 % of the language model's 47 144 806 400 bytes (the
-//! vision tower and projector, not counted here, come on top). What is read: the embedding and
-//! 30 layers, 34 687 508 480 bytes.
+//! only the layers up to the last index asked for; the later layers, the final norm (unless
+//! asked for) and `lm_head` are never read from the checkpoint.
 //!
-//! Precision follows transformers: `MistralRMSNorm` normalizes in f32, rounds to the model
-//! dtype, then multiplies by the weight in that dtype; the RoPE tables are computed in f32 and
-//! rounded to the model dtype, and `q·cos + rotate_half(q)·sin` rounds after every op in 16-bit.
+//! Precision follows transformers: the RMSNorm normalizes in f32, rounds to the model dtype, then
+//! multiplies by the weight in that dtype; the RoPE tables are computed in f32 and rounded to the
+//! model dtype, and `q·cos + rotate_half(q)·sin` rounds after every op in 16-bit.
 //!
 //! The forward reads nothing back from the device and creates no tensor from host data: the
 //! attention bias and the RoPE tables depend on the attention mask and the length only and are
-//! built on the host before the forward ([`MistralTextModel::prepare`]), so the same code runs
+//! built on the host before the forward ([`TextDecoderModel::prepare`]), so the same code runs
 //! op by op or compiled ([`kiln_nn::Model::compile`]).
 
-use kiln_io::{Activation, MistralTextConfig};
+use kiln_io::Activation;
 use kiln_nn::module::{join_name, map_child, visit_child};
 use kiln_nn::{
     impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, TpPlan,
@@ -45,27 +38,24 @@ use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
 use crate::clip::{activation, check_host_ids, check_input_ids, read_input_ids, traced_input_error};
 
-/// The hidden states FLUX.2 reads (`text_encoder_out_layers` of `Flux2Pipeline`): the outputs of
-/// decoder layers 10, 20 and 30.
-pub const FLUX2_HIDDEN_STATES: [usize; 3] = [10, 20, 30];
-
 /// Where the language model's weights sit in the files that hold one, tried in order:
 /// transformers 5's `Mistral3ForConditionalGeneration`, the legacy LLaVA-style layout older
-/// transformers wrote (and the oracle's files have), `MistralForCausalLM`, a bare `MistralModel`.
+/// transformers wrote (and the oracle's files have), `MistralForCausalLM` / `Qwen3ForCausalLM`,
+/// a bare `MistralModel` / `Qwen3Model`.
 const PREFIXES: [&str; 4] = ["model.language_model", "language_model.model", "model", ""];
 
 /// transformers' `MistralRMSNorm`: `weight · (x / sqrt(mean(x²) + eps)).to(dtype)`.
 #[derive(Clone, Debug)]
-struct MistralRmsNorm {
+struct DecoderRmsNorm {
     weight: Tensor,
     eps: f64,
 }
 
-impl_module!(MistralRmsNorm { weight: "weight" });
+impl_module!(DecoderRmsNorm { weight: "weight" });
 
-impl MistralRmsNorm {
+impl DecoderRmsNorm {
     fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
-        Ok(MistralRmsNorm {
+        Ok(DecoderRmsNorm {
             weight: w.get("weight", [dim])?,
             eps,
         })
@@ -80,34 +70,47 @@ impl MistralRmsNorm {
     }
 }
 
-/// `MistralAttention`: grouped-query self-attention, no biases.
+/// `MistralAttention` / `Qwen3Attention`: grouped-query self-attention; Qwen3 RMS-normalizes
+/// each query and key head (over `head_dim`) before RoPE.
 #[derive(Clone, Debug)]
-struct MistralAttention {
+struct DecoderAttention {
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    q_norm: Option<DecoderRmsNorm>,
+    k_norm: Option<DecoderRmsNorm>,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
 }
 
-impl_module!(MistralAttention {
+impl_module!(DecoderAttention {
     q_proj: "q_proj",
     k_proj: "k_proj",
     v_proj: "v_proj",
     o_proj: "o_proj",
+    q_norm: "q_norm",
+    k_norm: "k_norm",
 });
 
-impl MistralAttention {
-    fn load(w: &Weights, config: &MistralTextConfig) -> Result<Self> {
-        let (d, hd) = (config.hidden_size, config.head_dim());
+impl DecoderAttention {
+    fn load(w: &Weights, config: &TextDecoderArch) -> Result<Self> {
+        let (d, hd, bias) = (config.hidden_size, config.head_dim, config.attention_bias);
         let (q, kv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
-        Ok(MistralAttention {
-            q_proj: Linear::load(&w.pp("q_proj"), d, q, false)?,
-            k_proj: Linear::load(&w.pp("k_proj"), d, kv, false)?,
-            v_proj: Linear::load(&w.pp("v_proj"), d, kv, false)?,
-            o_proj: Linear::load(&w.pp("o_proj"), q, d, false)?,
+        let head_norm = |name: &str| -> Result<Option<DecoderRmsNorm>> {
+            match config.qk_norm {
+                true => Ok(Some(DecoderRmsNorm::load(&w.pp(name), hd, config.rms_norm_eps)?)),
+                false => Ok(None),
+            }
+        };
+        Ok(DecoderAttention {
+            q_proj: Linear::load(&w.pp("q_proj"), d, q, bias)?,
+            k_proj: Linear::load(&w.pp("k_proj"), d, kv, bias)?,
+            v_proj: Linear::load(&w.pp("v_proj"), d, kv, bias)?,
+            o_proj: Linear::load(&w.pp("o_proj"), q, d, bias)?,
+            q_norm: head_norm("q_norm")?,
+            k_norm: head_norm("k_norm")?,
             num_heads: config.num_attention_heads,
             num_kv_heads: config.num_key_value_heads,
             head_dim: hd,
@@ -120,11 +123,18 @@ impl MistralAttention {
         // On a tensor-parallel mesh each device holds 1/N of the query and of the KV heads.
         let devices = x.device().mesh_size();
         let (num_heads, num_kv_heads) = (self.num_heads / devices, self.num_kv_heads / devices);
-        let heads =
-            |t: Tensor, n: usize| -> Result<Tensor> { Ok(t.reshape([b, l, n, self.head_dim])?.transpose(1, 2)?) };
-        let q = heads(self.q_proj.forward(x)?, num_heads)?; // [b, h, l, hd]
-        let k = heads(self.k_proj.forward(x)?, num_kv_heads)?; // [b, kv, l, hd]
-        let v = heads(self.v_proj.forward(x)?, num_kv_heads)?;
+        // Qwen3: `q_norm(q_proj(x).view(b, l, n, hd))` before the heads move forward.
+        let heads = |t: Tensor, n: usize, norm: &Option<DecoderRmsNorm>| -> Result<Tensor> {
+            let t = t.reshape([b, l, n, self.head_dim])?;
+            let t = match norm {
+                Some(norm) => norm.forward(&t)?,
+                None => t,
+            };
+            Ok(t.transpose(1, 2)?)
+        };
+        let q = heads(self.q_proj.forward(x)?, num_heads, &self.q_norm)?; // [b, h, l, hd]
+        let k = heads(self.k_proj.forward(x)?, num_kv_heads, &self.k_norm)?; // [b, kv, l, hd]
+        let v = heads(self.v_proj.forward(x)?, num_kv_heads, &None)?;
         let q = apply_rope(&q, inputs.cos, inputs.sin)?;
         let k = apply_rope(&k, inputs.cos, inputs.sin)?;
         // transformers `repeat_kv`: kv head j serves query heads j·n .. j·n + n − 1.
@@ -152,25 +162,25 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(x.mul(&cos)?.add(&rotated.mul(&sin)?)?)
 }
 
-/// `MistralMLP`: `down_proj(act(gate_proj(x)) · up_proj(x))`.
+/// `MistralMLP` / `Qwen3MLP`: `down_proj(act(gate_proj(x)) · up_proj(x))`.
 #[derive(Clone, Debug)]
-struct MistralMlp {
+struct DecoderMlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
     act: Activation,
 }
 
-impl_module!(MistralMlp {
+impl_module!(DecoderMlp {
     gate_proj: "gate_proj",
     up_proj: "up_proj",
     down_proj: "down_proj",
 });
 
-impl MistralMlp {
-    fn load(w: &Weights, config: &MistralTextConfig) -> Result<Self> {
+impl DecoderMlp {
+    fn load(w: &Weights, config: &TextDecoderArch) -> Result<Self> {
         let (d, ff) = (config.hidden_size, config.intermediate_size);
-        Ok(MistralMlp {
+        Ok(DecoderMlp {
             gate_proj: Linear::load(&w.pp("gate_proj"), d, ff, false)?,
             up_proj: Linear::load(&w.pp("up_proj"), d, ff, false)?,
             down_proj: Linear::load(&w.pp("down_proj"), ff, d, false)?,
@@ -196,30 +206,30 @@ struct DecoderInputs<'a> {
     sin: &'a Tensor,
 }
 
-/// `MistralDecoderLayer`.
+/// `MistralDecoderLayer` / `Qwen3DecoderLayer`.
 #[derive(Clone, Debug)]
-struct MistralDecoderLayer {
-    input_layernorm: MistralRmsNorm,
-    self_attn: MistralAttention,
-    post_attention_layernorm: MistralRmsNorm,
-    mlp: MistralMlp,
+struct DecoderLayer {
+    input_layernorm: DecoderRmsNorm,
+    self_attn: DecoderAttention,
+    post_attention_layernorm: DecoderRmsNorm,
+    mlp: DecoderMlp,
 }
 
-impl_module!(MistralDecoderLayer {
+impl_module!(DecoderLayer {
     input_layernorm: "input_layernorm",
     self_attn: "self_attn",
     post_attention_layernorm: "post_attention_layernorm",
     mlp: "mlp",
 });
 
-impl MistralDecoderLayer {
-    fn load(w: &Weights, config: &MistralTextConfig) -> Result<Self> {
+impl DecoderLayer {
+    fn load(w: &Weights, config: &TextDecoderArch) -> Result<Self> {
         let (d, eps) = (config.hidden_size, config.rms_norm_eps);
-        Ok(MistralDecoderLayer {
-            input_layernorm: MistralRmsNorm::load(&w.pp("input_layernorm"), d, eps)?,
-            self_attn: MistralAttention::load(&w.pp("self_attn"), config)?,
-            post_attention_layernorm: MistralRmsNorm::load(&w.pp("post_attention_layernorm"), d, eps)?,
-            mlp: MistralMlp::load(&w.pp("mlp"), config)?,
+        Ok(DecoderLayer {
+            input_layernorm: DecoderRmsNorm::load(&w.pp("input_layernorm"), d, eps)?,
+            self_attn: DecoderAttention::load(&w.pp("self_attn"), config)?,
+            post_attention_layernorm: DecoderRmsNorm::load(&w.pp("post_attention_layernorm"), d, eps)?,
+            mlp: DecoderMlp::load(&w.pp("mlp"), config)?,
         })
     }
 
@@ -235,10 +245,10 @@ impl MistralDecoderLayer {
     }
 }
 
-/// The inputs of [`MistralTextModel::forward_prepared`] besides the ids, built on the host from
-/// the attention mask and the length ([`MistralTextModel::prepare`]).
+/// The inputs of [`TextDecoderModel::forward_prepared`] besides the ids, built on the host from
+/// the attention mask and the length ([`TextDecoderModel::prepare`]).
 #[derive(Clone, Debug)]
-pub struct MistralInputs {
+pub struct TextDecoderInputs {
     /// `[B, 1, L, L]` in the model dtype: 0 where query `i` sees key `k` (`k ≤ i`, `mask[k] = 1`,
     /// and within the sliding window if the config has one), the dtype's lowest value elsewhere.
     pub attention_bias: Tensor,
@@ -249,18 +259,18 @@ pub struct MistralInputs {
     pub sin: Tensor,
 }
 
-/// What [`MistralTextModel::forward`] returns.
+/// What [`TextDecoderModel::forward`] returns.
 #[derive(Clone, Debug)]
-pub struct MistralTextOutput {
+pub struct TextDecoderOutput {
     /// `[B, L, hidden]` per index the model was loaded for, in that order (transformers'
     /// `hidden_states[k]`: 0 = the embeddings, `k` = after layer `k`, `num_hidden_layers` = after
     /// the final norm).
     pub hidden_states: Vec<Tensor>,
 }
 
-impl MistralTextOutput {
+impl TextDecoderOutput {
     /// The hidden states concatenated per token, `[B, L, n·hidden]`: for FLUX.2 (indices 10, 20,
-    /// 30) the prompt embeddings, `stack(hs, dim=1).permute(0, 2, 1, 3).reshape(B, L, 3·hidden)`.
+    /// 30; [klein] 9, 18, 27) the prompt embeddings, `stack(hs, dim=1).permute(0, 2, 1, 3).reshape(B, L, 3·hidden)`.
     pub fn concat_features(&self) -> Result<Tensor> {
         let parts: Vec<&Tensor> = self.hidden_states.iter().collect();
         Ok(Tensor::cat(&parts, -1)?)
@@ -268,24 +278,65 @@ impl MistralTextOutput {
 }
 
 /// The results of the whole forward: `hidden_states.{i}`.
-impl Outputs for MistralTextOutput {
+impl Outputs for TextDecoderOutput {
     fn into_args(self) -> Args {
         let mut args = Args::new();
         args.insert_list("hidden_states", self.hidden_states);
         args
     }
     fn from_args(mut args: Args) -> Result<Self> {
-        Ok(MistralTextOutput {
+        Ok(TextDecoderOutput {
             hidden_states: args.take_list("hidden_states"),
         })
     }
 }
 
-/// The language model of `Mistral3ForConditionalGeneration` (or a `MistralModel`), loaded up to
-/// the last hidden state it is asked for.
+/// What the decoder's code needs of a text encoder's config: the numbers of transformers'
+/// `MistralConfig` / `Qwen3Config` and what tells the two families apart. Made from a config by
+/// [`TextDecoderConfig::arch`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct TextDecoderArch {
+    /// `Mistral` or `Qwen3`, for messages.
+    pub family: &'static str,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub hidden_act: Activation,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    /// `default` (the only kind supported).
+    pub rope_type: String,
+    /// The positions the model was made for (0: no limit known).
+    pub max_position_embeddings: usize,
+    /// Keys further back than this are not attended to (every layer alike); `None` attends to all.
+    pub sliding_window: Option<usize>,
+    /// Qwen3: RMSNorm over each query and key head (`q_norm`, `k_norm`) before RoPE.
+    pub qk_norm: bool,
+    /// Biases on q/k/v/o.
+    pub attention_bias: bool,
+}
+
+/// A text encoder config the decoder runs ([`kiln_io::MistralTextConfig`], [`kiln_io::Qwen3Config`]).
+pub trait TextDecoderConfig {
+    /// The decoder's numbers, or why this config cannot run (a message naming the key).
+    fn arch(&self) -> std::result::Result<TextDecoderArch, String>;
+}
+
+impl TextDecoderConfig for TextDecoderArch {
+    fn arch(&self) -> std::result::Result<TextDecoderArch, String> {
+        Ok(self.clone())
+    }
+}
+
+/// The language model of `Mistral3ForConditionalGeneration` / `MistralModel` or of
+/// `Qwen3ForCausalLM` / `Qwen3Model`, loaded up to the last hidden state it is asked for.
 #[derive(Clone, Debug)]
-pub struct MistralTextModel {
-    config: MistralTextConfig,
+pub struct TextDecoderModel {
+    config: TextDecoderArch,
     component: String,
     /// Where the language model sits in the checkpoint (one of [`PREFIXES`]).
     prefix: &'static str,
@@ -293,15 +344,16 @@ pub struct MistralTextModel {
     outputs: Vec<usize>,
     embed_tokens: Embedding,
     /// Layers `0..max(outputs)` (capped at `num_hidden_layers`).
-    layers: Blocks<MistralDecoderLayer>,
+    layers: Blocks<DecoderLayer>,
     /// The final norm, loaded only when index `num_hidden_layers` is asked for.
-    norm: Option<MistralRmsNorm>,
+    norm: Option<DecoderRmsNorm>,
     compiled: Compiled,
 }
 
 /// Every loaded weight under its checkpoint name. The layers past the last one read, the final
-/// norm (unless read), `lm_head`, the vision tower and the projector are not part of the model.
-impl Module for MistralTextModel {
+/// norm (unless read), `lm_head` (and Mistral3's vision tower and projector) are not part of the
+/// model.
+impl Module for TextDecoderModel {
     fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
         let name = |n: &str| join_name(self.prefix, n);
         visit_child(&name("embed_tokens"), &self.embed_tokens, f);
@@ -320,18 +372,20 @@ impl_model!(
     /// Compiled: the whole forward as `{component}`, or one decoder layer as `{component}.layers`,
     /// called for every layer with its weights while the embedding (and the final norm) run op
     /// by op. Sequential offload streams `layers`.
-    MistralTextModel {
+    TextDecoderModel {
         compiled: compiled,
         blocks: [layers],
     }
 );
 
-impl MistralTextModel {
-    /// transformers' plan for the Mistral language model: q, k, v and gate/up colwise (heads
-    /// and MLP units split; KV heads too, so the device count must divide the KV head count),
-    /// o_proj and down_proj rowwise (two all-reduces per layer). The token embedding stays
-    /// replicated (transformers splits its vocabulary rows, `embedding_rowwise`; kiln keeps the
-    /// lookup whole, which costs one copy of the table per device and no all-reduce).
+impl TextDecoderModel {
+    /// transformers' plan for the Mistral and the Qwen3 language models (the same): q, k, v and
+    /// gate/up colwise (heads and MLP units split; KV heads too, so the device count must divide
+    /// the KV head count), o_proj and down_proj rowwise (two all-reduces per layer); Qwen3's
+    /// per-head `q_norm`/`k_norm` weights are replicated (every device normalizes its own heads).
+    /// The token embedding stays replicated (transformers splits its vocabulary rows,
+    /// `embedding_rowwise`; kiln keeps the lookup whole, which costs one copy of the table per
+    /// device and no all-reduce).
     pub fn tp_plan() -> TpPlan {
         let layer = "layers.*";
         let mut entries: Vec<(String, TpStyle)> = ["q_proj", "k_proj", "v_proj"]
@@ -346,23 +400,26 @@ impl MistralTextModel {
     }
 
     /// Loads the embedding and the decoder layers that `hidden_states` needs (indices as
-    /// transformers numbers `output_hidden_states`: `0..=num_hidden_layers`; FLUX.2 passes
-    /// [`FLUX2_HIDDEN_STATES`]); the final norm only when `num_hidden_layers` is among them.
-    /// Nothing else is read from the checkpoint. The language model is found under
-    /// `model.language_model.`, `language_model.model.`, `model.` or no prefix.
-    pub fn load(config: &MistralTextConfig, weights: &Weights, hidden_states: &[usize]) -> Result<Self> {
+    /// transformers numbers `output_hidden_states`: `0..=num_hidden_layers`; FLUX.2 [dev] passes
+    /// [`crate::mistral::FLUX2_HIDDEN_STATES`], [klein]
+    /// [`crate::qwen3::FLUX2_KLEIN_HIDDEN_STATES`]); the final norm only when
+    /// `num_hidden_layers` is among them. Nothing else is read from the checkpoint. The language
+    /// model is found under `model.language_model.`, `language_model.model.`, `model.` or no
+    /// prefix.
+    pub fn load(config: &impl TextDecoderConfig, weights: &Weights, hidden_states: &[usize]) -> Result<Self> {
         let component = weights.component().to_string();
         let config_error = |message: String| Error::Config {
             component: component.clone(),
             message,
         };
+        let config = &config.arch().map_err(config_error)?;
         let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
         if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(config_error(format!(
                 "num_attention_heads {heads} must be a positive multiple of num_key_value_heads {kv_heads}"
             )));
         }
-        let head_dim = config.head_dim();
+        let head_dim = config.head_dim;
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(config_error(format!(
                 "head_dim {head_dim} must be even and positive (rotate-half RoPE)"
@@ -374,16 +431,17 @@ impl MistralTextModel {
                 config.num_hidden_layers, config.hidden_size
             )));
         }
-        if config.rope_type() != "default" {
+        if config.rope_type != "default" {
             return Err(config_error(format!(
                 "rope_type `{}` is not supported (only `default` RoPE)",
-                config.rope_type()
+                config.rope_type
             )));
         }
         let n = config.num_hidden_layers;
         let Some(&last) = hidden_states.iter().max() else {
             return Err(config_error(
-                "no hidden state was asked for (FLUX.2 reads 10, 20 and 30)".to_string(),
+                "no hidden state was asked for (FLUX.2 [dev] reads 10, 20 and 30, [klein] 9, 18 and 27)"
+                    .to_string(),
             ));
         };
         if last > n {
@@ -411,10 +469,10 @@ impl MistralTextModel {
         let w = w.with_plan(&Self::tp_plan())?;
         let embed_tokens = Embedding::load(&w.pp("embed_tokens"), config.vocab_size, config.hidden_size)?;
         let layers = (0..last.min(n))
-            .map(|i| MistralDecoderLayer::load(&w.pp(format!("layers.{i}")), config))
+            .map(|i| DecoderLayer::load(&w.pp(format!("layers.{i}")), config))
             .collect::<Result<_>>()?;
         let norm = if last == n {
-            Some(MistralRmsNorm::load(
+            Some(DecoderRmsNorm::load(
                 &w.pp("norm"),
                 config.hidden_size,
                 config.rms_norm_eps,
@@ -422,7 +480,7 @@ impl MistralTextModel {
         } else {
             None
         };
-        Ok(MistralTextModel {
+        Ok(TextDecoderModel {
             config: config.clone(),
             compiled: Compiled::new(&component),
             component,
@@ -434,7 +492,8 @@ impl MistralTextModel {
         })
     }
 
-    pub fn config(&self) -> &MistralTextConfig {
+    /// The decoder's numbers, as made from the config it was loaded with.
+    pub fn config(&self) -> &TextDecoderArch {
         &self.config
     }
 
@@ -456,7 +515,7 @@ impl MistralTextModel {
     /// Encodes token ids `[B, L]` (integer) with `attention_mask` `[B, L]` (1 on tokens, 0 on
     /// padding; `None` means all ones). Reads both back to the host to check the ids and build
     /// the mask; a caller that has them on the host calls [`Self::forward_with_host_inputs`].
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<MistralTextOutput> {
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<TextDecoderOutput> {
         let ids = read_input_ids(&self.component, input_ids)?;
         let mask = match attention_mask {
             Some(mask) => {
@@ -482,13 +541,13 @@ impl MistralTextModel {
         input_ids: &Tensor,
         host_ids: &[i64],
         host_mask: Option<&[i64]>,
-    ) -> Result<MistralTextOutput> {
+    ) -> Result<TextDecoderOutput> {
         check_host_ids(&self.component, input_ids, host_ids, self.config.vocab_size)?;
         if input_ids.is_traced() {
             return Err(traced_input_error(
                 &self.component,
-                "MistralTextModel::forward_with_host_inputs",
-                "MistralTextModel::forward_prepared",
+                "TextDecoderModel::forward_with_host_inputs",
+                "TextDecoderModel::forward_prepared",
             ));
         }
         let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
@@ -507,7 +566,7 @@ impl MistralTextModel {
         batch: usize,
         seq_len: usize,
         device: &Device,
-    ) -> Result<MistralInputs> {
+    ) -> Result<TextDecoderInputs> {
         if let Some(mask) = host_mask {
             if mask.len() != batch * seq_len {
                 return Err(self.error(format!(
@@ -524,9 +583,9 @@ impl MistralTextModel {
         let lowest = lowest_value(dtype);
         let bias: Vec<f32> = visible.iter().map(|&v| if v { 0.0 } else { lowest }).collect();
         let attended: Vec<f32> = attended.iter().map(|&a| if a { 1.0 } else { 0.0 }).collect();
-        let (cos, sin) = rope_tables(seq_len, self.config.head_dim(), self.config.rope_theta());
-        let hd = self.config.head_dim();
-        Ok(MistralInputs {
+        let (cos, sin) = rope_tables(seq_len, self.config.head_dim, self.config.rope_theta);
+        let hd = self.config.head_dim;
+        Ok(TextDecoderInputs {
             attention_bias: Tensor::from_f32(&bias, dtype, [batch, 1, seq_len, seq_len], device)?,
             attended: Tensor::from_f32(&attended, dtype, [batch, 1, seq_len, 1], device)?,
             cos: Tensor::from_slice(&cos, [seq_len, hd], device)?,
@@ -537,10 +596,10 @@ impl MistralTextModel {
     /// The forward on device data only (it runs unchanged inside a compiled function): `inputs`
     /// is [`Self::prepare`] for `input_ids`' shape. Ids are not range-checked here (the device
     /// gather clamps them); [`Self::forward_with_host_inputs`] checks them.
-    pub fn forward_prepared(&self, input_ids: &Tensor, inputs: &MistralInputs) -> Result<MistralTextOutput> {
+    pub fn forward_prepared(&self, input_ids: &Tensor, inputs: &TextDecoderInputs) -> Result<TextDecoderOutput> {
         check_input_ids(&self.component, input_ids)?;
         let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        let hd = self.config.head_dim();
+        let hd = self.config.head_dim;
         let dtype = self.dtype();
         let expected = [
             ("attention_bias", &inputs.attention_bias, vec![b, 1, l, l], dtype),
@@ -551,7 +610,7 @@ impl MistralTextModel {
         for (name, t, dims, dt) in expected {
             if t.dims() != dims.as_slice() || t.dtype() != dt {
                 return Err(self.error(format!(
-                    "{name} must be {dims:?} {dt} for input_ids {} (see MistralTextModel::prepare), got {} {}",
+                    "{name} must be {dims:?} {dt} for input_ids {} (see TextDecoderModel::prepare), got {} {}",
                     input_ids.shape(),
                     t.shape(),
                     t.dtype()
@@ -569,7 +628,7 @@ impl MistralTextModel {
 
     /// The forward's ops, each layer run through the list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
-    fn forward_graph(&self, a: &Args) -> Result<MistralTextOutput> {
+    fn forward_graph(&self, a: &Args) -> Result<TextDecoderOutput> {
         let mut hidden_states = self.embed_tokens.forward(a.get("input_ids")?)?; // [b, l, d]
         let mut kept: Vec<Option<Tensor>> = vec![None; self.outputs.len()];
         let mut keep = |index: usize, h: &Tensor| {
@@ -608,7 +667,7 @@ impl MistralTextModel {
             .into_iter()
             .map(|h| h.expect("every index asked for is at most the number of loaded layers"))
             .collect();
-        Ok(MistralTextOutput { hidden_states })
+        Ok(TextDecoderOutput { hidden_states })
     }
 
     fn error(&self, message: String) -> Error {
@@ -678,33 +737,6 @@ pub fn rope_tables(seq_len: usize, head_dim: usize, theta: f64) -> (Vec<f32>, Ve
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The doc comment's numbers, from the FLUX.2-dev text config.
-    #[test]
-    fn flux2_dev_skips_the_bytes_the_docs_state() {
-        let config = MistralTextConfig {
-            hidden_size: 5120,
-            intermediate_size: 32768,
-            num_hidden_layers: 40,
-            num_attention_heads: 32,
-            num_key_value_heads: 8,
-            head_dim: Some(128),
-            vocab_size: 131072,
-            ..MistralTextConfig::default()
-        };
-        let (d, hd, ff) = (config.hidden_size, config.head_dim(), config.intermediate_size);
-        let (q, kv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
-        let layer = (d * q + 2 * d * kv + q * d + 3 * d * ff + 2 * d) as u64;
-        assert_eq!(layer, 555_755_520);
-        let last_read = *FLUX2_HIDDEN_STATES.iter().max().unwrap() as u64;
-        let skipped = (config.num_hidden_layers as u64 - last_read) * layer + d as u64 + (config.vocab_size * d) as u64;
-        assert_eq!(skipped, 6_228_648_960);
-        assert_eq!(2 * skipped, 12_457_297_920);
-        let embedding = (config.vocab_size * d) as u64;
-        let total = 2 * embedding + config.num_hidden_layers as u64 * layer + d as u64;
-        assert_eq!(2 * total, 47_144_806_400);
-        assert_eq!(2 * (embedding + last_read * layer), 34_687_508_480);
-    }
 
     #[test]
     fn visibility_is_causal_padded_and_windowed() {

@@ -39,6 +39,14 @@ pub enum ChatBlock {
 }
 
 impl ChatMessage {
+    /// A message whose content is a string (`{"role": role, "content": text}`).
+    pub fn text(role: &str, text: &str) -> Self {
+        ChatMessage {
+            role: role.to_owned(),
+            content: ChatContent::Text(text.to_owned()),
+        }
+    }
+
     /// A message whose content is one text block (`[{"type": "text", "text": text}]`).
     pub fn text_block(role: &str, text: &str) -> Self {
         ChatMessage {
@@ -147,6 +155,18 @@ impl ChatTemplate {
         special_tokens: &[(&str, &str)],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_with(messages, special_tokens, add_generation_prompt, &[])
+    }
+
+    /// [`Self::render`] with further template variables, as `apply_chat_template`'s extra keyword
+    /// arguments (Qwen3's `enable_thinking=False`).
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        special_tokens: &[(&str, &str)],
+        add_generation_prompt: bool,
+        flags: &[(&str, bool)],
+    ) -> Result<String> {
         let env = self.environment();
         let template = env.template_from_str(&self.source).map_err(|e| self.error(&e))?;
         let mut context: BTreeMap<String, Value> = special_tokens
@@ -156,6 +176,9 @@ impl ChatTemplate {
         let messages: Value = messages.iter().map(ChatMessage::to_value).collect();
         context.insert("messages".to_owned(), messages);
         context.insert("add_generation_prompt".to_owned(), Value::from(add_generation_prompt));
+        for (name, value) in flags {
+            context.insert((*name).to_owned(), Value::from(*value));
+        }
         template.render(Value::from(context)).map_err(|e| self.error(&e))
     }
 
