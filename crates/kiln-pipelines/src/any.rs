@@ -17,6 +17,7 @@ use crate::call::{OutputType, PipelineOutput, StepCallback};
 use crate::error::{invalid, PipelineError, Result};
 use crate::flux::{FluxCall, FluxPipeline};
 use crate::flux2::{Flux2Call, Flux2Pipeline};
+use crate::flux2_klein::{Flux2KleinCall, Flux2KleinPipeline};
 use crate::loading::{LoadOptions, ModelFolder};
 use crate::offload::{OffloadMode, OffloadPlan};
 use crate::pipeline::DiffusionPipeline;
@@ -31,6 +32,8 @@ pub enum PipelineKind {
     StableDiffusion3,
     /// diffusers' `Flux2Pipeline` (FLUX.2 [dev]).
     Flux2,
+    /// diffusers' `Flux2KleinPipeline` (FLUX.2 [klein], distilled and base).
+    Flux2Klein,
 }
 
 /// The call arguments every pipeline takes (`seed` stands for `generator`).
@@ -74,7 +77,12 @@ macro_rules! defaults_of {
 }
 
 impl PipelineKind {
-    pub const ALL: &'static [PipelineKind] = &[PipelineKind::Flux, PipelineKind::StableDiffusion3, PipelineKind::Flux2];
+    pub const ALL: &'static [PipelineKind] = &[
+        PipelineKind::Flux,
+        PipelineKind::StableDiffusion3,
+        PipelineKind::Flux2,
+        PipelineKind::Flux2Klein,
+    ];
 
     fn spec(self) -> Spec {
         match self {
@@ -103,6 +111,12 @@ impl PipelineKind {
                 arguments: &["text_encoder_out_layers"],
                 without: &["prompt_2", "negative_prompt", "negative_prompt_2"],
                 defaults: defaults_of!(Flux2Call::default()),
+            },
+            PipelineKind::Flux2Klein => Spec {
+                class_name: "Flux2KleinPipeline",
+                arguments: &["text_encoder_out_layers"],
+                without: &["prompt_2", "negative_prompt", "negative_prompt_2"],
+                defaults: defaults_of!(Flux2KleinCall::default()),
             },
         }
     }
@@ -381,6 +395,7 @@ enum Loaded {
     Flux(Box<FluxPipeline>),
     StableDiffusion3(Box<StableDiffusion3Pipeline>),
     Flux2(Box<Flux2Pipeline>),
+    Flux2Klein(Box<Flux2KleinPipeline>),
 }
 
 /// `$body` with `$p` bound to the loaded pipeline, whichever it is.
@@ -390,6 +405,7 @@ macro_rules! each {
             Loaded::Flux($p) => $body,
             Loaded::StableDiffusion3($p) => $body,
             Loaded::Flux2($p) => $body,
+            Loaded::Flux2Klein($p) => $body,
         }
     };
 }
@@ -415,6 +431,9 @@ impl AnyPipeline {
                 Loaded::StableDiffusion3(Box::new(StableDiffusion3Pipeline::from_pretrained(model, options)?))
             }
             PipelineKind::Flux2 => Loaded::Flux2(Box::new(Flux2Pipeline::from_pretrained(model, options)?)),
+            PipelineKind::Flux2Klein => {
+                Loaded::Flux2Klein(Box::new(Flux2KleinPipeline::from_pretrained(model, options)?))
+            }
         };
         Ok(AnyPipeline { kind, defaults, pipe })
     }
@@ -442,6 +461,9 @@ impl AnyPipeline {
                 skip_layer_guidance_stop: call.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
             })),
             Loaded::Flux2(p) => p.call(call_of!(call, defaults, Flux2Call, d => {
+                text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
+            })),
+            Loaded::Flux2Klein(p) => p.call(call_of!(call, defaults, Flux2KleinCall, d => {
                 text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
             })),
         };
@@ -476,14 +498,17 @@ impl AnyPipeline {
     }
 
     /// The guidance scale `call` runs with, when the model uses one (FLUX.1 [schnell] does not
-    /// embed guidance, so it ignores the scale).
+    /// embed guidance, so it ignores the scale; FLUX.2 [klein] uses it for CFG only, which a
+    /// distilled model or a scale ≤ 1 does not run).
     pub fn guidance_scale(&self, call: &GenerateCall<'_>) -> Option<f64> {
+        let scale = call.guidance_scale.unwrap_or(self.defaults.guidance_scale);
         let uses_guidance = match &self.pipe {
             Loaded::Flux(p) => p.transformer_config().guidance_embeds,
             Loaded::StableDiffusion3(_) => true,
             Loaded::Flux2(p) => p.transformer_config().guidance_embeds,
+            Loaded::Flux2Klein(p) => p.does_cfg(scale),
         };
-        uses_guidance.then(|| call.guidance_scale.unwrap_or(self.defaults.guidance_scale))
+        uses_guidance.then_some(scale)
     }
 
     pub fn kind(&self) -> PipelineKind {
@@ -649,6 +674,14 @@ mod tests {
             assert_eq!(err, format!("`{argument}` is not an argument of Flux2Pipeline"));
         }
         assert!(!PipelineKind::Flux2.arguments().contains(&"negative_prompt_2"));
+        // FLUX.2 [klein] takes FLUX.2's arguments (no negative prompt: CFG uses the empty one).
+        assert_eq!(PipelineKind::Flux2Klein.arguments(), PipelineKind::Flux2.arguments());
+        let call = GenerateCall {
+            negative_prompt: Some(vec!["b".into()]),
+            ..GenerateCall::prompt("a")
+        };
+        let err = PipelineKind::Flux2Klein.check_arguments(&call).unwrap_err().to_string();
+        assert_eq!(err, "`negative_prompt` is not an argument of Flux2KleinPipeline");
         assert!(PipelineKind::Flux2.arguments().contains(&"text_encoder_out_layers"));
         // A generator list counts as `seed`, which every pipeline takes.
         assert_eq!(
@@ -693,6 +726,7 @@ mod tests {
                 max_sequence_length: 512,
             }
         );
+        assert_eq!(PipelineKind::Flux2Klein.defaults(), PipelineKind::Flux2.defaults());
     }
 
     #[test]
@@ -717,6 +751,14 @@ mod tests {
     #[test]
     fn class_names_are_diffusers_and_distinct() {
         let names: Vec<&str> = PipelineKind::ALL.iter().map(|k| k.class_name()).collect();
-        assert_eq!(names, ["FluxPipeline", "StableDiffusion3Pipeline", "Flux2Pipeline"]);
+        assert_eq!(
+            names,
+            [
+                "FluxPipeline",
+                "StableDiffusion3Pipeline",
+                "Flux2Pipeline",
+                "Flux2KleinPipeline"
+            ]
+        );
     }
 }

@@ -160,7 +160,8 @@ pub(crate) struct SharedChecks<'a> {
     pub max_sequence_length: usize,
     /// The largest `max_sequence_length` the pipeline accepts (`None`: no limit, FLUX.2).
     pub max_sequence_length_limit: Option<usize>,
-    /// Whether `prompt_embeds` need `pooled_prompt_embeds` (FLUX.2 has no pooled embeddings).
+    /// Whether `prompt_embeds` need `pooled_prompt_embeds` (and `negative_prompt_embeds`
+    /// `negative_pooled_prompt_embeds`; FLUX.2 has no pooled embeddings).
     pub needs_pooled: bool,
     pub guidance_scale: f64,
     pub sigmas: Option<&'a [f64]>,
@@ -202,7 +203,7 @@ impl SharedChecks<'_> {
         if self.needs_pooled && self.prompt_embeds.is_some() && self.pooled_prompt_embeds.is_none() {
             return Err(invalid("If `prompt_embeds` are provided, `pooled_prompt_embeds` also have to be passed. Make sure to generate `pooled_prompt_embeds` from the same text encoder that was used to generate `prompt_embeds`."));
         }
-        if self.negative_prompt_embeds.is_some() && self.negative_pooled_prompt_embeds.is_none() {
+        if self.needs_pooled && self.negative_prompt_embeds.is_some() && self.negative_pooled_prompt_embeds.is_none() {
             return Err(invalid("If `negative_prompt_embeds` are provided, `negative_pooled_prompt_embeds` also have to be passed. Make sure to generate `negative_pooled_prompt_embeds` from the same text encoder that was used to generate `negative_prompt_embeds`."));
         }
         if let Some(limit) = self.max_sequence_length_limit.filter(|&l| self.max_sequence_length > l) {

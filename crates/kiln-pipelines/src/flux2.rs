@@ -1,18 +1,24 @@
 //! diffusers' `Flux2Pipeline` (FLUX.2 [dev]) text-to-image: the Mistral text encoder's hidden
 //! states 10, 20 and 30 stacked per token, the FLUX.2 transformer with guidance embedded (no
 //! classifier-free guidance), and the FLUX.2 VAE behind its latent BatchNorm statistics.
+//!
+//! FLUX.2 [klein] ([`crate::flux2_klein`]) shares the transformer, the VAE, the latents, the ids,
+//! the schedule and the decoding: all of that is [`Flux2Base`], which both pipelines hold; they
+//! differ in the text encoder (Mistral / Qwen3, one decoder code) and the guidance.
 
 use std::time::Instant;
 
-use kiln_io::{AutoencoderKLFlux2Config, Flux2TransformerConfig, Mistral3Config, MistralTextConfig};
+use kiln_io::{AutoencoderKLFlux2Config, Flux2TransformerConfig, Mistral3Config, Qwen3Config};
 use kiln_models::autoencoder_kl_flux2::{pack_latents, AutoencoderKLFlux2};
-use kiln_models::mistral::{MistralTextModel, FLUX2_HIDDEN_STATES};
+use kiln_models::mistral::FLUX2_HIDDEN_STATES;
+use kiln_models::qwen3::FLUX2_KLEIN_HIDDEN_STATES;
+use kiln_models::text_decoder::{TextDecoderArch, TextDecoderConfig, TextDecoderModel};
 use kiln_models::transformer_flux2::{Flux2Transformer2DModel, Flux2TransformerInputs};
 use kiln_schedulers::{
     compute_empirical_mu, flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
 };
 use kiln_tensor::{Device, MemoryKind, Tensor};
-use kiln_tokenizers::MistralTokenizer;
+use kiln_tokenizers::{Encoded, MistralTokenizer, Qwen3Tokenizer};
 
 use crate::call::{denoise, finish_call, pipeline_call, OutputType, PipelineOutput};
 use crate::error::{invalid, Result};
@@ -37,26 +43,24 @@ pipeline_call! {
     }
 }
 
-/// The models, once loaded on a device, in the order a call runs them.
+/// The models, once loaded on a device, in the order a call runs them (FLUX.2 [dev] and [klein]
+/// alike: the text encoder is the shared decoder of Mistral or Qwen3).
 pub struct Flux2Components {
     /// `None` when the folder has no text encoder (`text_encoder: [null, null]`): the calls then
     /// take `prompt_embeds` (computed elsewhere, e.g. by a remote text encoder).
-    text_encoder: Option<MistralTextModel>,
+    text_encoder: Option<TextDecoderModel>,
     transformer: Flux2Transformer2DModel,
     vae: AutoencoderKLFlux2,
 }
 
 components!(Flux2Components: text_encoder (optional), transformer, vae);
-pipeline_parts!(Flux2Pipeline, Flux2Components);
+pipeline_parts!(Flux2Pipeline, Flux2Components, via base);
 
-/// The classes `model_index.json` must name for each component (besides the scheduler); the text
-/// encoder and its tokenizer may be absent.
+/// The classes `model_index.json` must name for the transformer and the VAE (both FLUX.2s).
 const FOLDER_COMPONENTS: &[(&str, &[&str])] = &[
     ("transformer", &["Flux2Transformer2DModel"]),
     ("vae", &["AutoencoderKLFlux2"]),
 ];
-const TEXT_ENCODERS: &[&str] = &["Mistral3ForConditionalGeneration"];
-const TOKENIZERS: &[&str] = &["PixtralProcessor"];
 
 /// The call arguments every pipeline call struct has that `Flux2Pipeline.__call__` does not take.
 const NOT_ARGUMENTS: &[&str] = &[
@@ -68,37 +72,115 @@ const NOT_ARGUMENTS: &[&str] = &[
     "negative_pooled_prompt_embeds",
 ];
 
-/// diffusers' `Flux2Pipeline`.
-pub struct Flux2Pipeline {
-    core: PipelineCore<Flux2Components>,
-    tokenizer: Option<MistralTokenizer>,
-    text_encoder_config: Option<MistralTextConfig>,
-    /// The hidden states the text encoder is loaded for: `0..=max(FLUX2_HIDDEN_STATES)`, so that a
+/// Which text encoder a FLUX.2 folder has: FLUX.2 [dev]'s Mistral or [klein]'s Qwen3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TextSide {
+    Mistral,
+    Qwen3,
+}
+
+impl TextSide {
+    fn encoder_classes(self) -> &'static [&'static str] {
+        match self {
+            TextSide::Mistral => &["Mistral3ForConditionalGeneration"],
+            TextSide::Qwen3 => &["Qwen3ForCausalLM"],
+        }
+    }
+    fn tokenizer_classes(self) -> &'static [&'static str] {
+        match self {
+            TextSide::Mistral => &["PixtralProcessor"],
+            TextSide::Qwen3 => &["Qwen2Tokenizer", "Qwen2TokenizerFast"],
+        }
+    }
+    /// diffusers' default `text_encoder_out_layers`.
+    pub(crate) fn out_layers(self) -> [usize; 3] {
+        match self {
+            TextSide::Mistral => FLUX2_HIDDEN_STATES,
+            TextSide::Qwen3 => FLUX2_KLEIN_HIDDEN_STATES,
+        }
+    }
+}
+
+/// The folder's tokenizer, of either kind.
+pub(crate) enum Flux2Tokenizer {
+    Mistral(MistralTokenizer),
+    Qwen3(Qwen3Tokenizer),
+}
+
+impl Flux2Tokenizer {
+    /// The text encoder's input for `prompts`, as the pipeline builds it.
+    fn encode(&self, prompts: &[&str], max_sequence_length: usize) -> Result<Encoded> {
+        Ok(match self {
+            Flux2Tokenizer::Mistral(t) => t.encode_flux2_prompts(prompts, max_sequence_length)?,
+            Flux2Tokenizer::Qwen3(t) => t.encode_flux2_klein_prompts(prompts, max_sequence_length)?,
+        })
+    }
+}
+
+/// How a FLUX.2 call guides the transformer.
+pub(crate) enum Flux2Guidance {
+    /// FLUX.2 [dev]: the scale is passed to the transformer (its guidance embedder), one call per
+    /// step.
+    Embedded(f64),
+    /// FLUX.2 [klein], distilled (or the base model with a scale ≤ 1): one call per step, no
+    /// guidance input.
+    Unguided,
+    /// FLUX.2 [klein] base with a scale > 1: classifier-free guidance with the negative embeddings
+    /// (the call's `negative_prompt_embeds`, else the empty prompt's), `neg + scale·(cond − neg)`,
+    /// two calls per step.
+    Cfg(f64),
+}
+
+/// What FLUX.2 [dev] and [klein] share: the pipeline core, the folder's tokenizer and configs,
+/// and every stage of a call but the guidance ([`Flux2Base::generate`]).
+pub(crate) struct Flux2Base {
+    pub(crate) core: PipelineCore<Flux2Components>,
+    /// The diffusers class, for messages.
+    class: &'static str,
+    pub(crate) tokenizer: Option<Flux2Tokenizer>,
+    text_encoder_config: Option<TextDecoderArch>,
+    /// The hidden states the text encoder is loaded for: `0..=max(default out layers)`, so that a
     /// call may pick any of them; the layers past the last one are never read.
     text_encoder_hidden_states: Vec<usize>,
-    transformer_config: Flux2TransformerConfig,
+    default_out_layers: [usize; 3],
+    pub(crate) transformer_config: Flux2TransformerConfig,
     vae_config: AutoencoderKLFlux2Config,
     scheduler_config: FlowMatchEulerDiscreteSchedulerConfig,
 }
 
-impl Flux2Pipeline {
-    /// Opens a diffusers FLUX.2 folder (or a Hugging Face repo id in the local cache): parses
-    /// every config, builds the tokenizer and maps the weights. Weights reach a device at `to` (or
-    /// the first call, on the CPU). A folder whose `model_index.json` has `text_encoder: [null,
-    /// null]` loads without one; its calls need `prompt_embeds`.
-    pub fn from_pretrained(model: &str, options: &LoadOptions) -> Result<Self> {
-        let folder = ModelFolder::open_pipeline(model, options, &["Flux2Pipeline"], FOLDER_COMPONENTS)?;
+impl Flux2Base {
+    /// Opens a FLUX.2 folder whose `model_index.json` names `class` and, unless null, a text
+    /// encoder and tokenizer of `text`'s kind: parses every config, builds the tokenizer and maps
+    /// the weights. Returns the folder too (for pipeline options such as `is_distilled`).
+    pub(crate) fn open(
+        model: &str,
+        options: &LoadOptions,
+        class: &'static str,
+        text: TextSide,
+    ) -> Result<(Self, ModelFolder)> {
+        let folder = ModelFolder::open_pipeline(model, options, &[class], FOLDER_COMPONENTS)?;
         let has_text_encoder = folder
             .index
-            .optional_component("text_encoder", TEXT_ENCODERS)?
+            .optional_component("text_encoder", text.encoder_classes())?
             .is_some();
         let (tokenizer, text_encoder_config) = if has_text_encoder {
-            folder.index.require_component("tokenizer", TOKENIZERS)?;
-            let config: Mistral3Config = folder.config("text_encoder")?;
-            (
-                Some(MistralTokenizer::from_folder(folder.component_dir("tokenizer")?)?),
-                Some(config.text_config),
-            )
+            folder.index.require_component("tokenizer", text.tokenizer_classes())?;
+            let dir = folder.component_dir("tokenizer")?;
+            let (tokenizer, arch) = match text {
+                TextSide::Mistral => {
+                    let config: Mistral3Config = folder.config("text_encoder")?;
+                    (
+                        Flux2Tokenizer::Mistral(MistralTokenizer::from_folder(dir)?),
+                        config.text_config.arch(),
+                    )
+                }
+                TextSide::Qwen3 => {
+                    let config: Qwen3Config = folder.config("text_encoder")?;
+                    (Flux2Tokenizer::Qwen3(Qwen3Tokenizer::from_folder(dir)?), config.arch())
+                }
+            };
+            let arch = arch.map_err(|e| invalid(format!("text_encoder/config.json: {e}")))?;
+            (Some(tokenizer), Some(arch))
         } else {
             (None, None)
         };
@@ -106,23 +188,27 @@ impl Flux2Pipeline {
             true => &["text_encoder", "transformer", "vae"],
             false => &["transformer", "vae"],
         };
-        let last = FLUX2_HIDDEN_STATES.iter().copied().max().unwrap_or(0);
-        Ok(Flux2Pipeline {
+        let default_out_layers = text.out_layers();
+        let last = default_out_layers.iter().copied().max().unwrap_or(0);
+        let base = Flux2Base {
             core: folder.core(options, components)?,
+            class,
             tokenizer,
             text_encoder_config,
             text_encoder_hidden_states: (0..=last).collect(),
+            default_out_layers,
             transformer_config: folder.config("transformer")?,
             vae_config: folder.config("vae")?,
             scheduler_config: folder.scheduler_config()?,
-        })
+        };
+        Ok((base, folder))
     }
 
     /// Loads every component's weights into memory space `memory` of `device`.
-    fn load_components(&self, device: &Device, memory: MemoryKind) -> Result<Flux2Components> {
+    pub(crate) fn load_components(&self, device: &Device, memory: MemoryKind) -> Result<Flux2Components> {
         let w = |name| self.core.weights(name, device, memory);
         let text_encoder = match &self.text_encoder_config {
-            Some(config) => Some(MistralTextModel::load(
+            Some(config) => Some(TextDecoderModel::load(
                 config,
                 &w("text_encoder")?,
                 &self.text_encoder_hidden_states,
@@ -136,63 +222,60 @@ impl Flux2Pipeline {
         })
     }
 
-    /// The loaded transformer (`pipe.transformer`); `None` before the pipeline is placed.
-    pub fn transformer_mut(&mut self) -> Option<&mut Flux2Transformer2DModel> {
+    pub(crate) fn transformer_mut(&mut self) -> Option<&mut Flux2Transformer2DModel> {
         self.core.components_mut().map(|m| &mut m.transformer)
     }
-    /// The folder's tokenizer; `None` when the pipeline has no text encoder.
-    pub fn tokenizer(&self) -> Option<&MistralTokenizer> {
-        self.tokenizer.as_ref()
-    }
-    /// Whether the folder has a text encoder (else calls need `prompt_embeds`).
-    pub fn has_text_encoder(&self) -> bool {
+
+    pub(crate) fn has_text_encoder(&self) -> bool {
         self.text_encoder_config.is_some()
     }
-    /// `2^(len(block_out_channels) − 1)`.
-    pub fn vae_scale_factor(&self) -> usize {
+
+    pub(crate) fn vae_scale_factor(&self) -> usize {
         self.vae_config.vae_scale_factor()
     }
-    /// `default_sample_size (128) · vae_scale_factor`: the size used when height/width are 0.
-    pub fn default_size(&self) -> usize {
+
+    pub(crate) fn default_size(&self) -> usize {
         128 * self.vae_scale_factor()
     }
-    pub fn transformer_config(&self) -> &Flux2TransformerConfig {
-        &self.transformer_config
-    }
 
-    /// `encode_prompt`: the prompt embeddings `[B·n, max_sequence_length, k·hidden]` — the text
-    /// encoder's hidden states `text_encoder_out_layers` of each prompt's chat-template tokens,
-    /// concatenated per token and repeated per image (prompt-major order). Loads the models on the
-    /// CPU if `to` was not called.
-    pub fn encode_prompt(
-        &mut self,
+    /// `encode_prompt` for a placed pipeline (see the pipelines' `encode_prompt`).
+    pub(crate) fn encode_prompt(
+        &self,
         prompt: &[String],
         images_per_prompt: usize,
         max_sequence_length: usize,
         text_encoder_out_layers: &[usize],
     ) -> Result<Tensor> {
         self.check_out_layers(text_encoder_out_layers)?;
-        self.ensure_loaded()?;
         let _finish = self.core.begin_call()?;
-        self.encode(prompt, images_per_prompt, max_sequence_length, text_encoder_out_layers)
+        self.encode(
+            prompt,
+            images_per_prompt,
+            max_sequence_length,
+            text_encoder_out_layers,
+            Next::InOrder,
+        )
     }
 
+    /// The prompt embeddings `[B·n, L, k·hidden]`: the text encoder's hidden states `layers` of
+    /// each prompt's tokens, concatenated per token and repeated per image (prompt-major).
     fn encode(
         &self,
         prompt: &[String],
         images_per_prompt: usize,
         max_sequence_length: usize,
         layers: &[usize],
+        next: Next,
     ) -> Result<Tensor> {
         let (models, device) = self.core.loaded()?;
         let (Some(text_encoder), Some(tokenizer)) = (&models.text_encoder, &self.tokenizer) else {
-            return Err(no_text_encoder());
+            return Err(self.no_text_encoder());
         };
         let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
-        let tokens = tokenizer.encode_flux2_prompts(&texts, max_sequence_length)?;
+        let tokens = tokenizer.encode(&texts, max_sequence_length)?;
         let ids = Tensor::from_slice(&tokens.input_ids, tokens.shape(), device)?;
         let dtype = self.core.dtype();
-        let embeds = self.core.run("text_encoder", text_encoder, &[], Next::InOrder, |te| {
+        let embeds = self.core.run("text_encoder", text_encoder, &[], next, |te| {
             let out = te.forward_with_host_inputs(&ids, &tokens.input_ids, Some(&tokens.attention_mask))?;
             let loaded = te.hidden_state_indices();
             let parts = layers
@@ -201,7 +284,7 @@ impl Flux2Pipeline {
                     let at = loaded
                         .iter()
                         .position(|i| i == k)
-                        .ok_or_else(|| out_layer_error(*k, loaded))?;
+                        .ok_or_else(|| self.out_layer_error(*k))?;
                     Ok(&out.hidden_states[at])
                 })
                 .collect::<Result<Vec<&Tensor>>>()?;
@@ -210,18 +293,20 @@ impl Flux2Pipeline {
         Ok(embeds.repeat_interleave(images_per_prompt, 0)?)
     }
 
-    /// Runs the pipeline (`pipe(prompt=..., ...)`).
-    pub fn call(&mut self, args: Flux2Call<'_>) -> Result<PipelineOutput> {
-        self.ensure_loaded()?;
-        self.run(args)
-    }
-
-    fn run(&self, mut args: Flux2Call<'_>) -> Result<PipelineOutput> {
+    /// A call (`pipe(prompt=..., ...)`) with `guidance`; the arguments `not_arguments` names
+    /// are refused when given. Warnings the pipeline logged before are in `warnings`.
+    pub(crate) fn generate(
+        &self,
+        mut args: Flux2Call<'_>,
+        guidance: Flux2Guidance,
+        not_arguments: &[&str],
+        mut warnings: Vec<String>,
+    ) -> Result<PipelineOutput> {
         let start = Instant::now();
-        let mut warnings = Vec::new();
         let vsf = self.vae_scale_factor();
         let (height, width) = args.size_or(self.default_size());
-        self.check_inputs(&args, height, width, &mut warnings)?;
+        let cfg = matches!(guidance, Flux2Guidance::Cfg(_));
+        self.check_inputs(&args, height, width, not_arguments, cfg, &mut warnings)?;
         let dtype = self.core.dtype();
         let channels = self.transformer_config.in_channels;
         let (models, device) = self.core.loaded()?;
@@ -232,18 +317,40 @@ impl Flux2Pipeline {
         let n = args.num_images_per_prompt;
         let total = batch * n;
 
-        // 3. Text encoding (given embeddings are repeated per image too).
+        // 3. Text encoding (given embeddings are repeated per image too); with CFG the negative
+        //    embeddings after the prompt's: given ones, else the empty prompt's (one per prompt).
         let t0 = Instant::now();
+        let given = |e: Tensor| -> Result<Tensor> { Ok(e.to_device(device)?.to_dtype(dtype)?.repeat_interleave(n, 0)?) };
+        let negative_encoded = cfg && args.negative_prompt_embeds.is_none();
+        let layers = args.text_encoder_out_layers.clone();
+        let embedded = match guidance {
+            Flux2Guidance::Embedded(g) => Some(g),
+            _ => None,
+        };
         let prompt_embeds = match args.prompt_embeds.take() {
-            Some(e) => e.to_device(device)?.to_dtype(dtype)?.repeat_interleave(n, 0)?,
+            Some(e) => given(e)?,
             None => {
                 let prompt = args.prompt.clone().unwrap_or_default();
-                self.encode(&prompt, n, args.max_sequence_length, &args.text_encoder_out_layers)?
+                let next = if negative_encoded { Next::Same } else { Next::InOrder };
+                self.encode(&prompt, n, args.max_sequence_length, &layers, next)?
             }
         };
-        prompt_embeds.wait()?;
+        let (negative, scale) = match guidance {
+            Flux2Guidance::Cfg(scale) => {
+                let negative = match args.negative_prompt_embeds.take() {
+                    Some(e) => given(e)?,
+                    None => {
+                        let empty = vec![String::new(); batch];
+                        self.encode(&empty, n, args.max_sequence_length, &layers, Next::InOrder)?
+                    }
+                };
+                (Some(negative), scale)
+            }
+            _ => (None, 1.0),
+        };
+        let last_encoded = negative.as_ref().unwrap_or(&prompt_embeds);
+        last_encoded.wait()?;
         let text_encoding = t0.elapsed();
-        let text_len = prompt_embeds.dims()[1];
 
         // 4. Latents, drawn in the patchified shape, and the ids: text (0, 0, 0, l), image (0, h, w, 0).
         let (gh, gw) = (height / (vsf * 2), width / (vsf * 2));
@@ -261,16 +368,24 @@ impl Flux2Pipeline {
                 pack_latents(&initial_noise(shape, args.seed, args.seeds.as_deref(), dtype, device)?)?
             }
         };
-        let rope = models
-            .transformer
-            .rope(&text_ids(text_len), &latent_ids(gh, gw), device)?;
+        let image_ids = latent_ids(gh, gw);
+        let rope_for = |embeds: &Tensor| models.transformer.rope(&text_ids(embeds.dims()[1]), &image_ids, device);
+        let rope = rope_for(&prompt_embeds)?;
+        let negative_rope = match &negative {
+            Some(neg) if neg.dims()[1] != prompt_embeds.dims()[1] => Some(rope_for(neg)?),
+            _ => None,
+        };
 
         // 5. Timesteps.
         let scheduler = self.scheduler(args.num_inference_steps, args.sigmas.as_deref(), seq)?;
         let timesteps = scheduler.timesteps().to_vec();
 
-        // 6. Denoising loop: guidance is always passed (float32), one transformer call per step.
-        let guidance = Tensor::from_slice(&vec![args.guidance_scale as f32; total], [total], device)?;
+        // 6. Denoising loop: FLUX.2 [dev] passes the guidance (float32) to every call; with CFG,
+        //    `neg + scale·(cond − neg)` in the latent dtype.
+        let guidance_values = match embedded {
+            Some(g) => Some(Tensor::from_slice(&vec![g as f32; total], [total], device)?),
+            None => None,
+        };
         let decodes = args.output_type == OutputType::Image;
         let (latents, steps) = denoise(
             (&scheduler, &timesteps),
@@ -278,21 +393,32 @@ impl Flux2Pipeline {
             (args.progress, &mut args.callback),
             |i, t, latents| {
                 let timestep = timestep_tensor(t, total, dtype, device)?;
-                // The VAE's transfer can start during the last transformer call.
-                let next = match i + 1 == timesteps.len() && decodes {
-                    true => Next::InOrder,
-                    false => Next::Same,
+                let last_step = i + 1 == timesteps.len();
+                let predict = |embeds: &Tensor, rope: &kiln_nn::RopeTables, last_call: bool| {
+                    // The VAE's transfer can start during the last transformer call.
+                    let next = match last_call && decodes {
+                        true => Next::InOrder,
+                        false => Next::Same,
+                    };
+                    self.core
+                        .run("transformer", &models.transformer, &[last_encoded], next, |tr| {
+                            Ok(tr.forward(&Flux2TransformerInputs {
+                                hidden_states: latents,
+                                encoder_hidden_states: embeds,
+                                timestep: &timestep,
+                                guidance: guidance_values.as_ref(),
+                                rope,
+                            })?)
+                        })
                 };
-                self.core
-                    .run("transformer", &models.transformer, &[&prompt_embeds], next, |tr| {
-                        Ok(tr.forward(&Flux2TransformerInputs {
-                            hidden_states: latents,
-                            encoder_hidden_states: &prompt_embeds,
-                            timestep: &timestep,
-                            guidance: Some(&guidance),
-                            rope: &rope,
-                        })?)
-                    })
+                let cond = predict(&prompt_embeds, &rope, last_step && negative.is_none())?;
+                match &negative {
+                    None => Ok(cond),
+                    Some(neg) => {
+                        let neg = predict(neg, negative_rope.as_ref().unwrap_or(&rope), last_step)?;
+                        Ok(neg.add(&cond.sub(&neg)?.mul_scalar_f32(scale)?)?)
+                    }
+                }
             },
         )?;
 
@@ -310,7 +436,7 @@ impl Flux2Pipeline {
     /// The schedule of a call: `sigmas`, or `linspace(1, 1/N, N)` for `N = num_inference_steps`,
     /// shifted with `mu = compute_empirical_mu(image_seq_len, num_inference_steps)` (the packed
     /// token count), in float32 as the folder's scheduler does it; the step index starts at 0.
-    pub fn scheduler(
+    pub(crate) fn scheduler(
         &self,
         num_inference_steps: usize,
         sigmas: Option<&[f64]>,
@@ -324,17 +450,11 @@ impl Flux2Pipeline {
         Ok(scheduler)
     }
 
-    /// The loaded VAE (`pipe.vae`), e.g. for its BatchNorm statistics; `None` before the pipeline
-    /// is placed.
-    pub fn vae(&self) -> Option<&AutoencoderKLFlux2> {
+    pub(crate) fn vae(&self) -> Option<&AutoencoderKLFlux2> {
         self.core.loaded().ok().map(|(m, _)| &m.vae)
     }
 
-    /// Packed latents `[N, gh·gw, in_channels]` of a `gh × gw` token grid → the image tensor
-    /// `[N, 3, 2·gh·vsf, 2·gw·vsf]` in [-1, 1] before post-processing: unpacked, BatchNorm
-    /// de-normalized, unpatchified, decoded.
-    pub fn decode_latents(&mut self, latents: &Tensor, gh: usize, gw: usize) -> Result<Tensor> {
-        self.ensure_loaded()?;
+    pub(crate) fn decode_latents(&self, latents: &Tensor, gh: usize, gw: usize) -> Result<Tensor> {
         let _finish = self.core.begin_call()?;
         self.decode(latents, gh, gw)
     }
@@ -350,14 +470,28 @@ impl Flux2Pipeline {
     /// Every index of `layers` must be a hidden state the text encoder is loaded for.
     fn check_out_layers(&self, layers: &[usize]) -> Result<()> {
         if layers.is_empty() {
-            return Err(invalid(
-                "`text_encoder_out_layers` is empty: give the hidden states to stack (FLUX.2: 10, 20, 30)",
-            ));
+            let [a, b, c] = self.default_out_layers;
+            return Err(invalid(format!(
+                "`text_encoder_out_layers` is empty: give the hidden states to stack ({}: {a}, {b}, {c})",
+                self.class
+            )));
         }
         match layers.iter().find(|k| !self.text_encoder_hidden_states.contains(k)) {
-            Some(&k) => Err(out_layer_error(k, &self.text_encoder_hidden_states)),
+            Some(&k) => Err(self.out_layer_error(k)),
             None => Ok(()),
         }
+    }
+
+    /// `embeds` (named `name`) must be `[batch, tokens, joint_attention_dim]`.
+    fn check_embeds(&self, name: &str, embeds: &Tensor) -> Result<()> {
+        let joint = self.transformer_config.joint_attention_dim;
+        if embeds.rank() != 3 || embeds.dims()[2] != joint || embeds.dims()[1] == 0 {
+            return Err(invalid(format!(
+                "`{name}` must be [batch, tokens, {joint}] (the transformer's joint_attention_dim), got {}",
+                embeds.shape()
+            )));
+        }
+        Ok(())
     }
 
     /// diffusers' `check_inputs` (plus the checks `__call__` does early); warnings go to `warnings`.
@@ -366,18 +500,20 @@ impl Flux2Pipeline {
         args: &Flux2Call<'_>,
         height: usize,
         width: usize,
+        not_arguments: &[&str],
+        cfg: bool,
         warnings: &mut Vec<String>,
     ) -> Result<()> {
         let given = [
-            args.prompt_2.is_some(),
-            args.negative_prompt.is_some(),
-            args.negative_prompt_2.is_some(),
-            args.pooled_prompt_embeds.is_some(),
-            args.negative_prompt_embeds.is_some(),
-            args.negative_pooled_prompt_embeds.is_some(),
+            ("prompt_2", args.prompt_2.is_some()),
+            ("negative_prompt", args.negative_prompt.is_some()),
+            ("negative_prompt_2", args.negative_prompt_2.is_some()),
+            ("pooled_prompt_embeds", args.pooled_prompt_embeds.is_some()),
+            ("negative_prompt_embeds", args.negative_prompt_embeds.is_some()),
+            ("negative_pooled_prompt_embeds", args.negative_pooled_prompt_embeds.is_some()),
         ];
-        if let Some((name, _)) = NOT_ARGUMENTS.iter().zip(given).find(|(_, g)| *g) {
-            return Err(invalid(format!("`{name}` is not an argument of Flux2Pipeline")));
+        if let Some((name, _)) = given.iter().find(|(name, g)| *g && not_arguments.contains(name)) {
+            return Err(invalid(format!("`{name}` is not an argument of {}", self.class)));
         }
         let multiple = self.vae_scale_factor() * 2;
         if !height.is_multiple_of(multiple) || !width.is_multiple_of(multiple) {
@@ -401,22 +537,26 @@ impl Flux2Pipeline {
             // diffusers fails here with ZeroDivisionError.
             return Err(invalid("`num_inference_steps` must be at least 1, got 0"));
         }
-        match &args.prompt_embeds {
-            Some(e) => {
-                let joint = self.transformer_config.joint_attention_dim;
-                if e.rank() != 3 || e.dims()[2] != joint || e.dims()[1] == 0 {
-                    return Err(invalid(format!(
-                        "`prompt_embeds` must be [batch, tokens, {joint}] (the transformer's joint_attention_dim), got {}",
-                        e.shape()
-                    )));
-                }
+        // Negative embeddings are read (and checked) with CFG only; diffusers ignores them otherwise.
+        if let Some(e) = args.negative_prompt_embeds.as_ref().filter(|_| cfg) {
+            self.check_embeds("negative_prompt_embeds", e)?;
+            let batch = args.batch();
+            if e.dims()[0] != batch {
+                return Err(invalid(format!(
+                    "`negative_prompt_embeds` must have one row per prompt ({batch}), got {}",
+                    e.shape()
+                )));
             }
-            None if !self.has_text_encoder() => return Err(no_text_encoder()),
+        }
+        match &args.prompt_embeds {
+            Some(e) => self.check_embeds("prompt_embeds", e)?,
+            None if !self.has_text_encoder() => return Err(self.no_text_encoder()),
             None => {
                 self.check_out_layers(&args.text_encoder_out_layers)?;
+                let config = self.text_encoder_config.as_ref();
                 let (joint, hidden) = (
                     self.transformer_config.joint_attention_dim,
-                    self.text_encoder_config.as_ref().map_or(0, |c| c.hidden_size),
+                    config.map_or(0, |c| c.hidden_size),
                 );
                 let k = args.text_encoder_out_layers.len();
                 if k * hidden != joint {
@@ -426,10 +566,7 @@ impl Flux2Pipeline {
                     )));
                 }
                 // diffusers has no limit; the text encoder's positions do.
-                let positions = self
-                    .text_encoder_config
-                    .as_ref()
-                    .map_or(0, |c| c.max_position_embeddings);
+                let positions = config.map_or(0, |c| c.max_position_embeddings);
                 if positions > 0 && args.max_sequence_length > positions {
                     return Err(invalid(format!(
                         "`max_sequence_length` cannot be greater than the text encoder's max_position_embeddings {positions} but is {}",
@@ -440,19 +577,126 @@ impl Flux2Pipeline {
         }
         Ok(())
     }
+
+    fn no_text_encoder(&self) -> crate::PipelineError {
+        invalid(format!(
+            "this {} has no text encoder (`text_encoder` is null in model_index.json): pass `prompt_embeds` instead of `prompt`",
+            self.class
+        ))
+    }
+
+    fn out_layer_error(&self, k: usize) -> crate::PipelineError {
+        let last = self.text_encoder_hidden_states.iter().copied().max().unwrap_or(0);
+        invalid(format!(
+            "`text_encoder_out_layers` asks for hidden state {k}, but the text encoder is loaded for hidden states 0..={last} only"
+        ))
+    }
 }
 
-fn no_text_encoder() -> crate::PipelineError {
-    invalid(
-        "this Flux2Pipeline has no text encoder (`text_encoder` is null in model_index.json): pass `prompt_embeds` instead of `prompt`",
-    )
+/// diffusers' `Flux2Pipeline`.
+pub struct Flux2Pipeline {
+    base: Flux2Base,
 }
 
-fn out_layer_error(k: usize, loaded: &[usize]) -> crate::PipelineError {
-    let last = loaded.iter().copied().max().unwrap_or(0);
-    invalid(format!(
-        "`text_encoder_out_layers` asks for hidden state {k}, but the text encoder is loaded for hidden states 0..={last} only"
-    ))
+/// The methods FLUX.2 [dev] and [klein] share, on `self.base`.
+macro_rules! flux2_shared_methods {
+    () => {
+        /// The loaded transformer (`pipe.transformer`); `None` before the pipeline is placed.
+        pub fn transformer_mut(
+            &mut self,
+        ) -> Option<&mut kiln_models::transformer_flux2::Flux2Transformer2DModel> {
+            self.base.transformer_mut()
+        }
+        /// Whether the folder has a text encoder (else calls need `prompt_embeds`).
+        pub fn has_text_encoder(&self) -> bool {
+            self.base.has_text_encoder()
+        }
+        /// `2^(len(block_out_channels) − 1)`.
+        pub fn vae_scale_factor(&self) -> usize {
+            self.base.vae_scale_factor()
+        }
+        /// `default_sample_size (128) · vae_scale_factor`: the size used when height/width are 0.
+        pub fn default_size(&self) -> usize {
+            self.base.default_size()
+        }
+        pub fn transformer_config(&self) -> &kiln_io::Flux2TransformerConfig {
+            &self.base.transformer_config
+        }
+        /// `encode_prompt`: the prompt embeddings `[B·n, max_sequence_length, k·hidden]` — the
+        /// text encoder's hidden states `text_encoder_out_layers` of each prompt's chat-template
+        /// tokens, concatenated per token and repeated per image (prompt-major order). Loads the
+        /// models on the CPU if `to` was not called.
+        pub fn encode_prompt(
+            &mut self,
+            prompt: &[String],
+            images_per_prompt: usize,
+            max_sequence_length: usize,
+            text_encoder_out_layers: &[usize],
+        ) -> $crate::Result<kiln_tensor::Tensor> {
+            $crate::pipeline::PipelineParts::ensure_loaded(self)?;
+            self.base
+                .encode_prompt(prompt, images_per_prompt, max_sequence_length, text_encoder_out_layers)
+        }
+        /// The schedule of a call: `sigmas`, or `linspace(1, 1/N, N)` for
+        /// `N = num_inference_steps`, shifted with `mu = compute_empirical_mu(image_seq_len,
+        /// num_inference_steps)` (the packed token count), in float32 as the folder's scheduler
+        /// does it; the step index starts at 0.
+        pub fn scheduler(
+            &self,
+            num_inference_steps: usize,
+            sigmas: Option<&[f64]>,
+            image_seq_len: usize,
+        ) -> $crate::Result<kiln_schedulers::FlowMatchEulerDiscreteScheduler> {
+            self.base.scheduler(num_inference_steps, sigmas, image_seq_len)
+        }
+        /// The loaded VAE (`pipe.vae`), e.g. for its BatchNorm statistics; `None` before the
+        /// pipeline is placed.
+        pub fn vae(&self) -> Option<&kiln_models::autoencoder_kl_flux2::AutoencoderKLFlux2> {
+            self.base.vae()
+        }
+        /// Packed latents `[N, gh·gw, in_channels]` of a `gh × gw` token grid → the image tensor
+        /// `[N, 3, 2·gh·vsf, 2·gw·vsf]` in [-1, 1] before post-processing: unpacked, BatchNorm
+        /// de-normalized, unpatchified, decoded.
+        pub fn decode_latents(
+            &mut self,
+            latents: &kiln_tensor::Tensor,
+            gh: usize,
+            gw: usize,
+        ) -> $crate::Result<kiln_tensor::Tensor> {
+            $crate::pipeline::PipelineParts::ensure_loaded(self)?;
+            self.base.decode_latents(latents, gh, gw)
+        }
+    };
+}
+pub(crate) use flux2_shared_methods;
+
+impl Flux2Pipeline {
+    /// Opens a diffusers FLUX.2 folder (or a Hugging Face repo id in the local cache): parses
+    /// every config, builds the tokenizer and maps the weights. Weights reach a device at `to` (or
+    /// the first call, on the CPU). A folder whose `model_index.json` has `text_encoder: [null,
+    /// null]` loads without one; its calls need `prompt_embeds`.
+    pub fn from_pretrained(model: &str, options: &LoadOptions) -> Result<Self> {
+        let (base, _) = Flux2Base::open(model, options, "Flux2Pipeline", TextSide::Mistral)?;
+        Ok(Flux2Pipeline { base })
+    }
+
+    flux2_shared_methods!();
+
+    /// The folder's tokenizer; `None` when the pipeline has no text encoder.
+    pub fn tokenizer(&self) -> Option<&MistralTokenizer> {
+        match &self.base.tokenizer {
+            Some(Flux2Tokenizer::Mistral(t)) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Runs the pipeline (`pipe(prompt=..., ...)`): the guidance scale is embedded, one
+    /// transformer call per step.
+    pub fn call(&mut self, args: Flux2Call<'_>) -> Result<PipelineOutput> {
+        self.ensure_loaded()?;
+        let guidance = Flux2Guidance::Embedded(args.guidance_scale);
+        self.base.generate(args, guidance, NOT_ARGUMENTS, Vec::new())
+    }
 }
 
 /// The text ids of `len` tokens, row-major `[len, 4]`: `(0, 0, 0, l)`.

@@ -207,22 +207,31 @@ impl<C: Components> PipelineCore<C> {
 
 /// Implements [`PipelineParts`] for a pipeline whose `core` field is its [`PipelineCore`] and whose
 /// inherent `load_components(&self, &Device, MemoryKind)` loads its components.
+/// `pipeline_parts!(P, C, via base)`: the same for a pipeline whose field `base` has the `core`
+/// field and the `load_components` method (pipelines built on a shared base, FLUX.2 [dev] and
+/// [klein]).
 macro_rules! pipeline_parts {
     ($pipeline:ty, $components:ty) => {
+        pipeline_parts!(@impl $pipeline, $components, self);
+    };
+    ($pipeline:ty, $components:ty, via $base:ident) => {
+        pipeline_parts!(@impl $pipeline, $components, self.$base);
+    };
+    (@impl $pipeline:ty, $components:ty, $self:ident $(. $base:ident)?) => {
         impl $crate::pipeline::PipelineParts for $pipeline {
             type Components = $components;
-            fn core(&self) -> &$crate::pipeline::PipelineCore<$components> {
-                &self.core
+            fn core(&$self) -> &$crate::pipeline::PipelineCore<$components> {
+                &$self $(. $base)?.core
             }
-            fn core_mut(&mut self) -> &mut $crate::pipeline::PipelineCore<$components> {
-                &mut self.core
+            fn core_mut(&mut $self) -> &mut $crate::pipeline::PipelineCore<$components> {
+                &mut $self $(. $base)?.core
             }
             fn load(
-                &self,
+                &$self,
                 device: &kiln_tensor::Device,
                 memory: kiln_tensor::MemoryKind,
             ) -> $crate::Result<$components> {
-                self.load_components(device, memory)
+                $self $(. $base)?.load_components(device, memory)
             }
         }
     };

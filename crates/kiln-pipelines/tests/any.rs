@@ -3,7 +3,7 @@
 
 use kiln_pipelines::DiffusionPipeline;
 use kiln_pipelines::{
-    AnyPipeline, Flux2Call, Flux2Pipeline, FluxCall, FluxPipeline, GenerateCall, LoadOptions, PipelineKind,
+    AnyPipeline, Flux2Call, Flux2KleinCall, Flux2KleinPipeline, Flux2Pipeline, FluxCall, FluxPipeline, GenerateCall, LoadOptions, PipelineKind,
     StableDiffusion3Call, StableDiffusion3Pipeline,
 };
 use kiln_tensor::Tensor;
@@ -30,6 +30,8 @@ fn the_model_index_names_the_pipeline() {
         ("flux1_schnell", PipelineKind::Flux),
         ("sd3", PipelineKind::StableDiffusion3),
         ("flux2_dev", PipelineKind::Flux2),
+        ("flux2_klein", PipelineKind::Flux2Klein),
+        ("flux2_klein_base", PipelineKind::Flux2Klein),
     ] {
         let (root, found) = PipelineKind::of_model(&folder(name), None).unwrap();
         assert_eq!(found, kind);
@@ -49,7 +51,8 @@ fn the_model_index_names_the_pipeline() {
         .to_string();
     assert!(
         err.contains(
-            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline, Flux2Pipeline)"
+            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline, Flux2Pipeline, \
+             Flux2KleinPipeline)"
         ),
         "{err}"
     );
@@ -240,4 +243,63 @@ fn a_flux2_call_through_any_pipeline_is_the_pipelines_own() {
         .expect("FLUX.2 has no negative prompt")
         .to_string();
     assert_eq!(err, "`negative_prompt` is not an argument of Flux2Pipeline");
+}
+
+/// FLUX.2 [klein] through `AnyPipeline`: picked from `_class_name`, its own defaults (hidden states
+/// 9, 18, 27), CFG only for the base model (so only there does the guidance scale count), the
+/// same output as `Flux2KleinPipeline`'s own call.
+#[test]
+fn a_flux2_klein_call_through_any_pipeline_is_the_pipelines_own() {
+    let distilled = load("flux2_klein");
+    assert_eq!(distilled.kind(), PipelineKind::Flux2Klein);
+    assert_eq!(distilled.guidance_scale(&GenerateCall::prompt("a")), None);
+    let mut any = load("flux2_klein_base");
+    assert_eq!(any.guidance_scale(&GenerateCall::prompt("a")), Some(4.0));
+    let unguided = GenerateCall {
+        guidance_scale: Some(1.0),
+        ..GenerateCall::prompt("a")
+    };
+    assert_eq!(any.guidance_scale(&unguided), None);
+    let mut klein = Flux2KleinPipeline::from_pretrained(&folder("flux2_klein_base"), &LoadOptions::default())
+        .unwrap()
+        .to(&device())
+        .unwrap();
+    let got = any
+        .call(GenerateCall {
+            prompt: vec!["a red square".into(), "a blue circle".into()],
+            height: Some(32),
+            width: Some(48),
+            num_inference_steps: Some(2),
+            guidance_scale: Some(3.0),
+            max_sequence_length: Some(24),
+            seed: Some(5),
+            progress: false,
+            ..Default::default()
+        })
+        .unwrap();
+    let want = klein
+        .call(Flux2KleinCall {
+            prompt: Some(vec!["a red square".into(), "a blue circle".into()]),
+            height: 32,
+            width: 48,
+            num_inference_steps: 2,
+            guidance_scale: 3.0,
+            max_sequence_length: 24,
+            seed: 5,
+            progress: false,
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(values(&got.latents), values(&want.latents));
+    assert_eq!(got.images, want.images);
+    assert_eq!(Flux2KleinCall::default().text_encoder_out_layers, [9, 18, 27]);
+    let err = any
+        .call(GenerateCall {
+            negative_prompt: Some(vec!["b".into()]),
+            ..GenerateCall::prompt("a")
+        })
+        .err()
+        .expect("klein has no negative prompt")
+        .to_string();
+    assert_eq!(err, "`negative_prompt` is not an argument of Flux2KleinPipeline");
 }
