@@ -137,7 +137,10 @@ const QWEN3_4B: &str = r#"{
 #[test]
 fn qwen3_configs_parse_old_and_new_layouts() {
     let real: kiln_io::Qwen3Config = parse(QWEN3_4B);
-    assert_eq!((real.hidden_size, real.num_hidden_layers, real.head_dim()), (2560, 36, 128));
+    assert_eq!(
+        (real.hidden_size, real.num_hidden_layers, real.head_dim()),
+        (2560, 36, 128)
+    );
     assert_eq!((real.num_attention_heads, real.num_key_value_heads), (32, 8));
     assert_eq!((real.rope_theta(), real.rope_type()), (1e6, "default"));
     assert!(real.tie_word_embeddings && !real.attention_bias);
@@ -145,7 +148,10 @@ fn qwen3_configs_parse_old_and_new_layouts() {
     assert_eq!(real.hidden_act, Activation::Silu);
 
     let fixture: kiln_io::Qwen3Config = load_config(pipeline("flux2_klein").join("text_encoder/config.json")).unwrap();
-    assert_eq!((fixture.hidden_size, fixture.num_hidden_layers, fixture.head_dim()), (16, 28, 8));
+    assert_eq!(
+        (fixture.hidden_size, fixture.num_hidden_layers, fixture.head_dim()),
+        (16, 28, 8)
+    );
     assert_eq!((fixture.num_attention_heads, fixture.num_key_value_heads), (2, 1));
     assert_eq!((fixture.rope_theta(), fixture.rms_norm_eps), (1e6, 1e-6));
     assert_eq!(fixture.layer_types.as_ref().map(Vec::len), Some(28));

@@ -440,8 +440,7 @@ impl TextDecoderModel {
         let n = config.num_hidden_layers;
         let Some(&last) = hidden_states.iter().max() else {
             return Err(config_error(
-                "no hidden state was asked for (FLUX.2 [dev] reads 10, 20 and 30, [klein] 9, 18 and 27)"
-                    .to_string(),
+                "no hidden state was asked for (FLUX.2 [dev] reads 10, 20 and 30, [klein] 9, 18 and 27)".to_string(),
             ));
         };
         if last > n {

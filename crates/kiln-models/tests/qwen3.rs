@@ -150,13 +150,19 @@ fn layers_after_the_last_one_read_are_not_loaded() {
         common::assert_identical("hidden state", &out.hidden_states[i], &all.hidden_states[i + 1]);
     }
     // The q/k norms are read and used: changing one changes layer 9's output.
-    for name in ["model.layers.3.self_attn.q_norm.weight", "model.layers.3.self_attn.k_norm.weight"] {
+    for name in [
+        "model.layers.3.self_attn.q_norm.weight",
+        "model.layers.3.self_attn.k_norm.weight",
+    ] {
         let mut changed = model.clone();
         common::perturb(&mut changed, name);
         let other = changed
             .forward_with_host_inputs(&ids.to_tensor(&d), &ids.i64(), Some(&mask.i64()))
             .unwrap();
-        assert!(common::differs(&other.hidden_states[0], &out.hidden_states[0]), "{name}");
+        assert!(
+            common::differs(&other.hidden_states[0], &out.hidden_states[0]),
+            "{name}"
+        );
     }
 }
 
@@ -198,7 +204,9 @@ fn unsupported_configs_are_clear_errors() {
         sliding_window: Some(8),
         ..base.clone()
     };
-    let err = Qwen3TextModel::load(&mixed, &w(), &FLUX2_KLEIN_HIDDEN_STATES).unwrap_err().to_string();
+    let err = Qwen3TextModel::load(&mixed, &w(), &FLUX2_KLEIN_HIDDEN_STATES)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("text_encoder") && err.contains("sliding"), "{err}");
     let err = Qwen3TextModel::load(&base, &w(), &[29]).unwrap_err().to_string();
     assert!(err.contains("hidden state 29"), "{err}");

@@ -320,7 +320,8 @@ impl Flux2Base {
         // 3. Text encoding (given embeddings are repeated per image too); with CFG the negative
         //    embeddings after the prompt's: given ones, else the empty prompt's (one per prompt).
         let t0 = Instant::now();
-        let given = |e: Tensor| -> Result<Tensor> { Ok(e.to_device(device)?.to_dtype(dtype)?.repeat_interleave(n, 0)?) };
+        let given =
+            |e: Tensor| -> Result<Tensor> { Ok(e.to_device(device)?.to_dtype(dtype)?.repeat_interleave(n, 0)?) };
         let negative_encoded = cfg && args.negative_prompt_embeds.is_none();
         let layers = args.text_encoder_out_layers.clone();
         let embedded = match guidance {
@@ -510,7 +511,10 @@ impl Flux2Base {
             ("negative_prompt_2", args.negative_prompt_2.is_some()),
             ("pooled_prompt_embeds", args.pooled_prompt_embeds.is_some()),
             ("negative_prompt_embeds", args.negative_prompt_embeds.is_some()),
-            ("negative_pooled_prompt_embeds", args.negative_pooled_prompt_embeds.is_some()),
+            (
+                "negative_pooled_prompt_embeds",
+                args.negative_pooled_prompt_embeds.is_some(),
+            ),
         ];
         if let Some((name, _)) = given.iter().find(|(name, g)| *g && not_arguments.contains(name)) {
             return Err(invalid(format!("`{name}` is not an argument of {}", self.class)));
@@ -602,9 +606,7 @@ pub struct Flux2Pipeline {
 macro_rules! flux2_shared_methods {
     () => {
         /// The loaded transformer (`pipe.transformer`); `None` before the pipeline is placed.
-        pub fn transformer_mut(
-            &mut self,
-        ) -> Option<&mut kiln_models::transformer_flux2::Flux2Transformer2DModel> {
+        pub fn transformer_mut(&mut self) -> Option<&mut kiln_models::transformer_flux2::Flux2Transformer2DModel> {
             self.base.transformer_mut()
         }
         /// Whether the folder has a text encoder (else calls need `prompt_embeds`).
@@ -634,8 +636,12 @@ macro_rules! flux2_shared_methods {
             text_encoder_out_layers: &[usize],
         ) -> $crate::Result<kiln_tensor::Tensor> {
             $crate::pipeline::PipelineParts::ensure_loaded(self)?;
-            self.base
-                .encode_prompt(prompt, images_per_prompt, max_sequence_length, text_encoder_out_layers)
+            self.base.encode_prompt(
+                prompt,
+                images_per_prompt,
+                max_sequence_length,
+                text_encoder_out_layers,
+            )
         }
         /// The schedule of a call: `sigmas`, or `linspace(1, 1/N, N)` for
         /// `N = num_inference_steps`, shifted with `mu = compute_empirical_mu(image_seq_len,

@@ -15,7 +15,9 @@ use kiln_tokenizers::Qwen3Tokenizer;
 
 use crate::call::{pipeline_call, PipelineOutput};
 use crate::error::Result;
-use crate::flux2::{flux2_shared_methods, Flux2Base, Flux2Call, Flux2Components, Flux2Guidance, Flux2Tokenizer, TextSide};
+use crate::flux2::{
+    flux2_shared_methods, Flux2Base, Flux2Call, Flux2Components, Flux2Guidance, Flux2Tokenizer, TextSide,
+};
 use crate::loading::LoadOptions;
 use crate::pipeline::{pipeline_parts, PipelineParts};
 

@@ -3,8 +3,8 @@
 
 use kiln_pipelines::DiffusionPipeline;
 use kiln_pipelines::{
-    AnyPipeline, Flux2Call, Flux2KleinCall, Flux2KleinPipeline, Flux2Pipeline, FluxCall, FluxPipeline, GenerateCall, LoadOptions, PipelineKind,
-    StableDiffusion3Call, StableDiffusion3Pipeline,
+    AnyPipeline, Flux2Call, Flux2KleinCall, Flux2KleinPipeline, Flux2Pipeline, FluxCall, FluxPipeline, GenerateCall,
+    LoadOptions, PipelineKind, StableDiffusion3Call, StableDiffusion3Pipeline,
 };
 use kiln_tensor::Tensor;
 use kiln_testing::{device, oracle};

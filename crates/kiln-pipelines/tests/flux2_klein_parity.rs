@@ -135,7 +135,14 @@ fn check_steps(steps: &Steps, g: &HashMap<String, Golden>, n: usize, cfg: Option
         };
         // The guided prediction amplifies the two calls' differences by the scale.
         let atol = (1e-4 + extra) * cfg.map_or(1.0, |s| 2.0 * s as f32);
-        check_values(&format!("step{i}.noise_pred (guided)"), noise_pred, &cond.shape, &want, atol, 1e-4);
+        check_values(
+            &format!("step{i}.noise_pred (guided)"),
+            noise_pred,
+            &cond.shape,
+            &want,
+            atol,
+            1e-4,
+        );
         let name = format!("step{i}.latents");
         check(&name, latents, &g[&name], 1e-4 + extra, 1e-4);
     }
@@ -147,7 +154,9 @@ fn run_case_on(case: &Path, mode: CompileMode, d: &Device) {
     assert_eq!(cj["dtype"], "float32");
     let g = goldens(&case.join("tensors.safetensors"));
     eprintln!("case {} (compile: {mode}, on {d})", case.display());
-    let mut pipe = load(&oracle().join(cj["pipeline_dir"].as_str().unwrap())).to(d).unwrap();
+    let mut pipe = load(&oracle().join(cj["pipeline_dir"].as_str().unwrap()))
+        .to(d)
+        .unwrap();
     pipe.compile(mode);
     let kwargs = &cj["call_kwargs"];
     let derived = &cj["derived"];
@@ -159,7 +168,10 @@ fn run_case_on(case: &Path, mode: CompileMode, d: &Device) {
         derived["transformer_calls_per_step"].as_u64().unwrap(),
         1 + u64::from(cfg.is_some())
     );
-    assert_eq!(derived["text_encoder_out_layers"], serde_json::json!(call.text_encoder_out_layers));
+    assert_eq!(
+        derived["text_encoder_out_layers"],
+        serde_json::json!(call.text_encoder_out_layers)
+    );
     let prompt = strings(&kwargs["prompt"]).unwrap();
     let n = call.num_images_per_prompt;
     let total = prompt.len() * n;
@@ -226,7 +238,10 @@ fn run_case_on(case: &Path, mode: CompileMode, d: &Device) {
 
     // The whole call, every step; a distilled model warns that it ignores the guidance scale.
     let (out, steps) = run_call(&mut pipe, call);
-    let warned = out.warnings.iter().any(|w| w.contains("is ignored for step-wise distilled models"));
+    let warned = out
+        .warnings
+        .iter()
+        .any(|w| w.contains("is ignored for step-wise distilled models"));
     assert_eq!(warned, pipe.is_distilled(), "{:?}", out.warnings);
     check_steps(&steps, &g, total, cfg);
 
@@ -306,7 +321,10 @@ fn offload_gives_the_same_bytes_and_loads_only_the_layers_read() {
         .map(|(_, t)| t.data().len() as u64)
         .sum();
     let all: u64 = checkpoint.tensors().iter().map(|(_, t)| t.data().len() as u64).sum();
-    eprintln!("text encoder: {} of the checkpoint's {all} bytes loaded", plan.components[0].weight_bytes);
+    eprintln!(
+        "text encoder: {} of the checkpoint's {all} bytes loaded",
+        plan.components[0].weight_bytes
+    );
     assert_eq!(plan.components[0].weight_bytes, read);
     assert!(read < all);
     assert_eq!(offloaded.offload_log().weight_bytes(), 0);
@@ -361,8 +379,15 @@ fn stacked(g: &HashMap<String, Golden>, prefix: &str, d: &Device) -> Tensor {
 #[test]
 fn given_embeddings_match_on_one_and_two_devices() {
     let mesh = Device::open_mesh(kiln_tensor::DeviceSpec::CPU, 2).unwrap();
-    let err = load(&folder("flux2_klein")).to(&mesh).err().expect("1 KV head").to_string();
-    assert!(err.contains("text_encoder") && err.contains("num_key_value_heads"), "{err}");
+    let err = load(&folder("flux2_klein"))
+        .to(&mesh)
+        .err()
+        .expect("1 KV head")
+        .to_string();
+    assert!(
+        err.contains("text_encoder") && err.contains("num_key_value_heads"),
+        "{err}"
+    );
     for case in cases() {
         let cj = call_json(&case);
         let pipeline = cj["pipeline"].as_str().unwrap();
@@ -435,7 +460,10 @@ fn arguments_klein_does_not_take_are_named() {
         .err()
         .unwrap()
         .to_string();
-    assert!(err.contains("`negative_prompt_embeds` must have one row per prompt (1)"), "{err}");
+    assert!(
+        err.contains("`negative_prompt_embeds` must have one row per prompt (1)"),
+        "{err}"
+    );
     let err = pipe
         .call(Flux2KleinCall {
             negative_prompt_embeds: Some(Tensor::zeros([1, 16, 47], DType::F32, &d).unwrap()),

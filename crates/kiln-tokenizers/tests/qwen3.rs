@@ -67,7 +67,11 @@ fn klein_prompt_tokens_match_every_case() {
             .collect();
         assert_eq!(chat_text.len(), prompts.len());
         for (prompt, want) in prompts.iter().zip(&chat_text) {
-            assert_eq!(&tok.flux2_klein_text(prompt).unwrap(), want, "{name}: rendered chat text");
+            assert_eq!(
+                &tok.flux2_klein_text(prompt).unwrap(),
+                want,
+                "{name}: rendered chat text"
+            );
         }
         let tensors = std::fs::read(case.join("tensors.safetensors")).unwrap();
         let refs: Vec<&str> = prompts.iter().map(String::as_str).collect();
@@ -104,7 +108,11 @@ fn klein_prompt_tokens_match_every_case() {
 fn the_standalone_folder_agrees_and_long_prompts_are_cut() {
     let pipeline = Qwen3Tokenizer::from_folder(oracle().join("pipelines/flux2_klein/tokenizer")).unwrap();
     let standalone = Qwen3Tokenizer::from_folder(oracle().join("tokenizers/qwen3")).unwrap();
-    let prompts = ["a photo of a cat", "", "Ünïcödé — 日本語 テキスト, 123 + tabs\tand\nnewlines"];
+    let prompts = [
+        "a photo of a cat",
+        "",
+        "Ünïcödé — 日本語 テキスト, 123 + tabs\tand\nnewlines",
+    ];
     let a = pipeline.encode_flux2_klein_prompts(&prompts, 96).unwrap();
     let b = standalone.encode_flux2_klein_prompts(&prompts, 96).unwrap();
     assert_eq!(a, b);
@@ -124,7 +132,10 @@ fn the_standalone_folder_agrees_and_long_prompts_are_cut() {
     assert_eq!(plain, row);
     assert_eq!(a.row(0).unwrap()[plain.len()], i64::from(pipeline.pad_id()));
     let short = pipeline.encode_flux2_klein_prompts(&prompts[..1], 5).unwrap();
-    assert_eq!(short.input_ids.iter().map(|&i| i as u32).collect::<Vec<_>>(), plain[..5]);
+    assert_eq!(
+        short.input_ids.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+        plain[..5]
+    );
     assert_eq!(short.attention_mask, vec![1; 5]);
     let cut = short.truncations[0].as_ref().expect("truncated");
     assert_eq!(cut.removed_ids, plain[5..]);
@@ -135,6 +146,15 @@ fn the_standalone_folder_agrees_and_long_prompts_are_cut() {
 fn a_folder_without_tokenizer_json_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let err = Qwen3Tokenizer::from_folder(dir.path()).unwrap_err();
-    assert!(matches!(err, TokenizerError::MissingFile { file: "tokenizer.json", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            TokenizerError::MissingFile {
+                file: "tokenizer.json",
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("Qwen3 tokenizer folder"), "{err}");
 }
