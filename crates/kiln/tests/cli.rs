@@ -735,6 +735,97 @@ fn offload_writes_the_same_png_and_a_device_too_small_is_a_clear_error() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Every FLUX.2 [klein] oracle case (distilled and base) run by `kiln generate`, eager and
+/// compiled: the pipeline is picked from `_class_name` (`is_distilled` from `model_index.json`),
+/// every keyword argument is a flag, and the images are diffusers'. The distilled model warns
+/// that it ignores the guidance scale; klein has no negative prompt, and the refusal names it.
+#[test]
+fn flux2_klein_cases_through_the_cli_give_the_golden_images() {
+    let dir = temp_dir("flux2-klein");
+    let mut ran = 0;
+    for pipeline in ["flux2_klein", "flux2_klein_base"] {
+        let cases = kiln_fixtures::oracle().join("cases").join(pipeline);
+        let mut names: Vec<String> = std::fs::read_dir(&cases)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        let model = oracle_pipeline(pipeline);
+        let model = model.to_str().unwrap();
+        for name in &names {
+            let call: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(cases.join(name).join("call.json")).unwrap()).unwrap();
+            let kwargs = call["call_kwargs"].as_object().unwrap();
+            let compile = if ran % 2 == 0 { "none" } else { "full" };
+            let mut args: Vec<(String, String)> = vec![
+                ("--model".into(), model.into()),
+                ("--seed".into(), call["seed"].to_string()),
+                ("--compile".into(), compile.into()),
+                ("--output".into(), format!("{name}.png")),
+            ];
+            for (key, value) in kwargs {
+                let flag = format!("--{}", key.replace('_', "-"));
+                match value {
+                    serde_json::Value::String(s) => args.push((flag, s.clone())),
+                    serde_json::Value::Array(items) => {
+                        args.extend(items.iter().map(|v| (flag.clone(), v.as_str().unwrap().to_string())))
+                    }
+                    other => args.push((flag, other.to_string())),
+                }
+            }
+            let args: Vec<(&str, &str)> = args.iter().map(|(f, v)| (f.as_str(), v.as_str())).collect();
+            let stderr = generate_ok(&dir, &args);
+            let distilled = call["derived"]["is_distilled"].as_bool().unwrap();
+            assert_eq!(
+                stderr.contains("is ignored for step-wise distilled models"),
+                distilled,
+                "{pipeline}/{name}: {stderr}"
+            );
+            let prompts = match &kwargs["prompt"] {
+                serde_json::Value::Array(a) => a.len(),
+                _ => 1,
+            };
+            let images = prompts
+                * kwargs
+                    .get("num_images_per_prompt")
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or(1) as usize;
+            for k in 0..images {
+                let file = if images == 1 {
+                    format!("{name}.png")
+                } else {
+                    format!("{name}-{k}.png")
+                };
+                assert_matches_golden(&dir.join(file), &oracle_image(&format!("{pipeline}/{name}"), k));
+            }
+            ran += 1;
+        }
+    }
+    assert_eq!(ran, 5, "flux2_klein* cases");
+    let out = kiln()
+        .args(["generate", "--model"])
+        .arg(oracle_pipeline("flux2_klein_base"))
+        .args([
+            "--prompt",
+            "a cat",
+            "--negative-prompt",
+            "a dog",
+            "--device",
+            "cpu",
+            "--output",
+        ])
+        .arg(dir.join("refused.png"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--negative-prompt is not an argument of Flux2KleinPipeline"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Every FLUX.2 [dev] oracle case run by `kiln generate` (picked from `model_index.json`, flags
 /// named after the call's keyword arguments) gives diffusers' images; FLUX.2 has no negative
 /// prompt, and the refusal names the flag.

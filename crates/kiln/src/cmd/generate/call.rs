@@ -105,7 +105,7 @@ pub struct CallArgs {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clip_skip: Option<usize>,
     /// FLUX.2: the text encoder's hidden states stacked into the prompt embeddings,
-    /// comma-separated (diffusers' default 10,20,30).
+    /// comma-separated (diffusers' default 10,20,30; FLUX.2 [klein] 9,18,27).
     #[arg(long, value_name = "K,K,...", value_delimiter = ',', allow_negative_numbers = true, value_parser = count, help_heading = SAMPLE)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text_encoder_out_layers: Option<Vec<usize>>,
