@@ -233,7 +233,8 @@ fn bad_arguments_are_clear_errors() {
     assert!(!ok);
     assert!(
         stderr.contains(
-            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline, Flux2Pipeline)"
+            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline, Flux2Pipeline, \
+             Flux2KleinPipeline)"
         ),
         "{stderr}"
     );
