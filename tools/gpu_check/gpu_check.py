@@ -440,6 +440,14 @@ def main() -> int:
     if not kiln or not Path(kiln).is_file():
         log("no kiln binary: pass --kiln PATH or set KILN_BIN (built here: cargo build --release -p kiln)")
         return 2
+    if kiln.endswith(".xz"):
+        # scripts/gpu-payload carries the binary xz-compressed (the device takes 64 MiB in all).
+        import lzma
+        unpacked = work / "kiln"
+        with lzma.open(kiln) as src, open(unpacked, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        unpacked.chmod(0o755)
+        kiln = str(unpacked)
     # The fixtures are stored packed (tools/fixtures/oracle_pack.py): unpack them in place first.
     t0 = time.time()
     n = oracle_pack.unpack(REPO / "fixtures" / "oracle", quiet=True)
