@@ -29,6 +29,9 @@ enum Command {
     /// Start N processes of a command, one per chip (as torchrun does), coordinated through XLA's
     /// coordination service: `kiln launch --nproc-per-node N -- kiln generate --tp N ...`.
     Launch(cmd::launch::LaunchArgs),
+    /// Serve the models over HTTP: OpenAI's images API, an AUTOMATIC1111 subset, a job queue
+    /// with progress events, and a web page.
+    Serve(Box<cmd::serve::ServeArgs>),
 }
 
 fn main() {
@@ -84,6 +87,7 @@ fn main() {
         Command::Bench(args) => cmd::bench::run(*args),
         Command::Selftest(args) => cmd::selftest::run(args),
         Command::Launch(_) => unreachable!("handled above"),
+        Command::Serve(args) => cmd::serve::run(*args),
     };
     // No plugin thread may still run queued work while the process exits (it tears down the
     // memory that work reads): wait for it on every path out, errors included.

@@ -3,3 +3,4 @@ pub mod devices;
 pub mod generate;
 pub mod launch;
 pub mod selftest;
+pub mod serve;

@@ -1,0 +1,275 @@
+//! The AUTOMATIC1111 subset Open WebUI's and SillyTavern's A1111 clients use: `txt2img`, the
+//! options (the model), the models, the samplers, progress and interrupt.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine;
+use serde_json::{json, Map, Value};
+
+use crate::api::{images_of, Body, CancelOnDrop, Shared};
+use crate::error::ApiError;
+use crate::jobs::Status;
+use crate::request::{seed_of, take, CallFields, JobRequest};
+
+pub(crate) fn routes() -> Router<Shared> {
+    Router::new()
+        .route("/sdapi/v1/txt2img", post(txt2img))
+        .route("/sdapi/v1/options", get(options).post(set_options))
+        .route("/sdapi/v1/sd-models", get(sd_models))
+        .route("/sdapi/v1/samplers", get(samplers))
+        .route("/sdapi/v1/schedulers", get(schedulers))
+        .route("/sdapi/v1/progress", get(progress))
+        .route("/sdapi/v1/interrupt", post(interrupt))
+}
+
+/// The one sampler: the flow-match Euler sampler every kiln pipeline uses, by A1111's name first.
+const SAMPLER: &str = "Euler";
+const SAMPLER_ALIASES: &[&str] = &[
+    "euler",
+    "k_euler",
+    "flow_match_euler",
+    "flowmatcheulerdiscretescheduler",
+];
+
+fn is_our_sampler(name: &str) -> bool {
+    let name = name.trim().to_ascii_lowercase();
+    name == SAMPLER.to_ascii_lowercase()
+        || SAMPLER_ALIASES.contains(&name.as_str())
+        || name.replace(' ', "_") == "flow_match_euler"
+}
+
+/// The model of A1111 requests: `override_settings.sd_model_checkpoint`, else the one the options
+/// set.
+fn checkpoint(app: &crate::App, name: Option<&Value>, field: &str) -> Result<usize, ApiError> {
+    match name {
+        None | Some(Value::Null) => Ok(*app.a1111_model.lock().unwrap_or_else(|e| e.into_inner())),
+        Some(Value::String(name)) => {
+            // A1111 titles are `name [hash]`; kiln's are the names.
+            let name = name.split(" [").next().unwrap_or(name);
+            app.model_index(Some(name), field)
+        }
+        Some(other) => Err(ApiError::bad_request(
+            Some(field),
+            format!("`{field}` must be a model name, got {other}"),
+        )),
+    }
+}
+
+/// `POST /sdapi/v1/txt2img` → `{images, parameters, info}`: the images as base64 PNGs (with
+/// kiln's parameters in their text chunks), the request, and A1111's info JSON with kiln's
+/// infotext per image.
+async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json<Value>, ApiError> {
+    let parameters = Value::Object(body.clone());
+    let prompt: String = take(&mut body, "prompt")?.unwrap_or_default();
+    let negative: Option<String> = take::<String>(&mut body, "negative_prompt")?.filter(|n| !n.is_empty());
+    let width: Option<usize> = take(&mut body, "width")?;
+    let height: Option<usize> = take(&mut body, "height")?;
+    let steps: Option<usize> = take(&mut body, "steps")?;
+    let cfg_scale: Option<f64> = take(&mut body, "cfg_scale")?;
+    let batch_size: usize = take(&mut body, "batch_size")?.unwrap_or(1);
+    let n_iter: usize = take(&mut body, "n_iter")?.unwrap_or(1);
+    let seed = match body.remove("seed") {
+        None | Some(Value::Null) => None,
+        Some(v) if v.as_i64() == Some(-1) => None,
+        Some(v) => Some(seed_of("seed", &v)?),
+    };
+    for field in ["sampler_name", "sampler_index"] {
+        if let Some(name) = take::<String>(&mut body, field)? {
+            if !name.is_empty() && !is_our_sampler(&name) {
+                return Err(ApiError::bad_request(
+                    Some(field),
+                    format!("`{field}` {name:?}: kiln samples with the flow-match Euler sampler only (\"{SAMPLER}\")"),
+                ));
+            }
+        }
+    }
+    if let Some(name) = take::<String>(&mut body, "scheduler")? {
+        if !matches!(name.to_ascii_lowercase().as_str(), "" | "automatic") {
+            return Err(ApiError::bad_request(
+                Some("scheduler"),
+                format!("`scheduler` {name:?}: kiln uses the model's own schedule only (\"Automatic\")"),
+            ));
+        }
+    }
+    if take::<bool>(&mut body, "enable_hr")?.unwrap_or(false) {
+        return Err(ApiError::bad_request(
+            Some("enable_hr"),
+            "`enable_hr`: kiln has no hires fix; leave it false",
+        ));
+    }
+    let overrides: Option<Map<String, Value>> = take(&mut body, "override_settings")?;
+    let model = checkpoint(
+        &app,
+        overrides.as_ref().and_then(|o| o.get("sd_model_checkpoint")),
+        "override_settings.sd_model_checkpoint",
+    )?;
+    // The other A1111 fields (saving, scripts, face restoration...) have no meaning here.
+    let n = batch_size.checked_mul(n_iter).unwrap_or(usize::MAX);
+    let field = if n_iter > 1 { "n_iter" } else { "batch_size" };
+    let seeds = app.seeds(n, seed, field)?;
+    let fields = CallFields {
+        negative_prompt: negative,
+        num_inference_steps: steps,
+        guidance_scale: cfg_scale,
+        ..Default::default()
+    };
+    let request = JobRequest::new(
+        model,
+        &app.models[model],
+        prompt,
+        (height, width),
+        fields,
+        seeds,
+        &app.limits,
+    )
+    .map_err(|e| {
+        let renamed = match e.param.as_deref() {
+            Some("num_inference_steps") => "steps",
+            Some("guidance_scale") => "cfg_scale",
+            Some("n") => "batch_size",
+            _ => return e,
+        };
+        ApiError {
+            param: Some(renamed.into()),
+            ..e
+        }
+    })?;
+    let job = app.submit(request)?;
+    let guard = CancelOnDrop::new(&app, &job);
+    let images = images_of(&job).await?;
+    guard.disarm();
+    let r = &job.request;
+    let b64: Vec<String> = images
+        .iter()
+        .map(|i| base64::engine::general_purpose::STANDARD.encode(&i.png))
+        .collect();
+    let first = images.first().map(|i| &i.params);
+    let info = json!({
+        "prompt": r.prompt,
+        "all_prompts": vec![r.prompt.clone(); r.seeds.len()],
+        "negative_prompt": r.fields.negative_prompt.clone().unwrap_or_default(),
+        "all_negative_prompts": vec![r.fields.negative_prompt.clone().unwrap_or_default(); r.seeds.len()],
+        "seed": r.seeds[0],
+        "all_seeds": r.seeds,
+        "subseed": -1,
+        "all_subseeds": vec![-1; r.seeds.len()],
+        "subseed_strength": 0,
+        "width": first.map_or(r.width as u32, |p| p.width),
+        "height": first.map_or(r.height as u32, |p| p.height),
+        "sampler_name": SAMPLER,
+        "cfg_scale": r.fields.guidance_scale,
+        "steps": r.steps(),
+        "batch_size": batch_size,
+        "n_iter": n_iter,
+        "sd_model_name": app.models[r.model].name,
+        "sd_model_hash": null,
+        "seed_resize_from_w": -1,
+        "seed_resize_from_h": -1,
+        "restore_faces": false,
+        "index_of_first_image": 0,
+        "infotexts": images.iter().map(|i| i.params.to_infotext()).collect::<Vec<_>>(),
+        "styles": [],
+        "job_timestamp": job.created.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()).to_string(),
+        "clip_skip": 1,
+        "is_using_inpainting_conditioning": false,
+        "version": format!("kiln {}", env!("CARGO_PKG_VERSION")),
+    });
+    Ok(Json(json!({
+        "images": b64,
+        "parameters": parameters,
+        "info": info.to_string(),
+    })))
+}
+
+async fn options(State(app): State<Shared>) -> Json<Value> {
+    let model = *app.a1111_model.lock().unwrap_or_else(|e| e.into_inner());
+    Json(json!({
+        "sd_model_checkpoint": app.models[model].name,
+        "sd_checkpoint_hash": null,
+        "samples_format": "png",
+        "CLIP_stop_at_last_layers": 1,
+    }))
+}
+
+/// `POST /sdapi/v1/options`: `sd_model_checkpoint` chooses the model of later A1111 requests;
+/// the other options are A1111's own and change nothing here.
+async fn set_options(State(app): State<Shared>, Body(body): Body) -> Result<Json<Value>, ApiError> {
+    if let Some(name) = body.get("sd_model_checkpoint") {
+        let model = checkpoint(&app, Some(name), "sd_model_checkpoint")?;
+        *app.a1111_model.lock().unwrap_or_else(|e| e.into_inner()) = model;
+    }
+    Ok(Json(Value::Null))
+}
+
+async fn sd_models(State(app): State<Shared>) -> Json<Value> {
+    Json(Value::Array(
+        app.models
+            .iter()
+            .map(|m| {
+                json!({
+                    "title": m.name,
+                    "model_name": m.name,
+                    "hash": null,
+                    "sha256": null,
+                    "filename": m.name,
+                    "config": null,
+                })
+            })
+            .collect(),
+    ))
+}
+
+async fn samplers() -> Json<Value> {
+    Json(json!([{"name": SAMPLER, "aliases": SAMPLER_ALIASES, "options": {}}]))
+}
+
+async fn schedulers() -> Json<Value> {
+    Json(
+        json!([{"name": "automatic", "label": "Automatic", "aliases": null, "default_rho": -1, "need_inner_model": false}]),
+    )
+}
+
+/// `GET /sdapi/v1/progress`: the running job's progress (the first, when a batch runs).
+async fn progress(State(app): State<Shared>) -> Json<Value> {
+    let (waiting, running) = app.queue.lengths();
+    let job = app.queue.running().into_iter().next();
+    let (step, steps, timestamp) = job.as_ref().map_or((0, 0, "0".to_string()), |j| {
+        let state = j.state();
+        let started = j
+            .created
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        (state.step, j.request.steps(), started.to_string())
+    });
+    let progress = if steps > 0 { step as f64 / steps as f64 } else { 0.0 };
+    let per_step = app.metrics.mean_step_seconds().unwrap_or(0.0);
+    let interrupted = job.as_ref().is_some_and(|j| j.cancel_requested());
+    Json(json!({
+        "progress": progress,
+        "eta_relative": per_step * steps.saturating_sub(step) as f64,
+        "state": {
+            "skipped": false,
+            "interrupted": interrupted,
+            "job": job.as_ref().map_or(String::new(), |j| j.id.clone()),
+            "job_count": waiting + running,
+            "job_timestamp": timestamp,
+            "job_no": 0,
+            "sampling_step": step,
+            "sampling_steps": steps,
+        },
+        "current_image": null,
+        "textinfo": null,
+    }))
+}
+
+/// `POST /sdapi/v1/interrupt`: the running job stops at its next step (its request answers 409).
+async fn interrupt(State(app): State<Shared>) -> (StatusCode, Json<Value>) {
+    for job in app.queue.running() {
+        if job.state().status != Status::Cancelled {
+            app.queue.cancel(&job);
+        }
+    }
+    (StatusCode::OK, Json(json!({})))
+}

@@ -1,0 +1,503 @@
+//! The routes: health, metrics, OpenAI's images API, kiln's jobs API (with server-sent events),
+//! the A1111 subset ([`crate::a1111`]) and the web page ([`crate::web`]).
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Path, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine;
+use futures_util::Stream;
+use serde_json::{json, Map, Value};
+use subtle::ConstantTimeEq;
+
+use crate::error::ApiError;
+use crate::jobs::{Image, Job, Queue, Refused, Status};
+use crate::request::{parse_size, random_seed, seed_of, take, CallFields, JobRequest};
+use crate::App;
+
+pub(crate) type Shared = Arc<App>;
+
+pub(crate) fn router(app: Shared) -> Router {
+    Router::new()
+        .route("/", get(crate::web::index))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/images/generations", post(generations))
+        .route("/kiln/v1/jobs", post(create_job))
+        .route("/kiln/v1/jobs/{id}", get(job_status).delete(cancel_job))
+        .route("/kiln/v1/jobs/{id}/events", get(job_events))
+        .route("/kiln/v1/jobs/{id}/images/{file}", get(job_image))
+        .merge(crate::a1111::routes())
+        .fallback(|| async { ApiError::not_found("no such route") })
+        .layer(axum::middleware::from_fn_with_state(app.clone(), authorize))
+        .layer(axum::extract::DefaultBodyLimit::max(app.limits.max_body_bytes))
+        .with_state(app)
+}
+
+/// With an API key, every route but `/health` needs `Authorization: Bearer KEY`.
+async fn authorize(State(app): State<Shared>, request: Request, next: Next) -> Response {
+    let Some(expected) = app.api_key else {
+        return next.run(request).await;
+    };
+    if request.uri().path() == "/health" {
+        return next.run(request).await;
+    }
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|k| crate::key_hash(k.trim()));
+    match given {
+        Some(hash) if bool::from(hash.ct_eq(&expected)) => next.run(request).await,
+        Some(_) => ApiError::new(StatusCode::UNAUTHORIZED, "the API key is wrong").into_response(),
+        None => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "this server needs an API key: send the header `Authorization: Bearer KEY`",
+        )
+        .into_response(),
+    }
+}
+
+/// A JSON object body, its size bounded (`--max-body-bytes`); errors in kiln's error shape.
+pub(crate) struct Body(pub Map<String, Value>);
+
+impl<S: Send + Sync> FromRequest<S> for Body {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(request, state).await.map_err(|e| {
+            let status = e.status();
+            if status == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::new(
+                    status,
+                    "the request body is larger than this server takes (--max-body-bytes)",
+                )
+            } else {
+                ApiError::new(status, format!("cannot read the request body: {e}"))
+            }
+        })?;
+        match serde_json::from_slice::<Value>(&bytes) {
+            Ok(Value::Object(map)) => Ok(Body(map)),
+            Ok(_) => Err(ApiError::bad_request(None, "the request body must be a JSON object")),
+            Err(e) => Err(ApiError::bad_request(
+                None,
+                format!("the request body is not valid JSON: {e}"),
+            )),
+        }
+    }
+}
+
+impl App {
+    /// The model a request names (`field`), or the first one.
+    pub(crate) fn model_index(&self, name: Option<&str>, field: &str) -> Result<usize, ApiError> {
+        let Some(name) = name else { return Ok(0) };
+        self.models.iter().position(|m| m.name == name).ok_or_else(|| {
+            let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+            ApiError::bad_request(
+                Some(field),
+                format!("`{field}` {name:?} is not a model this server runs; it runs {names:?}"),
+            )
+        })
+    }
+
+    /// Queues a checked request; a full queue is a 429 with `Retry-After`.
+    pub(crate) fn submit(&self, request: JobRequest) -> Result<Arc<Job>, ApiError> {
+        let job = Job::new(request);
+        match self.queue.push(job.clone()) {
+            Ok(()) => {
+                self.jobs.insert(job.clone());
+                Ok(job)
+            }
+            Err(Refused::Full) => {
+                self.metrics.rejected_full();
+                let (waiting, running) = self.queue.lengths();
+                let per_job = self.metrics.mean_job_seconds().unwrap_or(1.0);
+                let wait = ((waiting + running) as f64 * per_job / self.limits.max_batch as f64).ceil();
+                Err(ApiError {
+                    retry_after: Some((wait as u64).max(1)),
+                    ..ApiError::new(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        format!(
+                            "the queue is full ({waiting} jobs wait, --queue {}); try again later",
+                            self.limits.queue
+                        ),
+                    )
+                })
+            }
+            Err(Refused::Closed) => Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is shutting down",
+            )),
+        }
+    }
+
+    /// Seeds for `n` images from `seed` (image k gets seed + k), `n` checked first.
+    pub(crate) fn seeds(&self, n: usize, seed: Option<u64>, field: &str) -> Result<Vec<u64>, ApiError> {
+        if n == 0 || n > self.limits.max_images {
+            return Err(ApiError::bad_request(
+                Some(field),
+                format!(
+                    "`{field}` {n}: this server makes 1 to {} images per request (--max-images)",
+                    self.limits.max_images
+                ),
+            ));
+        }
+        let seed = seed.unwrap_or_else(random_seed);
+        Ok((0..n as u64).map(|k| seed.wrapping_add(k)).collect())
+    }
+}
+
+/// Cancels its job when dropped before [`CancelOnDrop::disarm`]: a client that goes away does
+/// not leave its job to run.
+pub(crate) struct CancelOnDrop(Option<(Arc<Queue>, Arc<Job>)>);
+
+impl CancelOnDrop {
+    pub(crate) fn new(app: &App, job: &Arc<Job>) -> CancelOnDrop {
+        CancelOnDrop(Some((app.queue.clone(), job.clone())))
+    }
+    pub(crate) fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some((queue, job)) = self.0.take() {
+            if !job.state().status.is_final() {
+                queue.cancel(&job);
+            }
+        }
+    }
+}
+
+/// Waits for the job to end; its images, or the error it ended with.
+pub(crate) async fn images_of(job: &Arc<Job>) -> Result<Vec<Arc<Image>>, ApiError> {
+    let mut changed = job.subscribe();
+    loop {
+        {
+            let state = job.state();
+            match state.status {
+                Status::Done => return Ok(state.images.clone()),
+                Status::Failed => {
+                    let (code, message) = state.error.clone().unwrap_or((500, "the job failed".into()));
+                    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                    return Err(ApiError::new(status, message));
+                }
+                Status::Cancelled => {
+                    return Err(ApiError::new(
+                        StatusCode::CONFLICT,
+                        "the job was cancelled (interrupted, or the server is shutting down) before it finished",
+                    ))
+                }
+                Status::Queued | Status::Running => {}
+            }
+        }
+        if changed.changed().await.is_err() {
+            return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the job was lost"));
+        }
+    }
+}
+
+async fn health(State(app): State<Shared>) -> Response {
+    let (waiting, running) = app.queue.lengths();
+    let closing = app.closing.load(Ordering::Acquire);
+    let body = json!({
+        "status": if closing { "shutting_down" } else { "ok" },
+        "queued": waiting,
+        "running": running,
+        "models": app.models.iter().map(|m| m.name.clone()).collect::<Vec<_>>(),
+    });
+    let status = if closing {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    (status, Json(body)).into_response()
+}
+
+async fn metrics(State(app): State<Shared>) -> Response {
+    let (waiting, running) = app.queue.lengths();
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        app.metrics.render(waiting, running),
+    )
+        .into_response()
+}
+
+async fn models(State(app): State<Shared>) -> Json<Value> {
+    let data: Vec<Value> = app
+        .models
+        .iter()
+        .map(|m| {
+            json!({
+                "id": m.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "kiln",
+                "pipeline": m.kind.class_name(),
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// The OpenAI fields kiln takes and ignores (they choose among OpenAI's own models' options).
+const OPENAI_IGNORED: &[&str] = &[
+    "quality",
+    "style",
+    "user",
+    "background",
+    "moderation",
+    "output_compression",
+];
+
+/// The first field left in a body after the known ones were taken: an error naming it.
+fn refuse_unknown(body: &Map<String, Value>) -> Result<(), ApiError> {
+    match body.keys().next() {
+        Some(name) => Err(ApiError::bad_request(
+            Some(name),
+            format!("`{name}` is not a field this server takes"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The seed a request gives (`None`: a random one).
+fn take_seed(body: &mut Map<String, Value>) -> Result<Option<u64>, ApiError> {
+    match body.remove("seed") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => seed_of("seed", &v).map(Some),
+    }
+}
+
+/// `POST /v1/images/generations`.
+async fn generations(
+    State(app): State<Shared>,
+    headers: HeaderMap,
+    Body(mut body): Body,
+) -> Result<Response, ApiError> {
+    let model_name: Option<String> = take(&mut body, "model")?;
+    let model = app.model_index(model_name.as_deref(), "model")?;
+    let prompt: String =
+        take(&mut body, "prompt")?.ok_or_else(|| ApiError::bad_request(Some("prompt"), "`prompt` is required"))?;
+    let n: usize = take(&mut body, "n")?.unwrap_or(1);
+    let size: Option<String> = take(&mut body, "size")?;
+    let response_format: String = take(&mut body, "response_format")?.unwrap_or_else(|| "b64_json".into());
+    if !matches!(response_format.as_str(), "b64_json" | "url") {
+        return Err(ApiError::bad_request(
+            Some("response_format"),
+            format!("`response_format` must be \"b64_json\" or \"url\", got {response_format:?}"),
+        ));
+    }
+    let output_format: String = take(&mut body, "output_format")?.unwrap_or_else(|| "png".into());
+    if output_format != "png" {
+        return Err(ApiError::bad_request(
+            Some("output_format"),
+            format!("`output_format` must be \"png\" (the only format kiln writes), got {output_format:?}"),
+        ));
+    }
+    for name in OPENAI_IGNORED {
+        let _: Option<Value> = take(&mut body, name)?;
+    }
+    let seed = take_seed(&mut body)?;
+    let fields = CallFields::take_from(&mut body)?;
+    refuse_unknown(&body)?;
+    let size = parse_size(size.as_deref())?;
+    let seeds = app.seeds(n, seed, "n")?;
+    let request =
+        JobRequest::new(model, &app.models[model], prompt, size, fields, seeds, &app.limits).map_err(|e| {
+            match e.param.as_deref() {
+                // OpenAI's clients give the size as `size`.
+                Some("height" | "width") => ApiError {
+                    param: Some("size".into()),
+                    message: format!("`size`: {}", e.message),
+                    ..e
+                },
+                _ => e,
+            }
+        })?;
+    let (height, width) = (request.height, request.width);
+    let job = app.submit(request)?;
+    let guard = CancelOnDrop::new(&app, &job);
+    let images = images_of(&job).await?;
+    guard.disarm();
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("127.0.0.1");
+    let data: Vec<Value> = images
+        .iter()
+        .enumerate()
+        .map(|(k, image)| match response_format.as_str() {
+            "url" => json!({"url": format!("http://{host}/kiln/v1/jobs/{}/images/{k}.png", job.id)}),
+            _ => json!({"b64_json": base64::engine::general_purpose::STANDARD.encode(&image.png)}),
+        })
+        .collect();
+    let created = job.created.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (h, w) = images
+        .first()
+        .map_or((height, width), |i| (i.params.height as usize, i.params.width as usize));
+    Ok(Json(json!({
+        "created": created,
+        "data": data,
+        "output_format": "png",
+        "size": format!("{w}x{h}"),
+    }))
+    .into_response())
+}
+
+/// `POST /kiln/v1/jobs`: queues a job, answers 202 with its id at once.
+async fn create_job(State(app): State<Shared>, Body(mut body): Body) -> Result<Response, ApiError> {
+    let model_name: Option<String> = take(&mut body, "model")?;
+    let model = app.model_index(model_name.as_deref(), "model")?;
+    let prompt: String =
+        take(&mut body, "prompt")?.ok_or_else(|| ApiError::bad_request(Some("prompt"), "`prompt` is required"))?;
+    let n: usize = take(&mut body, "n")?.unwrap_or(1);
+    let height: Option<usize> = take(&mut body, "height")?;
+    let width: Option<usize> = take(&mut body, "width")?;
+    let seed = take_seed(&mut body)?;
+    let fields = CallFields::take_from(&mut body)?;
+    refuse_unknown(&body)?;
+    let seeds = app.seeds(n, seed, "n")?;
+    let request = JobRequest::new(
+        model,
+        &app.models[model],
+        prompt,
+        (height, width),
+        fields,
+        seeds,
+        &app.limits,
+    )?;
+    let job = app.submit(request)?;
+    let location = format!("/kiln/v1/jobs/{}", job.id);
+    Ok((
+        StatusCode::ACCEPTED,
+        [(header::LOCATION, location)],
+        Json(job_json(&app, &job)),
+    )
+        .into_response())
+}
+
+/// A job as `GET /kiln/v1/jobs/{id}` shows it.
+pub(crate) fn job_json(app: &App, job: &Arc<Job>) -> Value {
+    let state = job.state();
+    let r = &job.request;
+    let mut out = json!({
+        "id": job.id,
+        "status": state.status,
+        "model": app.models[r.model].name,
+        "prompt": r.prompt,
+        "width": r.width,
+        "height": r.height,
+        "seeds": r.seeds,
+        "step": state.step,
+        "steps": r.steps(),
+        "created": job.created.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        "events": format!("/kiln/v1/jobs/{}/events", job.id),
+    });
+    if state.status == Status::Queued {
+        drop(state);
+        out["position"] = app.queue.position(&job.id).map_or(Value::Null, Value::from);
+        return out;
+    }
+    if let Some((_, error)) = &state.error {
+        out["error"] = error.clone().into();
+    }
+    if let (Some(started), Some(finished)) = (state.started, state.finished) {
+        out["seconds"] = finished.duration_since(started).as_secs_f64().into();
+    }
+    out["images"] = state
+        .images
+        .iter()
+        .enumerate()
+        .map(|(k, image)| {
+            json!({
+                "url": format!("/kiln/v1/jobs/{}/images/{k}.png", job.id),
+                "seed": image.params.seed,
+                "width": image.params.width,
+                "height": image.params.height,
+                "infotext": image.params.to_infotext(),
+            })
+        })
+        .collect();
+    out
+}
+
+fn find(app: &App, id: &str) -> Result<Arc<Job>, ApiError> {
+    app.jobs
+        .get(id)
+        .ok_or_else(|| ApiError::not_found(format!("no job {id:?} (finished jobs are kept for a while only)")))
+}
+
+async fn job_status(State(app): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let job = find(&app, &id)?;
+    Ok(Json(job_json(&app, &job)))
+}
+
+/// `DELETE /kiln/v1/jobs/{id}`: a queued job is cancelled now; a running one at its next step.
+async fn cancel_job(State(app): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    let job = find(&app, &id)?;
+    let status = job.state().status;
+    if status.is_final() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!("job {id} has already ended ({})", json!(status).as_str().unwrap_or("")),
+        ));
+    }
+    app.queue.cancel(&job);
+    let status = job.state().status;
+    Ok(Json(json!({
+        "id": job.id,
+        "status": if status == Status::Cancelled { "cancelled" } else { "cancelling" },
+    })))
+}
+
+/// `GET /kiln/v1/jobs/{id}/events`: every event of the job from its start, in order, as
+/// server-sent events (`queued`, `running`, one `step` per step, then `done`, `failed` or
+/// `cancelled`, after which the stream ends).
+async fn job_events(
+    State(app): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
+    let job = find(&app, &id)?;
+    let changed = job.subscribe();
+    let stream = futures_util::stream::unfold(Some((job, changed, 0usize)), |state| async move {
+        let (job, mut changed, next) = state?;
+        loop {
+            let event = job.state().events.get(next).cloned();
+            if let Some(event) = event {
+                let last = matches!(event.event, "done" | "failed" | "cancelled");
+                let sse = SseEvent::default()
+                    .event(event.event)
+                    .json_data(&event)
+                    .unwrap_or_else(|_| SseEvent::default().comment("unserializable event"));
+                let next_state = (!last).then_some((job, changed, next + 1));
+                return Some((Ok(sse), next_state));
+            }
+            if changed.changed().await.is_err() {
+                return None;
+            }
+        }
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}
+
+/// `GET /kiln/v1/jobs/{id}/images/{k}.png`.
+async fn job_image(State(app): State<Shared>, Path((id, file)): Path<(String, String)>) -> Result<Response, ApiError> {
+    let job = find(&app, &id)?;
+    let index: Option<usize> = file.strip_suffix(".png").and_then(|k| k.parse().ok());
+    let image = index.and_then(|k| job.state().images.get(k).cloned());
+    let image = image.ok_or_else(|| ApiError::not_found(format!("job {id} has no image {file:?}")))?;
+    Ok(([(header::CONTENT_TYPE, "image/png")], image.png.clone()).into_response())
+}

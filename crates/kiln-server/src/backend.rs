@@ -1,0 +1,187 @@
+//! What the worker runs: a [`Backend`] holding the loaded models, and what the HTTP side knows of
+//! each model ([`ModelInfo`]) to check a request before it is queued.
+
+use std::collections::BTreeMap;
+
+use kiln_image::RgbImage;
+use kiln_nn::CompileMode;
+use kiln_pipelines::{
+    AnyPipeline, CallBudget, CallDefaults, DiffusionPipeline, GenerateCall, LoadOptions, OffloadMode, PipelineError,
+    PipelineKind,
+};
+use kiln_tensor::Device;
+
+/// A loaded model, as the HTTP side sees it.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    /// The name requests give as `model` (a folder's name, or the Hugging Face repo id).
+    pub name: String,
+    pub kind: PipelineKind,
+    /// The call defaults (the model's `kiln_defaults.json`, else the pipeline's).
+    pub defaults: CallDefaults,
+    /// The sample size a size of 0 stands for.
+    pub default_size: usize,
+    /// Whether the model uses a guidance scale (FLUX.1 [schnell] does not).
+    pub uses_guidance: bool,
+    /// How the PNGs name the model (an absolute folder, or the repo id).
+    pub record: String,
+    /// What else the PNGs record (dtype, device, compile).
+    pub extras: BTreeMap<String, String>,
+    /// The device, for the memory budget (see [`ModelInfo::free_bytes`]); `None` in tests.
+    pub device: Option<Device>,
+}
+
+impl ModelInfo {
+    /// The device's budget less what tensors hold there now (as the pipelines' own budget check).
+    pub fn free_bytes(&self) -> Option<u64> {
+        let device = self.device.as_ref()?;
+        device
+            .memory_budget()
+            .map(|b| b.saturating_sub(device.memory().live_bytes))
+    }
+
+    /// The pipelines' call budget for `images` images of `height`×`width` pixels in `steps` steps,
+    /// against the device's free memory.
+    pub fn check_budget(
+        &self,
+        steps: usize,
+        images: usize,
+        height: usize,
+        width: usize,
+    ) -> Result<(), kiln_pipelines::OverBudget> {
+        CallBudget {
+            num_inference_steps: steps,
+            batch: images,
+            num_images_per_prompt: 1,
+            height,
+            width,
+        }
+        .check_memory(self.default_size, self.free_bytes())
+    }
+}
+
+/// What a backend call gives back: the images and their (height, width) after rounding.
+pub struct Generated {
+    pub images: Vec<RgbImage>,
+    pub size: (usize, usize),
+}
+
+/// The loaded models, owned by the worker thread (never shared across threads).
+pub trait Backend {
+    /// Runs `call` on model `model` (an index into the [`ModelInfo`] list the loader returned),
+    /// calling `on_step(step)` after each denoising step (from 0); when it returns `false` the
+    /// call ends with [`PipelineError::Interrupted`].
+    fn generate(
+        &mut self,
+        model: usize,
+        call: GenerateCall<'static>,
+        on_step: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<Generated, PipelineError>;
+}
+
+/// One model to load: where from and how to run it.
+pub struct ModelSpec {
+    /// A diffusers model folder or a Hugging Face repo id in the local cache.
+    pub model: String,
+    pub options: LoadOptions,
+    pub offload: OffloadMode,
+    pub compile: CompileMode,
+}
+
+/// The real backend: one [`AnyPipeline`] per model, all on one device (or mesh).
+pub struct PipelineBackend {
+    pipes: Vec<AnyPipeline>,
+}
+
+/// The name a request gives for `model`: a folder's last component, else the id as given.
+pub fn model_name(model: &str) -> String {
+    let path = std::path::Path::new(model);
+    if path.is_dir() {
+        if let Some(name) = path
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        {
+            return name;
+        }
+    }
+    model.to_string()
+}
+
+impl PipelineBackend {
+    /// Loads every model onto `device` (call it on the worker thread).
+    pub fn load(specs: &[ModelSpec], device: &Device) -> anyhow::Result<(PipelineBackend, Vec<ModelInfo>)> {
+        use anyhow::Context;
+        let mut pipes = Vec::new();
+        let mut infos: Vec<ModelInfo> = Vec::new();
+        for spec in specs {
+            let started = std::time::Instant::now();
+            let mut pipe = AnyPipeline::from_pretrained(&spec.model, &spec.options)
+                .with_context(|| format!("loading {}", spec.model))?;
+            pipe.set_offload(spec.offload, device)
+                .with_context(|| format!("loading {} onto {device} (offload {})", spec.model, spec.offload))?;
+            pipe.compile(spec.compile);
+            let mut name = model_name(&spec.model);
+            if infos.iter().any(|i| i.name == name) {
+                name = spec.model.clone();
+            }
+            if infos.iter().any(|i| i.name == name) {
+                anyhow::bail!("--model {} is given twice", spec.model);
+            }
+            let record = if std::path::Path::new(&spec.model).is_dir() {
+                pipe.root()
+                    .canonicalize()
+                    .unwrap_or_else(|_| pipe.root().to_path_buf())
+                    .display()
+                    .to_string()
+            } else {
+                spec.model.clone()
+            };
+            let extras = [
+                ("dtype".to_string(), spec.options.dtype.to_string()),
+                ("device".to_string(), device.to_string()),
+                ("compile".to_string(), spec.compile.to_string()),
+            ]
+            .into_iter()
+            .chain(spec.options.revision.clone().map(|r| ("revision".to_string(), r)))
+            .collect();
+            infos.push(ModelInfo {
+                name,
+                kind: pipe.kind(),
+                defaults: pipe.defaults().clone(),
+                default_size: pipe.default_size(),
+                uses_guidance: pipe.guidance_scale(&GenerateCall::default()).is_some(),
+                record,
+                extras,
+                device: Some(device.clone()),
+            });
+            eprintln!(
+                "loaded {} ({}) on {device} in {:.2} s",
+                spec.model,
+                spec.options.dtype,
+                started.elapsed().as_secs_f64()
+            );
+            pipes.push(pipe);
+        }
+        Ok((PipelineBackend { pipes }, infos))
+    }
+}
+
+impl Backend for PipelineBackend {
+    fn generate(
+        &mut self,
+        model: usize,
+        call: GenerateCall<'static>,
+        on_step: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<Generated, PipelineError> {
+        let mut call: GenerateCall<'_> = call;
+        call.callback = Some(Box::new(|state: &mut kiln_pipelines::StepState<'_>| {
+            on_step(state.step)
+        }));
+        let out = self.pipes[model].call(call)?;
+        Ok(Generated {
+            images: out.images,
+            size: out.size,
+        })
+    }
+}

@@ -1,0 +1,457 @@
+//! Jobs, the queue the worker takes them from, and the finished jobs kept for a while.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use kiln_image::GenerationParams;
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::request::JobRequest;
+
+/// Where a job is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Queued,
+    Running,
+    Done,
+    Failed,
+    Cancelled,
+}
+
+impl Status {
+    pub fn is_final(self) -> bool {
+        matches!(self, Status::Done | Status::Failed | Status::Cancelled)
+    }
+}
+
+/// One event of a job, in order: `running` when it starts, one `step` per denoising step
+/// (`step` counts from 1), then `done`, `failed` or `cancelled`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Event {
+    pub event: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<usize>,
+    pub steps: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// One image a job made.
+pub struct Image {
+    /// The PNG, with kiln's parameters in its text chunks.
+    pub png: Vec<u8>,
+    pub params: GenerationParams,
+}
+
+/// What changes as a job runs.
+pub struct JobState {
+    pub status: Status,
+    /// The step reached (0 before the first).
+    pub step: usize,
+    pub events: Vec<Event>,
+    pub images: Vec<Arc<Image>>,
+    /// Why it failed, and whether the request was at fault (4xx) or the server (5xx).
+    pub error: Option<(u16, String)>,
+    pub started: Option<Instant>,
+    pub finished: Option<Instant>,
+}
+
+pub struct Job {
+    pub id: String,
+    pub request: JobRequest,
+    pub created: SystemTime,
+    cancel: AtomicBool,
+    state: Mutex<JobState>,
+    /// Bumped on every change (a new event): what the HTTP side waits on.
+    changed: watch::Sender<u64>,
+}
+
+impl Job {
+    pub fn new(request: JobRequest) -> Arc<Job> {
+        let steps = request.steps();
+        Arc::new(Job {
+            id: new_id(),
+            request,
+            created: SystemTime::now(),
+            cancel: AtomicBool::new(false),
+            state: Mutex::new(JobState {
+                status: Status::Queued,
+                step: 0,
+                events: vec![Event {
+                    event: "queued",
+                    step: None,
+                    steps,
+                    error: None,
+                }],
+                images: Vec::new(),
+                error: None,
+                started: None,
+                finished: None,
+            }),
+            changed: watch::channel(0).0,
+        })
+    }
+
+    pub fn state(&self) -> MutexGuard<'_, JobState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    pub fn cancel_requested(&self) -> bool {
+        self.cancel.load(Ordering::Acquire)
+    }
+
+    fn request_cancel(&self) {
+        self.cancel.store(true, Ordering::Release);
+    }
+
+    /// Changes the job's state with `f` and tells the waiters.
+    fn update(&self, f: impl FnOnce(&mut JobState)) {
+        f(&mut self.state());
+        self.changed.send_modify(|v| *v += 1);
+    }
+
+    pub fn start(&self) {
+        let steps = self.request.steps();
+        self.update(|s| {
+            s.status = Status::Running;
+            s.started = Some(Instant::now());
+            s.events.push(Event {
+                event: "running",
+                step: Some(0),
+                steps,
+                error: None,
+            });
+        });
+    }
+
+    /// Step `step` (from 1) is done.
+    pub fn step(&self, step: usize) {
+        let steps = self.request.steps();
+        self.update(|s| {
+            if s.status == Status::Running {
+                s.step = step;
+                s.events.push(Event {
+                    event: "step",
+                    step: Some(step),
+                    steps,
+                    error: None,
+                });
+            }
+        });
+    }
+
+    /// Ends the job (a job ends once: later calls change nothing).
+    pub fn finish(&self, status: Status, images: Vec<Arc<Image>>, error: Option<(u16, String)>) {
+        let steps = self.request.steps();
+        self.update(|s| {
+            if s.status.is_final() {
+                return;
+            }
+            s.status = status;
+            s.images = images;
+            s.finished = Some(Instant::now());
+            s.events.push(Event {
+                event: match status {
+                    Status::Done => "done",
+                    Status::Failed => "failed",
+                    _ => "cancelled",
+                },
+                step: Some(s.step),
+                steps,
+                error: error.as_ref().map(|e| e.1.clone()),
+            });
+            s.error = error;
+        });
+    }
+}
+
+/// 128 random bits in hex.
+fn new_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// Why a job was not queued.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// The queue holds as many jobs as it may.
+    Full,
+    /// The server is shutting down.
+    Closed,
+}
+
+/// What the worker takes next.
+struct QueueInner {
+    waiting: VecDeque<Arc<Job>>,
+    running: Vec<Arc<Job>>,
+    closed: bool,
+}
+
+/// The bounded queue of waiting jobs, shared by the HTTP side and the worker.
+pub struct Queue {
+    inner: Mutex<QueueInner>,
+    ready: Condvar,
+    capacity: usize,
+}
+
+impl Queue {
+    pub fn new(capacity: usize) -> Queue {
+        Queue {
+            inner: Mutex::new(QueueInner {
+                waiting: VecDeque::new(),
+                running: Vec::new(),
+                closed: false,
+            }),
+            ready: Condvar::new(),
+            capacity,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, QueueInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn push(&self, job: Arc<Job>) -> Result<(), Refused> {
+        let mut q = self.lock();
+        if q.closed {
+            return Err(Refused::Closed);
+        }
+        if q.waiting.len() >= self.capacity {
+            return Err(Refused::Full);
+        }
+        q.waiting.push_back(job);
+        self.ready.notify_all();
+        Ok(())
+    }
+
+    /// The jobs waiting and running.
+    pub fn lengths(&self) -> (usize, usize) {
+        let q = self.lock();
+        (q.waiting.len(), q.running.len())
+    }
+
+    /// The running jobs.
+    pub fn running(&self) -> Vec<Arc<Job>> {
+        self.lock().running.clone()
+    }
+
+    /// The job's place in the queue (0: next).
+    pub fn position(&self, id: &str) -> Option<usize> {
+        self.lock().waiting.iter().position(|j| j.id == id)
+    }
+
+    /// Cancels a job: a waiting one leaves the queue now; a running one stops at its next step.
+    pub fn cancel(&self, job: &Arc<Job>) {
+        job.request_cancel();
+        let mut q = self.lock();
+        if let Some(at) = q.waiting.iter().position(|j| Arc::ptr_eq(j, job)) {
+            q.waiting.remove(at);
+            drop(q);
+            job.finish(Status::Cancelled, Vec::new(), None);
+        }
+    }
+
+    /// Stops taking jobs; with `cancel`, cancels the waiting and the running ones too.
+    pub fn close(&self, cancel: bool) {
+        let (waiting, running) = {
+            let mut q = self.lock();
+            q.closed = true;
+            self.ready.notify_all();
+            if !cancel {
+                return;
+            }
+            (q.waiting.drain(..).collect::<Vec<_>>(), q.running.clone())
+        };
+        for job in waiting {
+            job.request_cancel();
+            job.finish(Status::Cancelled, Vec::new(), None);
+        }
+        for job in running {
+            job.request_cancel();
+        }
+    }
+
+    /// The next batch for the worker: the first waiting job and, up to `max_images` images in
+    /// all, the later waiting jobs that share its batch key (in queue order). Blocks while the
+    /// queue is empty; `None` once it is closed and empty.
+    pub fn next_batch(&self, max_images: usize) -> Option<Vec<Arc<Job>>> {
+        let mut q = self.lock();
+        loop {
+            if let Some(first) = q.waiting.pop_front() {
+                let key = first.request.batch_key();
+                let mut images = first.request.seeds.len();
+                let mut batch = vec![first];
+                let mut k = 0;
+                while k < q.waiting.len() {
+                    let job = &q.waiting[k];
+                    let n = job.request.seeds.len();
+                    if images + n <= max_images && job.request.batch_key() == key {
+                        images += n;
+                        batch.push(q.waiting.remove(k).expect("index in range"));
+                    } else {
+                        k += 1;
+                    }
+                }
+                q.running = batch.clone();
+                return Some(batch);
+            }
+            if q.closed {
+                return None;
+            }
+            q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The worker finished its batch.
+    pub fn done_running(&self) {
+        self.lock().running.clear();
+        self.ready.notify_all();
+    }
+}
+
+/// Every job by id: live ones, and finished ones for `keep` (their images are served that long)
+/// up to `max_finished` of them, the oldest dropped first.
+pub struct Registry {
+    jobs: Mutex<HashMap<String, Arc<Job>>>,
+    keep: Duration,
+    max_finished: usize,
+}
+
+impl Registry {
+    pub fn new(keep: Duration, max_finished: usize) -> Registry {
+        Registry {
+            jobs: Mutex::new(HashMap::new()),
+            keep,
+            max_finished,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<Job>>> {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn insert(&self, job: Arc<Job>) {
+        let mut jobs = self.lock();
+        Self::evict(&mut jobs, self.keep, self.max_finished);
+        jobs.insert(job.id.clone(), job);
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Job>> {
+        let mut jobs = self.lock();
+        Self::evict(&mut jobs, self.keep, self.max_finished);
+        jobs.get(id).cloned()
+    }
+
+    fn evict(jobs: &mut HashMap<String, Arc<Job>>, keep: Duration, max_finished: usize) {
+        let now = Instant::now();
+        let mut finished: Vec<(Instant, String)> = jobs
+            .values()
+            .filter_map(|j| j.state().finished.map(|t| (t, j.id.clone())))
+            .collect();
+        finished.sort();
+        let over = finished.len().saturating_sub(max_finished);
+        for (k, (at, id)) in finished.into_iter().enumerate() {
+            if k < over || now.duration_since(at) > keep {
+                jobs.remove(&id);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::CallFields;
+
+    fn job(steps: usize, seeds: Vec<u64>) -> Arc<Job> {
+        Job::new(JobRequest {
+            model: 0,
+            prompt: "p".into(),
+            height: 64,
+            width: 64,
+            fields: CallFields {
+                num_inference_steps: Some(steps),
+                ..Default::default()
+            },
+            seeds,
+        })
+    }
+
+    #[test]
+    fn a_full_queue_refuses_and_a_closed_one_too() {
+        let q = Queue::new(2);
+        q.push(job(1, vec![1])).unwrap();
+        q.push(job(1, vec![2])).unwrap();
+        assert_eq!(q.push(job(1, vec![3])), Err(Refused::Full));
+        q.close(false);
+        assert_eq!(q.push(job(1, vec![3])), Err(Refused::Closed));
+        // Closed without cancelling: what waits still runs.
+        assert_eq!(q.next_batch(8).map(|b| b.len()), Some(2));
+        q.done_running();
+        assert!(q.next_batch(8).is_none());
+    }
+
+    #[test]
+    fn compatible_jobs_batch_up_to_the_image_limit_in_order() {
+        let q = Queue::new(8);
+        let jobs = [
+            job(2, vec![1]),
+            job(3, vec![2]),
+            job(2, vec![3, 4]),
+            job(2, vec![5, 6]),
+            job(2, vec![7]),
+        ];
+        for j in &jobs {
+            q.push(j.clone()).unwrap();
+        }
+        let batch = q.next_batch(4).unwrap();
+        let ids: Vec<&str> = batch.iter().map(|j| j.id.as_str()).collect();
+        assert_eq!(ids, [&jobs[0].id, &jobs[2].id, &jobs[4].id]);
+        assert_eq!(q.position(&jobs[1].id), Some(0));
+        assert_eq!(q.position(&jobs[3].id), Some(1));
+        q.done_running();
+        assert_eq!(q.next_batch(1).unwrap()[0].id, jobs[1].id);
+    }
+
+    #[test]
+    fn cancelling_a_waiting_job_ends_it_and_a_running_one_flags_it() {
+        let q = Queue::new(4);
+        let (a, b) = (job(2, vec![1]), job(2, vec![2]));
+        q.push(a.clone()).unwrap();
+        q.push(b.clone()).unwrap();
+        let batch = q.next_batch(1).unwrap();
+        assert!(Arc::ptr_eq(&batch[0], &a));
+        a.start();
+        q.cancel(&b);
+        assert_eq!(b.state().status, Status::Cancelled);
+        assert_eq!(q.lengths(), (0, 1));
+        q.cancel(&a);
+        assert!(a.cancel_requested());
+        assert_eq!(a.state().status, Status::Running);
+        let events: Vec<&str> = b.state().events.iter().map(|e| e.event).collect();
+        assert_eq!(events, ["queued", "cancelled"]);
+    }
+
+    #[test]
+    fn finished_jobs_are_dropped_past_the_limit_oldest_first() {
+        let r = Registry::new(Duration::from_secs(3600), 2);
+        let jobs: Vec<_> = (0..4).map(|k| job(1, vec![k])).collect();
+        for j in &jobs {
+            r.insert(j.clone());
+            j.finish(Status::Done, Vec::new(), None);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let live = job(1, vec![9]);
+        r.insert(live.clone());
+        assert!(r.get(&jobs[0].id).is_none() && r.get(&jobs[1].id).is_none());
+        assert!(r.get(&jobs[3].id).is_some() && r.get(&live.id).is_some());
+        assert_eq!(r.jobs.lock().unwrap().len(), 3);
+    }
+}

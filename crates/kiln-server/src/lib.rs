@@ -1,0 +1,319 @@
+//! `kiln serve`: an image server over kiln's pipelines. The models stay loaded and compiled on a
+//! worker thread (one per device or mesh) that takes jobs from a bounded queue; the HTTP side
+//! (tokio + axum) speaks OpenAI's images API, an AUTOMATIC1111 subset, kiln's own jobs API with
+//! progress events, and serves a small web page.
+//!
+//! Every request is checked before it is queued (each error names the field); a request names no
+//! file or folder; with an API key every route but `/health` needs it.
+#![forbid(unsafe_code)]
+
+mod a1111;
+mod api;
+pub mod backend;
+mod error;
+mod jobs;
+mod metrics;
+mod request;
+mod web;
+mod worker;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use sha2::{Digest, Sha256};
+
+pub use backend::{model_name, Backend, Generated, ModelInfo, ModelSpec, PipelineBackend};
+pub use error::ApiError;
+
+/// The bounds on what a request may ask for (each a `kiln serve` flag).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Images per request (OpenAI's `n`, A1111's `batch_size × n_iter`).
+    pub max_images: usize,
+    /// Pixels per side.
+    pub max_side: usize,
+    pub max_steps: usize,
+    /// Characters per prompt.
+    pub max_prompt_chars: usize,
+    /// Images in one batch of compatible queued requests (1: no batching).
+    pub max_batch: usize,
+    pub max_body_bytes: usize,
+    /// Jobs that may wait in the queue (beyond it: 429).
+    pub queue: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_images: 4,
+            max_side: 2048,
+            max_steps: 100,
+            max_prompt_chars: 4000,
+            max_batch: 4,
+            max_body_bytes: 64 * 1024,
+            queue: 16,
+        }
+    }
+}
+
+/// What a shutdown (SIGTERM, Ctrl-C) does with the jobs accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnShutdown {
+    /// Run the running and queued jobs to the end, then exit.
+    Finish,
+    /// Cancel them (a running job stops at its next step), then exit.
+    Cancel,
+}
+
+pub struct ServerConfig {
+    /// The bound listener (see [`bind`]).
+    pub listener: std::net::TcpListener,
+    pub api_key: Option<String>,
+    pub limits: Limits,
+    /// How long finished jobs (and their images, the `url` response format) are kept.
+    pub keep_finished: Duration,
+    pub on_shutdown: OnShutdown,
+    /// (width, height) of the warm-up calls made before the server says it is ready.
+    pub warmup: Vec<(usize, usize)>,
+    /// Another way to shut down besides the signals (for embedding and tests).
+    pub stop: Option<Arc<tokio::sync::Notify>>,
+}
+
+/// Binds `host:port`. Without an API key only a loopback address may be bound, unless
+/// `insecure_public`.
+pub fn bind(host: &str, port: u16, api_key: bool, insecure_public: bool) -> Result<std::net::TcpListener> {
+    use std::net::ToSocketAddrs;
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .with_context(|| format!("--host {host}: not an address this machine can resolve"))?
+        .collect();
+    check_public(host, &addrs, api_key, insecure_public)?;
+    std::net::TcpListener::bind(&addrs[..]).with_context(|| format!("cannot listen on {host}:{port}"))
+}
+
+/// The refusal to serve beyond this machine without an API key.
+pub fn check_public(host: &str, addrs: &[SocketAddr], api_key: bool, insecure_public: bool) -> Result<()> {
+    if addrs.is_empty() {
+        bail!("--host {host} resolves to no address");
+    }
+    let public: Vec<IpAddr> = addrs
+        .iter()
+        .map(SocketAddr::ip)
+        .filter(|ip| !ip.is_loopback())
+        .collect();
+    if !public.is_empty() && !api_key && !insecure_public {
+        bail!(
+            "--host {host} ({}) is reachable from other machines and no --api-key is set: anyone who reaches it could run the model. Give --api-key KEY, or --insecure-public to serve without one",
+            public[0]
+        );
+    }
+    Ok(())
+}
+
+/// Everything a request handler reaches.
+pub(crate) struct App {
+    pub queue: Arc<jobs::Queue>,
+    pub jobs: jobs::Registry,
+    pub models: Vec<ModelInfo>,
+    pub limits: Limits,
+    /// SHA-256 of the API key (compared in constant time with the request's).
+    pub api_key: Option<[u8; 32]>,
+    pub metrics: Arc<metrics::Metrics>,
+    /// The model A1111 requests use (`sd_model_checkpoint`).
+    pub a1111_model: Mutex<usize>,
+    pub closing: AtomicBool,
+}
+
+pub(crate) fn key_hash(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// What the worker thread tells the server once it has loaded (or failed to).
+type Loaded = Result<Vec<ModelInfo>>;
+
+/// Loads the models with `load` on a new worker thread, warms them up, serves until SIGTERM or
+/// Ctrl-C (or `config.stop`), then finishes or cancels the jobs as `config.on_shutdown` says and
+/// returns. Prints `kiln serve: listening on http://ADDR` on stdout once it is ready.
+pub fn serve<L>(config: ServerConfig, load: L) -> Result<()>
+where
+    L: FnOnce() -> Result<(Box<dyn Backend>, Vec<ModelInfo>)> + Send + 'static,
+{
+    let limits = config.limits.clone();
+    if limits.queue == 0 || limits.max_images == 0 || limits.max_batch == 0 || limits.max_steps == 0 {
+        bail!("--queue, --max-images, --max-batch and --max-steps must be at least 1");
+    }
+    let queue = Arc::new(jobs::Queue::new(limits.queue));
+    let metrics = Arc::new(metrics::Metrics::default());
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Loaded>();
+    let worker = {
+        let (queue, metrics, warmup) = (queue.clone(), metrics.clone(), config.warmup.clone());
+        let max_batch = limits.max_batch;
+        std::thread::Builder::new().name("kiln-worker".into()).spawn(move || {
+            let (mut backend, models) = match load() {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            if let Err(e) = warm_up(backend.as_mut(), &models, &warmup) {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+            let _ = ready_tx.send(Ok(models.clone()));
+            worker::run(backend.as_mut(), &models, &queue, &metrics, max_batch);
+        })?
+    };
+    let models = match ready_rx.recv() {
+        Ok(Ok(models)) => models,
+        Ok(Err(e)) => {
+            let _ = worker.join();
+            return Err(e);
+        }
+        Err(_) => {
+            let _ = worker.join();
+            bail!("the worker thread stopped while loading the models");
+        }
+    };
+    if models.is_empty() {
+        bail!("no model to serve");
+    }
+    let app = Arc::new(App {
+        queue: queue.clone(),
+        jobs: jobs::Registry::new(config.keep_finished, limits.queue * 4 + 64),
+        models,
+        limits,
+        api_key: config.api_key.as_deref().map(key_hash),
+        metrics,
+        a1111_model: Mutex::new(0),
+        closing: AtomicBool::new(false),
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let on_shutdown = config.on_shutdown;
+    let stop = config.stop.clone();
+    let served = runtime.block_on(async move {
+        config.listener.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(config.listener)?;
+        let addr = listener.local_addr()?;
+        let router = api::router(app.clone());
+        {
+            use std::io::Write;
+            let mut out = std::io::stdout();
+            let _ = writeln!(out, "kiln serve: listening on http://{addr}");
+            let _ = out.flush();
+        }
+        let shutdown = async move {
+            wait_for_stop(stop).await;
+            eprintln!(
+                "kiln serve: shutting down ({} the jobs in flight)",
+                match on_shutdown {
+                    OnShutdown::Finish => "finishing",
+                    OnShutdown::Cancel => "cancelling",
+                }
+            );
+            app.closing.store(true, std::sync::atomic::Ordering::Release);
+            // No new connection is taken from here on; the open ones end as their jobs do, and
+            // the worker runs (or cancels) what was queued before it stops.
+            app.queue.close(on_shutdown == OnShutdown::Cancel);
+        };
+        axum::serve(listener, router.into_make_service_with_connect_info::<SocketAddr>())
+            .with_graceful_shutdown(shutdown)
+            .await
+            .context("serving")
+    });
+    // The queue is closed (or the server failed): the worker ends once it is empty.
+    queue.close(served.is_err());
+    let _ = worker.join();
+    runtime.shutdown_timeout(Duration::from_secs(5));
+    served
+}
+
+/// SIGTERM, Ctrl-C or `stop`.
+async fn wait_for_stop(stop: Option<Arc<tokio::sync::Notify>>) {
+    let stop = async move {
+        match stop {
+            Some(n) => n.notified().await,
+            None => std::future::pending().await,
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+        _ = stop => {}
+    }
+}
+
+/// One 1-step call per model and size, so that the programs are compiled before the first request.
+fn warm_up(backend: &mut dyn Backend, models: &[ModelInfo], sizes: &[(usize, usize)]) -> Result<()> {
+    // The warm-up calls are not counted in the server's metrics.
+    let metrics = metrics::Metrics::default();
+    for (index, model) in models.iter().enumerate() {
+        for &(width, height) in sizes {
+            let started = std::time::Instant::now();
+            let request = request::JobRequest::new(
+                index,
+                model,
+                "warm-up".into(),
+                (Some(height), Some(width)),
+                request::CallFields {
+                    num_inference_steps: Some(1),
+                    ..Default::default()
+                },
+                vec![0],
+                &Limits {
+                    max_side: usize::MAX,
+                    ..Limits::default()
+                },
+            )
+            .map_err(|e| anyhow::anyhow!("--warmup {width}x{height}: {e}"))?;
+            let job = jobs::Job::new(request);
+            worker::run_batch(backend, models, std::slice::from_ref(&job), &metrics);
+            let state = job.state();
+            if let Some((_, e)) = &state.error {
+                bail!("warming up {} at {width}x{height}: {e}", model.name);
+            }
+            eprintln!(
+                "warmed up {} at {width}x{height} in {:.2} s",
+                model.name,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_public_address_needs_a_key_or_insecure_public() {
+        let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let v6: SocketAddr = "[::1]:0".parse().unwrap();
+        let public: SocketAddr = "0.0.0.0:0".parse().unwrap();
+        assert!(check_public("127.0.0.1", &[loopback, v6], false, false).is_ok());
+        let e = check_public("0.0.0.0", &[public], false, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--api-key") && e.contains("--insecure-public"), "{e}");
+        assert!(check_public("0.0.0.0", &[public], true, false).is_ok());
+        assert!(check_public("0.0.0.0", &[public], false, true).is_ok());
+    }
+}

@@ -1,0 +1,148 @@
+//! `GET /metrics`: the queue, the jobs and the time per step, in Prometheus' text format.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::jobs::Status;
+
+#[derive(Default)]
+pub struct Metrics {
+    done: AtomicU64,
+    failed: AtomicU64,
+    cancelled: AtomicU64,
+    images: AtomicU64,
+    rejected_full: AtomicU64,
+    /// (sum of seconds, count) of denoising steps and of whole jobs.
+    steps: Mutex<(f64, u64)>,
+    jobs: Mutex<(f64, u64)>,
+}
+
+impl Metrics {
+    pub fn step(&self, took: Duration) {
+        let mut s = self.steps.lock().unwrap_or_else(|e| e.into_inner());
+        s.0 += took.as_secs_f64();
+        s.1 += 1;
+    }
+
+    pub fn job_ended(&self, status: Status, took: Duration, images: usize) {
+        let counter = match status {
+            Status::Done => &self.done,
+            Status::Failed => &self.failed,
+            _ => &self.cancelled,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.images.fetch_add(images as u64, Ordering::Relaxed);
+        if status == Status::Done {
+            let mut j = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+            j.0 += took.as_secs_f64();
+            j.1 += 1;
+        }
+    }
+
+    pub fn rejected_full(&self) {
+        self.rejected_full.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The mean seconds a finished job took (what a full queue's `Retry-After` is estimated from).
+    pub fn mean_job_seconds(&self) -> Option<f64> {
+        let j = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        (j.1 > 0).then(|| j.0 / j.1 as f64)
+    }
+
+    /// The mean seconds per denoising step so far.
+    pub fn mean_step_seconds(&self) -> Option<f64> {
+        let s = self.steps.lock().unwrap_or_else(|e| e.into_inner());
+        (s.1 > 0).then(|| s.0 / s.1 as f64)
+    }
+
+    /// The exposition text, with the queue's lengths now.
+    pub fn render(&self, waiting: usize, running: usize) -> String {
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, values: &[(&str, String)]| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (labels, value) in values {
+                let _ = writeln!(out, "{name}{labels} {value}");
+            }
+        };
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed).to_string();
+        metric(
+            "kiln_queue_length",
+            "gauge",
+            "Jobs waiting in the queue.",
+            &[("", waiting.to_string())],
+        );
+        metric(
+            "kiln_jobs_running",
+            "gauge",
+            "Jobs the worker runs now.",
+            &[("", running.to_string())],
+        );
+        metric(
+            "kiln_jobs_total",
+            "counter",
+            "Jobs that ended, by how.",
+            &[
+                ("{status=\"done\"}", load(&self.done)),
+                ("{status=\"failed\"}", load(&self.failed)),
+                ("{status=\"cancelled\"}", load(&self.cancelled)),
+            ],
+        );
+        metric(
+            "kiln_images_total",
+            "counter",
+            "Images made.",
+            &[("", load(&self.images))],
+        );
+        metric(
+            "kiln_rejected_queue_full_total",
+            "counter",
+            "Requests answered 429 because the queue was full.",
+            &[("", load(&self.rejected_full))],
+        );
+        let (sum, count) = *self.steps.lock().unwrap_or_else(|e| e.into_inner());
+        metric(
+            "kiln_step_seconds",
+            "summary",
+            "Seconds per denoising step (of a batch).",
+            &[("_sum", sum.to_string()), ("_count", count.to_string())],
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kiln_seconds_per_step Mean seconds per denoising step so far.\n# TYPE kiln_seconds_per_step gauge\nkiln_seconds_per_step {}",
+            if count > 0 { sum / count as f64 } else { 0.0 }
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let m = Metrics::default();
+        m.step(Duration::from_millis(500));
+        m.step(Duration::from_millis(1500));
+        m.job_ended(Status::Done, Duration::from_secs(2), 2);
+        m.job_ended(Status::Failed, Duration::from_secs(1), 0);
+        let text = m.render(3, 1);
+        for line in [
+            "kiln_queue_length 3",
+            "kiln_jobs_running 1",
+            "kiln_jobs_total{status=\"done\"} 1",
+            "kiln_jobs_total{status=\"failed\"} 1",
+            "kiln_jobs_total{status=\"cancelled\"} 0",
+            "kiln_images_total 2",
+            "kiln_step_seconds_count 2",
+            "kiln_step_seconds_sum 2",
+            "kiln_seconds_per_step 1",
+            "# TYPE kiln_queue_length gauge",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        assert_eq!(m.mean_job_seconds(), Some(2.0));
+    }
+}

@@ -1,0 +1,145 @@
+//! The worker: one thread per device (or mesh) that owns the loaded models and runs the queue's
+//! batches one after the other. A failing or panicking call fails its jobs; the worker goes on.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kiln_pipelines::PipelineError;
+
+use crate::backend::{Backend, ModelInfo};
+use crate::jobs::{Image, Job, Queue, Status};
+use crate::metrics::Metrics;
+
+/// Runs batches from `queue` until it is closed and empty.
+pub fn run(backend: &mut dyn Backend, models: &[ModelInfo], queue: &Queue, metrics: &Metrics, max_batch_images: usize) {
+    while let Some(batch) = queue.next_batch(max_batch_images) {
+        run_batch(backend, models, &batch, metrics);
+        queue.done_running();
+    }
+}
+
+/// What a failed call means for its jobs: (HTTP status, message).
+fn failure(e: &PipelineError) -> (u16, String) {
+    match e {
+        PipelineError::InvalidArgument(_) | PipelineError::OverBudget(_) => (400, e.to_string()),
+        e if e.is_out_of_memory() => (500, format!("the device ran out of memory: {e}")),
+        e => (500, e.to_string()),
+    }
+}
+
+/// The text of a panic's payload.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with no message".to_string())
+}
+
+/// Runs one batch (jobs sharing a batch key) as one pipeline call.
+pub fn run_batch(backend: &mut dyn Backend, models: &[ModelInfo], batch: &[Arc<Job>], metrics: &Metrics) {
+    // A job cancelled between leaving the queue and here ends now.
+    let batch: Vec<Arc<Job>> = batch
+        .iter()
+        .filter(|j| {
+            if j.cancel_requested() {
+                j.finish(Status::Cancelled, Vec::new(), None);
+                false
+            } else {
+                true
+            }
+        })
+        .cloned()
+        .collect();
+    let Some(first) = batch.first() else { return };
+    for job in &batch {
+        job.start();
+    }
+    let model = &models[first.request.model];
+    let requests: Vec<_> = batch.iter().map(|j| j.request.clone()).collect();
+    let call = first.request.generate_call(&requests);
+    let mut last = Instant::now();
+    let mut on_step = |step: usize| {
+        metrics.step(last.elapsed());
+        last = Instant::now();
+        let mut live = false;
+        for job in &batch {
+            if job.cancel_requested() {
+                // A cancelled job of a batch ends now; the others go on.
+                job.finish(Status::Cancelled, Vec::new(), None);
+            } else {
+                job.step(step + 1);
+                live = true;
+            }
+        }
+        live
+    };
+    let started = Instant::now();
+    let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        backend.generate(first.request.model, call, &mut on_step)
+    }));
+    let elapsed = started.elapsed();
+    let outcome = match result {
+        Ok(Ok(generated)) => Ok(generated),
+        Ok(Err(PipelineError::Interrupted { .. })) => Err(None),
+        Ok(Err(e)) => Err(Some(failure(&e))),
+        Err(payload) => Err(Some((
+            500,
+            format!("the job failed inside the server: {}", panic_text(payload.as_ref())),
+        ))),
+    };
+    match outcome {
+        Ok(generated) => {
+            let mut images = generated.images.into_iter();
+            for job in &batch {
+                let n = job.request.seeds.len();
+                let mine: Vec<_> = images.by_ref().take(n).collect();
+                if job.cancel_requested() {
+                    job.finish(Status::Cancelled, Vec::new(), None);
+                    metrics.job_ended(Status::Cancelled, elapsed, 0);
+                    continue;
+                }
+                if mine.len() != n {
+                    let message = format!("the pipeline gave {} images for {n}", mine.len());
+                    job.finish(Status::Failed, Vec::new(), Some((500, message)));
+                    metrics.job_ended(Status::Failed, elapsed, 0);
+                    continue;
+                }
+                let encoded: Result<Vec<Arc<Image>>, String> = mine
+                    .iter()
+                    .enumerate()
+                    .map(|(k, image)| {
+                        let params = job.request.params(k, model, generated.size);
+                        kiln_image::encode_png(image, Some(&params))
+                            .map(|png| Arc::new(Image { png, params }))
+                            .map_err(|e| format!("encoding the PNG: {e}"))
+                    })
+                    .collect();
+                match encoded {
+                    Ok(images) => {
+                        job.finish(Status::Done, images, None);
+                        metrics.job_ended(Status::Done, elapsed, n);
+                    }
+                    Err(message) => {
+                        job.finish(Status::Failed, Vec::new(), Some((500, message)));
+                        metrics.job_ended(Status::Failed, elapsed, 0);
+                    }
+                }
+            }
+        }
+        Err(error) => {
+            for job in &batch {
+                let status = match (&error, job.cancel_requested()) {
+                    (_, true) | (None, _) => Status::Cancelled,
+                    (Some(_), false) => Status::Failed,
+                };
+                if status == Status::Failed {
+                    tracing::warn!("job {} failed: {}", job.id, error.as_ref().map_or("", |e| &e.1));
+                }
+                job.finish(status, Vec::new(), error.clone().filter(|_| status == Status::Failed));
+                metrics.job_ended(status, elapsed, 0);
+            }
+        }
+    }
+}

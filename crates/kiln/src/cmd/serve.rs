@@ -1,0 +1,208 @@
+//! `kiln serve`: the image server (see the kiln-server crate).
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use kiln::defaults::default_model_folder;
+use kiln::{DType, LoadOptions, OffloadMode};
+use kiln_server::{Backend, Limits, ModelSpec, OnShutdown, PipelineBackend, ServerConfig};
+
+const MODELS: &str = "What to serve";
+const NETWORK: &str = "Where and to whom";
+const LIMITS: &str = "Limits";
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// A diffusers model folder or a Hugging Face repo id in the local cache; give it several
+    /// times to serve several models (default: kiln's bundled tiny FLUX model). Requests name a
+    /// model by its folder's name or the repo id.
+    #[arg(long, help_heading = MODELS)]
+    pub model: Vec<String>,
+    /// Revision of the Hugging Face repo ids (branch, tag or commit).
+    #[arg(long, help_heading = MODELS)]
+    pub revision: Option<String>,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "f32", help_heading = MODELS)]
+    pub dtype: String,
+    /// cpu, cuda[:i], tpu[:i] or auto.
+    #[arg(long, default_value = "auto", help_heading = MODELS)]
+    pub device: String,
+    /// Tensor parallelism over N devices of the --device platform (one worker drives the mesh).
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cmd::generate::count, help_heading = MODELS)]
+    pub tp: usize,
+    /// How the models run: none, blocks, full or auto (as `kiln generate --compile`).
+    #[arg(long, default_value = "auto", help_heading = MODELS)]
+    pub compile: String,
+    /// Where the weights wait while they are not used: none, model or sequential (as `kiln
+    /// generate --offload`).
+    #[arg(long, default_value = "none", value_name = "MODE", help_heading = MODELS)]
+    pub offload: String,
+    /// Sizes to compile before the server says it is ready, as WIDTHxHEIGHT,... (one 1-step
+    /// call per model and size).
+    #[arg(long, value_name = "WxH,...", value_delimiter = ',', help_heading = MODELS)]
+    pub warmup: Vec<String>,
+
+    /// The address to listen on (a loopback address unless --api-key or --insecure-public).
+    #[arg(long, default_value = "127.0.0.1", help_heading = NETWORK)]
+    pub host: String,
+    /// The port (0: any free port; the server prints the one it took).
+    #[arg(long, default_value_t = 7860, help_heading = NETWORK)]
+    pub port: u16,
+    /// Every route but /health then needs the header `Authorization: Bearer KEY`.
+    #[arg(long, value_name = "KEY", help_heading = NETWORK)]
+    pub api_key: Option<String>,
+    /// Listen on a non-loopback --host without an --api-key: anyone who reaches it can use it.
+    #[arg(long, help_heading = NETWORK)]
+    pub insecure_public: bool,
+    /// On SIGTERM or Ctrl-C: finish the jobs accepted (running and queued), or cancel them.
+    #[arg(long, default_value = "finish", value_name = "finish|cancel", help_heading = NETWORK)]
+    pub on_shutdown: String,
+
+    /// Jobs that may wait in the queue; beyond it requests are answered 429 with Retry-After.
+    #[arg(long, default_value_t = 16, value_name = "N", help_heading = LIMITS)]
+    pub queue: usize,
+    /// Images per request (OpenAI's n, A1111's batch_size × n_iter).
+    #[arg(long, default_value_t = 4, value_name = "N", help_heading = LIMITS)]
+    pub max_images: usize,
+    /// Pixels per side of an image.
+    #[arg(long, default_value_t = 2048, value_name = "PIXELS", help_heading = LIMITS)]
+    pub max_side: usize,
+    /// Denoising steps per request.
+    #[arg(long, default_value_t = 100, value_name = "N", help_heading = LIMITS)]
+    pub max_steps: usize,
+    /// Characters per prompt.
+    #[arg(long, default_value_t = 4000, value_name = "N", help_heading = LIMITS)]
+    pub max_prompt_chars: usize,
+    /// Images per batch: queued requests with the same model, size, steps and guidance run
+    /// together up to this many images (1: each alone).
+    #[arg(long, default_value_t = 4, value_name = "N", help_heading = LIMITS)]
+    pub max_batch: usize,
+    /// Bytes per request body.
+    #[arg(long, default_value_t = 64 * 1024, value_name = "BYTES", help_heading = LIMITS)]
+    pub max_body_bytes: usize,
+    /// Seconds a finished job and its images stay (for job status and image URLs).
+    #[arg(long, default_value_t = 600, value_name = "SECONDS", help_heading = LIMITS)]
+    pub keep_images: u64,
+}
+
+/// `WIDTHxHEIGHT` as (width, height).
+fn parse_warmup(value: &str) -> Result<(usize, usize)> {
+    let bad = || anyhow::anyhow!("--warmup {value:?}: give WIDTHxHEIGHT, as 1024x1024");
+    let (w, h) = value.trim().split_once(['x', 'X']).ok_or_else(bad)?;
+    let (w, h): (usize, usize) = (w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?);
+    if w == 0 || h == 0 {
+        return Err(bad());
+    }
+    Ok((w, h))
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let dtype: DType = args.dtype.parse()?;
+    if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+        bail!("--dtype must be f32, bf16 or f16, got {}", args.dtype);
+    }
+    let offload: OffloadMode = args
+        .offload
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--offload: {e}"))?;
+    let compile = kiln::parse_compile_mode(&args.compile)?;
+    let on_shutdown = match args.on_shutdown.as_str() {
+        "finish" => OnShutdown::Finish,
+        "cancel" => OnShutdown::Cancel,
+        other => bail!("--on-shutdown must be finish or cancel, got {other}"),
+    };
+    let warmup = args
+        .warmup
+        .iter()
+        .map(|w| parse_warmup(w))
+        .collect::<Result<Vec<_>>>()?;
+    for (flag, value) in [
+        ("--queue", args.queue),
+        ("--max-images", args.max_images),
+        ("--max-side", args.max_side),
+        ("--max-steps", args.max_steps),
+        ("--max-prompt-chars", args.max_prompt_chars),
+        ("--max-batch", args.max_batch),
+        ("--max-body-bytes", args.max_body_bytes),
+    ] {
+        if value == 0 {
+            bail!("{flag} must be at least 1");
+        }
+    }
+    let models = if args.model.is_empty() {
+        vec![default_model_folder()
+            .context("the bundled model (assets/tiny-flux) was not found; pass --model or set KILN_DEFAULT_MODEL")?
+            .to_string_lossy()
+            .into_owned()]
+    } else {
+        args.model.clone()
+    };
+    for model in &models {
+        if Path::new(model).join(kiln_fixtures::INDEX).is_file() {
+            kiln_fixtures::unpack(Path::new(model)).with_context(|| format!("unpacking {model}"))?;
+        }
+        // The model's pipeline is known before anything loads (and the error names the model).
+        kiln::PipelineKind::of_model(model, args.revision.as_deref()).with_context(|| format!("--model {model}"))?;
+    }
+    // Bind before loading: a port in use or a public address without a key fails at once.
+    let listener = kiln_server::bind(&args.host, args.port, args.api_key.is_some(), args.insecure_public)?;
+    let device = kiln::open_device(&args.device, args.tp)?;
+    let specs: Vec<ModelSpec> = models
+        .into_iter()
+        .map(|model| ModelSpec {
+            model,
+            options: LoadOptions {
+                dtype,
+                revision: args.revision.clone(),
+            },
+            offload,
+            compile,
+        })
+        .collect();
+    let config = ServerConfig {
+        listener,
+        api_key: args.api_key.clone(),
+        limits: Limits {
+            max_images: args.max_images,
+            max_side: args.max_side,
+            max_steps: args.max_steps,
+            max_prompt_chars: args.max_prompt_chars,
+            max_batch: args.max_batch,
+            max_body_bytes: args.max_body_bytes,
+            queue: args.queue,
+        },
+        keep_finished: Duration::from_secs(args.keep_images),
+        on_shutdown,
+        warmup,
+        stop: None,
+    };
+    kiln_server::serve(config, move || {
+        let (backend, infos) = PipelineBackend::load(&specs, &device)?;
+        Ok((Box::new(backend) as Box<dyn Backend>, infos))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{Args, Command};
+
+    #[test]
+    fn every_flag_has_a_help_line_and_a_heading() {
+        let cmd = ServeArgs::augment_args(Command::new("serve"));
+        for arg in cmd.get_arguments() {
+            assert!(arg.get_help().is_some(), "{} has no help", arg.get_id());
+            assert!(arg.get_help_heading().is_some(), "{} has no heading", arg.get_id());
+        }
+        cmd.debug_assert();
+    }
+
+    #[test]
+    fn warmup_sizes_are_width_by_height() {
+        assert_eq!(parse_warmup("64x32").unwrap(), (64, 32));
+        for bad in ["64", "0x3", "ax3", ""] {
+            assert!(parse_warmup(bad).unwrap_err().to_string().contains("--warmup"), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,452 @@
+//! `kiln serve` on the bundled tiny model over loopback: images equal to `kiln generate`'s,
+//! batched images equal to unbatched ones, events, cancellation, a load of concurrent clients,
+//! SIGTERM with jobs in flight, the official `openai` Python client, and the web page in headless
+//! Chromium. Every server listens on an ephemeral loopback port; every wait is bounded.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use serde_json::{json, Value};
+
+fn kiln() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+}
+
+fn tiny() -> PathBuf {
+    kiln_fixtures::tiny_flux()
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-serve-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A `kiln serve` process.
+struct Served {
+    child: Child,
+    base: String,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Served {
+    fn start(extra: &[&str]) -> Served {
+        let mut child = kiln()
+            .args(["serve", "--device", "cpu", "--port", "0", "--model"])
+            .arg(tiny())
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(addr) = line.strip_prefix("kiln serve: listening on ") {
+                    let _ = tx.send(addr.to_string());
+                }
+            }
+        });
+        let (err, sink) = (child.stderr.take().unwrap(), stderr.clone());
+        std::thread::spawn(move || {
+            let mut err = err;
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        let base = match rx.recv_timeout(Duration::from_secs(600)) {
+            Ok(base) => base,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("kiln serve did not start: {}", stderr.lock().unwrap());
+            }
+        };
+        Served { child, base, stderr }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// SIGTERM, then the exit status (bounded wait).
+    fn terminate(mut self) -> std::process::ExitStatus {
+        let ok = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "kiln serve did not exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new().timeout(Duration::from_secs(300)).build()
+}
+
+/// (status, JSON body, Retry-After).
+fn post(url: &str, body: &Value) -> (u16, Value, Option<String>) {
+    let response = match agent().post(url).send_json(body.clone()) {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("POST {url}: {e}"),
+    };
+    let status = response.status();
+    let retry = response.header("retry-after").map(str::to_string);
+    (status, response.into_json().unwrap(), retry)
+}
+
+fn get(url: &str) -> Value {
+    agent().get(url).call().unwrap().into_json().unwrap()
+}
+
+fn decode_png(bytes: &[u8]) -> image::RgbImage {
+    image::load_from_memory(bytes).unwrap().to_rgb8()
+}
+
+fn b64_png(b64: &str) -> image::RgbImage {
+    decode_png(&base64::engine::general_purpose::STANDARD.decode(b64).unwrap())
+}
+
+/// `kiln generate`'s image on the tiny model.
+fn generated(dir: &Path, prompt: &str, seed: u64, steps: usize, size: usize) -> image::RgbImage {
+    let out = dir.join(format!("generate-{seed}.png"));
+    let result = kiln()
+        .args(["generate", "--device", "cpu", "--model"])
+        .arg(tiny())
+        .args([
+            "--prompt",
+            prompt,
+            "--seed",
+            &seed.to_string(),
+            "--steps",
+            &steps.to_string(),
+        ])
+        .args(["--height", &size.to_string(), "--width", &size.to_string(), "--output"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
+    decode_png(&std::fs::read(&out).unwrap())
+}
+
+fn wait_done(served: &Served, id: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let job = get(&served.url(&format!("/kiln/v1/jobs/{id}")));
+        if job["status"] != "queued" && job["status"] != "running" {
+            return job;
+        }
+        assert!(Instant::now() < deadline, "job {id} did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn job_png(served: &Served, job: &Value, k: usize) -> image::RgbImage {
+    let url = served.url(job["images"][k]["url"].as_str().unwrap());
+    let mut bytes = Vec::new();
+    agent()
+        .get(&url)
+        .call()
+        .unwrap()
+        .into_reader()
+        .read_to_end(&mut bytes)
+        .unwrap();
+    decode_png(&bytes)
+}
+
+fn submit(served: &Served, body: Value) -> String {
+    let (code, job, _) = post(&served.url("/kiln/v1/jobs"), &body);
+    assert_eq!(code, 202, "{job}");
+    job["id"].as_str().unwrap().to_string()
+}
+
+/// The largest difference of one channel of one pixel, and how many channel values differ.
+fn difference(a: &image::RgbImage, b: &image::RgbImage) -> (u8, usize) {
+    assert_eq!(a.dimensions(), b.dimensions());
+    let diffs = a.as_raw().iter().zip(b.as_raw()).map(|(x, y)| x.abs_diff(*y));
+    (diffs.clone().max().unwrap_or(0), diffs.filter(|d| *d > 0).count())
+}
+
+#[test]
+fn serves_the_images_kiln_generate_makes_batched_or_not_and_exits_on_sigterm() {
+    let dir = temp_dir("equal");
+    let served = Served::start(&["--warmup", "64x64", "--max-batch", "4"]);
+    // OpenAI: the same image as `kiln generate` for the same prompt, size, steps and seed.
+    let (code, body, _) = post(
+        &served.url("/v1/images/generations"),
+        &json!({"model": "tiny-flux", "prompt": "a red circle on a blue background", "size": "64x64",
+                "num_inference_steps": 3, "seed": 11}),
+    );
+    assert_eq!(code, 200, "{body}");
+    let served_image = b64_png(body["data"][0]["b64_json"].as_str().unwrap());
+    let cli_image = generated(&dir, "a red circle on a blue background", 11, 3, 64);
+    assert_eq!(
+        served_image, cli_image,
+        "the server's image is kiln generate's, bit for bit"
+    );
+
+    // Events: one per step, in order.
+    let id = submit(
+        &served,
+        json!({"prompt": "a green square", "num_inference_steps": 4, "seed": 3}),
+    );
+    let response = agent()
+        .get(&served.url(&format!("/kiln/v1/jobs/{id}/events")))
+        .call()
+        .unwrap();
+    let names: Vec<String> = BufReader::new(response.into_reader())
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| l.strip_prefix("event: ").map(str::to_string))
+        .collect();
+    assert_eq!(names, ["queued", "running", "step", "step", "step", "step", "done"]);
+
+    // Batching: while a long job runs, three compatible ones wait and then run as one batch;
+    // each image equals the one its request makes alone.
+    let long = submit(&served, json!({"prompt": "a long job", "num_inference_steps": 30}));
+    let prompts = ["a red circle", "a blue square at the top left", "a yellow triangle"];
+    let batched: Vec<String> = prompts
+        .iter()
+        .enumerate()
+        .map(|(k, p)| submit(&served, json!({"prompt": p, "num_inference_steps": 2, "seed": 100 + k})))
+        .collect();
+    let long_job = wait_done(&served, &long);
+    assert_eq!(long_job["status"], "done");
+    let mut batched_images = Vec::new();
+    for id in &batched {
+        let job = wait_done(&served, id);
+        assert_eq!(job["status"], "done", "{job}");
+        batched_images.push(job_png(&served, &job, 0));
+    }
+    let metrics = agent()
+        .get(&served.url("/metrics"))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    // The oracle's tolerance for PNGs made in float32: at most 1 level, at most 1 % of values.
+    let (mut worst, mut differing, mut values) = (0, 0, 0);
+    for (k, p) in prompts.iter().enumerate() {
+        let id = submit(&served, json!({"prompt": p, "num_inference_steps": 2, "seed": 100 + k}));
+        let job = wait_done(&served, &id);
+        let alone = job_png(&served, &job, 0);
+        let (max, count) = difference(&alone, &batched_images[k]);
+        worst = worst.max(max);
+        differing += count;
+        values += alone.as_raw().len();
+    }
+    eprintln!(
+        "batched vs alone: the largest difference of a pixel channel is {worst} (of 255); {differing} of {values} values differ"
+    );
+    assert!(worst <= 1, "batched images are within 1 level of the unbatched ones");
+    assert!(differing * 100 <= values, "at most 1 % of the values differ");
+    // The three ran as one call: the batch shows in the step count (30 + 2, not 30 + 3·2).
+    let steps_before: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kiln_step_seconds_count "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    // OpenAI (3) + events (4) + long (30) + one batch (2); the warm-up is not counted.
+    assert_eq!(steps_before, 39.0, "{metrics}");
+
+    // Cancelling a running job stops it at its next step.
+    let long = submit(&served, json!({"prompt": "cancel me", "num_inference_steps": 100}));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while get(&served.url(&format!("/kiln/v1/jobs/{long}")))["step"]
+        .as_u64()
+        .unwrap()
+        < 1
+    {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let cancelled = agent()
+        .delete(&served.url(&format!("/kiln/v1/jobs/{long}")))
+        .call()
+        .unwrap();
+    assert_eq!(cancelled.status(), 200);
+    let job = wait_done(&served, &long);
+    assert_eq!(job["status"], "cancelled");
+    assert!(job["step"].as_u64().unwrap() < 100);
+
+    // SIGTERM with a request in flight: it is answered, then the server exits cleanly.
+    let url = served.url("/v1/images/generations");
+    let in_flight = std::thread::spawn(move || {
+        post(
+            &url,
+            &json!({"prompt": "last one", "num_inference_steps": 20, "seed": 5}),
+        )
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while get(&served.url("/health"))["running"] != 1 {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stderr = served.stderr.clone();
+    let status = served.terminate();
+    assert!(status.success(), "{}", stderr.lock().unwrap());
+    let (code, body, _) = in_flight.join().unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(stderr.lock().unwrap().contains("shutting down"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn eight_clients_times_forty_requests_are_all_answered_once() {
+    const CLIENTS: usize = 8;
+    const REQUESTS: usize = 40;
+    let served = Served::start(&["--warmup", "32x32", "--queue", "4", "--max-batch", "4"]);
+    let url = served.url("/v1/images/generations");
+    let rss = Arc::new(Mutex::new(Vec::new()));
+    let statuses = Arc::new(Mutex::new(std::collections::BTreeMap::<u16, usize>::new()));
+    let started = Instant::now();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let (url, statuses) = (url.clone(), statuses.clone());
+            std::thread::spawn(move || {
+                let mut seeds = Vec::new();
+                for r in 0..REQUESTS {
+                    let seed = (c * 1000 + r) as u64;
+                    let body = json!({"prompt": format!("client {c} request {r}"), "size": "32x32",
+                                      "num_inference_steps": 1, "seed": seed});
+                    loop {
+                        let (code, reply, retry) = post(&url, &body);
+                        *statuses.lock().unwrap().entry(code).or_default() += 1;
+                        match code {
+                            200 => {
+                                let png = base64::engine::general_purpose::STANDARD
+                                    .decode(reply["data"][0]["b64_json"].as_str().unwrap())
+                                    .unwrap();
+                                let text = String::from_utf8_lossy(&png).into_owned();
+                                // The image's parameters name this request's prompt and seed.
+                                assert!(text.contains(&format!("client {c} request {r}")));
+                                assert!(text.contains(&format!("Seed: {seed}")));
+                                seeds.push(seed);
+                                break;
+                            }
+                            429 => {
+                                assert!(retry.is_some(), "429 without Retry-After");
+                                std::thread::sleep(Duration::from_millis(50));
+                            }
+                            other => panic!("status {other}: {reply}"),
+                        }
+                    }
+                }
+                seeds
+            })
+        })
+        .collect();
+    // Sample the server's memory as the load runs.
+    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (rss, sampling) = (rss.clone(), sampling.clone());
+        let pid = served.child.id();
+        std::thread::spawn(move || {
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+                    break;
+                };
+                let kib: u64 = status
+                    .lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
+                rss.lock().unwrap().push(kib);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    let mut all: Vec<u64> = clients.into_iter().flat_map(|c| c.join().unwrap()).collect();
+    let took = started.elapsed();
+    let end_rss = served.rss_kib();
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    sampler.join().unwrap();
+    let samples = rss.lock().unwrap().clone();
+    all.sort();
+    let before = all.len();
+    all.dedup();
+    assert_eq!(
+        (before, all.len()),
+        (CLIENTS * REQUESTS, CLIENTS * REQUESTS),
+        "none lost or duplicated"
+    );
+    let statuses = statuses.lock().unwrap().clone();
+    assert_eq!(statuses.get(&200), Some(&(CLIENTS * REQUESTS)));
+    assert!(statuses.keys().all(|c| *c == 200 || *c == 429), "{statuses:?}");
+    let metrics = agent()
+        .get(&served.url("/metrics"))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    assert!(
+        metrics.contains(&format!("kiln_images_total {}", CLIENTS * REQUESTS)),
+        "{metrics}"
+    );
+    // Memory: the last quarter of the run holds no more than the second quarter did, give or take
+    // 64 MiB of allocator slack.
+    let quarter = samples.len() / 4;
+    let early = samples[quarter..2 * quarter].iter().copied().max().unwrap_or(end_rss);
+    eprintln!(
+        "{} requests in {:.1} s; statuses {statuses:?}; RSS {} MiB in the second quarter, {} MiB at the end",
+        CLIENTS * REQUESTS,
+        took.as_secs_f64(),
+        early / 1024,
+        end_rss / 1024
+    );
+    assert!(
+        end_rss <= early + 64 * 1024,
+        "memory grew: {early} KiB -> {end_rss} KiB"
+    );
+}
+
+#[test]
+fn refuses_a_public_address_without_an_api_key() {
+    let result = kiln()
+        .args([
+            "serve", "--device", "cpu", "--host", "0.0.0.0", "--port", "0", "--model",
+        ])
+        .arg(tiny())
+        .output()
+        .unwrap();
+    assert!(!result.status.success());
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        stderr.contains("--api-key") && stderr.contains("--insecure-public"),
+        "{stderr}"
+    );
+}
