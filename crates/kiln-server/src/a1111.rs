@@ -106,7 +106,7 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
         "override_settings.sd_model_checkpoint",
     )?;
     // The other A1111 fields (saving, scripts, face restoration...) have no meaning here.
-    let n = batch_size.checked_mul(n_iter).unwrap_or(usize::MAX);
+    let n = batch_size.saturating_mul(n_iter);
     let field = if n_iter > 1 { "n_iter" } else { "batch_size" };
     let seeds = app.seeds(n, seed, field)?;
     let fields = CallFields {
