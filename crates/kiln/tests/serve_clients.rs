@@ -233,27 +233,37 @@ impl DevTools {
         }
     }
 
-    /// The value of a script expression (promises awaited).
-    fn eval(&mut self, expression: &str) -> serde_json::Value {
+    /// The value of a script expression (promises awaited), or the exception it threw.
+    fn try_eval(&mut self, expression: &str) -> Result<serde_json::Value, serde_json::Value> {
         let result = self.call(
             "Runtime.evaluate",
             serde_json::json!({"expression": expression, "returnByValue": true, "awaitPromise": true}),
         );
-        assert!(result.get("exceptionDetails").is_none(), "{expression}: {result}");
-        result["result"]["value"].clone()
+        match result.get("exceptionDetails") {
+            Some(e) => Err(e.clone()),
+            None => Ok(result["result"]["value"].clone()),
+        }
     }
 
-    /// Waits until `expression` is true.
+    fn eval(&mut self, expression: &str) -> serde_json::Value {
+        self.try_eval(expression)
+            .unwrap_or_else(|e| panic!("{expression}: {e}"))
+    }
+
+    /// Waits until `expression` is true (while the page loads it may throw: that is "not yet").
     fn wait_for(&mut self, expression: &str, limit: Duration) {
         let deadline = Instant::now() + limit;
-        while self.eval(expression) != serde_json::Value::Bool(true) {
-            let status = self.eval(
-                "location.href + ': ' + (document.getElementById('status') ? document.getElementById('status').textContent : document.documentElement.outerHTML.slice(0, 300))",
-            );
-            assert!(
-                Instant::now() < deadline,
-                "waited over {limit:?} for {expression}; status: {status}"
-            );
+        loop {
+            let last = self.try_eval(expression);
+            if last == Ok(serde_json::Value::Bool(true)) {
+                return;
+            }
+            if Instant::now() > deadline {
+                let status = self.try_eval(
+                    "location.href + ': ' + (document.getElementById('status') ? document.getElementById('status').textContent : '')",
+                );
+                panic!("waited over {limit:?} for {expression}: {last:?}; page: {status:?}");
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }
