@@ -465,7 +465,7 @@ fn a_full_queue_answers_429_with_retry_after() {
             max_batch: 1,
             ..Limits::default()
         },
-        step: Duration::from_millis(20),
+        step: Duration::from_millis(50),
         ..Options::default()
     });
     let running = job(&server, json!({"prompt": "r", "num_inference_steps": 100}));
@@ -531,7 +531,7 @@ fn compatible_waiting_requests_run_as_one_batch() {
         step: Duration::from_millis(30),
         ..Options::default()
     });
-    let first = job(&server, json!({"prompt": "first", "num_inference_steps": 20}));
+    let first = job(&server, json!({"prompt": "first", "num_inference_steps": 100}));
     wait_status(&server, &first, "running");
     // Three compatible requests (one of 2 images) and one of another size wait together.
     let same = [
@@ -541,10 +541,12 @@ fn compatible_waiting_requests_run_as_one_batch() {
     ];
     let other = job(&server, json!({"prompt": "o", "width": 64}));
     let fourth = job(&server, json!({"prompt": "w", "seed": 50}));
+    assert_eq!(get(&server, &format!("/kiln/v1/jobs/{first}")).1["status"], "running");
+    send(&server, "DELETE", &format!("/kiln/v1/jobs/{first}"), None, None);
     for id in same.iter().chain([&other, &fourth]) {
         wait_status(&server, id, "done");
     }
-    // `first`, then x + yy (3 images; zzz has a negative prompt, so it is another batch) and w
+    // `first` (cancelled), then x + yy (3 images; zzz has a negative prompt, so it is another batch) and w
     // (4 images: the limit), then zzz, then the other size.
     assert_eq!(*server.batches.lock().unwrap(), [1, 4, 1, 1]);
     // Each image is its own seed's.
@@ -679,7 +681,7 @@ fn requests_in_flight_at_shutdown(on_shutdown: OnShutdown) -> (Vec<(u16, String)
             std::thread::spawn(move || {
                 let response = agent()
                     .post(&format!("{base}/v1/images/generations"))
-                    .send_json(json!({"prompt": format!("p{k}"), "num_inference_steps": 10, "seed": k}));
+                    .send_json(json!({"prompt": format!("p{k}"), "num_inference_steps": 40, "seed": k}));
                 match response {
                     Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap()),
                     Ok(r) => (r.status(), r.into_string().unwrap()),
