@@ -194,7 +194,7 @@ struct QueueInner {
     closed: bool,
 }
 
-/// The bounded queue of waiting jobs, shared by the HTTP side and the worker.
+/// The bounded queue of waiting jobs, shared by the HTTP side and the workers.
 pub struct Queue {
     inner: Mutex<QueueInner>,
     ready: Condvar,
@@ -278,7 +278,7 @@ impl Queue {
         }
     }
 
-    /// The next batch for the worker: the first waiting job and, up to `max_images` images in
+    /// The next batch for a worker: the first waiting job and, up to `max_images` images in
     /// all, the later waiting jobs that share its batch key (in queue order). Blocks while the
     /// queue is empty; `None` once it is closed and empty.
     pub fn next_batch(&self, max_images: usize) -> Option<Vec<Arc<Job>>> {
@@ -299,7 +299,7 @@ impl Queue {
                         k += 1;
                     }
                 }
-                q.running = batch.clone();
+                q.running.extend(batch.iter().cloned());
                 return Some(batch);
             }
             if q.closed {
@@ -309,10 +309,9 @@ impl Queue {
         }
     }
 
-    /// The worker finished its batch.
-    pub fn done_running(&self) {
-        self.lock().running.clear();
-        self.ready.notify_all();
+    /// A worker finished `batch`.
+    pub fn done_running(&self, batch: &[Arc<Job>]) {
+        self.lock().running.retain(|j| !batch.iter().any(|b| Arc::ptr_eq(b, j)));
     }
 }
 
@@ -393,8 +392,11 @@ mod tests {
         q.close(false);
         assert_eq!(q.push(job(1, vec![3])), Err(Refused::Closed));
         // Closed without cancelling: what waits still runs.
-        assert_eq!(q.next_batch(8).map(|b| b.len()), Some(2));
-        q.done_running();
+        let batch = q.next_batch(8).unwrap();
+        assert_eq!(batch.len(), 2);
+        assert_eq!(q.lengths(), (0, 2));
+        q.done_running(&batch);
+        assert_eq!(q.lengths(), (0, 0));
         assert!(q.next_batch(8).is_none());
     }
 
@@ -416,8 +418,13 @@ mod tests {
         assert_eq!(ids, [&jobs[0].id, &jobs[2].id, &jobs[4].id]);
         assert_eq!(q.position(&jobs[1].id), Some(0));
         assert_eq!(q.position(&jobs[3].id), Some(1));
-        q.done_running();
-        assert_eq!(q.next_batch(1).unwrap()[0].id, jobs[1].id);
+        // A second worker takes the next batch while the first runs.
+        let second = q.next_batch(1).unwrap();
+        assert_eq!(second[0].id, jobs[1].id);
+        assert_eq!(q.lengths(), (1, 4));
+        q.done_running(&batch);
+        assert_eq!(q.running().len(), 1);
+        assert!(Arc::ptr_eq(&q.running()[0], &second[0]));
     }
 
     #[test]

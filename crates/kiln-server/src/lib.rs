@@ -131,13 +131,14 @@ pub(crate) fn key_hash(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
 
-/// What the worker thread tells the server once it has loaded (or failed to).
+/// What a worker thread tells the server once it has loaded (or failed to).
 type Loaded = Result<Vec<ModelInfo>>;
 
-/// Loads the models with `load` on a new worker thread, warms them up, serves until SIGTERM or
-/// Ctrl-C (or `config.stop`), then finishes or cancels the jobs as `config.on_shutdown` says and
-/// returns. Prints `kiln serve: listening on http://ADDR` on stdout once it is ready.
-pub fn serve<L>(config: ServerConfig, load: L) -> Result<()>
+/// Starts one worker thread per loader (one per device or mesh), each loading its copy of the
+/// models with its loader and warming them up; serves until SIGTERM or Ctrl-C (or `config.stop`),
+/// then finishes or cancels the jobs as `config.on_shutdown` says and returns. Prints
+/// `kiln serve: listening on http://ADDR` on stdout once every worker is ready.
+pub fn serve<L>(config: ServerConfig, loaders: Vec<L>) -> Result<()>
 where
     L: FnOnce() -> Result<(Box<dyn Backend>, Vec<ModelInfo>)> + Send + 'static,
 {
@@ -145,40 +146,74 @@ where
     if limits.queue == 0 || limits.max_images == 0 || limits.max_batch == 0 || limits.max_steps == 0 {
         bail!("--queue, --max-images, --max-batch and --max-steps must be at least 1");
     }
+    if loaders.is_empty() {
+        bail!("no device to serve on");
+    }
     let queue = Arc::new(jobs::Queue::new(limits.queue));
     let metrics = Arc::new(metrics::Metrics::default());
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Loaded>();
-    let worker = {
+    let mut workers = Vec::new();
+    for (index, load) in loaders.into_iter().enumerate() {
         let (queue, metrics, warmup) = (queue.clone(), metrics.clone(), config.warmup.clone());
+        let ready_tx = ready_tx.clone();
         let max_batch = limits.max_batch;
-        std::thread::Builder::new().name("kiln-worker".into()).spawn(move || {
-            let (mut backend, models) = match load() {
-                Ok(loaded) => loaded,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                    return;
-                }
-            };
-            if let Err(e) = warm_up(backend.as_mut(), &models, &warmup) {
-                let _ = ready_tx.send(Err(e));
-                return;
+        workers.push(
+            std::thread::Builder::new()
+                .name(format!("kiln-worker-{index}"))
+                .spawn(move || {
+                    let (mut backend, models) = match load() {
+                        Ok(loaded) => loaded,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    if let Err(e) = warm_up(backend.as_mut(), &models, &warmup) {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                    let _ = ready_tx.send(Ok(models.clone()));
+                    drop(ready_tx);
+                    worker::run(backend.as_mut(), &models, &queue, &metrics, max_batch);
+                })?,
+        );
+    }
+    drop(ready_tx);
+    let stop_workers = |workers: Vec<std::thread::JoinHandle<()>>| {
+        queue.close(true);
+        for w in workers {
+            let _ = w.join();
+        }
+    };
+    let mut loaded: Vec<Vec<ModelInfo>> = Vec::new();
+    for _ in 0..workers.len() {
+        match ready_rx.recv() {
+            Ok(Ok(models)) => loaded.push(models),
+            Ok(Err(e)) => {
+                stop_workers(workers);
+                return Err(e);
             }
-            let _ = ready_tx.send(Ok(models.clone()));
-            worker::run(backend.as_mut(), &models, &queue, &metrics, max_batch);
-        })?
-    };
-    let models = match ready_rx.recv() {
-        Ok(Ok(models)) => models,
-        Ok(Err(e)) => {
-            let _ = worker.join();
-            return Err(e);
+            Err(_) => {
+                stop_workers(workers);
+                bail!("a worker thread stopped while loading the models");
+            }
         }
-        Err(_) => {
-            let _ = worker.join();
-            bail!("the worker thread stopped while loading the models");
+    }
+    // Every worker serves the same models (the first one's device stands for the memory budget).
+    let models = loaded.swap_remove(0);
+    for other in &loaded {
+        let names = |m: &[ModelInfo]| m.iter().map(|i| i.name.clone()).collect::<Vec<_>>();
+        if names(other) != names(&models) {
+            stop_workers(workers);
+            bail!(
+                "the workers loaded different models: {:?} and {:?}",
+                names(&models),
+                names(other)
+            );
         }
-    };
+    }
     if models.is_empty() {
+        stop_workers(workers);
         bail!("no model to serve");
     }
     let app = Arc::new(App {
@@ -227,9 +262,11 @@ where
             .await
             .context("serving")
     });
-    // The queue is closed (or the server failed): the worker ends once it is empty.
+    // The queue is closed (or the server failed): the workers end once it is empty.
     queue.close(served.is_err());
-    let _ = worker.join();
+    for w in workers {
+        let _ = w.join();
+    }
     runtime.shutdown_timeout(Duration::from_secs(5));
     served
 }

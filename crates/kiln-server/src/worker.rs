@@ -1,5 +1,6 @@
-//! The worker: one thread per device (or mesh) that owns the loaded models and runs the queue's
-//! batches one after the other. A failing or panicking call fails its jobs; the worker goes on.
+//! A worker: one thread per device (or mesh) that owns its copy of the loaded models and runs
+//! the shared queue's batches one after the other. A failing or panicking call fails its jobs;
+//! the worker goes on.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use crate::metrics::Metrics;
 pub fn run(backend: &mut dyn Backend, models: &[ModelInfo], queue: &Queue, metrics: &Metrics, max_batch_images: usize) {
     while let Some(batch) = queue.next_batch(max_batch_images) {
         run_batch(backend, models, &batch, metrics);
-        queue.done_running();
+        queue.done_running(&batch);
     }
 }
 

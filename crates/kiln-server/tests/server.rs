@@ -84,6 +84,8 @@ struct Options {
     api_key: Option<&'static str>,
     step: Duration,
     on_shutdown: OnShutdown,
+    /// Workers (devices), each with its own fake backend.
+    workers: usize,
 }
 
 impl Default for Options {
@@ -96,6 +98,7 @@ impl Default for Options {
             api_key: None,
             step: Duration::from_millis(5),
             on_shutdown: OnShutdown::Finish,
+            workers: 1,
         }
     }
 }
@@ -114,16 +117,13 @@ fn start(options: Options) -> Server {
         warmup: vec![(32, 32)],
         stop: Some(stop.clone()),
     };
-    let (step, fake_batches) = (options.step, batches.clone());
-    let thread = std::thread::spawn(move || {
-        kiln_server::serve(config, move || {
-            let fake = Fake {
-                step,
-                batches: fake_batches,
-            };
-            Ok((Box::new(fake) as Box<dyn Backend>, vec![fake_model()]))
+    let loaders: Vec<_> = (0..options.workers)
+        .map(|_| {
+            let (step, batches) = (options.step, batches.clone());
+            move || Ok((Box::new(Fake { step, batches }) as Box<dyn Backend>, vec![fake_model()]))
         })
-    });
+        .collect();
+    let thread = std::thread::spawn(move || kiln_server::serve(config, loaders));
     let server = Server {
         base,
         stop,
@@ -719,4 +719,33 @@ fn shutdown_can_cancel_the_jobs_in_flight() {
         assert_eq!(code, 409, "{body}");
         assert!(body.contains("cancelled"));
     }
+}
+
+#[test]
+fn one_worker_per_device_runs_jobs_side_by_side() {
+    let server = start(Options {
+        limits: Limits {
+            max_batch: 1,
+            ..Limits::default()
+        },
+        step: Duration::from_millis(30),
+        workers: 2,
+        ..Options::default()
+    });
+    let a = job(&server, json!({"prompt": "a", "num_inference_steps": 100}));
+    let b = job(&server, json!({"prompt": "b", "num_inference_steps": 100}));
+    wait_status(&server, &a, "running");
+    wait_status(&server, &b, "running");
+    let (_, health) = get(&server, "/health");
+    assert_eq!(
+        (health["running"].as_u64(), health["queued"].as_u64()),
+        (Some(2), Some(0))
+    );
+    let c = job(&server, json!({"prompt": "c", "num_inference_steps": 2}));
+    assert_eq!(get(&server, &format!("/kiln/v1/jobs/{c}")).1["position"], 0);
+    send(&server, "DELETE", &format!("/kiln/v1/jobs/{b}"), None, None);
+    wait_status(&server, &c, "done");
+    send(&server, "DELETE", &format!("/kiln/v1/jobs/{a}"), None, None);
+    wait_status(&server, &a, "cancelled");
+    server.shutdown().unwrap();
 }

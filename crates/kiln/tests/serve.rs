@@ -37,9 +37,15 @@ struct Served {
 
 impl Served {
     fn start(extra: &[&str]) -> Served {
+        Self::start_on(&["--device", "cpu"], &[], extra)
+    }
+
+    fn start_on(devices: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Served {
         let mut child = kiln()
-            .args(["serve", "--device", "cpu", "--port", "0", "--model"])
+            .args(["serve", "--port", "0", "--model"])
             .arg(tiny())
+            .args(devices)
+            .envs(env.iter().copied())
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -468,4 +474,32 @@ fn refuses_a_public_address_without_an_api_key() {
         stderr.contains("--api-key") && stderr.contains("--insecure-public"),
         "{stderr}"
     );
+}
+
+#[test]
+fn one_worker_per_device_each_makes_kiln_generates_image() {
+    let dir = temp_dir("devices");
+    let served = Served::start_on(
+        &["--device", "cpu:0", "--device", "cpu:1"],
+        &[("KILN_CPU_DEVICE_COUNT", "2")],
+        &["--max-batch", "1", "--warmup", "64x64"],
+    );
+    let stderr = served.stderr.lock().unwrap().clone();
+    assert!(stderr.contains("on cpu:0") && stderr.contains("on cpu:1"), "{stderr}");
+    let url = served.url("/v1/images/generations");
+    let body =
+        json!({"prompt": "a red circle on a blue background", "size": "64x64", "num_inference_steps": 3, "seed": 11});
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let (url, body) = (url.clone(), body.clone());
+            std::thread::spawn(move || post(&url, &body))
+        })
+        .collect();
+    let expected = generated(&dir, "a red circle on a blue background", 11, 3, 64);
+    for client in clients {
+        let (code, reply, _) = client.join().unwrap();
+        assert_eq!(code, 200, "{reply}");
+        assert_eq!(b64_png(reply["data"][0]["b64_json"].as_str().unwrap()), expected);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -25,10 +25,12 @@ pub struct ServeArgs {
     /// f32, bf16 or f16.
     #[arg(long, default_value = "f32", help_heading = MODELS)]
     pub dtype: String,
-    /// cpu, cuda[:i], tpu[:i] or auto.
+    /// cpu, cuda[:i], tpu[:i] or auto. Give it several times to run one worker per device, each
+    /// with its own copy of the models, all fed by one queue.
     #[arg(long, default_value = "auto", help_heading = MODELS)]
-    pub device: String,
-    /// Tensor parallelism over N devices of the --device platform (one worker drives the mesh).
+    pub device: Vec<String>,
+    /// Tensor parallelism over N devices of each --device's platform, from its index (one worker
+    /// drives each mesh).
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cmd::generate::count, help_heading = MODELS)]
     pub tp: usize,
     /// How the models run: none, blocks, full or auto (as `kiln generate --compile`).
@@ -147,17 +149,36 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     // Bind before loading: a port in use or a public address without a key fails at once.
     let listener = kiln_server::bind(&args.host, args.port, args.api_key.is_some(), args.insecure_public)?;
-    let device = kiln::open_device(&args.device, args.tp)?;
-    let specs: Vec<ModelSpec> = models
+    let mut devices: Vec<kiln::Device> = Vec::new();
+    for spec in &args.device {
+        let device = kiln::open_device(spec, args.tp)?;
+        if let Some(same) = devices.iter().find(|d| **d == device) {
+            bail!("--device {spec} is {same} again: give each device once");
+        }
+        devices.push(device);
+    }
+    let specs = || -> Vec<ModelSpec> {
+        models
+            .iter()
+            .map(|model| ModelSpec {
+                model: model.clone(),
+                options: LoadOptions {
+                    dtype,
+                    revision: args.revision.clone(),
+                },
+                offload,
+                compile,
+            })
+            .collect()
+    };
+    let loaders: Vec<_> = devices
         .into_iter()
-        .map(|model| ModelSpec {
-            model,
-            options: LoadOptions {
-                dtype,
-                revision: args.revision.clone(),
-            },
-            offload,
-            compile,
+        .map(|device| {
+            let specs = specs();
+            move || {
+                let (backend, infos) = PipelineBackend::load(&specs, &device)?;
+                Ok((Box::new(backend) as Box<dyn Backend>, infos))
+            }
         })
         .collect();
     let config = ServerConfig {
@@ -177,10 +198,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         warmup,
         stop: None,
     };
-    kiln_server::serve(config, move || {
-        let (backend, infos) = PipelineBackend::load(&specs, &device)?;
-        Ok((Box::new(backend) as Box<dyn Backend>, infos))
-    })
+    kiln_server::serve(config, loaders)
 }
 
 #[cfg(test)]
