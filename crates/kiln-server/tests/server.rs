@@ -691,7 +691,11 @@ fn requests_in_flight_at_shutdown(on_shutdown: OnShutdown) -> (Vec<(u16, String)
         })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while get(&server, "/health").1["queued"] != 1 {
+    // Both are in: one runs, the other waits (batches hold one job here).
+    while {
+        let health = get(&server, "/health").1;
+        health["running"] != 1 || health["queued"] != 1
+    } {
         assert!(Instant::now() < deadline, "the requests never both arrived");
         std::thread::sleep(Duration::from_millis(5));
     }
