@@ -245,6 +245,21 @@ fn every_case_schedule_matches() {
                     .set_timesteps(steps, Some(&flux_default_sigmas(steps)), Some(mu))
                     .unwrap_or_else(|e| panic!("{name}: {e}"));
             }
+            "Flux2KleinPipeline" => {
+                // Its cases record no image_seq_len or mu: the sequence is the latent ids' length, and
+                // the schedule below is compared bit for bit.
+                let bytes = read_bytes(&case.join("tensors.safetensors"));
+                let st = SafeTensors::deserialize(&bytes).expect("tensors.safetensors");
+                let shape = st.tensor("latent_ids").expect("latent_ids").shape().to_vec();
+                let seq = shape[shape.len() - 2];
+                scheduler
+                    .set_timesteps(
+                        steps,
+                        Some(&flux_default_sigmas(steps)),
+                        Some(compute_empirical_mu(seq, steps)),
+                    )
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+            }
             "Flux2Pipeline" => {
                 let seq = as_usize(&derived["image_seq_len"], "image_seq_len");
                 let mu = compute_empirical_mu(seq, steps);
