@@ -248,6 +248,29 @@ impl SharedChecks<'_> {
 }
 
 /// `prompt_embeds` and `negative_prompt_embeds` given together must have one shape.
+/// FLUX.1's and FLUX.2's size check for latents packed 2×2 (`multiple` = 2 · vae_scale_factor):
+/// diffusers warns that a size off the grid is resized, and kiln refuses an empty latent grid.
+pub(crate) fn check_packed_size(
+    multiple: usize,
+    height: usize,
+    width: usize,
+    warnings: &mut Vec<String>,
+) -> Result<()> {
+    if !height.is_multiple_of(multiple) || !width.is_multiple_of(multiple) {
+        let msg = format!(
+            "`height` and `width` have to be divisible by {multiple} but are {height} and {width}. Dimensions will be resized accordingly"
+        );
+        tracing::warn!("{msg}");
+        warnings.push(msg);
+    }
+    if height < multiple || width < multiple {
+        return Err(invalid(format!(
+            "`height` and `width` must be at least {multiple} (got {height} and {width}): the latent grid would be empty"
+        )));
+    }
+    Ok(())
+}
+
 pub(crate) fn check_same_shape(prompt_embeds: Option<&Tensor>, negative: Option<&Tensor>) -> Result<()> {
     match (prompt_embeds, negative) {
         (Some(p), Some(np)) if p.dims() != np.dims() => Err(invalid(format!(
@@ -421,6 +444,37 @@ macro_rules! pipeline_call {
     };
     (@or ; $default:expr) => {
         $default
+    };
+    // `From<$from> for $to` between two call structs of this macro that have the same extra fields.
+    (@convert $from:ident => $to:ident { $($extra:ident),* $(,)? }) => {
+        impl<'a> From<$from<'a>> for $to<'a> {
+            fn from(c: $from<'a>) -> Self {
+                $to {
+                    prompt: c.prompt,
+                    prompt_2: c.prompt_2,
+                    negative_prompt: c.negative_prompt,
+                    negative_prompt_2: c.negative_prompt_2,
+                    height: c.height,
+                    width: c.width,
+                    num_inference_steps: c.num_inference_steps,
+                    sigmas: c.sigmas,
+                    guidance_scale: c.guidance_scale,
+                    num_images_per_prompt: c.num_images_per_prompt,
+                    seed: c.seed,
+                    seeds: c.seeds,
+                    latents: c.latents,
+                    prompt_embeds: c.prompt_embeds,
+                    pooled_prompt_embeds: c.pooled_prompt_embeds,
+                    negative_prompt_embeds: c.negative_prompt_embeds,
+                    negative_pooled_prompt_embeds: c.negative_pooled_prompt_embeds,
+                    max_sequence_length: c.max_sequence_length,
+                    output_type: c.output_type,
+                    progress: c.progress,
+                    callback: c.callback,
+                    $( $extra: c.$extra, )*
+                }
+            }
+        }
     };
 }
 pub(crate) use pipeline_call;

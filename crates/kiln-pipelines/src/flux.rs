@@ -10,7 +10,9 @@ use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 use std::time::Instant;
 
-use crate::call::{check_same_shape, denoise, finish_call, pipeline_call, Encoded, OutputType, PipelineOutput};
+use crate::call::{
+    check_packed_size, check_same_shape, denoise, finish_call, pipeline_call, Encoded, OutputType, PipelineOutput,
+};
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
 use crate::pipeline::{components, pipeline_parts, Next, PipelineCore, PipelineParts};
@@ -361,19 +363,7 @@ impl FluxPipeline {
 
     /// diffusers' `check_inputs` (plus the checks `__call__` does early); warnings go to `warnings`.
     fn check_inputs(&self, args: &FluxCall<'_>, height: usize, width: usize, warnings: &mut Vec<String>) -> Result<()> {
-        let multiple = self.vae_scale_factor() * 2;
-        if !height.is_multiple_of(multiple) || !width.is_multiple_of(multiple) {
-            let msg = format!(
-                "`height` and `width` have to be divisible by {multiple} but are {height} and {width}. Dimensions will be resized accordingly"
-            );
-            tracing::warn!("{msg}");
-            warnings.push(msg);
-        }
-        if height < multiple || width < multiple {
-            return Err(invalid(format!(
-                "`height` and `width` must be at least {multiple} (got {height} and {width}): the latent grid would be empty"
-            )));
-        }
+        check_packed_size(self.vae_scale_factor() * 2, height, width, warnings)?;
         args.shared_checks(&[], &[])?;
         if args.sigmas.is_none() && args.num_inference_steps == 0 {
             // diffusers fails here with ZeroDivisionError.

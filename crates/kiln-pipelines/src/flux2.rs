@@ -20,7 +20,7 @@ use kiln_schedulers::{
 use kiln_tensor::{Device, MemoryKind, Tensor};
 use kiln_tokenizers::{Encoded, MistralTokenizer, Qwen3Tokenizer};
 
-use crate::call::{denoise, finish_call, pipeline_call, OutputType, PipelineOutput};
+use crate::call::{check_packed_size, denoise, finish_call, pipeline_call, OutputType, PipelineOutput};
 use crate::error::{invalid, Result};
 use crate::flux::timestep_tensor;
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
@@ -519,19 +519,7 @@ impl Flux2Base {
         if let Some((name, _)) = given.iter().find(|(name, g)| *g && not_arguments.contains(name)) {
             return Err(invalid(format!("`{name}` is not an argument of {}", self.class)));
         }
-        let multiple = self.vae_scale_factor() * 2;
-        if !height.is_multiple_of(multiple) || !width.is_multiple_of(multiple) {
-            let msg = format!(
-                "`height` and `width` have to be divisible by {multiple} but are {height} and {width}. Dimensions will be resized accordingly"
-            );
-            tracing::warn!("{msg}");
-            warnings.push(msg);
-        }
-        if height < multiple || width < multiple {
-            return Err(invalid(format!(
-                "`height` and `width` must be at least {multiple} (got {height} and {width}): the latent grid would be empty"
-            )));
-        }
+        check_packed_size(self.vae_scale_factor() * 2, height, width, warnings)?;
         // FLUX.2 has no pooled embeddings and no limit on `max_sequence_length`.
         let mut checks = args.shared_checks_of(&[], &[]);
         checks.needs_pooled = false;

@@ -39,6 +39,8 @@ pipeline_call! {
     }
 }
 
+pipeline_call!(@convert Flux2KleinCall => Flux2Call { text_encoder_out_layers });
+
 /// The call arguments every pipeline call struct has that `Flux2KleinPipeline.__call__` does not
 /// take.
 const NOT_ARGUMENTS: &[&str] = &[
@@ -101,59 +103,12 @@ impl Flux2KleinPipeline {
             tracing::warn!("{msg}");
             warnings.push(msg);
         }
-        let Flux2KleinCall {
-            prompt,
-            prompt_2,
-            negative_prompt,
-            negative_prompt_2,
-            height,
-            width,
-            num_inference_steps,
-            sigmas,
-            guidance_scale,
-            num_images_per_prompt,
-            seed,
-            seeds,
-            latents,
-            prompt_embeds,
-            pooled_prompt_embeds,
-            negative_prompt_embeds,
-            negative_pooled_prompt_embeds,
-            max_sequence_length,
-            output_type,
-            progress,
-            callback,
-            text_encoder_out_layers,
-        } = args;
         let guidance = match self.does_cfg(scale) {
             true => Flux2Guidance::Cfg(scale),
             false => Flux2Guidance::Unguided,
         };
         // Its arguments are FLUX.2 [dev]'s (the shared stages read them from that struct).
-        let args = Flux2Call {
-            prompt,
-            prompt_2,
-            negative_prompt,
-            negative_prompt_2,
-            height,
-            width,
-            num_inference_steps,
-            sigmas,
-            guidance_scale,
-            num_images_per_prompt,
-            seed,
-            seeds,
-            latents,
-            prompt_embeds,
-            pooled_prompt_embeds,
-            negative_prompt_embeds,
-            negative_pooled_prompt_embeds,
-            max_sequence_length,
-            output_type,
-            progress,
-            callback,
-            text_encoder_out_layers,
-        };
+        let args = Flux2Call::from(args);
         self.base.generate(args, guidance, NOT_ARGUMENTS, warnings)
     }
 }

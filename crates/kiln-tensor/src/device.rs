@@ -116,11 +116,6 @@ pub fn join_process_job(job: ProcessJob) -> Result<()> {
         .map_err(|_| crate::Error::invalid("job", "this process already joined a job"))
 }
 
-/// The job this process joined: (rank, world size), if any.
-pub fn process_job() -> Option<(usize, usize)> {
-    process_job_cell().get().map(|job| (job.rank, job.world_size))
-}
-
 /// The create options a plugin gets for one process of a job. CUDA takes `node_id`, `num_nodes`
 /// and `visible_devices` (this process's chip); libtpu reads its chip and process layout from the
 /// `TPU_*` variables `kiln launch` sets; the CPU plugin validates its option names and knows none

@@ -21,7 +21,7 @@ mod tensor;
 mod trace;
 
 pub use compile::CompiledFunction;
-pub use device::{client_for, job_create_options, join_process_job, process_job, synchronize_all, Device, ProcessJob};
+pub use device::{client_for, job_create_options, join_process_job, synchronize_all, Device, ProcessJob};
 pub use dispatch::{
     op_cache_stats, op_profile, reset_op_profile, set_op_profiling, thread_op_cache_stats, OpCacheStats,
 };
