@@ -1,121 +1,18 @@
 //! `kiln serve` on the bundled tiny model over loopback: images equal to `kiln generate`'s,
 //! batched images equal to unbatched ones, events, cancellation, a load of concurrent clients,
-//! SIGTERM with jobs in flight, the official `openai` Python client, and the web page in headless
-//! Chromium. Every server listens on an ephemeral loopback port; every wait is bounded.
+//! SIGTERM with jobs in flight, several devices (real clients: `serve_clients.rs`). Every server
+//! listens on an ephemeral loopback port; every wait is bounded.
 
-use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+mod serving;
+
+use std::io::{BufRead, BufReader};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serving::{decode_png, generated, kiln, temp_dir, tiny, Served};
+
 use base64::Engine;
 use serde_json::{json, Value};
-
-fn kiln() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
-}
-
-fn tiny() -> PathBuf {
-    kiln_fixtures::tiny_flux()
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-serve-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// A `kiln serve` process.
-struct Served {
-    child: Child,
-    base: String,
-    stderr: Arc<Mutex<String>>,
-}
-
-impl Served {
-    fn start(extra: &[&str]) -> Served {
-        Self::start_on(&["--device", "cpu"], &[], extra)
-    }
-
-    fn start_on(devices: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Served {
-        let mut child = kiln()
-            .args(["serve", "--port", "0", "--model"])
-            .arg(tiny())
-            .args(devices)
-            .envs(env.iter().copied())
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Some(addr) = line.strip_prefix("kiln serve: listening on ") {
-                    let _ = tx.send(addr.to_string());
-                }
-            }
-        });
-        let (err, sink) = (child.stderr.take().unwrap(), stderr.clone());
-        std::thread::spawn(move || {
-            let mut err = err;
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = err.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                sink.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        });
-        let base = match rx.recv_timeout(Duration::from_secs(600)) {
-            Ok(base) => base,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("kiln serve did not start: {}", stderr.lock().unwrap());
-            }
-        };
-        Served { child, base, stderr }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    /// SIGTERM, then the exit status (bounded wait).
-    fn terminate(mut self) -> std::process::ExitStatus {
-        let ok = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(ok.success());
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "kiln serve did not exit after SIGTERM");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn rss_kib(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-        line.split_whitespace().nth(1).unwrap().parse().unwrap()
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn agent() -> ureq::Agent {
     ureq::AgentBuilder::new().timeout(Duration::from_secs(300)).build()
@@ -137,34 +34,8 @@ fn get(url: &str) -> Value {
     agent().get(url).call().unwrap().into_json().unwrap()
 }
 
-fn decode_png(bytes: &[u8]) -> image::RgbImage {
-    image::load_from_memory(bytes).unwrap().to_rgb8()
-}
-
 fn b64_png(b64: &str) -> image::RgbImage {
     decode_png(&base64::engine::general_purpose::STANDARD.decode(b64).unwrap())
-}
-
-/// `kiln generate`'s image on the tiny model.
-fn generated(dir: &Path, prompt: &str, seed: u64, steps: usize, size: usize) -> image::RgbImage {
-    let out = dir.join(format!("generate-{seed}.png"));
-    let result = kiln()
-        .args(["generate", "--device", "cpu", "--model"])
-        .arg(tiny())
-        .args([
-            "--prompt",
-            prompt,
-            "--seed",
-            &seed.to_string(),
-            "--steps",
-            &steps.to_string(),
-        ])
-        .args(["--height", &size.to_string(), "--width", &size.to_string(), "--output"])
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
-    decode_png(&std::fs::read(&out).unwrap())
 }
 
 fn wait_done(served: &Served, id: &str) -> Value {

@@ -2,22 +2,14 @@
 //! virtual environment under the target folder; skipped, saying so, when PyPI cannot be reached)
 //! and the web page in headless Chromium (skipped, saying so, when /usr/bin/chromium is absent).
 
-use std::io::{BufRead, BufReader, Read};
+mod serving;
+
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-fn kiln() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-serve-clients-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+use serving::{generated, temp_dir, Served};
 
 /// Runs `command` for at most `limit`; (success, stdout + stderr), or `None` when it ran too long.
 fn run_bounded(command: &mut Command, limit: Duration) -> Option<(bool, String)> {
@@ -41,66 +33,6 @@ fn run_bounded(command: &mut Command, limit: Duration) -> Option<(bool, String)>
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-}
-
-/// A `kiln serve` process on the tiny model and an ephemeral port.
-struct Served {
-    child: Child,
-    base: String,
-}
-
-impl Served {
-    fn start(extra: &[&str]) -> Served {
-        let mut child = kiln()
-            .args(["serve", "--device", "cpu", "--port", "0", "--model"])
-            .arg(kiln_fixtures::tiny_flux())
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let (tx, rx) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Some(addr) = line.strip_prefix("kiln serve: listening on ") {
-                    let _ = tx.send(addr.to_string());
-                }
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(600))
-            .expect("kiln serve did not start");
-        Served { child, base }
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn generate(dir: &Path, prompt: &str, seed: u64, steps: usize, size: usize) -> image::RgbImage {
-    let out = dir.join("generate.png");
-    let result = kiln()
-        .args(["generate", "--device", "cpu", "--model"])
-        .arg(kiln_fixtures::tiny_flux())
-        .args([
-            "--prompt",
-            prompt,
-            "--seed",
-            &seed.to_string(),
-            "--steps",
-            &steps.to_string(),
-        ])
-        .args(["--height", &size.to_string(), "--width", &size.to_string(), "--output"])
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
-    image::open(&out).unwrap().to_rgb8()
 }
 
 /// A virtual environment with the `openai` package, made once per target folder; `None` (with
@@ -199,7 +131,7 @@ fn the_openai_python_client_gets_the_image_kiln_generate_makes() {
     .expect("the client script ran over 300 s");
     assert!(ok, "{text}");
     let from_client = image::open(&out).unwrap().to_rgb8();
-    let from_cli = generate(&dir, "a red circle on a blue background", 11, 3, 64);
+    let from_cli = generated(&dir, "a red circle on a blue background", 11, 3, 64);
     assert_eq!(from_client, from_cli, "the decoded PNG is kiln generate's");
     drop(served);
     let _ = std::fs::remove_dir_all(&dir);
