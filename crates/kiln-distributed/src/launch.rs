@@ -40,11 +40,7 @@ pub enum Outcome {
     Success,
     /// The first rank to fail, and the exit code the launcher should return (its own, or 128 +
     /// the signal that killed it).
-    Failed {
-        rank: usize,
-        code: i32,
-        description: String,
-    },
+    Failed { rank: usize, code: i32 },
     /// SIGINT or SIGTERM reached the launcher; every rank was stopped.
     Interrupted { signal: i32 },
 }
@@ -340,11 +336,7 @@ pub fn run(config: &LaunchConfig) -> Result<Outcome> {
                 );
             }
             stop_all(&mut ranks, config.stop_grace);
-            break Outcome::Failed {
-                rank,
-                code,
-                description: format!("rank {rank} {description}"),
-            };
+            break Outcome::Failed { rank, code };
         }
         if ranks.iter().all(|r| r.status.is_some()) {
             break Outcome::Success;

@@ -91,6 +91,15 @@ impl Shared {
         out
     }
 
+    /// Polls `check` after every change until it answers.
+    async fn wait_for<T>(
+        &self,
+        check: impl FnMut(&mut State) -> Option<std::result::Result<T, Status>>,
+    ) -> std::result::Result<T, Status> {
+        self.wait_until(None, check, |_| unreachable!("no deadline to pass"))
+            .await
+    }
+
     /// Polls `check` after every change until it answers, or `deadline` passes (`on_timeout`).
     async fn wait_until<T>(
         &self,
@@ -203,19 +212,15 @@ impl Service {
 
     async fn wait_for_key(&self, key: &str) -> std::result::Result<Vec<u8>, Status> {
         self.0
-            .wait_until(
-                None,
-                |state| {
-                    if let Some(value) = state.values.get(key) {
-                        return Some(Ok(value.clone()));
-                    }
-                    if state.stopping {
-                        return Some(Err(Status::aborted("the coordination service is shutting down")));
-                    }
-                    state.failure_status().map(Err)
-                },
-                |_| Status::deadline_exceeded("unreachable: no deadline"),
-            )
+            .wait_for(|state| {
+                if let Some(value) = state.values.get(key) {
+                    return Some(Ok(value.clone()));
+                }
+                if state.stopping {
+                    return Some(Err(Status::aborted("the coordination service is shutting down")));
+                }
+                state.failure_status().map(Err)
+            })
             .await
     }
 }
@@ -290,21 +295,17 @@ impl CoordinationService for Service {
         let seen = request.version_number;
         let response = self
             .0
-            .wait_until(
-                None,
-                |state| {
-                    if state.stopping {
-                        return Some(Err(Status::aborted("the coordination service is shutting down")));
-                    }
-                    (state.version != seen).then(|| {
-                        Ok(WatchTasksResponse {
-                            task_state: (0..state.tasks.len()).map(|rank| state.task_info(rank)).collect(),
-                            version_number: state.version,
-                        })
+            .wait_for(|state| {
+                if state.stopping {
+                    return Some(Err(Status::aborted("the coordination service is shutting down")));
+                }
+                (state.version != seen).then(|| {
+                    Ok(WatchTasksResponse {
+                        task_state: (0..state.tasks.len()).map(|rank| state.task_info(rank)).collect(),
+                        version_number: state.version,
                     })
-                },
-                |_| Status::deadline_exceeded("unreachable: no deadline"),
-            )
+                })
+            })
             .await?;
         Ok(Response::new(response))
     }
@@ -543,16 +544,12 @@ impl CoordinationService for Service {
         self.0.lock().task_id(request.source_task_id)?;
         let never: std::result::Result<(), Status> = self
             .0
-            .wait_until(
-                None,
-                |state| {
-                    if state.stopping {
-                        return Some(Err(Status::aborted("the coordination service is shutting down")));
-                    }
-                    state.failure_status().map(Err)
-                },
-                |_| Status::deadline_exceeded("unreachable: no deadline"),
-            )
+            .wait_for(|state| {
+                if state.stopping {
+                    return Some(Err(Status::aborted("the coordination service is shutting down")));
+                }
+                state.failure_status().map(Err)
+            })
             .await;
         never.map(|()| Response::new(PollForErrorResponse {}))
     }
