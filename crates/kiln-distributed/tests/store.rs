@@ -230,8 +230,8 @@ fn the_store_answers_a_plugins_callbacks_with_xla_codes() {
     assert_eq!(code, kiln_pjrt::KeyValueError::DEADLINE_EXCEEDED);
 }
 
-/// The CPU plugin takes the three callbacks in its create arguments (it never calls them: it has
-/// no multi-process mode), so a job's process creates its client the same way on every platform.
+/// The CPU plugin takes the three callbacks in its create arguments (it has no multi-process mode
+/// to use them), so a job's process creates its client the same way on every platform.
 #[test]
 fn a_cpu_client_is_created_with_the_jobs_callbacks() {
     let Ok(location) = kiln_pjrt::SearchPaths::from_environment().find(Some(kiln_pjrt::Platform::Cpu)) else {
