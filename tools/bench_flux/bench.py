@@ -13,6 +13,15 @@ times both engines on the same folder, prompt and steps, for each dtype (--dtype
       shift 3.0. Guidance 7.0 is classifier-free guidance, so each step runs the transformer on a
       batch of 2 ([negative; prompt]), as diffusers does; at 512² a step then costs about what the
       scaled FLUX's does (64 against 60 GFLOP per step). Folder target/bench_sd3_model.
+  flux_wide, sd3_wide: FLUX.1 and SD3.5 Medium at their real widths with few blocks (FLUX.1: 1 double + 2 single
+      of 3072, 24 x 128 heads; SD3.5 Medium: 2 blocks of 1536, 24 x 64 heads), T5 at 4096 (one layer), the real
+      VAE widths (128 to 512). Folders target/bench_flux_wide_model, target/bench_sd3_wide_model.
+  flux2: Flux2Pipeline (FLUX.2 [dev]) at the same scale: 2 double + 4 single blocks of width 512 (8 heads x 64),
+      a 40-layer Mistral text model of width 256 read at layers 10, 20, 30, the 32-channel VAE at the scaled
+      widths; guidance 4.0 is embedded. Folder target/bench_flux2_model.
+  flux2_klein: Flux2KleinPipeline (FLUX.2 [klein] 4B, distilled): 1 double + 4 single blocks of width 512, a
+      36-layer Qwen3 of width 256 read at layers 9, 18, 27, the same VAE; guidance 1.0 (distilled: none).
+      Folder target/bench_flux2_klein_model.
 
   diffusers (--torch-modes): eager; regional = pipe.transformer.compile_repeated_blocks(fullgraph=True)
       (torch.compile of each repeated transformer block; FLUX only: diffusers 0.42.1's
@@ -165,6 +174,181 @@ def build_sd3(folder: Path, seed: int = 0) -> None:
     pipe.save_pretrained(folder, safe_serialization=True)
 
 
+def build_flux_wide(folder: Path, seed: int = 0) -> None:
+    """FLUX.1 at its real widths with few blocks: 1 double + 2 single blocks of 3072 (24 heads x 128, RoPE axes
+    16/56/56), T5 at 4096 (one layer, 64 heads x 64, d_ff 10240), CLIP-L's 768, FLUX.1's VAE (128 to 512
+    channels). Where the scaled model hides where the time goes at real sizes."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+        guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+    )
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=1,
+        num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
+        projection_dim=768, eos_token_id=2, bos_token_id=0, pad_token_id=1,
+    ))
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=1, num_heads=64,
+        feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, is_encoder_decoder=False,
+    ))
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    pipe = FluxPipeline(
+        scheduler=scheduler, text_encoder=clip, tokenizer=CLIPTokenizer.from_pretrained(ORACLE_TOKENIZERS / "clip"),
+        text_encoder_2=t5, tokenizer_2=T5TokenizerFast.from_pretrained(ORACLE_TOKENIZERS / "t5"),
+        transformer=transformer, vae=vae,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def build_sd3_wide(folder: Path, seed: int = 0) -> None:
+    """SD3.5 Medium at its real widths with few blocks: 2 MMDiT blocks of 1536 (24 heads x 64), the first with
+    dual attention, CLIP-L 768 and CLIP-G 1280 (one layer each), T5 at 4096 (one layer), SD3's VAE (128 to 512)."""
+    import torch
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+    from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
+                              T5TokenizerFast)
+
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=64,
+        num_attention_heads=24, caption_projection_dim=1536, joint_attention_dim=4096,
+        pooled_projection_dim=768 + 1280, pos_embed_max_size=384, dual_attention_layers=(0,), qk_norm="rms_norm",
+    )
+
+    def clip(width, heads, act):
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=49408, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=1,
+            num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=width,
+            eos_token_id=2, bos_token_id=0, pad_token_id=1,
+        ))
+
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=1, num_heads=64,
+        feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, is_encoder_decoder=False,
+    ))
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2, norm_num_groups=32, scaling_factor=1.5305, shift_factor=0.0609,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=clip(768, 12, "quick_gelu"), tokenizer=CLIPTokenizer.from_pretrained(ORACLE_TOKENIZERS / "clip"),
+        text_encoder_2=clip(1280, 20, "gelu"),
+        tokenizer_2=CLIPTokenizer.from_pretrained(ORACLE_TOKENIZERS / "clip_pad_bang"),
+        text_encoder_3=t5, tokenizer_3=T5TokenizerFast.from_pretrained(ORACLE_TOKENIZERS / "t5"),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def unpacked(folder: Path, into: Path) -> Path:
+    """A copy of a fixture folder (symlinks followed) with its .xz files decompressed, as diffusers reads it."""
+    import lzma
+    import shutil
+
+    for src in sorted(folder.rglob("*")):
+        if src.is_dir():
+            continue
+        dst = into / src.relative_to(folder)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.suffix == ".xz":
+            dst.with_suffix("").write_bytes(lzma.decompress(src.read_bytes()))
+        else:
+            shutil.copyfile(src, dst)
+    return into
+
+
+def flux2_transformer(double: int, single: int, text_width: int, guidance: bool):
+    """Flux2Transformer2DModel at the scaled FLUX.1's width: 8 heads x 64 (real: 48 x 128 for [dev], 24 x 128 for
+    [klein] 4B), the 4-axis RoPE split evenly, 128 input channels (32 latent channels x 2x2) as in the real ones."""
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel(
+        patch_size=1, in_channels=128, num_layers=double, num_single_layers=single, attention_head_dim=64,
+        num_attention_heads=8, joint_attention_dim=3 * text_width, timestep_guidance_channels=256, mlp_ratio=3.0,
+        axes_dims_rope=(16, 16, 16, 16), rope_theta=2000, eps=1e-6, guidance_embeds=guidance,
+    )
+
+
+def flux2_vae():
+    """AutoencoderKLFlux2 with the scaled FLUX.1 VAE's widths (real: 128, 256, 512, 512): 32 latent channels,
+    quant convs, BatchNorm statistics over the 2x2-patchified latents."""
+    from diffusers import AutoencoderKLFlux2
+
+    return AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(64, 128, 256, 256), layers_per_block=2,
+        latent_channels=32, norm_num_groups=32, patch_size=(2, 2), use_quant_conv=True, use_post_quant_conv=True,
+    )
+
+
+def build_flux2(folder: Path, seed: int = 0) -> None:
+    """FLUX.2 [dev]'s layout: Mistral3ForConditionalGeneration (the oracle's tiny vision tower; a 40-layer text
+    model of width 256, 4 heads x 64, 2 KV heads, of which FLUX.2 reads layers 10, 20, 30), the oracle's Mistral
+    tokenizer and chat template, a 2 + 4 block transformer with embedded guidance, the 32-channel VAE."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralProcessor
+
+    oracle = REPO / "fixtures/oracle/pipelines/flux2_dev"
+    torch.manual_seed(seed)
+    config = Mistral3Config.from_pretrained(oracle / "text_encoder")
+    text = config.text_config
+    text.hidden_size, text.head_dim, text.num_attention_heads, text.num_key_value_heads = 256, 64, 4, 2
+    text.intermediate_size, text.num_hidden_layers = 1024, 40
+    with tempfile.TemporaryDirectory(prefix="bench_flux2_tokenizer_") as tmp:
+        processor = PixtralProcessor.from_pretrained(unpacked(oracle / "tokenizer", Path(tmp)))
+        pipe = Flux2Pipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(oracle / "scheduler"), vae=flux2_vae(),
+            text_encoder=Mistral3ForConditionalGeneration(config), tokenizer=processor,
+            transformer=flux2_transformer(2, 4, text.hidden_size, guidance=True),
+        )
+        pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def build_flux2_klein(folder: Path, seed: int = 0) -> None:
+    """FLUX.2 [klein] 4B's layout (distilled): Qwen3ForCausalLM with 36 layers of width 256 (4 heads x 64, 2 KV
+    heads, q/k RMSNorm, tied embeddings) of which klein reads layers 9, 18, 27, the oracle's Qwen3 tokenizer and
+    chat template, a 1 + 4 block transformer without guidance embedding (real: 5 + 20), the 32-channel VAE."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    oracle = REPO / "fixtures/oracle/pipelines/flux2_klein"
+    torch.manual_seed(seed)
+    config = Qwen3Config.from_pretrained(oracle / "text_encoder")
+    config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads = 256, 64, 4, 2
+    config.intermediate_size, config.num_hidden_layers, config.max_window_layers = 1024, 36, 36
+    config.layer_types = ["full_attention"] * 36
+    with tempfile.TemporaryDirectory(prefix="bench_klein_tokenizer_") as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(unpacked(oracle / "tokenizer", Path(tmp)))
+        pipe = Flux2KleinPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(oracle / "scheduler"), vae=flux2_vae(),
+            text_encoder=Qwen3ForCausalLM(config), tokenizer=tokenizer,
+            transformer=flux2_transformer(1, 4, config.hidden_size, guidance=False), is_distilled=True,
+        )
+        pipe.save_pretrained(folder, safe_serialization=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What differs between the benchmarked pipelines."""
@@ -177,6 +361,8 @@ class Spec:
     # FLUX's issue also set goals for kiln's compile time and warm start.
     compile_goals: bool
     note: str = ""
+    # FLUX.2's issues also set: every kiln mode's end to end <= 1.0 x the best diffusers end to end.
+    e2e_goal: bool = False
 
 
 PIPELINES = {
@@ -187,6 +373,18 @@ PIPELINES = {
                 "eager,full", False,
                 "torch.compile regional is not run: diffusers 0.42.1's SD3Transformer2DModel has no "
                 "_repeated_blocks, so compile_repeated_blocks raises."),
+    "flux_wide": Spec("FluxPipeline", build_flux_wide, "target/bench_flux_wide_model",
+                      "FLUX.1 at real widths (1+2 blocks of 3072, 24 x 128 heads, T5 4096, real VAE), guidance "
+                      "embedded", 3.5, "eager,regional,full", False),
+    "sd3_wide": Spec("StableDiffusion3Pipeline", build_sd3_wide, "target/bench_sd3_wide_model",
+                     "SD3.5 Medium at real widths (2 MMDiT blocks of 1536, 1 dual, 24 x 64 heads, T5 4096, real VAE), "
+                     "CFG: transformer batch 2", 7.0, "eager,full", False),
+    "flux2": Spec("Flux2Pipeline", build_flux2, "target/bench_flux2_model",
+                  "scaled FLUX.2 [dev] (2+4 blocks, width 512, 40-layer Mistral of width 256), guidance embedded",
+                  4.0, "eager,regional,full", False, e2e_goal=True),
+    "flux2_klein": Spec("Flux2KleinPipeline", build_flux2_klein, "target/bench_flux2_klein_model",
+                        "scaled FLUX.2 [klein] distilled (1+4 blocks, width 512, 36-layer Qwen3 of width 256), "
+                        "no guidance", 1.0, "eager,regional,full", False, e2e_goal=True),
 }
 
 
@@ -241,7 +439,7 @@ def run_diffusers_in(args) -> dict:
             return kw
 
         t0 = time.perf_counter()
-        out = pipe(args.prompt, height=args.height, width=args.width, num_inference_steps=args.steps,
+        out = pipe(prompt=args.prompt, height=args.height, width=args.width, num_inference_steps=args.steps,
                    guidance_scale=args.guidance, max_sequence_length=args.max_sequence_length,
                    generator=torch.Generator("cpu").manual_seed(0), callback_on_step_end=on_step)
         e2e = time.perf_counter() - t0
@@ -434,6 +632,12 @@ def report(results: list, args, dtype: str, size: int) -> None:
              "compile_s", t_compile / 10, 2),
             ("kiln warm start (load + first call - steady call) <= 2 s", kiln_compiled, "warm_start_s", 2.0, 2),
         ]
+    if spec.e2e_goal:
+        torch_e2e = [(row["e2e_s_median"], m) for (e, m), row in rows.items()
+                     if e == "diffusers" and not math.isnan(row["e2e_s_median"])]
+        best_e2e, best_mode = min(torch_e2e) if torch_e2e else (NAN, "none")
+        goals.append((f"kiln end to end <= 1.0 x best diffusers end to end ({fmt(best_e2e)} s, {best_mode})",
+                      kiln_eager + kiln_compiled, "e2e_s_median", best_e2e, 3))
     print(f"\ngoals, {dtype} {size}x{size}:")
     for i, (text, kiln_rows, key, limit, digits) in enumerate(goals, 1):
         verdicts = []
@@ -510,7 +714,7 @@ def main():
     p.add_argument("--height", type=int, default=512, help="with --engine diffusers")
     p.add_argument("--width", type=int, default=512, help="with --engine diffusers")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--guidance", type=float, help="default: FLUX 3.5 (embedded), SD3 7.0 (classifier-free)")
+    p.add_argument("--guidance", type=float, help="default: FLUX 3.5 (embedded), SD3 7.0 (classifier-free), FLUX.2 [dev] 4.0 (embedded), [klein] 1.0")
     p.add_argument("--max-sequence-length", type=int, default=128)
     p.add_argument("--dtype", default="f32", help="with --engine diffusers")
     p.add_argument("--dtypes", default="f32,bf16")
