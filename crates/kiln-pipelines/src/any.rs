@@ -511,6 +511,35 @@ impl AnyPipeline {
         uses_guidance.then_some(scale)
     }
 
+    /// The embeddings of `prompt` computed with only the text encoder loaded, on `device`, with
+    /// the pipeline's out layers and the model's `max_sequence_length` unless given: the
+    /// transformer's and the VAE's weights are never read. FLUX.2 [dev] and [klein] (one text
+    /// encoder each); FLUX.1 and SD3 answer an error saying so.
+    pub fn encode_prompt_text_encoder_only(
+        &self,
+        prompt: &str,
+        max_sequence_length: Option<usize>,
+        device: &Device,
+    ) -> Result<kiln_tensor::Tensor> {
+        let len = max_sequence_length.unwrap_or(self.defaults.max_sequence_length);
+        let prompt = [prompt.to_string()];
+        match &self.pipe {
+            Loaded::Flux2(p) => {
+                p.encode_prompt_text_encoder_only(&prompt, len, &Flux2Call::default().text_encoder_out_layers, device)
+            }
+            Loaded::Flux2Klein(p) => p.encode_prompt_text_encoder_only(
+                &prompt,
+                len,
+                &Flux2KleinCall::default().text_encoder_out_layers,
+                device,
+            ),
+            Loaded::Flux(_) | Loaded::StableDiffusion3(_) => Err(invalid(format!(
+                "encoding with the text encoder alone is implemented for FLUX.2 [dev] and [klein], not for {}",
+                self.kind.class_name()
+            ))),
+        }
+    }
+
     pub fn kind(&self) -> PipelineKind {
         self.kind
     }

@@ -274,23 +274,59 @@ impl Flux2Base {
         let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
         let tokens = tokenizer.encode(&texts, max_sequence_length)?;
         let ids = Tensor::from_slice(&tokens.input_ids, tokens.shape(), device)?;
-        let dtype = self.core.dtype();
         let embeds = self.core.run("text_encoder", text_encoder, &[], next, |te| {
-            let out = te.forward_with_host_inputs(&ids, &tokens.input_ids, Some(&tokens.attention_mask))?;
-            let loaded = te.hidden_state_indices();
-            let parts = layers
-                .iter()
-                .map(|k| {
-                    let at = loaded
-                        .iter()
-                        .position(|i| i == k)
-                        .ok_or_else(|| self.out_layer_error(*k))?;
-                    Ok(&out.hidden_states[at])
-                })
-                .collect::<Result<Vec<&Tensor>>>()?;
-            Ok(Tensor::cat(&parts, -1)?.to_dtype(dtype)?)
+            self.stacked_hidden_states(te, &ids, &tokens, layers)
         })?;
         Ok(embeds.repeat_interleave(images_per_prompt, 0)?)
+    }
+
+    /// The text encoder's hidden states `layers` for `tokens` (`ids` on its device), concatenated
+    /// per token, in the pipeline's dtype.
+    fn stacked_hidden_states(
+        &self,
+        text_encoder: &TextDecoderModel,
+        ids: &Tensor,
+        tokens: &Encoded,
+        layers: &[usize],
+    ) -> Result<Tensor> {
+        let out = text_encoder.forward_with_host_inputs(ids, &tokens.input_ids, Some(&tokens.attention_mask))?;
+        let loaded = text_encoder.hidden_state_indices();
+        let parts = layers
+            .iter()
+            .map(|k| {
+                let at = loaded
+                    .iter()
+                    .position(|i| i == k)
+                    .ok_or_else(|| self.out_layer_error(*k))?;
+                Ok(&out.hidden_states[at])
+            })
+            .collect::<Result<Vec<&Tensor>>>()?;
+        Ok(Tensor::cat(&parts, -1)?.to_dtype(self.core.dtype())?)
+    }
+
+    /// The prompt embeddings ([`Self::encode_prompt`]'s) with only the text encoder loaded, on
+    /// `device`, and dropped afterwards: the transformer's and the VAE's weights are never read
+    /// (BFL's remote text encoder computes embeddings this way for a machine that loads none).
+    pub(crate) fn encode_prompt_text_encoder_only(
+        &self,
+        prompt: &[String],
+        max_sequence_length: usize,
+        text_encoder_out_layers: &[usize],
+        device: &Device,
+    ) -> Result<Tensor> {
+        if prompt.is_empty() {
+            return Err(invalid("`prompt` is an empty list: give at least one prompt"));
+        }
+        self.check_out_layers(text_encoder_out_layers)?;
+        let (Some(config), Some(tokenizer)) = (&self.text_encoder_config, &self.tokenizer) else {
+            return Err(self.no_text_encoder());
+        };
+        let weights = self.core.weights("text_encoder", device, MemoryKind::Device)?;
+        let text_encoder = TextDecoderModel::load(config, &weights, &self.text_encoder_hidden_states)?;
+        let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
+        let tokens = tokenizer.encode(&texts, max_sequence_length)?;
+        let ids = Tensor::from_slice(&tokens.input_ids, tokens.shape(), device)?;
+        self.stacked_hidden_states(&text_encoder, &ids, &tokens, text_encoder_out_layers)
     }
 
     /// A call (`pipe(prompt=..., ...)`) with `guidance`; the arguments `not_arguments` names
@@ -630,6 +666,18 @@ macro_rules! flux2_shared_methods {
                 max_sequence_length,
                 text_encoder_out_layers,
             )
+        }
+        /// `encode_prompt` (one row per prompt) with only the text encoder loaded on `device`,
+        /// and dropped afterwards; the transformer and the VAE are never read.
+        pub fn encode_prompt_text_encoder_only(
+            &self,
+            prompt: &[String],
+            max_sequence_length: usize,
+            text_encoder_out_layers: &[usize],
+            device: &kiln_tensor::Device,
+        ) -> $crate::Result<kiln_tensor::Tensor> {
+            self.base
+                .encode_prompt_text_encoder_only(prompt, max_sequence_length, text_encoder_out_layers, device)
         }
         /// The schedule of a call: `sigmas`, or `linspace(1, 1/N, N)` for
         /// `N = num_inference_steps`, shifted with `mu = compute_empirical_mu(image_seq_len,

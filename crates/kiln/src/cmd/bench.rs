@@ -1,4 +1,4 @@
-//! `kiln bench`: times a FLUX.1 or SD3 pipeline the way `tools/bench_flux/bench.py` times diffusers.
+//! `kiln bench`: times a pipeline (FLUX.1, SD3, FLUX.2 [dev], [klein]) the way `tools/bench_flux/bench.py` times diffusers.
 
 use kiln::DiffusionPipeline;
 use std::path::PathBuf;
@@ -50,6 +50,10 @@ pub struct BenchArgs {
     /// Print the results as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+    /// Load only the text encoder, encode the prompt once and report the time and the peak
+    /// resident memory (FLUX.2 [dev] and [klein]); the transformer and VAE are never read.
+    #[arg(long)]
+    pub text_encoder_only: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -139,6 +143,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let t_load = Instant::now();
     let mut pipe = AnyPipeline::from_pretrained(&args.model, &LoadOptions { dtype, revision: None })
         .with_context(|| format!("loading {}", args.model))?;
+    if args.text_encoder_only {
+        return text_encoder_only(&pipe, &args, &device, dtype, secs(t_load.elapsed()));
+    }
     pipe.set_offload(offload, &device)?;
     pipe.compile(compile);
     let pipeline = pipe.kind();
@@ -252,6 +259,52 @@ pub fn run(args: BenchArgs) -> Result<()> {
             secs(*d),
             100.0 * secs(*d) / op_total.max(1e-12)
         );
+    }
+    Ok(())
+}
+
+/// `--text-encoder-only`: the prompt encoded once with only the text encoder loaded; the time of
+/// opening the folder, of loading and encoding, and the peak resident memory.
+fn text_encoder_only(
+    pipe: &AnyPipeline,
+    args: &BenchArgs,
+    device: &kiln::Device,
+    dtype: DType,
+    open_s: f64,
+) -> Result<()> {
+    let t = Instant::now();
+    let embeds = pipe.encode_prompt_text_encoder_only(&args.prompt, Some(args.max_sequence_length), device)?;
+    let dims = embeds.dims().to_vec();
+    // Waits for the device: the time includes the encoder's work, not only its dispatch.
+    kiln::synchronize_all()?;
+    drop(embeds);
+    let encode_s = secs(t.elapsed());
+    let result = serde_json::json!({
+        "engine": "kiln",
+        "pipeline": pipe.kind().class_name(),
+        "model": args.model,
+        "dtype": dtype.to_string(),
+        "device": device.to_string(),
+        "stage": "text_encoder",
+        "max_sequence_length": args.max_sequence_length,
+        "prompt_embeds_shape": dims,
+        "load_s": open_s,
+        "encode_s": encode_s,
+        "peak_rss_mib": peak_rss_mib(),
+    });
+    if args.json {
+        println!("{result}");
+    } else {
+        println!(
+            "kiln bench --text-encoder-only: {} ({}) {dtype}: prompt_embeds {dims:?}",
+            args.model,
+            pipe.kind().class_name()
+        );
+        println!("  open folder        {open_s:8.3} s");
+        println!("  load + encode      {encode_s:8.3} s");
+        if let Some(m) = peak_rss_mib() {
+            println!("  peak RSS           {m:8.0} MiB");
+        }
     }
     Ok(())
 }
