@@ -49,6 +49,12 @@ engines computing different images would be worthless.
     VENV/bin/python tools/bench_flux/bench.py --kiln target/release/kiln --sizes 512,1024 --out bench.json
     VENV/bin/python tools/bench_flux/bench.py --pipeline sd3 --kiln target/release/kiln --sizes 512,1024 --out sd3.json
 
+Text encoder alone (--text-encoder-memory, FLUX.2 pipelines): each engine loads only the text encoder and encodes
+the prompt once, one process each, per dtype and round: peak resident memory and time (diffusers loads every layer
+of the encoder; kiln only those up to the last hidden state FLUX.2 reads).
+
+    VENV/bin/python tools/bench_flux/bench.py --pipeline flux2 --text-encoder-memory --rounds 3
+
 Offload comparison (--offload-modes none,model,sequential, instead of the compile comparison): kiln
 `bench --offload none|model|sequential` (--offload-compile, default none) against diffusers with no offload,
 `enable_model_cpu_offload()` and `enable_group_offload(onload_device, offload_device=cpu, offload_type="block_level",
@@ -479,6 +485,69 @@ def run_diffusers_in(args) -> dict:
     return result
 
 
+def run_diffusers_text_encoder(args) -> dict:
+    """The pipeline with only its text encoder (transformer=None, vae=None, as diffusers allows), loaded and
+    the prompt encoded once with `encode_prompt`: the time and the peak resident memory."""
+    import diffusers
+    import torch
+
+    torch.set_num_threads(args.threads)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    result = {"engine": "diffusers", "pipeline": PIPELINES[args.pipeline].class_name, "stage": "text_encoder",
+              "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    t = time.perf_counter()
+    pipe = getattr(diffusers, PIPELINES[args.pipeline].class_name).from_pretrained(
+        args.model, transformer=None, vae=None, torch_dtype=dtype)
+    result["load_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    with torch.inference_mode():
+        embeds = pipe.encode_prompt(prompt=args.prompt, max_sequence_length=args.max_sequence_length)[0]
+    result["encode_s"] = time.perf_counter() - t
+    result["prompt_embeds_shape"] = list(embeds.shape)
+    result["peak_rss_mib"] = peak_rss_mib()
+    return result
+
+
+def text_encoder_memory(args) -> None:
+    """FLUX.2: each engine loads only the text encoder and encodes the prompt once, in its own process, per dtype
+    and round; peak resident memory and time, medians over rounds."""
+    rows = []
+    for dtype in args.dtypes.split(","):
+        for _ in range(args.rounds):
+            common = ["--model", str(args.model), "--prompt", args.prompt, "--dtype", dtype,
+                      "--max-sequence-length", str(args.max_sequence_length)]
+            torch_cmd = [sys.executable, __file__, "--engine", "diffusers-text-encoder", "--pipeline", args.pipeline,
+                         "--threads", str(args.threads), *common]
+            kiln_cmd = [args.kiln, "bench", "--text-encoder-only", "--json", "--device", args.device, *common]
+            for engine, cmd in (("diffusers", torch_cmd), ("kiln", kiln_cmd)):
+                r = run_process(cmd, {})
+                r.update(engine=engine, dtype=dtype)
+                rows.append(r)
+                print(f"{engine:9} text encoder {dtype:4}: " + (f"ERROR {r['error'][:200]}" if "error" in r else
+                      f"peak {r['peak_rss_mib']:.0f} MiB, load {r['load_s']:.2f} s, encode {r['encode_s']:.2f} s"),
+                      file=sys.stderr)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    spec = PIPELINES[args.pipeline]
+    print(f"\n### text encoder alone, {spec.title}: load it and encode one prompt (text length "
+          f"{args.max_sequence_length}), {args.rounds} round(s)\n")
+    print("| engine | dtype | peak RSS MiB | open s | load + encode s | peak RSS / diffusers' | notes |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        by = {e: [r for r in rows if (r["engine"], r["dtype"]) == (e, dtype)] for e in ("diffusers", "kiln")}
+        summary = {e: {k: med(r.get(k, NAN) for r in rs) for k in ("peak_rss_mib", "load_s", "encode_s")}
+                   for e, rs in by.items()}
+        for e, rs in by.items():
+            row = summary[e]
+            errors = "; ".join(sorted({r["error"] for r in rs if "error" in r}))[:200]
+            print(f"| {'torch' if e == 'diffusers' else 'kiln'} | {dtype} | {fmt(row['peak_rss_mib'], 0)} | "
+                  f"{fmt(row['load_s'], 2)} | {fmt(row['encode_s'], 2)} | "
+                  f"{fmt(row['peak_rss_mib'] / summary['diffusers']['peak_rss_mib'], 2)} | {errors} |")
+    print("\ndiffusers: from_pretrained(transformer=None, vae=None) (open s: loading the text encoder) + encode_prompt; "
+          "kiln: bench --text-encoder-only (open s: parsing the folder and mapping the files; the text encoder's "
+          "layers are read during load + encode, only those up to the last hidden state used).")
+
+
 def run_process(cmd: list, env: dict) -> dict:
     """The last JSON line a process prints, or {"error": ...} when it fails without one."""
     out = subprocess.run(cmd, capture_output=True, text=True,
@@ -703,8 +772,11 @@ def report_offload(results: list, args, dtype: str, size: int) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=["both", "diffusers"], default="both",
-                   help="diffusers: run one diffusers process (--torch-mode, --height, --width, --dtype) and print its JSON")
+    p.add_argument("--engine", choices=["both", "diffusers", "diffusers-text-encoder"], default="both",
+                   help="diffusers: run one diffusers process (--torch-mode, --height, --width, --dtype) and print its "
+                        "JSON; diffusers-text-encoder: one process that loads only the text encoder and encodes")
+    p.add_argument("--text-encoder-memory", action="store_true",
+                   help="FLUX.2: compare peak memory of loading the text encoder alone and encoding (both engines)")
     p.add_argument("--pipeline", choices=sorted(PIPELINES), default="flux",
                    help="the scaled model to build and time (default folder target/bench_<pipeline>_model)")
     p.add_argument("--model", type=Path, help="the model folder (built there when it has no model_index.json)")
@@ -747,12 +819,20 @@ def main():
     if args.engine == "diffusers":
         print(json.dumps(run_diffusers(args)))
         return
+    if args.engine == "diffusers-text-encoder":
+        print(json.dumps(run_diffusers_text_encoder(args)))
+        return
     if not (args.model / "model_index.json").is_file():
         print(f"building the scaled {spec.class_name} in {args.model}", file=sys.stderr)
         spec.build(args.model)
     with open(args.model / "model_index.json") as f:
         if json.load(f)["_class_name"] != spec.class_name:
             p.error(f"{args.model} is not a {spec.class_name} folder (--pipeline {args.pipeline})")
+    if args.text_encoder_memory:
+        if args.pipeline not in ("flux2", "flux2_klein"):
+            p.error("--text-encoder-memory: FLUX.2 pipelines only (flux2, flux2_klein)")
+        text_encoder_memory(args)
+        return
     sizes, dtypes = [int(s) for s in args.sizes.split(",")], args.dtypes.split(",")
     results = []
     images = tempfile.TemporaryDirectory(prefix="bench_images_")
