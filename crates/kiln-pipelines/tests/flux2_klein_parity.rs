@@ -433,7 +433,11 @@ fn klein_with_splittable_text_encoder(tag: &str) -> PathBuf {
         std::os::unix::fs::symlink(folder("flux2_klein").join(sub), dir.join(sub)).unwrap();
     }
     std::os::unix::fs::symlink(kiln_testing::qwen3_tp().join("text_encoder"), dir.join("text_encoder")).unwrap();
-    std::fs::copy(folder("flux2_klein").join("model_index.json"), dir.join("model_index.json")).unwrap();
+    std::fs::copy(
+        folder("flux2_klein").join("model_index.json"),
+        dir.join("model_index.json"),
+    )
+    .unwrap();
     dir
 }
 
