@@ -66,6 +66,24 @@ pub fn tiny_flux() -> PathBuf {
     dir
 }
 
+/// This repo's `fixtures/qwen3_tp`: a tiny Qwen3 text encoder with 4 KV heads (8 heads, so 1, 2
+/// and 4 devices split it) and transformers' / diffusers' goldens for it
+/// (`tools/fixtures/make_qwen3_tp.py`), packed like the oracle.
+pub fn qwen3_tp_dir() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/qwen3_tp"))
+}
+
+/// This repo's `fixtures/qwen3_tp`, complete (unpacked in place, checked once per process). Panics
+/// with the reason when that fails (it is meant for tests).
+pub fn qwen3_tp() -> PathBuf {
+    static DONE: OnceLock<Result<(), String>> = OnceLock::new();
+    let dir = qwen3_tp_dir();
+    if let Err(e) = DONE.get_or_init(|| unpack(&dir).map(|_| ()).map_err(|e| e.to_string())) {
+        panic!("unpacking {}: {e}", dir.display());
+    }
+    dir
+}
+
 /// The packed `assets/tiny-flux` beside an oracle folder laid out as in the repo
 /// (`<oracle>/../../assets/tiny-flux` with a `PACK.json`), whose files the oracle's links point to.
 pub fn linked_assets(oracle: &Path) -> Option<PathBuf> {

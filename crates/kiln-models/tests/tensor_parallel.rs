@@ -304,6 +304,129 @@ fn mistral_with_fewer_kv_heads_than_devices_is_refused_naming_the_key() {
     assert_eq!(w.bytes_read(), 0);
 }
 
+/// The decoder of `fixtures/qwen3_tp` (8 heads and 4 KV heads of 8: grouped-query attention with
+/// two query heads per KV head on every device) loaded with `config` for hidden states 9, 18 and
+/// 27 against transformers' `{family}.hidden_states.*` (and, concatenated per token, diffusers'
+/// klein prompt embeddings) on 1, 2 and 4 devices, eager and compiled (whole and per layer),
+/// within the one-device text-encoder tolerance (`2e-4 + 1e-4·|b|`); every member within 1e-5 of
+/// one device relative to the largest value (max |Δ| / absmax); each member holds 1/N of every planned weight (q/k/v, o, gate/up/down) and all of
+/// the rest (embedding, norms, Qwen3's q/k norms); nothing after layer 26 is read.
+fn decoder_on_one_two_and_four_devices(config: &impl kiln_models::text_decoder::TextDecoderConfig, family: &str) {
+    use kiln_models::text_decoder::TextDecoderModel;
+    let fixture = kiln_testing::qwen3_tp();
+    let dir = fixture.join("text_encoder");
+    let g = goldens(&fixture.join("goldens.safetensors"));
+    let arch = config.arch().unwrap();
+    assert_eq!((arch.num_attention_heads, arch.num_key_value_heads), (8, 4));
+    let (ids, mask) = (&g["qwen.input_ids"], &g["qwen.attention_mask"]);
+    let layers = [9, 18, 27];
+    let key = |k: usize| format!("{family}.hidden_states.{k}");
+    // diffusers' klein prompt embeddings: the hidden states concatenated per token (the fixture's
+    // generator checks that `_get_qwen3_prompt_embeds` gives exactly these).
+    let parts: Vec<Vec<f32>> = layers.iter().map(|&k| g[&key(k)].f32()).collect();
+    let hidden = arch.hidden_size;
+    let stacked: Vec<f32> = (0..parts[0].len() / hidden)
+        .flat_map(|t| parts.iter().flat_map(move |p| p[t * hidden..(t + 1) * hidden].to_vec()))
+        .collect();
+    let embeds = kiln_testing::Golden {
+        shape: vec![ids.shape[0], ids.shape[1], 3 * hidden],
+        dtype: DType::F32,
+        bytes: stacked.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    };
+    let plan = TextDecoderModel::tp_plan();
+    let mut one: Vec<Vec<f32>> = Vec::new();
+    for n in [1, 2, 4] {
+        let d = match n {
+            1 => Device::cpu().unwrap(),
+            n => mesh(n),
+        };
+        let w = Weights::new(
+            Checkpoint::open_component(&dir, "model").unwrap(),
+            &d,
+            DType::F32,
+            "text_encoder",
+        );
+        let (model, held) = bytes_held(|| TextDecoderModel::load(config, &w, &layers).unwrap());
+        let mut model = model;
+        // Layer 27 and the final norm are not read (nor, by Mistral, the q/k norms); of the rest,
+        // the planned weights are split N ways.
+        let unused = w.report().unused;
+        assert!(
+            unused.iter().all(|u| u.starts_with("model.layers.27.")
+                || u == "model.norm.weight"
+                || (!arch.qk_norm && (u.ends_with("q_norm.weight") || u.ends_with("k_norm.weight")))),
+            "{unused:?}"
+        );
+        let (mut planned, mut replicated) = (0, 0);
+        for name in w.checkpoint().names().filter(|n| !unused.iter().any(|u| u == n)) {
+            let bytes = w.checkpoint().info(name).unwrap().shape.numel() as u64 * 4;
+            match plan.split_of(name.strip_prefix("model.").unwrap()) {
+                Some(_) => planned += bytes,
+                None => replicated += bytes,
+            }
+        }
+        assert!(planned > 0 && replicated > 0);
+        assert_eq!(w.bytes_read(), planned + replicated, "{family} tp {n}: bytes read");
+        let mut weight_bytes = 0;
+        model.visit(&mut |_, t| weight_bytes += t.size_in_bytes() as u64);
+        assert_eq!(
+            weight_bytes,
+            planned / n as u64 + replicated,
+            "{family} tp {n}: bytes per member"
+        );
+        assert_eq!(held, n as u64 * weight_bytes, "{family} tp {n}: bytes on all members");
+        let input_ids = ids.to_tensor(&d);
+        for mode in [CompileMode::None, CompileMode::Full, CompileMode::RepeatedBlocks] {
+            model.compile(mode);
+            let out = model
+                .forward_with_host_inputs(&input_ids, &ids.i64(), Some(&mask.i64()))
+                .unwrap();
+            assert_eq!(out.hidden_states[0].device(), &d);
+            let mut got = out.hidden_states.clone();
+            got.push(out.concat_features().unwrap());
+            let wants = layers
+                .iter()
+                .map(|&k| (key(k), &g[&key(k)]))
+                .chain([("prompt embeddings".to_string(), &embeds)]);
+            for (i, (t, (what, want))) in got.iter().zip(wants).enumerate() {
+                let name = format!("{family} tp {n} {mode} {what}");
+                check_members(&name, t, want, 2e-4, 1e-4);
+                for (k, shard) in t.shards().unwrap().iter().enumerate() {
+                    let values = shard.to_f32_vec().unwrap();
+                    if one.len() <= i {
+                        one.push(values);
+                        continue;
+                    }
+                    // The split sums (two all-reduces per layer) round differently, 27 layers deep.
+                    let rel = rel_max_diff(&values, &one[i]);
+                    eprintln!("{name} member {k}: max |Δ| / absmax vs one device = {rel:.2e}");
+                    assert!(rel <= 1e-5, "{name} member {k} vs one device: {rel:.2e}");
+                }
+            }
+        }
+    }
+}
+
+/// FLUX.2 [klein]'s text encoder where tensor parallelism can split it (the oracle's Qwen3 has
+/// one KV head): see [`decoder_on_one_two_and_four_devices`].
+#[test]
+fn qwen3_with_four_kv_heads_on_one_two_and_four_devices_matches_transformers() {
+    let dir = kiln_testing::qwen3_tp().join("text_encoder");
+    let config: kiln_io::Qwen3Config = load_config(dir.join("config.json")).unwrap();
+    decoder_on_one_two_and_four_devices(&config, "qwen");
+}
+
+/// FLUX.2 [dev]'s text-encoder code (Mistral: the same decoder without q/k norms; the oracle's has
+/// one KV head) on the same weights with `fixtures/qwen3_tp/mistral/config.json`: see
+/// [`decoder_on_one_two_and_four_devices`].
+#[test]
+fn mistral_with_four_kv_heads_on_one_two_and_four_devices_matches_transformers() {
+    let dir = kiln_testing::qwen3_tp().join("mistral");
+    let config: kiln_io::MistralTextConfig = load_config(dir.join("config.json")).unwrap();
+    assert!(config.sliding_window.is_none());
+    decoder_on_one_two_and_four_devices(&config, "mistral");
+}
+
 #[test]
 fn flux2_transformer_on_two_devices_matches_diffusers_eager_and_compiled() {
     use kiln_io::Flux2TransformerConfig;

@@ -4,7 +4,9 @@
 //! initial noise, the schedule, every step's timestep, guided prediction and latents, the decoder
 //! input, the decoded tensor and the uint8 image — eager and compiled; model and sequential
 //! offload give the same bytes and load only the text-encoder layers read; two devices from the
-//! golden embeddings; the arguments klein does not take. Tolerances: the oracle README's f32 ones.
+//! golden embeddings, and the whole pipeline on two devices with a Qwen3 they can split
+//! (`fixtures/qwen3_tp`); the arguments klein does not take. Tolerances: the oracle README's f32
+//! ones.
 
 mod common;
 
@@ -418,6 +420,99 @@ fn given_embeddings_match_on_one_and_two_devices() {
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// A klein folder of the oracle flux2_klein's scheduler, transformer, VAE and tokenizer (linked)
+/// with `fixtures/qwen3_tp`'s Qwen3 (8 heads, 4 KV heads) as its text encoder, as
+/// `tools/fixtures/make_qwen3_tp.py` assembled it for diffusers.
+fn klein_with_splittable_text_encoder(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-klein-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for sub in ["scheduler", "transformer", "vae", "tokenizer"] {
+        std::os::unix::fs::symlink(folder("flux2_klein").join(sub), dir.join(sub)).unwrap();
+    }
+    std::os::unix::fs::symlink(kiln_testing::qwen3_tp().join("text_encoder"), dir.join("text_encoder")).unwrap();
+    std::fs::copy(
+        folder("flux2_klein").join("model_index.json"),
+        dir.join("model_index.json"),
+    )
+    .unwrap();
+    dir
+}
+
+/// The whole klein pipeline with a text encoder two devices can split (`fixtures/qwen3_tp`): on one
+/// device and on two (the Qwen3 sharded by transformers' plan, the transformer by FLUX.2's), eager
+/// and compiled whole, the prompt embeddings, the last step's latents and the image match diffusers'
+/// run of the same folder within the one-device tolerances, both devices hold the same latents, and
+/// two devices give the final latents of one within 1e-5 of their largest value and its image
+/// within one level.
+#[test]
+fn splittable_text_encoder_whole_pipeline_on_two_devices_matches_diffusers_and_one_device() {
+    let g = goldens(&kiln_testing::qwen3_tp().join("goldens.safetensors"));
+    let dir = klein_with_splittable_text_encoder("tp2");
+    let mesh = Device::open_mesh(kiln_tensor::DeviceSpec::CPU, 2).unwrap();
+    let prompt = vec!["a photo of a cat".to_string()];
+    // The prompt is the fixture's first: diffusers' embeddings are its golden hidden states
+    // concatenated per token (the fixture's generator checks that).
+    let want_embeds = stacked(&g, "qwen", &device())
+        .narrow(0, 0, 1)
+        .unwrap()
+        .to_f32_vec()
+        .unwrap();
+    let mut one: Option<(Vec<f32>, PipelineOutput)> = None;
+    for (d, mode) in [
+        (device(), CompileMode::None),
+        (mesh.clone(), CompileMode::None),
+        (mesh.clone(), CompileMode::Full),
+    ] {
+        eprintln!("klein with a 4-KV-head Qwen3 ({mode}, on {d})");
+        let mut pipe = load(&dir).to(&d).unwrap();
+        assert!(pipe.has_text_encoder());
+        pipe.compile(mode);
+        let embeds = pipe.encode_prompt(&prompt, 1, 32, &[9, 18, 27]).unwrap();
+        assert_eq!(embeds.device(), &d);
+        check_values("prompt_embeds", &embeds, &[1, 32, 48], &want_embeds, 2e-4, 1e-4);
+        let call = Flux2KleinCall {
+            prompt: Some(prompt.clone()),
+            height: 32,
+            width: 32,
+            num_inference_steps: 2,
+            max_sequence_length: 32,
+            seed: 0,
+            progress: false,
+            ..Default::default()
+        };
+        let (out, steps) = run_call(&mut pipe, call);
+        assert_eq!(steps.len(), 2);
+        for (i, (_, _, latents)) in steps.iter().enumerate() {
+            let shards = latents.shards().unwrap();
+            let first = shards[0].to_bytes().unwrap();
+            assert!(
+                shards.iter().skip(1).all(|s| s.to_bytes().unwrap() == first),
+                "devices disagree"
+            );
+            // The fixture keeps the last step's latents.
+            if let Some(want) = g.get(&format!("pipeline.step{i}.latents")) {
+                check(&format!("step{i}.latents"), latents, want, 1e-4, 1e-4);
+            }
+        }
+        check_images(&out, &g["pipeline.image_uint8"]);
+        let last = steps.last().unwrap().2.to_f32_vec().unwrap();
+        match &one {
+            None => one = Some((last, out)),
+            Some((want, want_out)) => {
+                let rel = kiln_testing::rel_max_diff(&last, want);
+                eprintln!("  final latents vs one device: max |Δ| / absmax = {rel:.2e}");
+                assert!(rel <= 1e-5, "final latents vs one device: {rel:.2e}");
+                let (a, b) = (&out.images[0], &want_out.images[0]);
+                let max = a.as_raw().iter().zip(b.as_raw()).map(|(x, y)| x.abs_diff(*y)).max();
+                eprintln!("  image vs one device: max |Δ| = {max:?}");
+                assert!(max <= Some(1), "image vs one device: {max:?}");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// klein takes no negative prompt (CFG uses the empty one) and no pooled embeddings; given

@@ -10,6 +10,12 @@ pub fn oracle() -> PathBuf {
     kiln_fixtures::oracle()
 }
 
+/// The repo's `fixtures/qwen3_tp` (a Qwen3 text encoder tensor parallelism can split, with its
+/// goldens), complete.
+pub fn qwen3_tp() -> PathBuf {
+    kiln_fixtures::qwen3_tp()
+}
+
 pub fn device() -> Device {
     Device::cpu().expect("the CPU PJRT plugin must be installed (see README)")
 }

@@ -736,6 +736,44 @@ fn offload_writes_the_same_png_and_a_device_too_small_is_a_clear_error() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `kiln generate --tp 2` on a klein folder whose Qwen3 text encoder two devices can split (the
+/// oracle flux2_klein's parts with `fixtures/qwen3_tp`'s 4-KV-head text encoder, as
+/// `tools/fixtures/make_qwen3_tp.py` assembled it): text encoder and transformer sharded, eager and
+/// compiled, give diffusers' image of that folder.
+#[test]
+fn klein_with_a_splittable_text_encoder_at_tp_2_gives_the_diffusers_image() {
+    let dir = temp_dir("klein-tp");
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let klein = oracle_pipeline("flux2_klein");
+    for sub in ["scheduler", "transformer", "vae", "tokenizer"] {
+        std::os::unix::fs::symlink(klein.join(sub), model.join(sub)).unwrap();
+    }
+    let fixture = kiln_fixtures::qwen3_tp();
+    std::os::unix::fs::symlink(fixture.join("text_encoder"), model.join("text_encoder")).unwrap();
+    std::fs::copy(klein.join("model_index.json"), model.join("model_index.json")).unwrap();
+    for compile in ["none", "full"] {
+        let out = format!("klein-tp2-{compile}.png");
+        generate_ok(
+            &dir,
+            &[
+                ("--model", model.to_str().unwrap()),
+                ("--prompt", "a photo of a cat"),
+                ("--height", "32"),
+                ("--width", "32"),
+                ("--num-inference-steps", "2"),
+                ("--max-sequence-length", "32"),
+                ("--seed", "0"),
+                ("--tp", "2"),
+                ("--compile", compile),
+                ("--output", &out),
+            ],
+        );
+        assert_matches_golden(&dir.join(&out), &fixture.join("image_0.png"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Every FLUX.2 [klein] oracle case (distilled and base) run by `kiln generate`, eager and
 /// compiled: the pipeline is picked from `_class_name` (`is_distilled` from `model_index.json`),
 /// every keyword argument is a flag, and the images are diffusers'. The distilled model warns
