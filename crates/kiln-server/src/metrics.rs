@@ -133,7 +133,7 @@ impl Metrics {
         metric(
             "kiln_prompt_cache_misses_total",
             "counter",
-            "Prompt encodings made by the text encoders and then kept in the cache.",
+            "Prompt encodings not found in the cache, so made by the text encoders.",
             &[("", load(&self.prompt_cache_misses))],
         );
         metric(
