@@ -481,24 +481,36 @@ impl AnyPipeline {
         let device = self.device().cloned();
         let defaults = &self.defaults;
         let out = match &mut self.pipe {
-            Loaded::Flux(p) => p.call(with_embeddings!(embeddings, call_of!(call, defaults, FluxCall, d => {
-                true_cfg_scale: call.true_cfg_scale.unwrap_or(d.true_cfg_scale),
-            }))),
-            Loaded::StableDiffusion3(p) => p.call(with_embeddings!(embeddings, call_of!(call, defaults, StableDiffusion3Call, d => {
-                prompt_3: call.prompt_3,
-                negative_prompt_3: call.negative_prompt_3,
-                clip_skip: call.clip_skip,
-                skip_guidance_layers: call.skip_guidance_layers,
-                skip_layer_guidance_scale: call.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
-                skip_layer_guidance_start: call.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
-                skip_layer_guidance_stop: call.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
-            }))),
-            Loaded::Flux2(p) => p.call(with_embeddings!(embeddings, call_of!(call, defaults, Flux2Call, d => {
-                text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
-            }))),
-            Loaded::Flux2Klein(p) => p.call(with_embeddings!(embeddings, call_of!(call, defaults, Flux2KleinCall, d => {
-                text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
-            }))),
+            Loaded::Flux(p) => p.call(with_embeddings!(
+                embeddings,
+                call_of!(call, defaults, FluxCall, d => {
+                    true_cfg_scale: call.true_cfg_scale.unwrap_or(d.true_cfg_scale),
+                })
+            )),
+            Loaded::StableDiffusion3(p) => p.call(with_embeddings!(
+                embeddings,
+                call_of!(call, defaults, StableDiffusion3Call, d => {
+                    prompt_3: call.prompt_3,
+                    negative_prompt_3: call.negative_prompt_3,
+                    clip_skip: call.clip_skip,
+                    skip_guidance_layers: call.skip_guidance_layers,
+                    skip_layer_guidance_scale: call.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
+                    skip_layer_guidance_start: call.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
+                    skip_layer_guidance_stop: call.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
+                })
+            )),
+            Loaded::Flux2(p) => p.call(with_embeddings!(
+                embeddings,
+                call_of!(call, defaults, Flux2Call, d => {
+                    text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
+                })
+            )),
+            Loaded::Flux2Klein(p) => p.call(with_embeddings!(
+                embeddings,
+                call_of!(call, defaults, Flux2KleinCall, d => {
+                    text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
+                })
+            )),
         };
         // Running out of memory outside the models' runs (which name their component) names the
         // work between them and suggests the next offload mode as well.
@@ -519,7 +531,10 @@ impl AnyPipeline {
                 .num_inference_steps
                 .or(call.sigmas.as_ref().map(Vec::len))
                 .unwrap_or(d.num_inference_steps),
-            batch: call.prompt_encoding.as_ref().map_or(call.prompt.len(), PromptEncoding::rows),
+            batch: call
+                .prompt_encoding
+                .as_ref()
+                .map_or(call.prompt.len(), PromptEncoding::rows),
             num_images_per_prompt: call.num_images_per_prompt.unwrap_or(1),
             height: call.height.unwrap_or(d.height),
             width: call.width.unwrap_or(d.width),

@@ -195,7 +195,11 @@ impl PromptEncoding {
 
     /// The bytes of its tensors.
     pub fn size_in_bytes(&self) -> usize {
-        self.tensors().into_iter().flatten().map(HostTensor::size_in_bytes).sum()
+        self.tensors()
+            .into_iter()
+            .flatten()
+            .map(HostTensor::size_in_bytes)
+            .sum()
     }
 
     /// One encoding of the rows of `parts` in order, each row of a part `count` times in a row:
@@ -269,7 +273,10 @@ mod tests {
         let a = host(&[&[1, 2], &[3, 4]]);
         let b = host(&[&[5, 6]]);
         let got = HostTensor::rows_of(&[(&a, 2), (&b, 3)]).unwrap();
-        assert_eq!(got, host(&[&[1, 2], &[1, 2], &[3, 4], &[3, 4], &[5, 6], &[5, 6], &[5, 6]]));
+        assert_eq!(
+            got,
+            host(&[&[1, 2], &[1, 2], &[3, 4], &[3, 4], &[5, 6], &[5, 6], &[5, 6]])
+        );
         let c = host(&[&[7, 8, 9]]);
         let err = HostTensor::rows_of(&[(&a, 1), (&c, 1)]).unwrap_err().to_string();
         assert!(err.contains("cannot be batched"), "{err}");

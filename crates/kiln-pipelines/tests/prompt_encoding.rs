@@ -38,7 +38,11 @@ fn from_encoding(call: GenerateCall<'static>, encoding: PromptEncoding) -> Gener
 fn same_from_text_and_encoding(any: &mut AnyPipeline, call: impl Fn() -> GenerateCall<'static>) -> PromptEncoding {
     let from_text = any.call(call()).unwrap();
     let encoding = any.encode_prompt(&call()).unwrap();
-    assert_eq!(encoding.rows(), call().prompt.len(), "one row per prompt, not per image");
+    assert_eq!(
+        encoding.rows(),
+        call().prompt.len(),
+        "one row per prompt, not per image"
+    );
     let from_encoding = any.call(from_encoding(call(), encoding.clone())).unwrap();
     assert_eq!(from_text.size, from_encoding.size);
     assert_eq!(
@@ -194,7 +198,10 @@ fn an_encoding_is_used_only_where_it_stands_for_the_texts() {
         ..call()
     };
     let err = any.call(both).err().expect("both").to_string();
-    assert!(err.starts_with("`prompt` and `prompt_encoding` are both given"), "{err}");
+    assert!(
+        err.starts_with("`prompt` and `prompt_encoding` are both given"),
+        "{err}"
+    );
     // Another setting than the encoding's.
     let longer = GenerateCall {
         max_sequence_length: Some(32),
@@ -222,7 +229,10 @@ fn an_encoding_is_used_only_where_it_stands_for_the_texts() {
         .err()
         .expect("too long")
         .to_string();
-    assert!(err.contains("`max_sequence_length` cannot be greater than 512"), "{err}");
+    assert!(
+        err.contains("`max_sequence_length` cannot be greater than 512"),
+        "{err}"
+    );
     let err = any
         .encode_prompt(&GenerateCall::default())
         .err()

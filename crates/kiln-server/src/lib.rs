@@ -155,8 +155,11 @@ where
     }
     let queue = Arc::new(jobs::Queue::new(limits.queue));
     let metrics = Arc::new(metrics::Metrics::default());
-    let prompt_cache = (config.prompt_cache_bytes > 0)
-        .then(|| Arc::new(prompt_cache::PromptCache::new(prompt_cache::LruBytes::new(config.prompt_cache_bytes))));
+    let prompt_cache = (config.prompt_cache_bytes > 0).then(|| {
+        Arc::new(prompt_cache::PromptCache::new(prompt_cache::LruBytes::new(
+            config.prompt_cache_bytes,
+        )))
+    });
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Loaded>();
     let mut workers = Vec::new();
     for (index, load) in loaders.into_iter().enumerate() {
@@ -175,7 +178,9 @@ where
                             return;
                         }
                     };
-                    let cache = prompt_cache.as_deref().map(|cache| worker::CacheUse { cache, worker: index });
+                    let cache = prompt_cache
+                        .as_deref()
+                        .map(|cache| worker::CacheUse { cache, worker: index });
                     if let Err(e) = warm_up(backend.as_mut(), &models, &warmup, cache) {
                         let _ = ready_tx.send(Err(e));
                         return;

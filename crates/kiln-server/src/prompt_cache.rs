@@ -62,7 +62,9 @@ impl<K: Hash + Eq + Clone, V> LruBytes<K, V> {
             return;
         }
         while self.bytes + bytes > self.budget {
-            let Some((_, oldest)) = self.order.pop_first() else { break };
+            let Some((_, oldest)) = self.order.pop_first() else {
+                break;
+            };
             if let Some(e) = self.entries.remove(&oldest) {
                 self.bytes -= e.bytes;
                 self.evictions += 1;

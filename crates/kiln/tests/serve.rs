@@ -405,7 +405,10 @@ fn a_prompt_seen_again_is_a_cache_hit_with_the_same_image_bytes() {
     let served = Served::start(&["--max-batch", "1"]);
     let before = metrics(&served);
     assert_eq!(
-        (metric(&before, "kiln_prompt_cache_hits_total"), metric(&before, "kiln_prompt_cache_misses_total")),
+        (
+            metric(&before, "kiln_prompt_cache_hits_total"),
+            metric(&before, "kiln_prompt_cache_misses_total")
+        ),
         (0, 0)
     );
     let first = image(&served, &body);
@@ -417,22 +420,38 @@ fn a_prompt_seen_again_is_a_cache_hit_with_the_same_image_bytes() {
     assert_eq!(metric(&after, "kiln_prompt_cache_entries"), 1, "{after}");
     assert!(metric(&after, "kiln_prompt_cache_bytes") > 0, "{after}");
     // Another seed, the same prompt: a hit. Another prompt: a miss. Two images: one look-up.
-    image(&served, &json!({"prompt": "a cached red circle", "size": "64x64", "num_inference_steps": 2, "seed": 8}));
-    image(&served, &json!({"prompt": "a blue square", "size": "64x64", "num_inference_steps": 2, "n": 2}));
+    image(
+        &served,
+        &json!({"prompt": "a cached red circle", "size": "64x64", "num_inference_steps": 2, "seed": 8}),
+    );
+    image(
+        &served,
+        &json!({"prompt": "a blue square", "size": "64x64", "num_inference_steps": 2, "n": 2}),
+    );
     let after = metrics(&served);
     assert_eq!(
-        (metric(&after, "kiln_prompt_cache_hits_total"), metric(&after, "kiln_prompt_cache_misses_total")),
+        (
+            metric(&after, "kiln_prompt_cache_hits_total"),
+            metric(&after, "kiln_prompt_cache_misses_total")
+        ),
         (2, 2),
         "{after}"
     );
     assert!(served.terminate().success());
 
     let uncached = Served::start(&["--max-batch", "1", "--prompt-cache-mib", "0"]);
-    assert_eq!(image(&uncached, &body), first, "the image made from the text is the cached one's");
+    assert_eq!(
+        image(&uncached, &body),
+        first,
+        "the image made from the text is the cached one's"
+    );
     assert_eq!(image(&uncached, &body), first);
     let after = metrics(&uncached);
     assert_eq!(
-        (metric(&after, "kiln_prompt_cache_hits_total"), metric(&after, "kiln_prompt_cache_misses_total")),
+        (
+            metric(&after, "kiln_prompt_cache_hits_total"),
+            metric(&after, "kiln_prompt_cache_misses_total")
+        ),
         (0, 0),
         "{after}"
     );
