@@ -14,9 +14,10 @@ use serde::Deserialize;
 
 use crate::budget::CallBudget;
 use crate::call::{OutputType, PipelineOutput, StepCallback};
+use crate::encoding::{EncodingSettings, HostTensor, PromptEncoding, PromptKey};
 use crate::error::{invalid, PipelineError, Result};
 use crate::flux::{FluxCall, FluxPipeline};
-use crate::flux2::{Flux2Call, Flux2Pipeline};
+use crate::flux2::{cfg_negative_prompts, Flux2Call, Flux2Pipeline};
 use crate::flux2_klein::{Flux2KleinCall, Flux2KleinPipeline};
 use crate::loading::{LoadOptions, ModelFolder};
 use crate::offload::{OffloadMode, OffloadPlan};
@@ -248,6 +249,10 @@ pub struct GenerateCall<'a> {
     pub clip_skip: Option<usize>,
     /// FLUX.2: the text encoder's hidden states stacked into the prompt embeddings (10, 20, 30).
     pub text_encoder_out_layers: Option<Vec<usize>>,
+    /// The prompts' encoding ([`AnyPipeline::encode_prompt`]) instead of the texts: then
+    /// `prompt` is empty and no other text is given, and the call's settings resolve to the ones
+    /// the encoding was made with. One row per prompt; each is repeated per image.
+    pub prompt_encoding: Option<PromptEncoding>,
     pub output_type: OutputType,
     /// Show a progress bar on stderr (when it is a terminal).
     pub progress: bool,
@@ -279,6 +284,7 @@ impl Default for GenerateCall<'_> {
             skip_layer_guidance_stop: None,
             clip_skip: None,
             text_encoder_out_layers: None,
+            prompt_encoding: None,
             output_type: OutputType::Image,
             progress: true,
             callback: None,
@@ -390,6 +396,29 @@ macro_rules! call_of {
     }};
 }
 
+/// A [`PromptEncoding`] on the device, one row per image, as a pipeline call takes it.
+struct Embeddings {
+    prompt_embeds: kiln_tensor::Tensor,
+    pooled_prompt_embeds: Option<kiln_tensor::Tensor>,
+    negative_prompt_embeds: Option<kiln_tensor::Tensor>,
+    negative_pooled_prompt_embeds: Option<kiln_tensor::Tensor>,
+}
+
+/// The pipeline call `$c` with `$embeddings` (an `Option<Embeddings>`) instead of its prompts.
+macro_rules! with_embeddings {
+    ($embeddings:expr, $c:expr) => {{
+        let mut c = $c;
+        if let Some(e) = $embeddings {
+            c.prompt = None;
+            c.prompt_embeds = Some(e.prompt_embeds);
+            c.pooled_prompt_embeds = e.pooled_prompt_embeds;
+            c.negative_prompt_embeds = e.negative_prompt_embeds;
+            c.negative_pooled_prompt_embeds = e.negative_pooled_prompt_embeds;
+        }
+        c
+    }};
+}
+
 /// A loaded pipeline (boxed: the pipelines are kilobytes).
 enum Loaded {
     Flux(Box<FluxPipeline>),
@@ -440,32 +469,48 @@ impl AnyPipeline {
 
     /// Runs `call` (an argument the pipeline does not take is an error; see
     /// [`PipelineKind::check_arguments`]).
-    pub fn call(&mut self, call: GenerateCall<'_>) -> Result<PipelineOutput> {
+    pub fn call(&mut self, mut call: GenerateCall<'_>) -> Result<PipelineOutput> {
         self.kind.check_arguments(&call)?;
         call.check_text()?;
         self.check_budget(&call)?;
+        let embeddings = match call.prompt_encoding.take() {
+            Some(encoding) => Some(self.embeddings(&encoding, &mut call)?),
+            None => None,
+        };
         let mode = self.offload_mode();
         let device = self.device().cloned();
         let defaults = &self.defaults;
         let out = match &mut self.pipe {
-            Loaded::Flux(p) => p.call(call_of!(call, defaults, FluxCall, d => {
-                true_cfg_scale: call.true_cfg_scale.unwrap_or(d.true_cfg_scale),
-            })),
-            Loaded::StableDiffusion3(p) => p.call(call_of!(call, defaults, StableDiffusion3Call, d => {
-                prompt_3: call.prompt_3,
-                negative_prompt_3: call.negative_prompt_3,
-                clip_skip: call.clip_skip,
-                skip_guidance_layers: call.skip_guidance_layers,
-                skip_layer_guidance_scale: call.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
-                skip_layer_guidance_start: call.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
-                skip_layer_guidance_stop: call.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
-            })),
-            Loaded::Flux2(p) => p.call(call_of!(call, defaults, Flux2Call, d => {
-                text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
-            })),
-            Loaded::Flux2Klein(p) => p.call(call_of!(call, defaults, Flux2KleinCall, d => {
-                text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
-            })),
+            Loaded::Flux(p) => p.call(with_embeddings!(
+                embeddings,
+                call_of!(call, defaults, FluxCall, d => {
+                    true_cfg_scale: call.true_cfg_scale.unwrap_or(d.true_cfg_scale),
+                })
+            )),
+            Loaded::StableDiffusion3(p) => p.call(with_embeddings!(
+                embeddings,
+                call_of!(call, defaults, StableDiffusion3Call, d => {
+                    prompt_3: call.prompt_3,
+                    negative_prompt_3: call.negative_prompt_3,
+                    clip_skip: call.clip_skip,
+                    skip_guidance_layers: call.skip_guidance_layers,
+                    skip_layer_guidance_scale: call.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
+                    skip_layer_guidance_start: call.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
+                    skip_layer_guidance_stop: call.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
+                })
+            )),
+            Loaded::Flux2(p) => p.call(with_embeddings!(
+                embeddings,
+                call_of!(call, defaults, Flux2Call, d => {
+                    text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
+                })
+            )),
+            Loaded::Flux2Klein(p) => p.call(with_embeddings!(
+                embeddings,
+                call_of!(call, defaults, Flux2KleinCall, d => {
+                    text_encoder_out_layers: call.text_encoder_out_layers.unwrap_or(d.text_encoder_out_layers),
+                })
+            )),
         };
         // Running out of memory outside the models' runs (which name their component) names the
         // work between them and suggests the next offload mode as well.
@@ -486,7 +531,10 @@ impl AnyPipeline {
                 .num_inference_steps
                 .or(call.sigmas.as_ref().map(Vec::len))
                 .unwrap_or(d.num_inference_steps),
-            batch: call.prompt.len(),
+            batch: call
+                .prompt_encoding
+                .as_ref()
+                .map_or(call.prompt.len(), PromptEncoding::rows),
             num_images_per_prompt: call.num_images_per_prompt.unwrap_or(1),
             height: call.height.unwrap_or(d.height),
             width: call.width.unwrap_or(d.width),
@@ -542,6 +590,212 @@ impl AnyPipeline {
 
     pub fn kind(&self) -> PipelineKind {
         self.kind
+    }
+
+    /// The settings an encoding of `call`'s prompts depends on, resolved; `negative_given`: the
+    /// call has negative texts (FLUX.1 encodes them for true CFG only).
+    fn encoding_settings(&self, call: &GenerateCall<'_>, negative_given: bool) -> EncodingSettings {
+        let d = &self.defaults;
+        let guidance = call.guidance_scale.unwrap_or(d.guidance_scale);
+        let max_sequence_length = call.max_sequence_length.unwrap_or(d.max_sequence_length);
+        let layers = |default: Vec<usize>| call.text_encoder_out_layers.clone().unwrap_or(default);
+        let (clip_skip, text_encoder_out_layers, negative) = match &self.pipe {
+            Loaded::Flux(_) => {
+                let true_cfg = call.true_cfg_scale.unwrap_or(FluxCall::default().true_cfg_scale);
+                (None, Vec::new(), true_cfg > 1.0 && negative_given)
+            }
+            Loaded::StableDiffusion3(_) => (call.clip_skip, Vec::new(), guidance > 1.0),
+            Loaded::Flux2(_) => (None, layers(Flux2Call::default().text_encoder_out_layers), false),
+            Loaded::Flux2Klein(p) => (
+                None,
+                layers(Flux2KleinCall::default().text_encoder_out_layers),
+                p.does_cfg(guidance),
+            ),
+        };
+        EncodingSettings {
+            max_sequence_length,
+            clip_skip,
+            text_encoder_out_layers,
+            negative,
+        }
+    }
+
+    /// What the encoding of `call`'s prompts ([`AnyPipeline::encode_prompt`]) depends on: this
+    /// model, the texts the pipeline reads and the settings, resolved. Calls with equal keys have
+    /// equal encodings. An argument the pipeline does not take, or a bad text, is an error.
+    pub fn prompt_key(&self, call: &GenerateCall<'_>) -> Result<PromptKey> {
+        self.kind.check_arguments(call)?;
+        call.check_text()?;
+        let settings = self.encoding_settings(call, call.negative_prompt.is_some());
+        let mut texts = vec![("prompt", Some(call.prompt.clone()))];
+        let named = |name, t: &Option<Vec<String>>| (name, t.clone());
+        match self.kind {
+            PipelineKind::Flux => {
+                texts.push(named("prompt_2", &call.prompt_2));
+                if settings.negative {
+                    texts.push(named("negative_prompt", &call.negative_prompt));
+                    texts.push(named("negative_prompt_2", &call.negative_prompt_2));
+                }
+            }
+            PipelineKind::StableDiffusion3 => {
+                texts.push(named("prompt_2", &call.prompt_2));
+                texts.push(named("prompt_3", &call.prompt_3));
+                if settings.negative {
+                    texts.push(named("negative_prompt", &call.negative_prompt));
+                    texts.push(named("negative_prompt_2", &call.negative_prompt_2));
+                    texts.push(named("negative_prompt_3", &call.negative_prompt_3));
+                }
+            }
+            // The negatives of FLUX.2 [klein]'s CFG are the empty prompt's.
+            PipelineKind::Flux2 | PipelineKind::Flux2Klein => {}
+        }
+        Ok(PromptKey {
+            root: self.root().to_path_buf(),
+            kind: self.kind,
+            dtype: self.dtype(),
+            texts,
+            settings,
+        })
+    }
+
+    /// The pipeline's own `encode_prompt` on `call`'s texts, with the settings of `call` that
+    /// the encoding depends on ([`AnyPipeline::prompt_key`]): one row per prompt (not per image),
+    /// with the negatives the call's guidance uses, copied to the host. A call with it as
+    /// `prompt_encoding` (and the same settings) makes what `call` makes, bit for bit. Loads the
+    /// models on the CPU if the pipeline was not placed.
+    pub fn encode_prompt(&mut self, call: &GenerateCall<'_>) -> Result<PromptEncoding> {
+        let key = self.prompt_key(call)?;
+        if call.prompt_encoding.is_some() {
+            return Err(invalid(
+                "the call has a `prompt_encoding` already: give the texts to encode instead",
+            ));
+        }
+        if call.prompt.is_empty() {
+            return Err(invalid("`prompt` is an empty list: give at least one prompt"));
+        }
+        let s = &key.settings;
+        let (msl, batch) = (s.max_sequence_length, call.prompt.len());
+        let host = |t: &kiln_tensor::Tensor| HostTensor::of(t);
+        let (embeds, pooled, negative, negative_pooled) = match &mut self.pipe {
+            Loaded::Flux(p) => {
+                let (embeds, pooled) = p.encode_prompt(&call.prompt, call.prompt_2.as_deref(), 1, msl)?;
+                let negative = match s.negative {
+                    true => {
+                        let (negative, negative_2) = crate::flux::negative_texts(
+                            call.negative_prompt.as_ref(),
+                            call.negative_prompt_2.as_ref(),
+                            batch,
+                        );
+                        let negative = negative.unwrap_or_default();
+                        Some(p.encode_prompt(&negative, negative_2.as_deref(), 1, msl)?)
+                    }
+                    false => None,
+                };
+                let (negative, negative_pooled) = negative.unzip();
+                (embeds, Some(pooled), negative, negative_pooled)
+            }
+            Loaded::StableDiffusion3(p) => {
+                let e = p.encode_prompt(&StableDiffusion3Call {
+                    prompt: Some(call.prompt.clone()),
+                    prompt_2: call.prompt_2.clone(),
+                    prompt_3: call.prompt_3.clone(),
+                    negative_prompt: call.negative_prompt.clone(),
+                    negative_prompt_2: call.negative_prompt_2.clone(),
+                    negative_prompt_3: call.negative_prompt_3.clone(),
+                    clip_skip: s.clip_skip,
+                    max_sequence_length: msl,
+                    guidance_scale: call.guidance_scale.unwrap_or(self.defaults.guidance_scale),
+                    num_images_per_prompt: 1,
+                    progress: false,
+                    ..Default::default()
+                })?;
+                (
+                    e.prompt_embeds,
+                    Some(e.pooled_prompt_embeds),
+                    e.negative_prompt_embeds,
+                    e.negative_pooled_prompt_embeds,
+                )
+            }
+            Loaded::Flux2(p) => {
+                let embeds = p.encode_prompt(&call.prompt, 1, msl, &s.text_encoder_out_layers)?;
+                (embeds, None, None, None)
+            }
+            Loaded::Flux2Klein(p) => {
+                let layers = &s.text_encoder_out_layers;
+                let embeds = p.encode_prompt(&call.prompt, 1, msl, layers)?;
+                let negative = match s.negative {
+                    true => Some(p.encode_prompt(&cfg_negative_prompts(batch), 1, msl, layers)?),
+                    false => None,
+                };
+                (embeds, None, negative, None)
+            }
+        };
+        let encoding = PromptEncoding {
+            root: key.root,
+            kind: key.kind,
+            dtype: key.dtype,
+            settings: key.settings,
+            prompt_embeds: host(&embeds)?,
+            pooled_prompt_embeds: pooled.as_ref().map(host).transpose()?,
+            negative_prompt_embeds: negative.as_ref().map(host).transpose()?,
+            negative_pooled_prompt_embeds: negative_pooled.as_ref().map(host).transpose()?,
+        };
+        encoding.check_rows()?;
+        Ok(encoding)
+    }
+
+    /// The device tensors of `encoding` for `call`, one row per image (the call's
+    /// `num_images_per_prompt` becomes 1): what the pipeline's call takes as given embeddings.
+    fn embeddings(&self, encoding: &PromptEncoding, call: &mut GenerateCall<'_>) -> Result<Embeddings> {
+        let texts = [
+            ("prompt", !call.prompt.is_empty()),
+            ("prompt_2", call.prompt_2.is_some()),
+            ("prompt_3", call.prompt_3.is_some()),
+            ("negative_prompt", call.negative_prompt.is_some()),
+            ("negative_prompt_2", call.negative_prompt_2.is_some()),
+            ("negative_prompt_3", call.negative_prompt_3.is_some()),
+        ];
+        if let Some((name, _)) = texts.iter().find(|(_, given)| *given) {
+            return Err(invalid(format!(
+                "`{name}` and `prompt_encoding` are both given: the encoding stands for the texts, give one or the other"
+            )));
+        }
+        if (encoding.root.as_path(), encoding.kind, encoding.dtype) != (self.root(), self.kind, self.dtype()) {
+            return Err(invalid(format!(
+                "the prompt encoding is of {} ({}, {}), not of this pipeline's model {} ({}, {}): encode the prompts with this pipeline",
+                encoding.root.display(),
+                encoding.kind.class_name(),
+                encoding.dtype,
+                self.root().display(),
+                self.kind.class_name(),
+                self.dtype()
+            )));
+        }
+        encoding.check_rows()?;
+        let settings = self.encoding_settings(call, encoding.settings.negative);
+        if settings != encoding.settings {
+            return Err(invalid(format!(
+                "the prompt encoding was made with {:?} but this call resolves to {settings:?}: encode the prompts with this call's max_sequence_length, clip_skip, text_encoder_out_layers and guidance",
+                encoding.settings
+            )));
+        }
+        let n = call.num_images_per_prompt.unwrap_or(1);
+        if n == 0 {
+            return Err(invalid("`num_images_per_prompt` must be at least 1"));
+        }
+        let per_image = PromptEncoding::batch(&[(encoding, n)])?;
+        call.num_images_per_prompt = Some(1);
+        let device = match self.device() {
+            Some(d) => d.clone(),
+            None => Device::cpu()?,
+        };
+        let up = |t: &HostTensor| t.to_device(&device);
+        Ok(Embeddings {
+            prompt_embeds: up(&per_image.prompt_embeds)?,
+            pooled_prompt_embeds: per_image.pooled_prompt_embeds.as_ref().map(up).transpose()?,
+            negative_prompt_embeds: per_image.negative_prompt_embeds.as_ref().map(up).transpose()?,
+            negative_pooled_prompt_embeds: per_image.negative_pooled_prompt_embeds.as_ref().map(up).transpose()?,
+        })
     }
 
     /// The call defaults of the model (its `kiln_defaults.json`, else the pipeline's).

@@ -117,6 +117,15 @@ impl FluxPipeline {
         images_per_prompt: usize,
         max_sequence_length: usize,
     ) -> Result<(Tensor, Tensor)> {
+        // The checks a call makes of the texts and `max_sequence_length`.
+        let texts = FluxCall {
+            prompt: Some(prompt.to_vec()),
+            prompt_2: prompt_2.map(<[String]>::to_vec),
+            max_sequence_length,
+            ..Default::default()
+        };
+        let size = self.default_size();
+        self.check_inputs(&texts, size, size, &mut Vec::new())?;
         self.ensure_loaded()?;
         let _finish = self.core.begin_call()?;
         let e = self.encode(
@@ -229,12 +238,8 @@ impl FluxPipeline {
             negative_encoded.then_some("text_encoder"),
         )?;
         let negative = if do_true_cfg {
-            // diffusers broadcasts one negative prompt over the batch.
-            let negative_prompt = args.negative_prompt.clone().map(|neg| match neg.len() {
-                1 if batch > 1 => vec![neg[0].clone(); batch],
-                _ => neg,
-            });
-            let negative_prompt_2 = args.negative_prompt_2.clone().or_else(|| negative_prompt.clone());
+            let (negative_prompt, negative_prompt_2) =
+                negative_texts(args.negative_prompt.as_ref(), args.negative_prompt_2.as_ref(), batch);
             Some(encode(
                 &negative_prompt,
                 &negative_prompt_2,
@@ -371,6 +376,21 @@ impl FluxPipeline {
         }
         Ok(())
     }
+}
+
+/// The negative texts true CFG encodes for a batch of `batch` prompts: `negative_prompt` (diffusers
+/// broadcasts one over the batch) and `negative_prompt_2` (default: the former).
+pub(crate) fn negative_texts(
+    negative_prompt: Option<&Vec<String>>,
+    negative_prompt_2: Option<&Vec<String>>,
+    batch: usize,
+) -> (Option<Vec<String>>, Option<Vec<String>>) {
+    let negative_prompt = negative_prompt.cloned().map(|neg| match neg.len() {
+        1 if batch > 1 => vec![neg[0].clone(); batch],
+        _ => neg,
+    });
+    let negative_prompt_2 = negative_prompt_2.cloned().or_else(|| negative_prompt.clone());
+    (negative_prompt, negative_prompt_2)
 }
 
 /// `[N, C, h, w]` → `[N, (h/2)(w/2), 4C]`: 2×2 patches, channel-major inside a patch.

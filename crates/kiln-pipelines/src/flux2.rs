@@ -246,7 +246,10 @@ impl Flux2Base {
         max_sequence_length: usize,
         text_encoder_out_layers: &[usize],
     ) -> Result<Tensor> {
-        self.check_out_layers(text_encoder_out_layers)?;
+        if prompt.is_empty() {
+            return Err(invalid("`prompt` is an empty list: give at least one prompt"));
+        }
+        self.check_text_inputs(text_encoder_out_layers, max_sequence_length, false)?;
         let _finish = self.core.begin_call()?;
         self.encode(
             prompt,
@@ -377,7 +380,7 @@ impl Flux2Base {
                 let negative = match args.negative_prompt_embeds.take() {
                     Some(e) => given(e)?,
                     None => {
-                        let empty = vec![String::new(); batch];
+                        let empty = cfg_negative_prompts(batch);
                         self.encode(&empty, n, args.max_sequence_length, &layers, Next::InOrder)?
                     }
                 };
@@ -578,30 +581,38 @@ impl Flux2Base {
         }
         match &args.prompt_embeds {
             Some(e) => self.check_embeds("prompt_embeds", e)?,
-            None if !self.has_text_encoder() => return Err(self.no_text_encoder()),
-            None => {
-                self.check_out_layers(&args.text_encoder_out_layers)?;
-                let config = self.text_encoder_config.as_ref();
-                let (joint, hidden) = (
-                    self.transformer_config.joint_attention_dim,
-                    config.map_or(0, |c| c.hidden_size),
-                );
-                let k = args.text_encoder_out_layers.len();
-                if k * hidden != joint {
-                    return Err(invalid(format!(
-                        "`text_encoder_out_layers` gives {k} hidden states of {hidden} features ({}), but the transformer's joint_attention_dim is {joint}",
-                        k * hidden
-                    )));
-                }
-                // diffusers has no limit; the text encoder's positions do.
-                let positions = config.map_or(0, |c| c.max_position_embeddings);
-                if positions > 0 && args.max_sequence_length > positions {
-                    return Err(invalid(format!(
-                        "`max_sequence_length` cannot be greater than the text encoder's max_position_embeddings {positions} but is {}",
-                        args.max_sequence_length
-                    )));
-                }
-            }
+            None => self.check_text_inputs(&args.text_encoder_out_layers, args.max_sequence_length, true)?,
+        }
+        Ok(())
+    }
+
+    /// The checks of a call that encodes its prompts: a text encoder, `layers` it gives (that fill
+    /// the transformer's joint_attention_dim when `joint`: an encoding of other layers may be
+    /// asked for by itself), and `max_sequence_length` within its positions.
+    fn check_text_inputs(&self, layers: &[usize], max_sequence_length: usize, joint: bool) -> Result<()> {
+        if !self.has_text_encoder() {
+            return Err(self.no_text_encoder());
+        }
+        self.check_out_layers(layers)?;
+        let config = self.text_encoder_config.as_ref();
+        let hidden = config.map_or(0, |c| c.hidden_size);
+        let k = layers.len();
+        if joint && k * hidden != self.transformer_config.joint_attention_dim {
+            return Err(invalid(format!(
+                "`text_encoder_out_layers` gives {k} hidden states of {hidden} features ({}), but the transformer's joint_attention_dim is {}",
+                k * hidden,
+                self.transformer_config.joint_attention_dim
+            )));
+        }
+        if max_sequence_length == 0 {
+            return Err(invalid("`max_sequence_length` must be at least 1"));
+        }
+        // diffusers has no limit; the text encoder's positions do.
+        let positions = config.map_or(0, |c| c.max_position_embeddings);
+        if positions > 0 && max_sequence_length > positions {
+            return Err(invalid(format!(
+                "`max_sequence_length` cannot be greater than the text encoder's max_position_embeddings {positions} but is {max_sequence_length}"
+            )));
         }
         Ok(())
     }
@@ -739,6 +750,12 @@ impl Flux2Pipeline {
         let guidance = Flux2Guidance::Embedded(args.guidance_scale);
         self.base.generate(args, guidance, NOT_ARGUMENTS, Vec::new())
     }
+}
+
+/// The prompts whose embeddings are the negatives of FLUX.2 [klein]'s CFG without
+/// `negative_prompt_embeds`: the empty prompt, one per prompt of a batch of `batch`.
+pub(crate) fn cfg_negative_prompts(batch: usize) -> Vec<String> {
+    vec![String::new(); batch]
 }
 
 /// The text ids of `len` tokens, row-major `[len, 4]`: `(0, 0, 0, l)`.

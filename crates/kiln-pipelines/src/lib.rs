@@ -6,6 +6,7 @@
 mod any;
 pub mod budget;
 pub mod call;
+mod encoding;
 mod error;
 pub mod flux;
 pub mod flux2;
@@ -19,6 +20,7 @@ pub mod sd3;
 pub use any::{check_prompt_text, AnyPipeline, CallDefaults, GenerateCall, PipelineKind};
 pub use budget::{CallBudget, OverBudget};
 pub use call::{OutputType, PipelineOutput, StepCallback, StepState, Timings};
+pub use encoding::{EncodingSettings, HostTensor, PromptEncoding, PromptKey};
 pub use error::{PipelineError, Result};
 pub use flux::{pack_latents, unpack_latents, FluxCall, FluxPipeline};
 pub use flux2::{Flux2Call, Flux2Pipeline};

@@ -7,7 +7,7 @@ use kiln_image::RgbImage;
 use kiln_nn::CompileMode;
 use kiln_pipelines::{
     AnyPipeline, CallBudget, CallDefaults, DiffusionPipeline, GenerateCall, LoadOptions, OffloadMode, PipelineError,
-    PipelineKind,
+    PipelineKind, PromptEncoding, PromptKey,
 };
 use kiln_tensor::Device;
 
@@ -77,6 +77,23 @@ pub trait Backend {
         call: GenerateCall<'static>,
         on_step: &mut dyn FnMut(usize) -> bool,
     ) -> Result<Generated, PipelineError>;
+
+    /// What the encoding of `call`'s prompts on model `model` depends on
+    /// ([`AnyPipeline::prompt_key`]), for the prompt cache; `None` (the default): this backend
+    /// does not encode prompts apart, and the worker passes it the texts.
+    fn prompt_key(&self, model: usize, call: &GenerateCall<'static>) -> Option<Result<PromptKey, PipelineError>> {
+        let _ = (model, call);
+        None
+    }
+
+    /// The encoding of `call`'s prompts on model `model` ([`AnyPipeline::encode_prompt`]); asked
+    /// only of a backend that gives [`Backend::prompt_key`]s.
+    fn encode_prompt(&mut self, model: usize, call: &GenerateCall<'static>) -> Result<PromptEncoding, PipelineError> {
+        let _ = (model, call);
+        Err(PipelineError::InvalidArgument(
+            "this backend does not encode prompts apart".into(),
+        ))
+    }
 }
 
 /// One model to load: where from and how to run it.
@@ -183,5 +200,13 @@ impl Backend for PipelineBackend {
             images: out.images,
             size: out.size,
         })
+    }
+
+    fn prompt_key(&self, model: usize, call: &GenerateCall<'static>) -> Option<Result<PromptKey, PipelineError>> {
+        Some(self.pipes[model].prompt_key(call))
+    }
+
+    fn encode_prompt(&mut self, model: usize, call: &GenerateCall<'static>) -> Result<PromptEncoding, PipelineError> {
+        self.pipes[model].encode_prompt(call)
     }
 }

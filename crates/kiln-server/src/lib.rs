@@ -13,6 +13,7 @@ pub mod backend;
 mod error;
 mod jobs;
 mod metrics;
+pub mod prompt_cache;
 mod request;
 mod web;
 mod worker;
@@ -80,6 +81,9 @@ pub struct ServerConfig {
     pub warmup: Vec<(usize, usize)>,
     /// Another way to shut down besides the signals (for embedding and tests).
     pub stop: Option<Arc<tokio::sync::Notify>>,
+    /// The bytes of prompt encodings the workers keep (see [`prompt_cache`]); 0: none, each
+    /// call encodes its texts.
+    pub prompt_cache_bytes: usize,
 }
 
 /// Binds `host:port`. Without an API key only a loopback address may be bound, unless
@@ -151,12 +155,18 @@ where
     }
     let queue = Arc::new(jobs::Queue::new(limits.queue));
     let metrics = Arc::new(metrics::Metrics::default());
+    let prompt_cache = (config.prompt_cache_bytes > 0).then(|| {
+        Arc::new(prompt_cache::PromptCache::new(prompt_cache::LruBytes::new(
+            config.prompt_cache_bytes,
+        )))
+    });
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Loaded>();
     let mut workers = Vec::new();
     for (index, load) in loaders.into_iter().enumerate() {
         let (queue, metrics, warmup) = (queue.clone(), metrics.clone(), config.warmup.clone());
         let ready_tx = ready_tx.clone();
         let max_batch = limits.max_batch;
+        let prompt_cache = prompt_cache.clone();
         workers.push(
             std::thread::Builder::new()
                 .name(format!("kiln-worker-{index}"))
@@ -168,13 +178,16 @@ where
                             return;
                         }
                     };
-                    if let Err(e) = warm_up(backend.as_mut(), &models, &warmup) {
+                    let cache = prompt_cache
+                        .as_deref()
+                        .map(|cache| worker::CacheUse { cache, worker: index });
+                    if let Err(e) = warm_up(backend.as_mut(), &models, &warmup, cache) {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                     let _ = ready_tx.send(Ok(models.clone()));
                     drop(ready_tx);
-                    worker::run(backend.as_mut(), &models, &queue, &metrics, max_batch);
+                    worker::run(backend.as_mut(), &models, &queue, &metrics, max_batch, cache);
                 })?,
         );
     }
@@ -298,7 +311,12 @@ async fn wait_for_stop(stop: Option<Arc<tokio::sync::Notify>>) {
 }
 
 /// One 1-step call per model and size, so that the programs are compiled before the first request.
-fn warm_up(backend: &mut dyn Backend, models: &[ModelInfo], sizes: &[(usize, usize)]) -> Result<()> {
+fn warm_up(
+    backend: &mut dyn Backend,
+    models: &[ModelInfo],
+    sizes: &[(usize, usize)],
+    cache: Option<worker::CacheUse<'_>>,
+) -> Result<()> {
     // The warm-up calls are not counted in the server's metrics.
     let metrics = metrics::Metrics::default();
     for (index, model) in models.iter().enumerate() {
@@ -321,7 +339,7 @@ fn warm_up(backend: &mut dyn Backend, models: &[ModelInfo], sizes: &[(usize, usi
             )
             .map_err(|e| anyhow::anyhow!("--warmup {width}x{height}: {e}"))?;
             let job = jobs::Job::new(request);
-            worker::run_batch(backend, models, std::slice::from_ref(&job), &metrics);
+            worker::run_batch(backend, models, std::slice::from_ref(&job), &metrics, cache);
             let state = job.state();
             if let Some((_, e)) = &state.error {
                 bail!("warming up {} at {width}x{height}: {e}", model.name);

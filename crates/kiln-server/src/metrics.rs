@@ -14,6 +14,13 @@ pub struct Metrics {
     cancelled: AtomicU64,
     images: AtomicU64,
     rejected_full: AtomicU64,
+    /// The prompt-encoding cache: look-ups that found an encoding and that made one, and (as the
+    /// worker last saw them) its bytes, entries and evictions.
+    prompt_cache_hits: AtomicU64,
+    prompt_cache_misses: AtomicU64,
+    prompt_cache_bytes: AtomicU64,
+    prompt_cache_entries: AtomicU64,
+    prompt_cache_evictions: AtomicU64,
     /// (sum of seconds, count) of denoising steps and of whole jobs.
     steps: Mutex<(f64, u64)>,
     jobs: Mutex<(f64, u64)>,
@@ -39,6 +46,22 @@ impl Metrics {
             j.0 += took.as_secs_f64();
             j.1 += 1;
         }
+    }
+
+    /// A prompt encoding found in the cache (`hit`) or made.
+    pub fn prompt_cache_lookup(&self, hit: bool) {
+        let counter = match hit {
+            true => &self.prompt_cache_hits,
+            false => &self.prompt_cache_misses,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The cache's bytes, entries and evictions now.
+    pub fn prompt_cache_state(&self, bytes: usize, entries: usize, evictions: u64) {
+        self.prompt_cache_bytes.store(bytes as u64, Ordering::Relaxed);
+        self.prompt_cache_entries.store(entries as u64, Ordering::Relaxed);
+        self.prompt_cache_evictions.store(evictions, Ordering::Relaxed);
     }
 
     pub fn rejected_full(&self) {
@@ -101,6 +124,36 @@ impl Metrics {
             "Requests answered 429 because the queue was full.",
             &[("", load(&self.rejected_full))],
         );
+        metric(
+            "kiln_prompt_cache_hits_total",
+            "counter",
+            "Prompt encodings found in the cache (--prompt-cache-mib).",
+            &[("", load(&self.prompt_cache_hits))],
+        );
+        metric(
+            "kiln_prompt_cache_misses_total",
+            "counter",
+            "Prompt encodings not found in the cache, so made by the text encoders.",
+            &[("", load(&self.prompt_cache_misses))],
+        );
+        metric(
+            "kiln_prompt_cache_evictions_total",
+            "counter",
+            "Prompt encodings evicted from the cache to stay within its bytes.",
+            &[("", load(&self.prompt_cache_evictions))],
+        );
+        metric(
+            "kiln_prompt_cache_bytes",
+            "gauge",
+            "Bytes of the prompt encodings in the cache (host memory).",
+            &[("", load(&self.prompt_cache_bytes))],
+        );
+        metric(
+            "kiln_prompt_cache_entries",
+            "gauge",
+            "Prompt encodings in the cache.",
+            &[("", load(&self.prompt_cache_entries))],
+        );
         let (sum, count) = *self.steps.lock().unwrap_or_else(|e| e.into_inner());
         metric(
             "kiln_step_seconds",
@@ -128,6 +181,10 @@ mod tests {
         m.step(Duration::from_millis(1500));
         m.job_ended(Status::Done, Duration::from_secs(2), 2);
         m.job_ended(Status::Failed, Duration::from_secs(1), 0);
+        m.prompt_cache_lookup(false);
+        m.prompt_cache_lookup(true);
+        m.prompt_cache_lookup(true);
+        m.prompt_cache_state(4096, 1, 0);
         let text = m.render(3, 1);
         for line in [
             "kiln_queue_length 3",
@@ -140,6 +197,11 @@ mod tests {
             "kiln_step_seconds_sum 2",
             "kiln_seconds_per_step 1",
             "# TYPE kiln_queue_length gauge",
+            "kiln_prompt_cache_hits_total 2",
+            "kiln_prompt_cache_misses_total 1",
+            "kiln_prompt_cache_evictions_total 0",
+            "kiln_prompt_cache_bytes 4096",
+            "kiln_prompt_cache_entries 1",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }

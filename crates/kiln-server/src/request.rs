@@ -369,6 +369,19 @@ impl JobRequest {
         }
     }
 
+    /// The call whose prompts the encoding of this request's are ([`kiln_pipelines::AnyPipeline::encode_prompt`]):
+    /// its texts once (not per image) and its settings, without seeds.
+    pub fn encoding_call<'a>(&self) -> GenerateCall<'a> {
+        let one = JobRequest {
+            seeds: vec![0],
+            ..self.clone()
+        };
+        GenerateCall {
+            seeds: None,
+            ..one.generate_call(std::slice::from_ref(&one))
+        }
+    }
+
     /// What the PNG of image `k` records: `kiln generate --from` on it makes the image again
     /// (its call holds this image's prompt and seed alone).
     pub fn params(&self, k: usize, model: &ModelInfo, size: (usize, usize)) -> GenerationParams {

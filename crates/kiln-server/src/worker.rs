@@ -1,23 +1,88 @@
 //! A worker: one thread per device (or mesh) that owns its copy of the loaded models and runs
 //! the shared queue's batches one after the other. A failing or panicking call fails its jobs;
-//! the worker goes on.
+//! the worker goes on. With a prompt cache, the worker encodes each job's prompts apart (or finds
+//! them in the cache) and calls the pipeline with the batch's encodings instead of its texts.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kiln_pipelines::PipelineError;
+use kiln_pipelines::{GenerateCall, PipelineError, PromptEncoding};
 
 use crate::backend::{Backend, ModelInfo};
 use crate::jobs::{Image, Job, Queue, Status};
 use crate::metrics::Metrics;
+use crate::prompt_cache::PromptCache;
+
+/// The prompt cache a worker uses, and the worker's index (each worker's encodings are its own:
+/// another device may compute other values).
+#[derive(Clone, Copy)]
+pub struct CacheUse<'a> {
+    pub cache: &'a PromptCache,
+    pub worker: usize,
+}
 
 /// Runs batches from `queue` until it is closed and empty.
-pub fn run(backend: &mut dyn Backend, models: &[ModelInfo], queue: &Queue, metrics: &Metrics, max_batch_images: usize) {
+pub fn run(
+    backend: &mut dyn Backend,
+    models: &[ModelInfo],
+    queue: &Queue,
+    metrics: &Metrics,
+    max_batch_images: usize,
+    cache: Option<CacheUse<'_>>,
+) {
     while let Some(batch) = queue.next_batch(max_batch_images) {
-        run_batch(backend, models, &batch, metrics);
+        run_batch(backend, models, &batch, metrics, cache);
         queue.done_running(&batch);
     }
+}
+
+/// `call` (the batch's) with the encodings of the jobs' prompts instead of its texts: each job's
+/// from the cache, else encoded alone and kept, repeated per image of the job. `call` as it is
+/// when the backend does not encode prompts apart.
+fn with_prompt_encodings(
+    backend: &mut dyn Backend,
+    batch: &[Arc<Job>],
+    call: GenerateCall<'static>,
+    metrics: &Metrics,
+    cache: CacheUse<'_>,
+) -> Result<GenerateCall<'static>, PipelineError> {
+    let model = batch[0].request.model;
+    let lock = || cache.cache.lock().unwrap_or_else(|e| e.into_inner());
+    let mut parts: Vec<(Arc<PromptEncoding>, usize)> = Vec::new();
+    for job in batch {
+        let alone = job.request.encoding_call();
+        let Some(key) = backend.prompt_key(model, &alone) else {
+            return Ok(call);
+        };
+        let key = (cache.worker, model, key?);
+        let found = lock().get(&key);
+        metrics.prompt_cache_lookup(found.is_some());
+        let encoding = match found {
+            Some(encoding) => encoding,
+            None => {
+                // Encoded without the lock: other workers go on meanwhile.
+                let encoding = Arc::new(backend.encode_prompt(model, &alone)?);
+                let bytes = encoding.size_in_bytes() + key.2.size_in_bytes();
+                let mut cache = lock();
+                cache.insert(key, encoding.clone(), bytes);
+                metrics.prompt_cache_state(cache.bytes(), cache.len(), cache.evictions());
+                encoding
+            }
+        };
+        parts.push((encoding, job.request.seeds.len()));
+    }
+    let parts: Vec<(&PromptEncoding, usize)> = parts.iter().map(|(e, n)| (e.as_ref(), *n)).collect();
+    Ok(GenerateCall {
+        prompt: Vec::new(),
+        prompt_2: None,
+        prompt_3: None,
+        negative_prompt: None,
+        negative_prompt_2: None,
+        negative_prompt_3: None,
+        prompt_encoding: Some(PromptEncoding::batch(&parts)?),
+        ..call
+    })
 }
 
 /// What a failed call means for its jobs: (HTTP status, message).
@@ -39,7 +104,13 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Runs one batch (jobs sharing a batch key) as one pipeline call.
-pub fn run_batch(backend: &mut dyn Backend, models: &[ModelInfo], batch: &[Arc<Job>], metrics: &Metrics) {
+pub fn run_batch(
+    backend: &mut dyn Backend,
+    models: &[ModelInfo],
+    batch: &[Arc<Job>],
+    metrics: &Metrics,
+    cache: Option<CacheUse<'_>>,
+) {
     // A job cancelled between leaving the queue and here ends now.
     let batch: Vec<Arc<Job>> = batch
         .iter()
@@ -78,6 +149,10 @@ pub fn run_batch(backend: &mut dyn Backend, models: &[ModelInfo], batch: &[Arc<J
     };
     let started = Instant::now();
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let call = match cache {
+            Some(cache) => with_prompt_encodings(backend, &batch, call, metrics, cache)?,
+            None => call,
+        };
         backend.generate(first.request.model, call, &mut on_step)
     }));
     let elapsed = started.elapsed();

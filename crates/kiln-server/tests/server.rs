@@ -116,6 +116,7 @@ fn start(options: Options) -> Server {
         on_shutdown: options.on_shutdown,
         warmup: vec![(32, 32)],
         stop: Some(stop.clone()),
+        prompt_cache_bytes: 0,
     };
     let loaders: Vec<_> = (0..options.workers)
         .map(|_| {

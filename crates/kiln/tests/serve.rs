@@ -374,3 +374,86 @@ fn one_worker_per_device_each_makes_kiln_generates_image() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn metrics(served: &Served) -> String {
+    agent()
+        .get(&served.url("/metrics"))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap()
+}
+
+/// The value of a metric line `name value`.
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+/// The prompt cache (`--prompt-cache-mib`): a request seen again is not encoded again (a hit in
+/// /metrics) and gives the same PNG bytes; a request of two images looks its prompt up once; with
+/// 0 the texts go to the pipeline as they are, and the image is the same.
+#[test]
+fn a_prompt_seen_again_is_a_cache_hit_with_the_same_image_bytes() {
+    let body = json!({"prompt": "a cached red circle", "size": "64x64", "num_inference_steps": 2, "seed": 7});
+    let image = |served: &Served, body: &Value| {
+        let (code, reply, _) = post(&served.url("/v1/images/generations"), body);
+        assert_eq!(code, 200, "{reply}");
+        reply["data"][0]["b64_json"].as_str().unwrap().to_string()
+    };
+    let served = Served::start(&["--max-batch", "1"]);
+    let before = metrics(&served);
+    assert_eq!(
+        (
+            metric(&before, "kiln_prompt_cache_hits_total"),
+            metric(&before, "kiln_prompt_cache_misses_total")
+        ),
+        (0, 0)
+    );
+    let first = image(&served, &body);
+    let second = image(&served, &body);
+    assert_eq!(first, second, "the cached encoding makes the same PNG, byte for byte");
+    let after = metrics(&served);
+    assert_eq!(metric(&after, "kiln_prompt_cache_misses_total"), 1, "{after}");
+    assert_eq!(metric(&after, "kiln_prompt_cache_hits_total"), 1, "{after}");
+    assert_eq!(metric(&after, "kiln_prompt_cache_entries"), 1, "{after}");
+    assert!(metric(&after, "kiln_prompt_cache_bytes") > 0, "{after}");
+    // Another seed, the same prompt: a hit. Another prompt: a miss. Two images: one look-up.
+    image(
+        &served,
+        &json!({"prompt": "a cached red circle", "size": "64x64", "num_inference_steps": 2, "seed": 8}),
+    );
+    image(
+        &served,
+        &json!({"prompt": "a blue square", "size": "64x64", "num_inference_steps": 2, "n": 2}),
+    );
+    let after = metrics(&served);
+    assert_eq!(
+        (
+            metric(&after, "kiln_prompt_cache_hits_total"),
+            metric(&after, "kiln_prompt_cache_misses_total")
+        ),
+        (2, 2),
+        "{after}"
+    );
+    assert!(served.terminate().success());
+
+    let uncached = Served::start(&["--max-batch", "1", "--prompt-cache-mib", "0"]);
+    assert_eq!(
+        image(&uncached, &body),
+        first,
+        "the image made from the text is the cached one's"
+    );
+    assert_eq!(image(&uncached, &body), first);
+    let after = metrics(&uncached);
+    assert_eq!(
+        (
+            metric(&after, "kiln_prompt_cache_hits_total"),
+            metric(&after, "kiln_prompt_cache_misses_total")
+        ),
+        (0, 0),
+        "{after}"
+    );
+    assert!(uncached.terminate().success());
+}

@@ -40,6 +40,11 @@ pub struct ServeArgs {
     /// generate --offload`).
     #[arg(long, default_value = "none", value_name = "MODE", help_heading = MODELS)]
     pub offload: String,
+    /// MiB of host memory for prompt encodings: a prompt (with its negative prompt and the
+    /// settings the encoding reads) seen again is not encoded again. The least recently used go
+    /// first; 0 turns the cache off (every call encodes its texts).
+    #[arg(long, default_value_t = 256, value_name = "MIB", help_heading = MODELS)]
+    pub prompt_cache_mib: usize,
     /// Sizes to compile before the server says it is ready, as WIDTHxHEIGHT,... (one 1-step
     /// call per model and size).
     #[arg(long, value_name = "WxH,...", value_delimiter = ',', help_heading = MODELS)]
@@ -197,6 +202,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         on_shutdown,
         warmup,
         stop: None,
+        prompt_cache_bytes: args.prompt_cache_mib.saturating_mul(1 << 20),
     };
     kiln_server::serve(config, loaders)
 }

@@ -1,0 +1,284 @@
+//! Prompt encodings made once and passed back in: [`PromptEncoding`] holds what a pipeline's own
+//! `encode_prompt` computes from the texts (its `prompt_embeds`, and FLUX.1's and SD3's pooled
+//! embeddings, and the negatives a call with guidance uses), one row per prompt, on the host.
+//!
+//! On the host, not on the device: an encoding kept for later (a server's cache) then takes no
+//! device memory, which the models and the call budget need, it is the same for every device
+//! and worker, and its size is its bytes. Uploading it back costs a copy of a few MiB per prompt;
+//! the values are the bytes the device gave, so a call made from it is the call made from the
+//! text, bit for bit ([`crate::AnyPipeline::encode_prompt`]).
+
+use std::path::PathBuf;
+
+use kiln_tensor::{DType, Device, Tensor};
+
+use crate::any::PipelineKind;
+use crate::error::{invalid, Result};
+
+/// One tensor's values on the host: little-endian bytes of `dtype`, row-major `dims`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    bytes: Vec<u8>,
+    dtype: DType,
+    dims: Vec<usize>,
+}
+
+impl HostTensor {
+    /// Waits for `t` and copies it to the host.
+    pub fn of(t: &Tensor) -> Result<HostTensor> {
+        Ok(HostTensor {
+            bytes: t.to_bytes()?,
+            dtype: t.dtype(),
+            dims: t.dims().to_vec(),
+        })
+    }
+
+    /// The values on `device`.
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        Ok(Tensor::from_bytes(&self.bytes, self.dtype, self.dims.clone(), device)?)
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn rows(&self) -> usize {
+        self.dims.first().copied().unwrap_or(0)
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.bytes.len() / self.rows().max(1)
+    }
+
+    /// The rows of `parts` in order, row `r` of each part `count` times in a row
+    /// (`torch.repeat_interleave`), then the parts concatenated (`torch.cat(dim=0)`). The parts
+    /// must agree on everything but the rows.
+    fn rows_of(parts: &[(&HostTensor, usize)]) -> Result<HostTensor> {
+        let (first, _) = parts
+            .first()
+            .ok_or_else(|| invalid("no prompt encoding to batch: give at least one"))?;
+        let mut bytes = Vec::new();
+        let mut rows = 0;
+        for (part, count) in parts {
+            if part.dtype != first.dtype || part.dims[1..] != first.dims[1..] {
+                return Err(invalid(format!(
+                    "prompt encodings of shapes {:?} ({}) and {:?} ({}) cannot be batched: encode them with the same settings",
+                    first.dims, first.dtype, part.dims, part.dtype
+                )));
+            }
+            let row = part.row_bytes();
+            for r in 0..part.rows() {
+                for _ in 0..*count {
+                    bytes.extend_from_slice(&part.bytes[r * row..(r + 1) * row]);
+                }
+            }
+            rows += part.rows() * count;
+        }
+        let mut dims = first.dims.clone();
+        dims[0] = rows;
+        Ok(HostTensor {
+            bytes,
+            dtype: first.dtype,
+            dims,
+        })
+    }
+}
+
+/// The call settings an encoding depends on besides the texts, resolved (defaults filled in):
+/// an encoding is used only by a call that resolves to the same.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct EncodingSettings {
+    pub max_sequence_length: usize,
+    /// SD3's (for the prompts, not the negatives); `None` elsewhere.
+    pub clip_skip: Option<usize>,
+    /// FLUX.2's (both kinds); empty elsewhere.
+    pub text_encoder_out_layers: Vec<usize>,
+    /// Whether the negatives are encoded: the call runs classifier-free guidance (SD3, FLUX.2
+    /// [klein] base) or FLUX.1's true CFG with a negative prompt.
+    pub negative: bool,
+}
+
+/// What an encoding depends on: the model, the texts it reads and the settings. Two calls with
+/// one key have one encoding (the key of a cache of them).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PromptKey {
+    pub(crate) root: PathBuf,
+    pub(crate) kind: PipelineKind,
+    pub(crate) dtype: DType,
+    /// The text arguments the encoding reads, by name, as the call gives them.
+    pub(crate) texts: Vec<(&'static str, Option<Vec<String>>)>,
+    pub(crate) settings: EncodingSettings,
+}
+
+impl PromptKey {
+    /// The bytes the key holds (its texts), roughly, for a cache's budget.
+    pub fn size_in_bytes(&self) -> usize {
+        let texts: usize = self
+            .texts
+            .iter()
+            .flat_map(|(_, t)| t.iter().flatten())
+            .map(|t| t.len() + std::mem::size_of::<String>())
+            .sum();
+        texts + self.root.as_os_str().len() + std::mem::size_of::<PromptKey>()
+    }
+
+    pub fn settings(&self) -> &EncodingSettings {
+        &self.settings
+    }
+}
+
+/// A pipeline's prompt encoding, one row per prompt (not per image), on the host: made by
+/// [`crate::AnyPipeline::encode_prompt`], used by a [`crate::GenerateCall`] whose
+/// `prompt_encoding` it is.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptEncoding {
+    pub(crate) root: PathBuf,
+    pub(crate) kind: PipelineKind,
+    /// The pipeline's dtype.
+    pub(crate) dtype: DType,
+    pub(crate) settings: EncodingSettings,
+    pub(crate) prompt_embeds: HostTensor,
+    /// FLUX.1 and SD3.
+    pub(crate) pooled_prompt_embeds: Option<HostTensor>,
+    /// With [`EncodingSettings::negative`].
+    pub(crate) negative_prompt_embeds: Option<HostTensor>,
+    /// SD3's, and FLUX.1's with true CFG.
+    pub(crate) negative_pooled_prompt_embeds: Option<HostTensor>,
+}
+
+impl PromptEncoding {
+    /// The prompts it encodes (rows).
+    pub fn rows(&self) -> usize {
+        self.prompt_embeds.rows()
+    }
+
+    pub fn kind(&self) -> PipelineKind {
+        self.kind
+    }
+
+    pub fn settings(&self) -> &EncodingSettings {
+        &self.settings
+    }
+
+    pub fn prompt_embeds(&self) -> &HostTensor {
+        &self.prompt_embeds
+    }
+
+    pub fn pooled_prompt_embeds(&self) -> Option<&HostTensor> {
+        self.pooled_prompt_embeds.as_ref()
+    }
+
+    pub fn negative_prompt_embeds(&self) -> Option<&HostTensor> {
+        self.negative_prompt_embeds.as_ref()
+    }
+
+    pub fn negative_pooled_prompt_embeds(&self) -> Option<&HostTensor> {
+        self.negative_pooled_prompt_embeds.as_ref()
+    }
+
+    fn tensors(&self) -> [Option<&HostTensor>; 4] {
+        [
+            Some(&self.prompt_embeds),
+            self.pooled_prompt_embeds.as_ref(),
+            self.negative_prompt_embeds.as_ref(),
+            self.negative_pooled_prompt_embeds.as_ref(),
+        ]
+    }
+
+    /// The bytes of its tensors.
+    pub fn size_in_bytes(&self) -> usize {
+        self.tensors()
+            .into_iter()
+            .flatten()
+            .map(HostTensor::size_in_bytes)
+            .sum()
+    }
+
+    /// One encoding of the rows of `parts` in order, each row of a part `count` times in a row:
+    /// e.g. the encodings of several requests' prompts, each repeated per image, for one batched
+    /// call. The parts must come from one model with one set of settings.
+    pub fn batch(parts: &[(&PromptEncoding, usize)]) -> Result<PromptEncoding> {
+        let (first, _) = parts
+            .first()
+            .ok_or_else(|| invalid("no prompt encoding to batch: give at least one"))?;
+        if let Some((other, _)) = parts.iter().find(|(p, _)| {
+            (&p.root, p.kind, p.dtype, &p.settings) != (&first.root, first.kind, first.dtype, &first.settings)
+                || p.tensors().map(|t| t.is_some()) != first.tensors().map(|t| t.is_some())
+        }) {
+            return Err(invalid(format!(
+                "prompt encodings of {} ({:?}) and {} ({:?}) cannot be batched: encode them for one model with the same settings",
+                first.root.display(),
+                first.settings,
+                other.root.display(),
+                other.settings
+            )));
+        }
+        let rows = |get: fn(&PromptEncoding) -> Option<&HostTensor>| -> Result<Option<HostTensor>> {
+            if get(first).is_none() {
+                return Ok(None);
+            }
+            let parts: Vec<(&HostTensor, usize)> = parts
+                .iter()
+                .map(|(p, n)| (get(p).expect("checked: every part has it"), *n))
+                .collect();
+            HostTensor::rows_of(&parts).map(Some)
+        };
+        Ok(PromptEncoding {
+            root: first.root.clone(),
+            kind: first.kind,
+            dtype: first.dtype,
+            settings: first.settings.clone(),
+            prompt_embeds: rows(|p| Some(&p.prompt_embeds))?.expect("every encoding has prompt embeddings"),
+            pooled_prompt_embeds: rows(|p| p.pooled_prompt_embeds.as_ref())?,
+            negative_prompt_embeds: rows(|p| p.negative_prompt_embeds.as_ref())?,
+            negative_pooled_prompt_embeds: rows(|p| p.negative_pooled_prompt_embeds.as_ref())?,
+        })
+    }
+
+    /// Every tensor has one row per prompt.
+    pub(crate) fn check_rows(&self) -> Result<()> {
+        let rows = self.rows();
+        match self.tensors().into_iter().flatten().find(|t| t.rows() != rows) {
+            Some(t) => Err(invalid(format!(
+                "the prompt encoding has {rows} prompt rows but a tensor of shape {:?}: the prompts and negative prompts must be as many",
+                t.dims
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(rows: &[&[u8]]) -> HostTensor {
+        HostTensor {
+            bytes: rows.concat(),
+            dtype: DType::U8,
+            dims: vec![rows.len(), rows[0].len()],
+        }
+    }
+
+    #[test]
+    fn rows_are_repeated_in_place_then_concatenated() {
+        let a = host(&[&[1, 2], &[3, 4]]);
+        let b = host(&[&[5, 6]]);
+        let got = HostTensor::rows_of(&[(&a, 2), (&b, 3)]).unwrap();
+        assert_eq!(
+            got,
+            host(&[&[1, 2], &[1, 2], &[3, 4], &[3, 4], &[5, 6], &[5, 6], &[5, 6]])
+        );
+        let c = host(&[&[7, 8, 9]]);
+        let err = HostTensor::rows_of(&[(&a, 1), (&c, 1)]).unwrap_err().to_string();
+        assert!(err.contains("cannot be batched"), "{err}");
+    }
+}
