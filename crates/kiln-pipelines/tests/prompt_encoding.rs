@@ -227,16 +227,12 @@ fn an_encoding_is_used_only_where_it_stands_for_the_texts() {
             ..call()
         })
         .err()
-        .expect("too long")
+        .unwrap()
         .to_string();
     assert!(
         err.contains("`max_sequence_length` cannot be greater than 512"),
         "{err}"
     );
-    let err = any
-        .encode_prompt(&GenerateCall::default())
-        .err()
-        .expect("no prompt")
-        .to_string();
+    let err = any.encode_prompt(&GenerateCall::default()).err().unwrap().to_string();
     assert!(err.contains("`prompt` is an empty list"), "{err}");
 }

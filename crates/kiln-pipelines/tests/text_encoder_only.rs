@@ -17,7 +17,9 @@ fn prompts() -> Vec<String> {
 fn flux2_dev_text_encoder_alone_gives_the_pipelines_embeddings() {
     let d = device();
     let alone = Flux2Pipeline::from_pretrained(&folder("flux2_dev"), &LoadOptions::default()).unwrap();
-    let got = alone.encode_prompt_text_encoder_only(&prompts(), 24, &[10, 20, 30], &d).unwrap();
+    let got = alone
+        .encode_prompt_text_encoder_only(&prompts(), 24, &[10, 20, 30], &d)
+        .unwrap();
     let mut placed = Flux2Pipeline::from_pretrained(&folder("flux2_dev"), &LoadOptions::default())
         .unwrap()
         .to(&d)
@@ -33,7 +35,9 @@ fn flux2_dev_text_encoder_alone_gives_the_pipelines_embeddings() {
 fn flux2_klein_text_encoder_alone_gives_the_pipelines_embeddings() {
     let d = device();
     let alone = Flux2KleinPipeline::from_pretrained(&folder("flux2_klein"), &LoadOptions::default()).unwrap();
-    let got = alone.encode_prompt_text_encoder_only(&prompts(), 32, &[9, 18, 27], &d).unwrap();
+    let got = alone
+        .encode_prompt_text_encoder_only(&prompts(), 32, &[9, 18, 27], &d)
+        .unwrap();
     let mut placed = Flux2KleinPipeline::from_pretrained(&folder("flux2_klein"), &LoadOptions::default())
         .unwrap()
         .to(&d)
@@ -58,6 +62,10 @@ fn any_pipeline_encodes_with_the_model_defaults_and_names_the_pipelines_it_canno
     let embeds = klein.encode_prompt_text_encoder_only("a cat", Some(16), &d).unwrap();
     assert_eq!(embeds.dims(), &[1, 16, 48]);
     let flux = AnyPipeline::from_pretrained(&folder("flux1_dev"), &LoadOptions::default()).unwrap();
-    let err = flux.encode_prompt_text_encoder_only("a cat", None, &d).err().unwrap().to_string();
+    let err = flux
+        .encode_prompt_text_encoder_only("a cat", None, &d)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("not for FluxPipeline"), "{err}");
 }

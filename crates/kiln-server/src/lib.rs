@@ -181,7 +181,7 @@ where
                     let cache = prompt_cache
                         .as_deref()
                         .map(|cache| worker::CacheUse { cache, worker: index });
-                    if let Err(e) = warm_up(backend.as_mut(), &models, &warmup, cache) {
+                    if let Err(e) = warm_up(backend.as_mut(), &models, &warmup, max_batch, cache) {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
@@ -310,11 +310,14 @@ async fn wait_for_stop(stop: Option<Arc<tokio::sync::Notify>>) {
     }
 }
 
-/// One 1-step call per model and size, so that the programs are compiled before the first request.
+/// 1-step calls per model and size, one for each batch of 1 to `max_batch` one-image jobs, so that
+/// the programs of every batch the worker can form are compiled before the first request (a batch
+/// size met first under load would otherwise compile while its requests wait).
 fn warm_up(
     backend: &mut dyn Backend,
     models: &[ModelInfo],
     sizes: &[(usize, usize)],
+    max_batch: usize,
     cache: Option<worker::CacheUse<'_>>,
 ) -> Result<()> {
     // The warm-up calls are not counted in the server's metrics.
@@ -322,31 +325,37 @@ fn warm_up(
     for (index, model) in models.iter().enumerate() {
         for &(width, height) in sizes {
             let started = std::time::Instant::now();
-            let request = request::JobRequest::new(
-                index,
-                model,
-                "warm-up".into(),
-                (Some(height), Some(width)),
-                request::CallFields {
-                    num_inference_steps: Some(1),
-                    ..Default::default()
-                },
-                vec![0],
-                &Limits {
-                    max_side: usize::MAX,
-                    ..Limits::default()
-                },
-            )
-            .map_err(|e| anyhow::anyhow!("--warmup {width}x{height}: {e}"))?;
-            let job = jobs::Job::new(request);
-            worker::run_batch(backend, models, std::slice::from_ref(&job), &metrics, cache);
-            let state = job.state();
-            if let Some((_, e)) = &state.error {
-                bail!("warming up {} at {width}x{height}: {e}", model.name);
+            for batch in 1..=max_batch.max(1) {
+                let jobs = (0..batch)
+                    .map(|seed| {
+                        let request = request::JobRequest::new(
+                            index,
+                            model,
+                            "warm-up".into(),
+                            (Some(height), Some(width)),
+                            request::CallFields {
+                                num_inference_steps: Some(1),
+                                ..Default::default()
+                            },
+                            vec![seed as u64],
+                            &Limits {
+                                max_side: usize::MAX,
+                                ..Limits::default()
+                            },
+                        )
+                        .map_err(|e| anyhow::anyhow!("--warmup {width}x{height}: {e}"))?;
+                        Ok(jobs::Job::new(request))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                worker::run_batch(backend, models, &jobs, &metrics, cache);
+                if let Some((_, e)) = jobs.iter().find_map(|job| job.state().error.clone()) {
+                    bail!("warming up {} at {width}x{height} (batch of {batch}): {e}", model.name);
+                }
             }
             eprintln!(
-                "warmed up {} at {width}x{height} in {:.2} s",
+                "warmed up {} at {width}x{height}, batches of 1 to {} images, in {:.2} s",
                 model.name,
+                max_batch.max(1),
                 started.elapsed().as_secs_f64()
             );
         }

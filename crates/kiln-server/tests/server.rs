@@ -104,6 +104,7 @@ impl Default for Options {
 }
 
 fn start(options: Options) -> Server {
+    let (max_batch, workers) = (options.limits.max_batch.max(1), options.workers);
     let listener = kiln_server::bind("127.0.0.1", 0, false, false).unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let stop = Arc::new(tokio::sync::Notify::new());
@@ -136,7 +137,17 @@ fn start(options: Options) -> Server {
         assert!(Instant::now() < deadline, "the server did not come up");
         std::thread::sleep(Duration::from_millis(20));
     }
-    // The warm-up call is not counted as a request's batch.
+    // The warm-up made one batch of each size the worker can form (1 to max_batch images), each
+    // worker; those are not counted as requests' batches.
+    let per_worker: Vec<usize> = (1..=max_batch).collect();
+    let mut warmed = server.batches.lock().unwrap().clone();
+    warmed.sort();
+    let mut want: Vec<usize> = per_worker
+        .iter()
+        .flat_map(|&b| std::iter::repeat_n(b, workers))
+        .collect();
+    want.sort();
+    assert_eq!(warmed, want, "warm-up batches");
     server.batches.lock().unwrap().clear();
     server
 }

@@ -17,6 +17,9 @@ fn selftest_passes_on_cpu_and_reports_every_check() {
     let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(["selftest", "--device", "cpu", "--json"])
         .arg(&json_path)
+        // Named, not searched for next to the binary: CARGO_TARGET_DIR may put that elsewhere.
+        .arg("--oracle")
+        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/oracle"))
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -198,7 +198,14 @@ fn serves_the_images_kiln_generate_makes_batched_or_not_and_exits_on_sigterm() {
     assert_eq!(job["status"], "cancelled");
     assert!(job["step"].as_u64().unwrap() < 100);
 
-    // SIGTERM with a request in flight: it is answered, then the server exits cleanly.
+    // SIGTERM with a request in flight: it is answered, then the server exits cleanly. The
+    // cancelled job counts as running until its worker has returned: wait for that first, so
+    // that "running" below is the new request.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while get(&served.url("/health"))["running"] != 0 {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let url = served.url("/v1/images/generations");
     let in_flight = std::thread::spawn(move || {
         post(

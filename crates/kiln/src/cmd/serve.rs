@@ -45,8 +45,8 @@ pub struct ServeArgs {
     /// first; 0 turns the cache off (every call encodes its texts).
     #[arg(long, default_value_t = 256, value_name = "MIB", help_heading = MODELS)]
     pub prompt_cache_mib: usize,
-    /// Sizes to compile before the server says it is ready, as WIDTHxHEIGHT,... (one 1-step
-    /// call per model and size).
+    /// Sizes to compile before the server says it is ready, as WIDTHxHEIGHT,... (1-step calls
+    /// per model and size, one per batch of 1 to --max-batch images).
     #[arg(long, value_name = "WxH,...", value_delimiter = ',', help_heading = MODELS)]
     pub warmup: Vec<String>,
 
