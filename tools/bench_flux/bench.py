@@ -90,29 +90,33 @@ NUMBERS = ("load_s", "first_call_s", "compile_s", "step_s_median", "e2e_s_median
 OFFLOAD_MODES = {"none": "none", "model": "model", "sequential": "group"}
 
 
-def build_flux(folder: Path, seed: int = 0) -> None:
+def build_flux(folder: Path, seed: int = 0, *, double: int = 2, single: int = 4, heads: int = 8, head_dim: int = 64,
+               rope=(16, 24, 24), clip_width: int = 256, t5_width: int = 512, t5_ff: int = 1024,
+               text_layers: int = 2, vae_widths=(64, 128, 256, 256)) -> None:
+    """FluxPipeline with random weights; the defaults are the scaled FLUX.1 (2 + 4 blocks of 8 x 64), the
+    keywords give other widths (build_flux_wide). CLIP and T5 have 64-wide heads."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
 
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=2, num_single_layers=4, attention_head_dim=64,
-        num_attention_heads=8, joint_attention_dim=512, pooled_projection_dim=256,
-        guidance_embeds=True, axes_dims_rope=(16, 24, 24),
+        patch_size=1, in_channels=64, num_layers=double, num_single_layers=single, attention_head_dim=head_dim,
+        num_attention_heads=heads, joint_attention_dim=t5_width, pooled_projection_dim=clip_width,
+        guidance_embeds=True, axes_dims_rope=rope,
     )
     clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=49408, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=77, hidden_act="quick_gelu",
-        projection_dim=256, eos_token_id=2, bos_token_id=0, pad_token_id=1,
+        vocab_size=49408, hidden_size=clip_width, intermediate_size=4 * clip_width, num_hidden_layers=text_layers,
+        num_attention_heads=clip_width // 64, max_position_embeddings=77, hidden_act="quick_gelu",
+        projection_dim=clip_width, eos_token_id=2, bos_token_id=0, pad_token_id=1,
     ))
     t5 = T5EncoderModel(T5Config(
-        vocab_size=32128, d_model=512, d_kv=64, d_ff=1024, num_layers=2, num_heads=8,
+        vocab_size=32128, d_model=t5_width, d_kv=64, d_ff=t5_ff, num_layers=text_layers, num_heads=t5_width // 64,
         feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
         relative_attention_max_distance=128, is_encoder_decoder=False,
     ))
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(64, 128, 256, 256),
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=vae_widths,
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
         layers_per_block=2, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
         use_quant_conv=False, use_post_quant_conv=False,
@@ -129,9 +133,20 @@ def build_flux(folder: Path, seed: int = 0) -> None:
     pipe.save_pretrained(folder, safe_serialization=True)
 
 
-def build_sd3(folder: Path, seed: int = 0) -> None:
+def build_flux_wide(folder: Path, seed: int = 0) -> None:
+    """FLUX.1 at its real widths with few blocks: 1 double + 2 single blocks of 3072 (24 heads x 128, RoPE axes
+    16/56/56), T5 at 4096 (one layer, 64 heads x 64, d_ff 10240), CLIP-L's 768 (one layer), FLUX.1's VAE (128 to
+    512 channels). Where the scaled model hides where the time goes at real sizes."""
+    build_flux(folder, seed, double=1, single=2, heads=24, head_dim=128, rope=(16, 56, 56), clip_width=768,
+               t5_width=4096, t5_ff=10240, text_layers=1, vae_widths=(128, 256, 512, 512))
+
+
+def build_sd3(folder: Path, seed: int = 0, *, blocks: int = 4, heads: int = 6, dual=(0, 1), pos_embed_max_size: int = 96,
+              clip_widths=(256, 384), t5_width: int = 768, t5_ff: int = 1536, text_layers: int = 2,
+              vae_widths=(64, 128, 256, 256)) -> None:
     """SD3.5 Medium's layout (MMDiT with dual attention in the first half of the blocks, RMSNorm q/k,
-    CLIP-L + CLIP-G with projection + T5, 16-channel VAE) at the scaled FLUX.1's width scale."""
+    CLIP-L + CLIP-G with projection + T5, 16-channel VAE); the defaults are at the scaled FLUX.1's width scale,
+    the keywords give other widths (build_sd3_wide). Heads are 64 wide."""
     import torch
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
@@ -139,85 +154,43 @@ def build_sd3(folder: Path, seed: int = 0) -> None:
                               T5TokenizerFast)
 
     torch.manual_seed(seed)
-    clip_l_width, clip_g_width, t5_width = 256, 384, 768
+    clip_l_width, clip_g_width = clip_widths
     # SD3.5 Medium: 24 blocks of 24 x 64, dual attention in blocks 0-12, pos_embed_max_size 384 (patches);
-    # here 4 blocks of 6 x 64, dual in the first 2, and a 96 x 96 position table (1024² needs 64 x 64).
+    # by default 4 blocks of 6 x 64, dual in the first 2, and a 96 x 96 position table (1024² needs 64 x 64).
     transformer = SD3Transformer2DModel(
-        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=4, attention_head_dim=64,
-        num_attention_heads=6, caption_projection_dim=384, joint_attention_dim=t5_width,
-        pooled_projection_dim=clip_l_width + clip_g_width, pos_embed_max_size=96,
-        dual_attention_layers=(0, 1), qk_norm="rms_norm",
+        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=blocks, attention_head_dim=64,
+        num_attention_heads=heads, caption_projection_dim=64 * heads, joint_attention_dim=t5_width,
+        pooled_projection_dim=clip_l_width + clip_g_width, pos_embed_max_size=pos_embed_max_size,
+        dual_attention_layers=dual, qk_norm="rms_norm",
     )
 
-    def clip(width, heads, act):
+    def clip(width, act):
         # projection_dim = hidden_size as in SD3's CLIP-L and CLIP-G; eos_token_id 2 as in their configs.
         return CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=49408, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=2,
-            num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=width,
+            vocab_size=49408, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=text_layers,
+            num_attention_heads=width // 64, max_position_embeddings=77, hidden_act=act, projection_dim=width,
             eos_token_id=2, bos_token_id=0, pad_token_id=1,
         ))
 
     t5 = T5EncoderModel(T5Config(
-        vocab_size=32128, d_model=t5_width, d_kv=64, d_ff=2 * t5_width, num_layers=2, num_heads=t5_width // 64,
+        vocab_size=32128, d_model=t5_width, d_kv=64, d_ff=t5_ff, num_layers=text_layers, num_heads=t5_width // 64,
         feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
         relative_attention_max_distance=128, is_encoder_decoder=False,
     ))
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(64, 128, 256, 256),
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=vae_widths,
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
         layers_per_block=2, norm_num_groups=32, scaling_factor=1.5305, shift_factor=0.0609,
         use_quant_conv=False, use_post_quant_conv=False,
     )
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=clip(clip_l_width, 4, "quick_gelu"),
+        text_encoder=clip(clip_l_width, "quick_gelu"),
         tokenizer=CLIPTokenizer.from_pretrained(ORACLE_TOKENIZERS / "clip"),
         # SD3's CLIP-G tokenizer pads with "!" (id 0).
-        text_encoder_2=clip(clip_g_width, 6, "gelu"),
+        text_encoder_2=clip(clip_g_width, "gelu"),
         tokenizer_2=CLIPTokenizer.from_pretrained(ORACLE_TOKENIZERS / "clip_pad_bang"),
         text_encoder_3=t5, tokenizer_3=T5TokenizerFast.from_pretrained(ORACLE_TOKENIZERS / "t5"),
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
-
-
-def build_flux_wide(folder: Path, seed: int = 0) -> None:
-    """FLUX.1 at its real widths with few blocks: 1 double + 2 single blocks of 3072 (24 heads x 128, RoPE axes
-    16/56/56), T5 at 4096 (one layer, 64 heads x 64, d_ff 10240), CLIP-L's 768, FLUX.1's VAE (128 to 512
-    channels). Where the scaled model hides where the time goes at real sizes."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
-
-    torch.manual_seed(seed)
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=128,
-        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-        guidance_embeds=True, axes_dims_rope=(16, 56, 56),
-    )
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=1,
-        num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
-        projection_dim=768, eos_token_id=2, bos_token_id=0, pad_token_id=1,
-    ))
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=1, num_heads=64,
-        feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
-        relative_attention_max_distance=128, is_encoder_decoder=False,
-    ))
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=2, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096,
-    )
-    pipe = FluxPipeline(
-        scheduler=scheduler, text_encoder=clip, tokenizer=CLIPTokenizer.from_pretrained(ORACLE_TOKENIZERS / "clip"),
-        text_encoder_2=t5, tokenizer_2=T5TokenizerFast.from_pretrained(ORACLE_TOKENIZERS / "t5"),
-        transformer=transformer, vae=vae,
     )
     pipe.save_pretrained(folder, safe_serialization=True)
 
@@ -225,45 +198,8 @@ def build_flux_wide(folder: Path, seed: int = 0) -> None:
 def build_sd3_wide(folder: Path, seed: int = 0) -> None:
     """SD3.5 Medium at its real widths with few blocks: 2 MMDiT blocks of 1536 (24 heads x 64), the first with
     dual attention, CLIP-L 768 and CLIP-G 1280 (one layer each), T5 at 4096 (one layer), SD3's VAE (128 to 512)."""
-    import torch
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-                           StableDiffusion3Pipeline)
-    from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
-                              T5TokenizerFast)
-
-    torch.manual_seed(seed)
-    transformer = SD3Transformer2DModel(
-        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=64,
-        num_attention_heads=24, caption_projection_dim=1536, joint_attention_dim=4096,
-        pooled_projection_dim=768 + 1280, pos_embed_max_size=384, dual_attention_layers=(0,), qk_norm="rms_norm",
-    )
-
-    def clip(width, heads, act):
-        return CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=49408, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=1,
-            num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=width,
-            eos_token_id=2, bos_token_id=0, pad_token_id=1,
-        ))
-
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=1, num_heads=64,
-        feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
-        relative_attention_max_distance=128, is_encoder_decoder=False,
-    ))
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=2, norm_num_groups=32, scaling_factor=1.5305, shift_factor=0.0609,
-        use_quant_conv=False, use_post_quant_conv=False,
-    )
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=clip(768, 12, "quick_gelu"), tokenizer=CLIPTokenizer.from_pretrained(ORACLE_TOKENIZERS / "clip"),
-        text_encoder_2=clip(1280, 20, "gelu"),
-        tokenizer_2=CLIPTokenizer.from_pretrained(ORACLE_TOKENIZERS / "clip_pad_bang"),
-        text_encoder_3=t5, tokenizer_3=T5TokenizerFast.from_pretrained(ORACLE_TOKENIZERS / "t5"),
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
+    build_sd3(folder, seed, blocks=2, heads=24, dual=(0,), pos_embed_max_size=384, clip_widths=(768, 1280),
+              t5_width=4096, t5_ff=10240, text_layers=1, vae_widths=(128, 256, 512, 512))
 
 
 def unpacked(folder: Path, into: Path) -> Path:

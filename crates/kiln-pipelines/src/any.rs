@@ -325,6 +325,20 @@ impl GenerateCall<'_> {
     }
 
     /// A call for one prompt with the other arguments at their defaults.
+    /// This call with `encoding` ([`AnyPipeline::encode_prompt`]) in place of its texts.
+    pub fn with_prompt_encoding(self, encoding: PromptEncoding) -> Self {
+        GenerateCall {
+            prompt: Vec::new(),
+            prompt_2: None,
+            prompt_3: None,
+            negative_prompt: None,
+            negative_prompt_2: None,
+            negative_prompt_3: None,
+            prompt_encoding: Some(encoding),
+            ..self
+        }
+    }
+
     pub fn prompt(prompt: impl Into<String>) -> Self {
         GenerateCall {
             prompt: vec![prompt.into()],

@@ -246,10 +246,7 @@ impl Flux2Base {
         max_sequence_length: usize,
         text_encoder_out_layers: &[usize],
     ) -> Result<Tensor> {
-        if prompt.is_empty() {
-            return Err(invalid("`prompt` is an empty list: give at least one prompt"));
-        }
-        self.check_text_inputs(text_encoder_out_layers, max_sequence_length, false)?;
+        self.check_encode(prompt, text_encoder_out_layers, max_sequence_length)?;
         let _finish = self.core.begin_call()?;
         self.encode(
             prompt,
@@ -271,16 +268,32 @@ impl Flux2Base {
         next: Next,
     ) -> Result<Tensor> {
         let (models, device) = self.core.loaded()?;
-        let (Some(text_encoder), Some(tokenizer)) = (&models.text_encoder, &self.tokenizer) else {
+        let Some(text_encoder) = &models.text_encoder else {
             return Err(self.no_text_encoder());
         };
-        let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
-        let tokens = tokenizer.encode(&texts, max_sequence_length)?;
-        let ids = Tensor::from_slice(&tokens.input_ids, tokens.shape(), device)?;
+        let (tokens, ids) = self.tokens(prompt, max_sequence_length, device)?;
         let embeds = self.core.run("text_encoder", text_encoder, &[], next, |te| {
             self.stacked_hidden_states(te, &ids, &tokens, layers)
         })?;
         Ok(embeds.repeat_interleave(images_per_prompt, 0)?)
+    }
+
+    /// The checks of an `encode_prompt`: at least one prompt, out layers and a length the text
+    /// encoder has.
+    fn check_encode(&self, prompt: &[String], layers: &[usize], max_sequence_length: usize) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(invalid("`prompt` is an empty list: give at least one prompt"));
+        }
+        self.check_text_inputs(layers, max_sequence_length, false)
+    }
+
+    /// The tokenizer's output for `prompt` and its ids on `device`.
+    fn tokens(&self, prompt: &[String], max_sequence_length: usize, device: &Device) -> Result<(Encoded, Tensor)> {
+        let tokenizer = self.tokenizer.as_ref().ok_or_else(|| self.no_text_encoder())?;
+        let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
+        let tokens = tokenizer.encode(&texts, max_sequence_length)?;
+        let ids = Tensor::from_slice(&tokens.input_ids, tokens.shape(), device)?;
+        Ok((tokens, ids))
     }
 
     /// The text encoder's hidden states `layers` for `tokens` (`ids` on its device), concatenated
@@ -317,18 +330,13 @@ impl Flux2Base {
         text_encoder_out_layers: &[usize],
         device: &Device,
     ) -> Result<Tensor> {
-        if prompt.is_empty() {
-            return Err(invalid("`prompt` is an empty list: give at least one prompt"));
-        }
-        self.check_out_layers(text_encoder_out_layers)?;
-        let (Some(config), Some(tokenizer)) = (&self.text_encoder_config, &self.tokenizer) else {
+        self.check_encode(prompt, text_encoder_out_layers, max_sequence_length)?;
+        let Some(config) = &self.text_encoder_config else {
             return Err(self.no_text_encoder());
         };
         let weights = self.core.weights("text_encoder", device, MemoryKind::Device)?;
         let text_encoder = TextDecoderModel::load(config, &weights, &self.text_encoder_hidden_states)?;
-        let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
-        let tokens = tokenizer.encode(&texts, max_sequence_length)?;
-        let ids = Tensor::from_slice(&tokens.input_ids, tokens.shape(), device)?;
+        let (tokens, ids) = self.tokens(prompt, max_sequence_length, device)?;
         self.stacked_hidden_states(&text_encoder, &ids, &tokens, text_encoder_out_layers)
     }
 

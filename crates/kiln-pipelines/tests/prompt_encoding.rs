@@ -19,20 +19,6 @@ fn prompts(texts: &[&str]) -> Option<Vec<String>> {
     Some(texts.iter().map(|t| t.to_string()).collect())
 }
 
-/// `call` without its texts, with `encoding` instead.
-fn from_encoding(call: GenerateCall<'static>, encoding: PromptEncoding) -> GenerateCall<'static> {
-    GenerateCall {
-        prompt: Vec::new(),
-        prompt_2: None,
-        prompt_3: None,
-        negative_prompt: None,
-        negative_prompt_2: None,
-        negative_prompt_3: None,
-        prompt_encoding: Some(encoding),
-        ..call
-    }
-}
-
 /// The call `call()` makes from its texts and from their encoding: the same latents (bytes) and
 /// images. Returns the encoding.
 fn same_from_text_and_encoding(any: &mut AnyPipeline, call: impl Fn() -> GenerateCall<'static>) -> PromptEncoding {
@@ -43,7 +29,7 @@ fn same_from_text_and_encoding(any: &mut AnyPipeline, call: impl Fn() -> Generat
         call().prompt.len(),
         "one row per prompt, not per image"
     );
-    let from_encoding = any.call(from_encoding(call(), encoding.clone())).unwrap();
+    let from_encoding = any.call(call().with_prompt_encoding(encoding.clone())).unwrap();
     assert_eq!(from_text.size, from_encoding.size);
     assert_eq!(
         from_text.latents.to_bytes().unwrap(),
@@ -205,7 +191,7 @@ fn an_encoding_is_used_only_where_it_stands_for_the_texts() {
     // Another setting than the encoding's.
     let longer = GenerateCall {
         max_sequence_length: Some(32),
-        ..from_encoding(call(), encoding.clone())
+        ..call().with_prompt_encoding(encoding.clone())
     };
     let err = any.call(longer).err().expect("another length").to_string();
     assert!(
@@ -215,7 +201,7 @@ fn an_encoding_is_used_only_where_it_stands_for_the_texts() {
     // Another model's.
     let mut other = load("flux2_dev");
     let err = other
-        .call(from_encoding(call(), encoding))
+        .call(call().with_prompt_encoding(encoding))
         .err()
         .expect("another model")
         .to_string();

@@ -73,16 +73,7 @@ fn with_prompt_encodings(
         parts.push((encoding, job.request.seeds.len()));
     }
     let parts: Vec<(&PromptEncoding, usize)> = parts.iter().map(|(e, n)| (e.as_ref(), *n)).collect();
-    Ok(GenerateCall {
-        prompt: Vec::new(),
-        prompt_2: None,
-        prompt_3: None,
-        negative_prompt: None,
-        negative_prompt_2: None,
-        negative_prompt_3: None,
-        prompt_encoding: Some(PromptEncoding::batch(&parts)?),
-        ..call
-    })
+    Ok(call.with_prompt_encoding(PromptEncoding::batch(&parts)?))
 }
 
 /// What a failed call means for its jobs: (HTTP status, message).
