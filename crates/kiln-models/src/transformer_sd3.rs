@@ -79,11 +79,15 @@ impl PatchEmbed {
 /// `CombinedTimestepTextProjEmbeddings`: `timestep_embedder(sinusoid(t)) + text_embedder(pooled)`.
 #[derive(Clone, Debug)]
 struct TimeTextEmbed {
+    frequencies: Tensor,
     timestep_embedder: Mlp,
     text_embedder: Mlp,
 }
 
+// `frequencies` is kiln's precomputed sinusoid table (not a checkpoint tensor); it is walked so
+// that it moves and is passed like every weight (a compiled denoising step reads no constants).
 impl_module!(TimeTextEmbed {
+    frequencies: "time_proj.frequencies",
     timestep_embedder: "timestep_embedder",
     text_embedder: "text_embedder",
 });
@@ -91,10 +95,8 @@ impl_module!(TimeTextEmbed {
 impl TimeTextEmbed {
     fn forward(&self, timestep: &Tensor, pooled: &Tensor) -> Result<Tensor> {
         // `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` on `timestep.float()`,
-        // then cast to the pooled projections' dtype. The frequency table is a constant made here
-        // (not a weight), so the walk names checkpoint tensors only.
-        let frequencies = Tensor::from_slice(&timestep_frequencies(128), [128], timestep.device())?;
-        let t = sinusoid(&timestep.to_dtype(DType::F32)?, &frequencies)?.to_dtype(pooled.dtype())?;
+        // then cast to the pooled projections' dtype.
+        let t = sinusoid(&timestep.to_dtype(DType::F32)?, &self.frequencies)?.to_dtype(pooled.dtype())?;
         let emb = self.timestep_embedder.forward(&t)?;
         Ok(emb.add(&self.text_embedder.forward(pooled)?)?)
     }
@@ -448,6 +450,7 @@ impl SD3Transformer2DModel {
         let dim = config.inner_dim();
         let tte = w.pp("time_text_embed");
         let time_text_embed = TimeTextEmbed {
+            frequencies: Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?,
             timestep_embedder: Mlp::load(&tte.pp("timestep_embedder"), 256, dim)?,
             text_embedder: Mlp::load(&tte.pp("text_embedder"), config.pooled_projection_dim, dim)?,
         };

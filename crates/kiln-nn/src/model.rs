@@ -110,6 +110,13 @@ impl Args {
         }
     }
 
+    /// Puts every tensor of `other` under its name (see [`Args::insert`]).
+    pub fn extend(&mut self, other: Args) {
+        for (name, tensor) in other.entries {
+            self.insert(name, tensor);
+        }
+    }
+
     /// Puts `tensors` under `name.0`, `name.1`, ...
     pub fn insert_list(&mut self, name: &str, tensors: impl IntoIterator<Item = Tensor>) {
         for (i, t) in tensors.into_iter().enumerate() {
@@ -290,6 +297,12 @@ impl Compiled {
     /// How many programs the functions hold (one per function and input signature).
     pub fn programs(&self) -> usize {
         self.by_name().values().map(|f| f.compiled.num_programs()).sum()
+    }
+
+    /// How many tensors the functions' traces captured instead of taking them as arguments
+    /// (see [`CompiledFunction::num_captured`]).
+    pub fn captured(&self) -> usize {
+        self.by_name().values().map(|f| f.compiled.num_captured()).sum()
     }
 
     fn by_name(&self) -> MutexGuard<'_, BTreeMap<String, Arc<Function>>> {

@@ -114,7 +114,8 @@ pub enum CompileMode {
     /// One program per repeated block type, called for every block with that block's weights;
     /// the rest runs eager. Compiles in about the time of one block.
     RepeatedBlocks,
-    /// The whole forward as one program.
+    /// The whole forward as one program; in a pipeline, each denoising step (every transformer
+    /// call of the guidance, the guidance and the scheduler step) is one program.
     Full,
 }
 

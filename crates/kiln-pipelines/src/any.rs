@@ -870,6 +870,9 @@ impl DiffusionPipeline for AnyPipeline {
     fn offload_log(&self) -> &OffloadLog {
         self.pipeline().offload_log()
     }
+    fn step_programs(&self) -> usize {
+        self.pipeline().step_programs()
+    }
     fn device(&self) -> Option<&Device> {
         self.pipeline().device()
     }

@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use image::RgbImage;
+use kiln_nn::Args;
 use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
 use kiln_tensor::{DType, Tensor};
 
@@ -61,21 +62,25 @@ pub struct PipelineOutput {
     pub warnings: Vec<String>,
 }
 
-/// The denoising loop of every pipeline: at each timestep the pipeline's guided prediction
-/// (`predict(step, t, latents)`), the scheduler's Euler step, the step callback, timing and
-/// progress. Returns the final latents and each step's time (each step waits for its latents).
+/// The denoising loop of every pipeline: at each timestep `step(i, t, inputs)` runs the
+/// pipeline's guided prediction and the scheduler's Euler step on `inputs` (`latents`, and `dt`
+/// as an f32 scalar) and returns `latents` and `noise_pred` (see [`euler_step_outputs`] and
+/// [`crate::pipeline::PipelineCore::step`]); then the step callback, timing and progress.
+/// Returns the final latents and each step's time (each step waits for its latents).
 pub(crate) fn denoise(
     (scheduler, timesteps): (&FlowMatchEulerDiscreteScheduler, &[f32]),
     mut latents: Tensor,
     (progress, callback): (bool, &mut Option<Box<StepCallback<'_>>>),
-    mut predict: impl FnMut(usize, f32, &Tensor) -> Result<Tensor>,
+    mut step: impl FnMut(usize, f32, Args) -> Result<Args>,
 ) -> Result<(Tensor, Vec<Duration>)> {
     let mut bar = crate::progress::step_bar(timesteps.len(), progress);
     let mut step_times = Vec::with_capacity(timesteps.len());
     for (i, &t) in timesteps.iter().enumerate() {
         let started = Instant::now();
-        let noise_pred = predict(i, t, &latents)?;
-        latents = euler_step(&latents, &noise_pred, scheduler.dt(i)?)?;
+        let dt = Tensor::from_f32(&[scheduler.dt(i)?], DType::F32, [], latents.device())?;
+        let mut out = step(i, t, Args::new().with("latents", &latents).with("dt", &dt))?;
+        let noise_pred = out.take("noise_pred")?;
+        latents = out.take("latents")?;
         if let Some(cb) = callback.as_mut() {
             let mut state = StepState {
                 step: i,
@@ -95,18 +100,40 @@ pub(crate) fn denoise(
     Ok((latents, step_times))
 }
 
-/// `FlowMatchEulerDiscreteScheduler.step`: `x + dt·v` with the sample upcast to f32. On CPU with a
-/// 16-bit model, torch rounds `dt` and `dt·v` to the model dtype before the f32 add.
-fn euler_step(x: &Tensor, v: &Tensor, dt: f32) -> Result<Tensor> {
+/// The end of a denoising step: the scheduler's Euler step of the step's `latents` by
+/// `noise_pred` over its `dt`, as the step's results `latents` and `noise_pred`.
+pub(crate) fn euler_step_outputs(inputs: &Args, noise_pred: Tensor) -> kiln_nn::Result<Args> {
+    let latents = euler_step(inputs.get("latents")?, &noise_pred, inputs.get("dt")?)?;
+    Ok(Args::new().with("latents", &latents).with("noise_pred", &noise_pred))
+}
+
+/// `FlowMatchEulerDiscreteScheduler.step`: `x + dt·v` with the sample upcast to f32 (`dt` an f32
+/// scalar). On CPU with a 16-bit model, torch rounds `dt` and `dt·v` to the model dtype before
+/// the f32 add.
+fn euler_step(x: &Tensor, v: &Tensor, dt: &Tensor) -> kiln_tensor::Result<Tensor> {
     let dtype = x.dtype();
-    let dt = Tensor::from_f32(&[dt], v.dtype(), [], x.device())?;
-    let update = v.mul(&dt)?;
+    let update = v.mul(&dt.to_dtype(v.dtype())?)?;
     if dtype == DType::F32 {
-        return Ok(x.add(&update)?);
+        return x.add(&update);
     }
-    Ok(x.to_dtype(DType::F32)?
+    x.to_dtype(DType::F32)?
         .add(&update.to_dtype(DType::F32)?)?
-        .to_dtype(dtype)?)
+        .to_dtype(dtype)
+}
+
+/// `x · scale` for an f32 scalar tensor `scale`, computed in f32 and rounded once (torch, a
+/// 16-bit tensor times a Python float): [`Tensor::mul_scalar_f32`] with the scale as a tensor, so
+/// that a compiled step takes it as an argument.
+pub(crate) fn mul_scale(x: &Tensor, scale: &Tensor) -> kiln_tensor::Result<Tensor> {
+    if x.dtype() == DType::F32 {
+        return x.mul(scale);
+    }
+    x.to_dtype(DType::F32)?.mul(scale)?.to_dtype(x.dtype())
+}
+
+/// `value` as an f32 scalar tensor on `device` (a guidance scale passed to a step).
+pub(crate) fn scalar(value: f64, device: &kiln_tensor::Device) -> Result<Tensor> {
+    Ok(Tensor::from_f32(&[value as f32], DType::F32, [], device)?)
 }
 
 /// The end of every call: the final latents decoded (`decode` gives the image tensor `[N, 3, H, W]`

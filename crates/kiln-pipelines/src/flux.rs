@@ -5,13 +5,15 @@ use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInputs};
+use kiln_nn::Args;
 use kiln_schedulers::{flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 use std::time::Instant;
 
 use crate::call::{
-    check_packed_size, check_same_shape, denoise, finish_call, pipeline_call, Encoded, OutputType, PipelineOutput,
+    check_packed_size, check_same_shape, denoise, euler_step_outputs, finish_call, mul_scale, pipeline_call, scalar,
+    Encoded, OutputType, PipelineOutput,
 };
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
@@ -299,45 +301,61 @@ impl FluxPipeline {
         };
         let decodes = args.output_type == OutputType::Image;
         let last_encoded = negative.as_ref().unwrap_or(&positive);
+        // What every step reads besides its latents, timestep and dt (a compiled step's arguments).
+        let mut call_inputs = Args::new()
+            .with("embeds", &positive.embeds)
+            .with("pooled", &positive.pooled)
+            .with_opt("guidance", guidance.as_ref())
+            .with_rope(&rope);
+        if let Some(neg) = &negative {
+            call_inputs = call_inputs
+                .with("negative.embeds", &neg.embeds)
+                .with("negative.pooled", &neg.pooled)
+                .with("true_cfg_scale", &scalar(args.true_cfg_scale, device)?);
+        }
+        let variant = if negative.is_some() { "flux.true_cfg" } else { "flux" };
         let (latents, steps) = denoise(
             (&scheduler, &timesteps),
             latents,
             (args.progress, &mut args.callback),
-            |i, t, latents| {
-                let timestep = timestep_tensor(t, total, dtype, device)?;
-                let last_step = i + 1 == timesteps.len();
-                let predict = |enc: &Encoded, last_call: bool| {
-                    // The VAE's transfer can start during the last transformer call.
-                    let next = if last_call && decodes {
-                        Next::InOrder
-                    } else {
-                        Next::Same
-                    };
-                    self.core.run(
-                        "transformer",
-                        &models.transformer,
-                        &[&last_encoded.embeds],
-                        next,
-                        |tr| {
-                            Ok(tr.forward(&FluxTransformerInputs {
-                                hidden_states: latents,
-                                encoder_hidden_states: &enc.embeds,
-                                pooled_projections: &enc.pooled,
-                                timestep: &timestep,
-                                guidance: guidance.as_ref(),
-                                rope: &rope,
-                            })?)
-                        },
-                    )
+            |i, t, step_inputs| {
+                let mut inputs = call_inputs.clone();
+                inputs.extend(step_inputs);
+                inputs.insert("timestep", timestep_tensor(t, total, dtype, device)?);
+                // The VAE's transfer can start during the last step.
+                let next = match i + 1 == timesteps.len() && decodes {
+                    true => Next::InOrder,
+                    false => Next::Same,
                 };
-                let pos = predict(&positive, last_step && negative.is_none())?;
-                match &negative {
-                    None => Ok(pos),
-                    Some(neg) => {
-                        let neg = predict(neg, last_step)?;
-                        Ok(neg.add(&pos.sub(&neg)?.mul_scalar_f32(args.true_cfg_scale)?)?)
-                    }
-                }
+                let transformer = ("transformer", &models.transformer);
+                self.core.step(
+                    transformer,
+                    (&[&last_encoded.embeds], next),
+                    variant,
+                    inputs,
+                    |tr, a| {
+                        let rope = a.rope()?;
+                        let predict = |embeds: &str, pooled: &str| {
+                            tr.forward(&FluxTransformerInputs {
+                                hidden_states: a.get("latents")?,
+                                encoder_hidden_states: a.get(embeds)?,
+                                pooled_projections: a.get(pooled)?,
+                                timestep: a.get("timestep")?,
+                                guidance: a.opt("guidance"),
+                                rope: &rope,
+                            })
+                        };
+                        let pos = predict("embeds", "pooled")?;
+                        let noise_pred = match a.opt("true_cfg_scale") {
+                            None => pos,
+                            Some(scale) => {
+                                let neg = predict("negative.embeds", "negative.pooled")?;
+                                neg.add(&mul_scale(&pos.sub(&neg)?, scale)?)?
+                            }
+                        };
+                        euler_step_outputs(a, noise_pred)
+                    },
+                )
             },
         )?;
 

@@ -14,13 +14,17 @@ use kiln_models::mistral::FLUX2_HIDDEN_STATES;
 use kiln_models::qwen3::FLUX2_KLEIN_HIDDEN_STATES;
 use kiln_models::text_decoder::{TextDecoderArch, TextDecoderConfig, TextDecoderModel};
 use kiln_models::transformer_flux2::{Flux2Transformer2DModel, Flux2TransformerInputs};
+use kiln_nn::Args;
 use kiln_schedulers::{
     compute_empirical_mu, flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
 };
 use kiln_tensor::{Device, MemoryKind, Tensor};
 use kiln_tokenizers::{Encoded, MistralTokenizer, Qwen3Tokenizer};
 
-use crate::call::{check_packed_size, denoise, finish_call, pipeline_call, OutputType, PipelineOutput};
+use crate::call::{
+    check_packed_size, denoise, euler_step_outputs, finish_call, mul_scale, pipeline_call, scalar, OutputType,
+    PipelineOutput,
+};
 use crate::error::{invalid, Result};
 use crate::flux::timestep_tensor;
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
@@ -435,38 +439,58 @@ impl Flux2Base {
             None => None,
         };
         let decodes = args.output_type == OutputType::Image;
+        let mut call_inputs = Args::new()
+            .with("embeds", &prompt_embeds)
+            .with_opt("guidance", guidance_values.as_ref())
+            .with_rope(&rope);
+        if let Some(neg) = &negative {
+            let neg_rope = negative_rope.as_ref().unwrap_or(&rope);
+            call_inputs = call_inputs
+                .with("negative.embeds", neg)
+                .with("negative.rope.cos", &neg_rope.cos)
+                .with("negative.rope.sin", &neg_rope.sin)
+                .with("cfg_scale", &scalar(scale, device)?);
+        }
+        let variant = if negative.is_some() { "flux2.cfg" } else { "flux2" };
         let (latents, steps) = denoise(
             (&scheduler, &timesteps),
             latents,
             (args.progress, &mut args.callback),
-            |i, t, latents| {
-                let timestep = timestep_tensor(t, total, dtype, device)?;
-                let last_step = i + 1 == timesteps.len();
-                let predict = |embeds: &Tensor, rope: &kiln_nn::RopeTables, last_call: bool| {
-                    // The VAE's transfer can start during the last transformer call.
-                    let next = match last_call && decodes {
-                        true => Next::InOrder,
-                        false => Next::Same,
-                    };
-                    self.core
-                        .run("transformer", &models.transformer, &[last_encoded], next, |tr| {
-                            Ok(tr.forward(&Flux2TransformerInputs {
-                                hidden_states: latents,
-                                encoder_hidden_states: embeds,
-                                timestep: &timestep,
-                                guidance: guidance_values.as_ref(),
-                                rope,
-                            })?)
-                        })
+            |i, t, step_inputs| {
+                let mut inputs = call_inputs.clone();
+                inputs.extend(step_inputs);
+                inputs.insert("timestep", timestep_tensor(t, total, dtype, device)?);
+                // The VAE's transfer can start during the last step.
+                let next = match i + 1 == timesteps.len() && decodes {
+                    true => Next::InOrder,
+                    false => Next::Same,
                 };
-                let cond = predict(&prompt_embeds, &rope, last_step && negative.is_none())?;
-                match &negative {
-                    None => Ok(cond),
-                    Some(neg) => {
-                        let neg = predict(neg, negative_rope.as_ref().unwrap_or(&rope), last_step)?;
-                        Ok(neg.add(&cond.sub(&neg)?.mul_scalar_f32(scale)?)?)
-                    }
-                }
+                let transformer = ("transformer", &models.transformer);
+                self.core
+                    .step(transformer, (&[last_encoded], next), variant, inputs, |tr, a| {
+                        let predict = |embeds: &str, rope: kiln_nn::RopeTables| {
+                            tr.forward(&Flux2TransformerInputs {
+                                hidden_states: a.get("latents")?,
+                                encoder_hidden_states: a.get(embeds)?,
+                                timestep: a.get("timestep")?,
+                                guidance: a.opt("guidance"),
+                                rope: &rope,
+                            })
+                        };
+                        let cond = predict("embeds", a.rope()?)?;
+                        let noise_pred = match a.opt("cfg_scale") {
+                            None => cond,
+                            Some(scale) => {
+                                let negative_rope = kiln_nn::RopeTables {
+                                    cos: a.get("negative.rope.cos")?.clone(),
+                                    sin: a.get("negative.rope.sin")?.clone(),
+                                };
+                                let neg = predict("negative.embeds", negative_rope)?;
+                                neg.add(&mul_scale(&cond.sub(&neg)?, scale)?)?
+                            }
+                        };
+                        euler_step_outputs(a, noise_pred)
+                    })
             },
         )?;
 

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kiln_io::Checkpoint;
-use kiln_nn::{CompileMode, Model, Module, OffloadLog, OffloadMode, RunConfig, Weights};
+use kiln_nn::{Args, CompileMode, Compiled, Model, Module, OffloadLog, OffloadMode, RunConfig, Weights};
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 
 use crate::error::{invalid, PipelineError, Result};
@@ -86,6 +86,8 @@ pub struct PipelineCore<C> {
     offloader: Option<Offloader>,
     offload_log: OffloadLog,
     plan: Option<OffloadPlan>,
+    /// The denoising steps' programs (see [`PipelineCore::step`]).
+    steps: Compiled,
 }
 
 impl<C: Components> PipelineCore<C> {
@@ -99,6 +101,7 @@ impl<C: Components> PipelineCore<C> {
             offloader: None,
             offload_log: OffloadLog::new(),
             plan: None,
+            steps: Compiled::new("step"),
         }
     }
 
@@ -179,6 +182,36 @@ impl<C: Components> PipelineCore<C> {
             _ => Cow::Borrowed(model),
         };
         f(&model).map_err(|e| self.oom(name, e))
+    }
+
+    /// One denoising step, `step(model, inputs)`, on the denoiser `name` (`model`) as
+    /// [`Self::run`] runs it. When the model is compiled whole ([`CompileMode::Full`]), the step —
+    /// every model call of the guidance, the guidance and the scheduler step — is one program,
+    /// `variant` (one per variant and input signature; the model's weights are its arguments).
+    /// `variant` must name everything besides the inputs' shapes that changes what the step does
+    /// (skipped layers, ...), and `step` must read tensors only from the model and `inputs`: a
+    /// tensor it captured would be frozen into the program, so a capture is an error.
+    pub(crate) fn step<M: Model + Clone>(
+        &self,
+        (name, model): (&'static str, &M),
+        (after, next): (&[&Tensor], Next),
+        variant: &str,
+        inputs: Args,
+        step: impl FnOnce(&M, &Args) -> kiln_nn::Result<Args>,
+    ) -> Result<Args> {
+        self.run(name, model, after, next, |m| {
+            if m.compile_mode() != CompileMode::Full {
+                return Ok(step(m, &inputs)?);
+            }
+            let out = self.steps.call(variant, m, inputs, step)?;
+            match self.steps.captured() {
+                0 => Ok(out),
+                n => Err(invalid(format!(
+                    "internal error: the compiled denoising step `{variant}` read {n} tensors that are not its \
+                     arguments (they would be frozen into the program); use --compile blocks and report this"
+                ))),
+            }
+        })
     }
 
     /// `e` from `component`'s work, naming it when the device ran out of memory.
@@ -349,6 +382,9 @@ pub trait DiffusionPipeline {
     /// The offload log: the device bytes of offloaded weights (now and peak) and, when
     /// recording, every transfer, await and release.
     fn offload_log(&self) -> &OffloadLog;
+    /// How many denoising-step programs were compiled (one per step variant and input
+    /// signature; see [`CompileMode::Full`]).
+    fn step_programs(&self) -> usize;
     fn device(&self) -> Option<&Device>;
     fn dtype(&self) -> DType;
     fn root(&self) -> &Path;
@@ -399,6 +435,9 @@ impl<P: PipelineParts> DiffusionPipeline for P {
     }
     fn offload_log(&self) -> &OffloadLog {
         &self.core().offload_log
+    }
+    fn step_programs(&self) -> usize {
+        self.core().steps.programs()
     }
     fn device(&self) -> Option<&Device> {
         self.core().run.device.as_ref()

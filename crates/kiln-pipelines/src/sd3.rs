@@ -7,11 +7,15 @@ use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_sd3::{SD3Transformer2DModel, SD3TransformerInputs};
+use kiln_nn::Args;
 use kiln_schedulers::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 
-use crate::call::{check_same_shape, denoise, finish_call, pipeline_call, shown, Encoded, OutputType, PipelineOutput};
+use crate::call::{
+    check_same_shape, denoise, euler_step_outputs, finish_call, mul_scale, pipeline_call, scalar, shown, Encoded,
+    OutputType, PipelineOutput,
+};
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
 use crate::pipeline::{components, pipeline_parts, Next, PipelineCore, PipelineParts};
@@ -447,62 +451,79 @@ impl StableDiffusion3Pipeline {
         // `+ slg·(text − skipped)` inside its window.
         let decodes = args.output_type == OutputType::Image;
         let skip_layers = args.skip_guidance_layers.clone().unwrap_or_default();
+        let rows = latents.dims()[0];
+        let mut call_inputs = Args::new().with("embeds", &embeds).with("pooled", &pooled);
+        if do_cfg {
+            call_inputs.insert("guidance_scale", scalar(args.guidance_scale, device)?);
+        }
         let (latents, steps) = denoise(
             (&scheduler, &timesteps),
             latents,
             (args.progress, &mut args.callback),
-            |i, t, latents| {
+            |i, t, step_inputs| {
                 // diffusers: strict inequalities on the float products.
                 let fi = i as f64;
                 let in_window = fi > num_inference_steps * args.skip_layer_guidance_start
                     && fi < num_inference_steps * args.skip_layer_guidance_stop;
                 let skip_call = do_cfg && args.skip_guidance_layers.is_some() && in_window;
-                let last_step = i + 1 == timesteps.len();
-                let predict =
-                    |hidden_states: &Tensor, text: &Tensor, pooled: &Tensor, skip_layers: &[usize], last_call: bool| {
-                        let rows = hidden_states.dims()[0];
-                        let timestep = Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?;
-                        // The VAE's transfer can start during the last transformer call.
-                        let next = if last_call && decodes {
-                            Next::InOrder
-                        } else {
-                            Next::Same
-                        };
-                        self.core
-                            .run("transformer", &models.transformer, &[&embeds], next, |tr| {
-                                Ok(tr.forward(&SD3TransformerInputs {
+                let mut inputs = call_inputs.clone();
+                inputs.extend(step_inputs);
+                inputs.insert(
+                    "timestep",
+                    Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?,
+                );
+                let variant = match (do_cfg, skip_call) {
+                    (false, _) => "sd3".to_string(),
+                    (true, false) => "sd3.cfg".to_string(),
+                    (true, true) => {
+                        inputs.insert("text.embeds", encoded.prompt_embeds.clone());
+                        inputs.insert("text.pooled", encoded.pooled_prompt_embeds.clone());
+                        inputs.insert(
+                            "skip_layer_guidance_scale",
+                            scalar(args.skip_layer_guidance_scale, device)?,
+                        );
+                        format!("sd3.cfg.skip_layers{skip_layers:?}")
+                    }
+                };
+                // The VAE's transfer can start during the last step.
+                let next = match i + 1 == timesteps.len() && decodes {
+                    true => Next::InOrder,
+                    false => Next::Same,
+                };
+                let transformer = ("transformer", &models.transformer);
+                self.core
+                    .step(transformer, (&[&embeds], next), &variant, inputs, |tr, a| {
+                        let predict =
+                            |hidden_states: &Tensor, timestep: &Tensor, text: &str, pooled: &str, skip: &[usize]| {
+                                tr.forward(&SD3TransformerInputs {
                                     hidden_states,
-                                    timestep: &timestep,
-                                    encoder_hidden_states: text,
-                                    pooled_projections: pooled,
-                                    skip_layers,
-                                })?)
-                            })
-                    };
-                if !do_cfg {
-                    return predict(latents, &embeds, &pooled, &[], last_step);
-                }
-                let both = predict(
-                    &Tensor::cat(&[latents, latents], 0)?,
-                    &embeds,
-                    &pooled,
-                    &[],
-                    last_step && !skip_call,
-                )?;
-                let halves = both.chunk(2, 0)?;
-                let (uncond, text) = (&halves[0], &halves[1]);
-                let guided = uncond.add(&text.sub(uncond)?.mul_scalar_f32(args.guidance_scale)?)?;
-                if !skip_call {
-                    return Ok(guided);
-                }
-                let skipped = predict(
-                    latents,
-                    &encoded.prompt_embeds,
-                    &encoded.pooled_prompt_embeds,
-                    &skip_layers,
-                    last_step,
-                )?;
-                Ok(guided.add(&text.sub(&skipped)?.mul_scalar_f32(args.skip_layer_guidance_scale)?)?)
+                                    timestep,
+                                    encoder_hidden_states: a.get(text)?,
+                                    pooled_projections: a.get(pooled)?,
+                                    skip_layers: skip,
+                                })
+                            };
+                        let (latents, timestep) = (a.get("latents")?, a.get("timestep")?);
+                        let Some(scale) = a.opt("guidance_scale") else {
+                            let noise_pred = predict(latents, timestep, "embeds", "pooled", &[])?;
+                            return euler_step_outputs(a, noise_pred);
+                        };
+                        let both = predict(
+                            &Tensor::cat(&[latents, latents], 0)?,
+                            &Tensor::cat(&[timestep, timestep], 0)?,
+                            "embeds",
+                            "pooled",
+                            &[],
+                        )?;
+                        let halves = both.chunk(2, 0)?;
+                        let (uncond, text) = (&halves[0], &halves[1]);
+                        let guided = uncond.add(&mul_scale(&text.sub(uncond)?, scale)?)?;
+                        let Some(slg_scale) = a.opt("skip_layer_guidance_scale") else {
+                            return euler_step_outputs(a, guided);
+                        };
+                        let skipped = predict(latents, timestep, "text.embeds", "text.pooled", &skip_layers)?;
+                        euler_step_outputs(a, guided.add(&mul_scale(&text.sub(&skipped)?, slg_scale)?)?)
+                    })
             },
         )?;
 

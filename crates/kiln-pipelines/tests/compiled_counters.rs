@@ -37,9 +37,9 @@ fn call(prompt: &str, size: usize, steps: usize, seed: u64) -> FluxCall<'static>
     }
 }
 
-/// (in-memory misses, transformer programs) added by `f`.
+/// (in-memory misses, programs of the transformer and of the denoising step) added by `f`.
 fn counted(pipe: &mut FluxPipeline, f: impl FnOnce(&mut FluxPipeline)) -> (u64, usize) {
-    let programs = |p: &mut FluxPipeline| p.transformer_mut().unwrap().compiled_programs();
+    let programs = |p: &mut FluxPipeline| p.transformer_mut().unwrap().compiled_programs() + p.step_programs();
     let (before, p0) = (thread_op_cache_stats(), programs(pipe));
     f(pipe);
     let (after, p1) = (thread_op_cache_stats(), programs(pipe));
@@ -53,8 +53,10 @@ fn check(mode: CompileMode, programs_per_size: usize) {
     });
     assert_eq!(
         first, programs_per_size,
-        "{mode}: the first call compiles the transformer"
+        "{mode}: the first call compiles the transformer (the whole step in full mode)"
     );
+    let steps = pipe.step_programs();
+    assert_eq!(steps, usize::from(mode == CompileMode::Full), "{mode}: step programs");
     for (what, c) in [
         ("the same call", call("a red circle", 32, 2, 0)),
         ("more steps", call("a red circle", 32, 5, 0)),
@@ -81,7 +83,7 @@ fn check(mode: CompileMode, programs_per_size: usize) {
 }
 
 #[test]
-fn the_whole_transformer_compiles_once_per_size() {
+fn the_whole_step_compiles_once_per_size() {
     check(CompileMode::Full, 1);
 }
 

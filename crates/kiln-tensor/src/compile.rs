@@ -70,6 +70,13 @@ impl CompiledFunction {
         self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
+    /// How many concrete tensors the traces captured (tensors the function read that were not
+    /// its arguments, kept and passed with every call), over every program.
+    pub fn num_captured(&self) -> usize {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries.values().map(|e| e.captured.len()).sum()
+    }
+
     /// Runs `f(args)` compiled. `f` receives traced stand-ins for `args` on a first call with this
     /// signature and is not called at all on later ones.
     pub fn call<E: From<Error>>(

@@ -12,6 +12,18 @@ use kiln_tensor::{OpCacheStats, Tensor};
 /// unused) exactly once, under its checkpoint name and with its checkpoint shape; `map` walks the
 /// same names in the same order. Returns the names in walk order.
 pub fn check_walk(component: &str, model: &mut dyn Module, checkpoint: &Checkpoint, skipped: &[&str]) -> Vec<String> {
+    check_walk_with_tables(component, model, checkpoint, skipped, &[])
+}
+
+/// [`check_walk`] for a model that also walks `tables`: tensors kiln computes at load (sinusoid
+/// frequencies, ...), not in the checkpoint.
+pub fn check_walk_with_tables(
+    component: &str,
+    model: &mut dyn Module,
+    checkpoint: &Checkpoint,
+    skipped: &[&str],
+    tables: &[&str],
+) -> Vec<String> {
     let mut visited: Vec<(String, Vec<usize>)> = Vec::new();
     model.visit(&mut |name, t| visited.push((name.to_string(), t.dims().to_vec())));
     let names: Vec<String> = visited.iter().map(|(n, _)| n.clone()).collect();
@@ -24,14 +36,18 @@ pub fn check_walk(component: &str, model: &mut dyn Module, checkpoint: &Checkpoi
     for s in skipped {
         assert!(checkpoint.contains(s), "{component}: {s} is not in the checkpoint");
     }
-    let expected: BTreeSet<&str> = checkpoint.names().filter(|n| !skipped.contains(n)).collect();
+    let expected: BTreeSet<&str> = checkpoint
+        .names()
+        .filter(|n| !skipped.contains(n))
+        .chain(tables.iter().copied())
+        .collect();
     let missing: Vec<&&str> = expected.difference(&unique).collect();
     let extra: Vec<&&str> = unique.difference(&expected).collect();
     assert!(
         missing.is_empty() && extra.is_empty(),
         "{component}: checkpoint tensors not visited: {missing:?}; visited names not in the checkpoint: {extra:?}"
     );
-    for (name, dims) in &visited {
+    for (name, dims) in visited.iter().filter(|(n, _)| !tables.contains(&n.as_str())) {
         let view = checkpoint.tensor(name).unwrap();
         assert_eq!(view.shape.dims(), &dims[..], "{component}: shape of {name}");
     }
