@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kiln_io::Checkpoint;
-use kiln_tensor::{DType, Device, MemoryKind, Shape, Tensor};
+use kiln_tensor::{DType, Device, MemoryKind, Platform, Shape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::parallel::{TpPlan, TpStyle};
@@ -51,8 +51,9 @@ impl Weights {
     }
 
     /// [`Weights::new`] loading into memory space `memory` of `device` (a host one for offloaded
-    /// weights: a weight already in `dtype` goes there straight from the checkpoint, another is
-    /// cast on the device and moved, so each weight is on the device at most while it is cast).
+    /// weights: a weight already in `dtype` goes there straight from the checkpoint, as does one
+    /// cast on the CPU plugin's host; elsewhere another is cast on the device and moved, so each
+    /// weight is on the device at most while it is cast).
     pub fn new_in(
         checkpoint: impl Into<Arc<Checkpoint>>,
         device: &Device,
@@ -251,18 +252,12 @@ impl Weights {
             self.shared.used.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
             return Ok(t);
         }
-        // Straight from the memory map to the device; the cast happens on the device.
+        // Straight from the memory map to the device.
         self.shared
             .bytes_read
             .fetch_add(view.data.len() as u64, Ordering::Relaxed);
         let (device, memory) = (&self.shared.device, self.shared.memory);
-        let t = if memory.is_host() && view.dtype == dtype {
-            Tensor::from_bytes_in(view.data, view.dtype, view.shape.clone(), device, memory)?
-        } else {
-            Tensor::from_bytes(view.data, view.dtype, view.shape.clone(), device)?
-                .to_dtype(dtype)?
-                .to_memory(memory)?
-        };
+        let t = upload(view.data, view.dtype, dtype, view.shape.clone(), device, memory)?;
         self.shared.used.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
         Ok(t)
     }
@@ -301,7 +296,14 @@ impl Weights {
                         .peak_staged
                         .fetch_max(staged.len() as u64, Ordering::Relaxed);
                 }
-                parts.push(Tensor::from_bytes(&bytes, view.dtype, shape, member)?.to_dtype(dtype)?);
+                parts.push(upload(
+                    &bytes,
+                    view.dtype,
+                    dtype,
+                    Shape::new(shape),
+                    member,
+                    MemoryKind::Device,
+                )?);
             }
             let refs: Vec<&Tensor> = parts.iter().collect();
             let shard = if refs.len() == 1 {
@@ -350,4 +352,22 @@ impl Weights {
             bytes_read: self.bytes_read(),
         }
     }
+}
+
+/// The stored `bytes` (of `from`) as a tensor of `to` on `device`, in `memory`. On the CPU plugin,
+/// whose device memory is host memory, a cast runs on the host while the bytes are copied in, so
+/// loading compiles no cast program per weight shape; elsewhere the stored bytes move and the
+/// device casts them.
+fn upload(bytes: &[u8], from: DType, to: DType, shape: Shape, device: &Device, memory: MemoryKind) -> Result<Tensor> {
+    if from == to {
+        return Ok(Tensor::from_bytes_in(bytes, from, shape, device, memory)?);
+    }
+    if device.platform() == Platform::Cpu {
+        if let Some(cast) = kiln_types::cast_float_bytes(bytes, from, to) {
+            return Ok(Tensor::from_bytes_in(&cast, to, shape, device, memory)?);
+        }
+    }
+    Ok(Tensor::from_bytes(bytes, from, shape, device)?
+        .to_dtype(to)?
+        .to_memory(memory)?)
 }

@@ -253,6 +253,36 @@ pub fn f32_to_bytes(values: &[f32], dtype: DType) -> Vec<u8> {
     out
 }
 
+/// Little-endian bytes of one float dtype (f32, bf16, f16) as another, rounding to nearest even
+/// as XLA's convert does (NaN stays NaN; bf16 ↔ f16 goes through f32, which holds both exactly).
+/// `None` when either dtype is not one of those three.
+pub fn cast_float_bytes(bytes: &[u8], from: DType, to: DType) -> Option<Vec<u8>> {
+    let float = |d| matches!(d, DType::F32 | DType::BF16 | DType::F16);
+    if !float(from) || !float(to) {
+        return None;
+    }
+    if from == to {
+        return Some(bytes.to_vec());
+    }
+    let read = |c: &[u8]| -> f32 {
+        match from {
+            DType::F32 => f32::from_le_bytes(c.try_into().unwrap()),
+            DType::BF16 => bf16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f32(),
+            _ => f16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f32(),
+        }
+    };
+    let mut out = Vec::with_capacity(bytes.len() / from.size_in_bytes() * to.size_in_bytes());
+    for c in bytes.chunks_exact(from.size_in_bytes()) {
+        let v = read(c);
+        match to {
+            DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+            DType::BF16 => out.extend_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes()),
+            _ => out.extend_from_slice(&f16::from_f32(v).to_bits().to_le_bytes()),
+        }
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
