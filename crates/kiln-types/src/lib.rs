@@ -255,37 +255,138 @@ pub fn f32_to_bytes(values: &[f32], dtype: DType) -> Vec<u8> {
 
 /// Little-endian bytes of one float dtype (f32, bf16, f16) as another, rounding to nearest even
 /// as XLA's convert does (NaN stays NaN; bf16 ↔ f16 goes through f32, which holds both exactly).
-/// `None` when either dtype is not one of those three.
+/// `None` when either dtype is not one of those three. Large inputs are split over the cores.
 pub fn cast_float_bytes(bytes: &[u8], from: DType, to: DType) -> Option<Vec<u8>> {
     let float = |d| matches!(d, DType::F32 | DType::BF16 | DType::F16);
     if !float(from) || !float(to) {
         return None;
     }
-    if from == to {
-        return Some(bytes.to_vec());
+    let (a, b) = (from.size_in_bytes(), to.size_in_bytes());
+    let n = bytes.len() / a;
+    let mut out = vec![0u8; n * b];
+    if n == 0 {
+        return Some(out);
     }
-    let read = |c: &[u8]| -> f32 {
-        match from {
-            DType::F32 => f32::from_le_bytes(c.try_into().unwrap()),
-            DType::BF16 => bf16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f32(),
-            _ => f16::from_bits(u16::from_le_bytes(c.try_into().unwrap())).to_f32(),
+    const PER_THREAD: usize = 1 << 20;
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |t| t.get())
+        .min(n / PER_THREAD)
+        .max(1);
+    let per = n.div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (src, dst) in bytes[..n * a].chunks(per * a).zip(out.chunks_mut(per * b)) {
+            scope.spawn(move || cast_floats(src, from, dst, to));
+        }
+    });
+    Some(out)
+}
+
+/// f32 bits rounded to bf16 bits, to nearest even; a NaN stays a (quiet) NaN.
+fn f32_bits_to_bf16(x: u32) -> u16 {
+    if x & 0x7fff_ffff > 0x7f80_0000 {
+        return ((x >> 16) | 0x0040) as u16;
+    }
+    ((x + 0x7fff + ((x >> 16) & 1)) >> 16) as u16
+}
+
+fn cast_floats(src: &[u8], from: DType, dst: &mut [u8], to: DType) {
+    let u16_of = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
+    let u32_of = |c: &[u8]| u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    let pairs2 = |d: &mut [u8], f: &dyn Fn(usize) -> u16| {
+        for (i, o) in d.chunks_exact_mut(2).enumerate() {
+            o.copy_from_slice(&f(i).to_le_bytes());
         }
     };
-    let mut out = Vec::with_capacity(bytes.len() / from.size_in_bytes() * to.size_in_bytes());
-    for c in bytes.chunks_exact(from.size_in_bytes()) {
-        let v = read(c);
-        match to {
-            DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
-            DType::BF16 => out.extend_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes()),
-            _ => out.extend_from_slice(&f16::from_f32(v).to_bits().to_le_bytes()),
+    match (from, to) {
+        (f, t) if f == t => dst.copy_from_slice(src),
+        (DType::F32, DType::BF16) => {
+            for (s, o) in src.chunks_exact(4).zip(dst.chunks_exact_mut(2)) {
+                o.copy_from_slice(&f32_bits_to_bf16(u32_of(s)).to_le_bytes());
+            }
         }
+        (DType::BF16, DType::F32) => {
+            for (s, o) in src.chunks_exact(2).zip(dst.chunks_exact_mut(4)) {
+                o.copy_from_slice(&((u16_of(s) as u32) << 16).to_le_bytes());
+            }
+        }
+        (DType::F32, DType::F16) => {
+            for (s, o) in src.chunks_exact(4).zip(dst.chunks_exact_mut(2)) {
+                o.copy_from_slice(&f16::from_f32(f32::from_bits(u32_of(s))).to_bits().to_le_bytes());
+            }
+        }
+        (DType::F16, DType::F32) => {
+            for (s, o) in src.chunks_exact(2).zip(dst.chunks_exact_mut(4)) {
+                o.copy_from_slice(&f16::from_bits(u16_of(s)).to_f32().to_le_bytes());
+            }
+        }
+        (DType::BF16, _) => pairs2(dst, &|i| {
+            f16::from_f32(bf16::from_bits(u16_of(&src[2 * i..])).to_f32()).to_bits()
+        }),
+        _ => pairs2(dst, &|i| {
+            f32_bits_to_bf16(f16::from_bits(u16_of(&src[2 * i..])).to_f32().to_bits())
+        }),
     }
-    Some(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every bf16 and f16 value, and a sweep of f32 bit patterns (NaNs, infinities, subnormals,
+    /// ties), cast as `half` rounds them; a large input split over threads casts as one piece.
+    #[test]
+    fn float_casts_round_as_half_does() {
+        let f32s: Vec<u32> = (0..=u32::MAX / 9973)
+            .map(|i| i * 9973)
+            .chain([0x3f80_8000, 0x3f81_8000, 0x7f7f_ffff, 0x7fc0_0001, 0xff80_0001])
+            .collect();
+        let f32_bytes: Vec<u8> = f32s.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let halves: Vec<u8> = (0..=u16::MAX).flat_map(|b| b.to_le_bytes()).collect();
+        let bits16 = |v: &[u8]| -> Vec<u16> { v.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect() };
+        let bits32 = |v: &[u8]| -> Vec<u32> {
+            v.chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let cast = |b: &[u8], f, t| cast_float_bytes(b, f, t).unwrap();
+
+        let expect: Vec<u16> = f32s
+            .iter()
+            .map(|&b| bf16::from_f32(f32::from_bits(b)).to_bits())
+            .collect();
+        assert_eq!(bits16(&cast(&f32_bytes, DType::F32, DType::BF16)), expect);
+        let expect: Vec<u16> = f32s
+            .iter()
+            .map(|&b| f16::from_f32(f32::from_bits(b)).to_bits())
+            .collect();
+        assert_eq!(bits16(&cast(&f32_bytes, DType::F32, DType::F16)), expect);
+        // bf16 is f32's upper half: widening is exact, NaN payloads included.
+        let expect: Vec<u32> = (0..=u16::MAX).map(|b| (b as u32) << 16).collect();
+        assert_eq!(bits32(&cast(&halves, DType::BF16, DType::F32)), expect);
+        let expect: Vec<u32> = (0..=u16::MAX).map(|b| f16::from_bits(b).to_f32().to_bits()).collect();
+        assert_eq!(bits32(&cast(&halves, DType::F16, DType::F32)), expect);
+        let expect: Vec<u16> = (0..=u16::MAX)
+            .map(|b| f16::from_f32(bf16::from_bits(b).to_f32()).to_bits())
+            .collect();
+        assert_eq!(bits16(&cast(&halves, DType::BF16, DType::F16)), expect);
+        let expect: Vec<u16> = (0..=u16::MAX)
+            .map(|b| bf16::from_f32(f16::from_bits(b).to_f32()).to_bits())
+            .collect();
+        assert_eq!(bits16(&cast(&halves, DType::F16, DType::BF16)), expect);
+        assert_eq!(cast(&f32_bytes, DType::F32, DType::F32), f32_bytes);
+        assert!(cast(&[], DType::F32, DType::BF16).is_empty());
+        assert!(cast_float_bytes(&f32_bytes, DType::F32, DType::I32).is_none());
+
+        // Over the threading threshold: split at element boundaries, same result as one piece.
+        let big: Vec<u8> = (0..3_000_001u32)
+            .flat_map(|i| (i.wrapping_mul(2_654_435_761) >> 2).to_le_bytes())
+            .collect();
+        let expect: Vec<u16> = bits32(&big)
+            .iter()
+            .map(|&b| bf16::from_f32(f32::from_bits(b)).to_bits())
+            .collect();
+        assert_eq!(bits16(&cast(&big, DType::F32, DType::BF16)), expect);
+    }
 
     #[test]
     fn strides_are_row_major() {
