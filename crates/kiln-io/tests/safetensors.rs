@@ -508,3 +508,39 @@ fn malformed_indexes_are_errors_naming_the_index() {
     let err = Checkpoint::open(dir.path().join("absent.safetensors")).unwrap_err();
     assert!(matches!(err, IoError::Read { .. }), "{err}");
 }
+
+/// Pages released after a copy (`release_range`, `release_pages`) read back the same bytes from
+/// the file; bytes that are not in a file's map are refused.
+#[test]
+fn released_pages_read_back_the_same_bytes() {
+    let dir = std::env::temp_dir().join(format!("kiln_release_pages_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.safetensors");
+    let a: Vec<u8> = (0..3 * 4096 + 12).map(|i| (i * 7 % 251) as u8).collect();
+    let b: Vec<u8> = (0..4096).map(|i| (i * 13 % 253) as u8).collect();
+    let views = [
+        (
+            "a",
+            safetensors::tensor::TensorView::new(Dtype::U8, vec![a.len()], &a).unwrap(),
+        ),
+        (
+            "b",
+            safetensors::tensor::TensorView::new(Dtype::U8, vec![b.len()], &b).unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let file = &ckpt.files()[0];
+    for (name, want) in [("a", &a), ("b", &b)] {
+        let view = ckpt.tensor(name).unwrap();
+        assert_eq!(view.data, &want[..]);
+        assert!(file.release_range(view.data), "{name} is in the map");
+        ckpt.release_bytes(view.data);
+        assert_eq!(ckpt.tensor(name).unwrap().data, &want[..], "{name} after release");
+    }
+    assert!(!file.release_range(&a), "a copy on the heap is not in the map");
+    ckpt.release_pages();
+    assert_eq!(ckpt.tensor("a").unwrap().data, &a[..]);
+    assert_eq!(ckpt.tensor("b").unwrap().data, &b[..]);
+    std::fs::remove_dir_all(&dir).ok();
+}

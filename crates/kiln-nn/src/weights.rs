@@ -258,6 +258,8 @@ impl Weights {
             .fetch_add(view.data.len() as u64, Ordering::Relaxed);
         let (device, memory) = (&self.shared.device, self.shared.memory);
         let t = upload(view.data, view.dtype, dtype, view.shape.clone(), device, memory)?;
+        // Copied out: its pages need not stay resident beside the copy.
+        ckpt.release_bytes(view.data);
         self.shared.used.lock().unwrap_or_else(|e| e.into_inner()).insert(full);
         Ok(t)
     }

@@ -324,6 +324,8 @@ pub trait PipelineParts {
             _ => self.load(device, memory)?,
         };
         let core = self.core_mut();
+        // Every weight was copied out of the checkpoints' maps: their pages leave the resident set.
+        core.checkpoints.iter().for_each(|(_, c)| c.release_pages());
         let log = core.offload_log.clone();
         let mut placing = Placing::default();
         components.each(&mut |name, c| placing.component(name, c, memory, mode, &log))?;

@@ -103,6 +103,16 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// [`SafetensorsFile::release_pages`] for every file: call once the weights were copied out.
+    pub fn release_pages(&self) {
+        self.files.iter().for_each(SafetensorsFile::release_pages);
+    }
+
+    /// [`SafetensorsFile::release_range`] in whichever file holds `bytes` (a tensor's data).
+    pub fn release_bytes(&self, bytes: &[u8]) {
+        let _ = self.files.iter().any(|f| f.release_range(bytes));
+    }
+
     /// Opens a `.safetensors` file, or a sharded checkpoint through its `*.safetensors.index.json`.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();

@@ -92,6 +92,38 @@ impl SafetensorsFile {
         Ok(SafetensorsFile { path, bytes, header })
     }
 
+    /// Tells the kernel this process no longer needs the pages of the mapping it touched: they
+    /// leave the process's resident set (the page cache keeps them), and a later read faults them
+    /// in again from the file. Loading copies every weight out of the map, so without this a
+    /// loaded model would count twice in the resident memory. No-op for an in-memory file.
+    pub fn release_pages(&self) {
+        #[cfg(unix)]
+        if let Bytes::Mapped(map) = &self.bytes {
+            #[allow(unsafe_code)]
+            // SAFETY: the map is read-only and file-backed: after MADV_DONTNEED its pages are
+            // read again from the file, which holds the same bytes (the assumption `map` makes).
+            // Advice is a hint; a failure changes nothing, so it is ignored.
+            let _ = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
+    }
+
+    /// [`Self::release_pages`] for the pages under `bytes` (a tensor's data borrowed from this
+    /// file, e.g. once it was copied out); `false`, doing nothing, when `bytes` is not in its map.
+    pub fn release_range(&self, bytes: &[u8]) -> bool {
+        let Bytes::Mapped(map) = &self.bytes else {
+            return false;
+        };
+        let (start, base) = (bytes.as_ptr() as usize, map.as_ptr() as usize);
+        if start < base || start + bytes.len() > base + map.len() {
+            return false;
+        }
+        #[cfg(unix)]
+        #[allow(unsafe_code)]
+        // SAFETY: as in `release_pages` (a neighbour sharing an edge page reads it back from the file).
+        let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start - base, bytes.len()) };
+        true
+    }
+
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
