@@ -306,6 +306,10 @@ impl Weights {
                     member,
                     MemoryKind::Device,
                 )?);
+                if let std::borrow::Cow::Borrowed(mapped) = &bytes {
+                    // Rows read in place from the map: copied out, their pages may go.
+                    self.shared.checkpoint.release_bytes(mapped);
+                }
             }
             let refs: Vec<&Tensor> = parts.iter().collect();
             let shard = if refs.len() == 1 {
