@@ -122,14 +122,34 @@ pub(crate) fn gelu_tanh(b: &mut Builder, x: &Value) -> Result<Value> {
 
 /// Normalizes over `dims` (biased variance): `(x - mean) / sqrt(var + eps)`.
 pub(crate) fn normalize(b: &mut Builder, x: &Value, dims: &[usize], eps: f64) -> Result<Value> {
+    let centered = center(b, x, dims)?;
+    scale_to_unit_variance(b, &centered, dims, eps)
+}
+
+/// [`normalize`] with the mean refined by a second pass over the centred values: where values
+/// sit far from zero beside a small spread (a group norm over 1000 ± 1), one f32 sum's rounding
+/// puts the mean off by more than the spread resolves, by an amount that depends on the
+/// plugin's reduction order.
+pub(crate) fn normalize_refined(b: &mut Builder, x: &Value, dims: &[usize], eps: f64) -> Result<Value> {
+    let centered = center(b, x, dims)?;
+    let centered = center(b, &centered, dims)?;
+    scale_to_unit_variance(b, &centered, dims, eps)
+}
+
+/// `x − mean(x)` over `dims`.
+fn center(b: &mut Builder, x: &Value, dims: &[usize]) -> Result<Value> {
     let mean = mean_keep(b, x, dims)?;
     let mean = broadcast_to(b, &mean, x.dims())?;
-    let centered = b.subtract(x, &mean)?;
-    let sq = b.multiply(&centered, &centered)?;
+    b.subtract(x, &mean)
+}
+
+/// `centered · rsqrt(mean(centered²) + eps)` over `dims`.
+fn scale_to_unit_variance(b: &mut Builder, centered: &Value, dims: &[usize], eps: f64) -> Result<Value> {
+    let sq = b.multiply(centered, centered)?;
     let var = mean_keep(b, &sq, dims)?;
     let e = full_like(b, &var, eps);
     let var = b.add(&var, &e)?;
     let inv = b.rsqrt(&var)?;
-    let inv = broadcast_to(b, &inv, x.dims())?;
-    b.multiply(&centered, &inv)
+    let inv = broadcast_to(b, &inv, centered.dims())?;
+    b.multiply(centered, &inv)
 }

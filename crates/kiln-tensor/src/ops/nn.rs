@@ -4,7 +4,9 @@
 use kiln_hlo::{Builder, CompareDirection, DotDims, ReduceKind, Value};
 use kiln_types::DType;
 
-use super::emit::{broadcast_shapes, broadcast_to, full_like, normalize, reduce_keep, upcast, x_sigmoid};
+use super::emit::{
+    broadcast_shapes, broadcast_to, full_like, normalize, normalize_refined, reduce_keep, upcast, x_sigmoid,
+};
 use crate::dispatch::apply1;
 use crate::error::{Error, Result};
 use crate::lower::{self, cpu::Handler};
@@ -232,7 +234,7 @@ impl Tensor {
             }
             let x = upcast(b, &p[0])?;
             let g = b.reshape(&x, grouped)?;
-            let g = normalize(b, &g, &[1, 3], eps)?;
+            let g = normalize_refined(b, &g, &[1, 3], eps)?;
             let mut y = b.reshape(&g, dims.clone())?;
             let mut next = 1;
             if has_w {
