@@ -110,13 +110,6 @@ impl Args {
         }
     }
 
-    /// Puts every tensor of `other` under its name (see [`Args::insert`]).
-    pub fn extend(&mut self, other: Args) {
-        for (name, tensor) in other.entries {
-            self.insert(name, tensor);
-        }
-    }
-
     /// Puts `tensors` under `name.0`, `name.1`, ...
     pub fn insert_list(&mut self, name: &str, tensors: impl IntoIterator<Item = Tensor>) {
         for (i, t) in tensors.into_iter().enumerate() {

@@ -5,7 +5,7 @@
 use kiln_io::Checkpoint;
 use kiln_nn::Weights;
 use kiln_tensor::{thread_op_cache_stats, DType, Device, Tensor};
-use kiln_types::{bf16, f16};
+use kiln_types::f32_to_bytes;
 use safetensors::tensor::TensorView;
 
 /// Values that exercise every rounding case of f32 → bf16 / f16 and back.
@@ -36,20 +36,6 @@ fn f32_values() -> Vec<f32> {
     v
 }
 
-fn bytes_of(values: &[f32], dtype: DType) -> Vec<u8> {
-    match dtype {
-        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        DType::BF16 => values
-            .iter()
-            .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
-            .collect(),
-        _ => values
-            .iter()
-            .flat_map(|v| f16::from_f32(*v).to_bits().to_le_bytes())
-            .collect(),
-    }
-}
-
 fn safetensors_dtype(d: DType) -> safetensors::Dtype {
     match d {
         DType::F32 => safetensors::Dtype::F32,
@@ -66,7 +52,7 @@ fn load_casts_bit_for_bit_as_the_device_and_compiles_nothing_on_cpu() {
     let n = values.len();
     let stored: Vec<(String, DType, Vec<u8>)> = dtypes
         .iter()
-        .map(|&dt| (format!("w_{}", dt.name()), dt, bytes_of(&values, dt)))
+        .map(|&dt| (format!("w_{}", dt.name()), dt, f32_to_bytes(&values, dt)))
         .collect();
     let dir = std::env::temp_dir().join(format!("kiln_load_cast_{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

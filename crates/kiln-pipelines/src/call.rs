@@ -10,6 +10,7 @@ use kiln_tensor::{DType, Tensor};
 
 use crate::budget::CallBudget;
 use crate::error::{invalid, PipelineError, Result};
+use crate::pipeline::Next;
 
 /// A text encoding's result: the sequence states and the pooled vector, per prompt row.
 pub(crate) struct Encoded {
@@ -62,23 +63,32 @@ pub struct PipelineOutput {
     pub warnings: Vec<String>,
 }
 
-/// The denoising loop of every pipeline: at each timestep `step(i, t, inputs)` runs the
-/// pipeline's guided prediction and the scheduler's Euler step on `inputs` (`latents`, and `dt`
-/// as an f32 scalar) and returns `latents` and `noise_pred` (see [`euler_step_outputs`] and
-/// [`crate::pipeline::PipelineCore::step`]); then the step callback, timing and progress.
-/// Returns the final latents and each step's time (each step waits for its latents).
+/// The denoising loop of every pipeline: at each timestep `step(i, t, inputs, next)` runs the
+/// pipeline's guided prediction and the scheduler's Euler step on `inputs` — `constants` (what
+/// every step reads: embeddings, guidance scales, ...), `latents` and `dt` (an f32 scalar) — and
+/// returns `latents` and `noise_pred` (see [`euler_step_outputs`] and
+/// [`crate::pipeline::PipelineCore::step`]); `next` is the component after the step (the VAE after
+/// the last one when the call `decodes`, so that its transfer can start during that step). Then
+/// the step callback, timing and progress. Returns the final latents and each step's time (each
+/// step waits for its latents).
 pub(crate) fn denoise(
     (scheduler, timesteps): (&FlowMatchEulerDiscreteScheduler, &[f32]),
     mut latents: Tensor,
     (progress, callback): (bool, &mut Option<Box<StepCallback<'_>>>),
-    mut step: impl FnMut(usize, f32, Args) -> Result<Args>,
+    (constants, decodes): (&Args, bool),
+    mut step: impl FnMut(usize, f32, Args, Next) -> Result<Args>,
 ) -> Result<(Tensor, Vec<Duration>)> {
     let mut bar = crate::progress::step_bar(timesteps.len(), progress);
     let mut step_times = Vec::with_capacity(timesteps.len());
     for (i, &t) in timesteps.iter().enumerate() {
         let started = Instant::now();
         let dt = Tensor::from_f32(&[scheduler.dt(i)?], DType::F32, [], latents.device())?;
-        let mut out = step(i, t, Args::new().with("latents", &latents).with("dt", &dt))?;
+        let inputs = constants.clone().with("latents", &latents).with("dt", &dt);
+        let next = match i + 1 == timesteps.len() && decodes {
+            true => Next::InOrder,
+            false => Next::Same,
+        };
+        let mut out = step(i, t, inputs, next)?;
         let noise_pred = out.take("noise_pred")?;
         latents = out.take("latents")?;
         if let Some(cb) = callback.as_mut() {

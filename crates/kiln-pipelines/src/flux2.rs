@@ -456,15 +456,9 @@ impl Flux2Base {
             (&scheduler, &timesteps),
             latents,
             (args.progress, &mut args.callback),
-            |i, t, step_inputs| {
-                let mut inputs = call_inputs.clone();
-                inputs.extend(step_inputs);
+            (&call_inputs, decodes),
+            |_, t, mut inputs, next| {
                 inputs.insert("timestep", timestep_tensor(t, total, dtype, device)?);
-                // The VAE's transfer can start during the last step.
-                let next = match i + 1 == timesteps.len() && decodes {
-                    true => Next::InOrder,
-                    false => Next::Same,
-                };
                 let transformer = ("transformer", &models.transformer);
                 self.core
                     .step(transformer, (&[last_encoded], next), variant, inputs, |tr, a| {

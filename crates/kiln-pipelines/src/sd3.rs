@@ -460,14 +460,13 @@ impl StableDiffusion3Pipeline {
             (&scheduler, &timesteps),
             latents,
             (args.progress, &mut args.callback),
-            |i, t, step_inputs| {
+            (&call_inputs, decodes),
+            |i, t, mut inputs, next| {
                 // diffusers: strict inequalities on the float products.
                 let fi = i as f64;
                 let in_window = fi > num_inference_steps * args.skip_layer_guidance_start
                     && fi < num_inference_steps * args.skip_layer_guidance_stop;
                 let skip_call = do_cfg && args.skip_guidance_layers.is_some() && in_window;
-                let mut inputs = call_inputs.clone();
-                inputs.extend(step_inputs);
                 inputs.insert(
                     "timestep",
                     Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?,
@@ -484,11 +483,6 @@ impl StableDiffusion3Pipeline {
                         );
                         format!("sd3.cfg.skip_layers{skip_layers:?}")
                     }
-                };
-                // The VAE's transfer can start during the last step.
-                let next = match i + 1 == timesteps.len() && decodes {
-                    true => Next::InOrder,
-                    false => Next::Same,
                 };
                 let transformer = ("transformer", &models.transformer);
                 self.core

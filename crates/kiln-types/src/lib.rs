@@ -292,39 +292,38 @@ fn f32_bits_to_bf16(x: u32) -> u16 {
 fn cast_floats(src: &[u8], from: DType, dst: &mut [u8], to: DType) {
     let u16_of = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
     let u32_of = |c: &[u8]| u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-    let pairs2 = |d: &mut [u8], f: &dyn Fn(usize) -> u16| {
-        for (i, o) in d.chunks_exact_mut(2).enumerate() {
-            o.copy_from_slice(&f(i).to_le_bytes());
-        }
+    // Each 16-bit input widened to f32 exactly; narrowed where `to` is 16-bit.
+    let widen = |c: &[u8]| match from {
+        DType::BF16 => f32::from_bits((u16_of(c) as u32) << 16),
+        _ => f16::from_bits(u16_of(c)).to_f32(),
     };
     match (from, to) {
         (f, t) if f == t => dst.copy_from_slice(src),
+        // The common load cast, kept a loop of its own.
         (DType::F32, DType::BF16) => {
             for (s, o) in src.chunks_exact(4).zip(dst.chunks_exact_mut(2)) {
                 o.copy_from_slice(&f32_bits_to_bf16(u32_of(s)).to_le_bytes());
             }
         }
-        (DType::BF16, DType::F32) => {
-            for (s, o) in src.chunks_exact(2).zip(dst.chunks_exact_mut(4)) {
-                o.copy_from_slice(&((u16_of(s) as u32) << 16).to_le_bytes());
-            }
-        }
-        (DType::F32, DType::F16) => {
+        (DType::F32, _) => {
             for (s, o) in src.chunks_exact(4).zip(dst.chunks_exact_mut(2)) {
                 o.copy_from_slice(&f16::from_f32(f32::from_bits(u32_of(s))).to_bits().to_le_bytes());
             }
         }
-        (DType::F16, DType::F32) => {
+        (_, DType::F32) => {
             for (s, o) in src.chunks_exact(2).zip(dst.chunks_exact_mut(4)) {
-                o.copy_from_slice(&f16::from_bits(u16_of(s)).to_f32().to_le_bytes());
+                o.copy_from_slice(&widen(s).to_le_bytes());
             }
         }
-        (DType::BF16, _) => pairs2(dst, &|i| {
-            f16::from_f32(bf16::from_bits(u16_of(&src[2 * i..])).to_f32()).to_bits()
-        }),
-        _ => pairs2(dst, &|i| {
-            f32_bits_to_bf16(f16::from_bits(u16_of(&src[2 * i..])).to_f32().to_bits())
-        }),
+        _ => {
+            for (s, o) in src.chunks_exact(2).zip(dst.chunks_exact_mut(2)) {
+                let bits = match to {
+                    DType::BF16 => f32_bits_to_bf16(widen(s).to_bits()),
+                    _ => f16::from_f32(widen(s)).to_bits(),
+                };
+                o.copy_from_slice(&bits.to_le_bytes());
+            }
+        }
     }
 }
 
