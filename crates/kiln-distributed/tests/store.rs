@@ -230,29 +230,45 @@ fn the_store_answers_a_plugins_callbacks_with_xla_codes() {
     assert_eq!(code, kiln_pjrt::KeyValueError::DEADLINE_EXCEEDED);
 }
 
-/// The CPU plugin takes the three callbacks in its create arguments (it has no multi-process mode
-/// to use them), so a job's process creates its client the same way on every platform.
+/// The CPU plugin takes the three callbacks in its create arguments and the job's `process_id`, so
+/// a job's process creates its client the same way on every platform. A build that knows
+/// `process_id` (lammps-jax-pjrt-cpu 0.11.2; `.ci/run` runs this test on it too) numbers rank 1's
+/// devices apart from rank 0's; xla-cpu-pjrt 0.0.1 ignores the option.
 #[test]
-fn a_cpu_client_is_created_with_the_jobs_callbacks() {
+fn a_cpu_client_is_created_with_the_jobs_callbacks_and_process_id() {
     let Ok(location) = kiln_pjrt::SearchPaths::from_environment().find(Some(kiln_pjrt::Platform::Cpu)) else {
         panic!("the CPU plugin must be installed (scripts/setup)");
     };
-    let server = service(1);
-    let store: Arc<dyn kiln_pjrt::KeyValueStore> = Arc::new(PjrtStore::new(Arc::new(join(&server, 0)), "cpu"));
+    let server = service(2);
     let plugin = kiln_pjrt::Plugin::load(&location.path).unwrap();
     // Never unloaded: the plugin's threads outlive its clients until the process exits.
     std::mem::forget(plugin.clone());
-    let options = vec![("cpu_device_count".to_string(), kiln_pjrt::NamedValue::Int64(2))];
-    let client = kiln_pjrt::Client::with_store(plugin.clone(), &options, Some(store.clone())).unwrap();
-    assert_eq!(client.addressable_devices().count(), 2);
-    drop(client);
-    // This build of the plugin ignores options it does not know (node_id, num_nodes, ...).
-    let mut job_options = options.clone();
-    job_options.extend(kiln_tensor::job_create_options(kiln_pjrt::Platform::Cuda, 0, 2, 0));
-    let client = kiln_pjrt::Client::with_store(plugin, &job_options, Some(store)).unwrap();
-    assert_eq!(
-        client.devices().len(),
-        2,
-        "a CPU client sees only its own process's devices"
-    );
+    let mut ids = Vec::new();
+    for rank in 0..2 {
+        let store: Arc<dyn kiln_pjrt::KeyValueStore> = Arc::new(PjrtStore::new(Arc::new(join(&server, rank)), "cpu"));
+        let mut options = vec![("cpu_device_count".to_string(), kiln_pjrt::NamedValue::Int64(2))];
+        options.extend(kiln_tensor::job_create_options(kiln_pjrt::Platform::Cpu, rank, 2, 0));
+        let client = kiln_pjrt::Client::with_store(plugin.clone(), &options, Some(store)).unwrap();
+        assert_eq!(
+            client.devices().len(),
+            2,
+            "a CPU client sees only its own process's devices"
+        );
+        assert!(client.devices().iter().all(|d| d.is_addressable()));
+        let process = client.process_index() as usize;
+        if process == 0 {
+            // rank 0, or a build that ignores `process_id`
+            assert!(client.devices().iter().all(|d| d.process_index() == 0));
+        } else {
+            assert_eq!(process, rank, "the plugin's process index is the job's rank");
+            assert!(
+                client
+                    .devices()
+                    .iter()
+                    .all(|d| d.process_index() == 1 && !ids.contains(&d.id())),
+                "rank 1's devices must be numbered apart from rank 0's"
+            );
+        }
+        ids.extend(client.devices().iter().map(|d| d.id()));
+    }
 }

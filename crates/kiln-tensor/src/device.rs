@@ -118,8 +118,10 @@ pub fn join_process_job(job: ProcessJob) -> Result<()> {
 
 /// The create options a plugin gets for one process of a job. CUDA takes `node_id`, `num_nodes`
 /// and `visible_devices` (this process's chip); libtpu reads its chip and process layout from the
-/// `TPU_*` variables `kiln launch` sets; the CPU plugin validates its option names and knows none
-/// of these (it runs no cross-process collectives), so it gets only the callbacks.
+/// `TPU_*` variables `kiln launch` sets. The CPU plugin gets `process_id` (as JAX passes it): the
+/// newer builds (lammps-jax-pjrt-cpu 0.11.2) then number their devices `2048·rank + i` and report
+/// the rank as their process index, so device ids are unique across the job; xla-cpu-pjrt 0.0.1
+/// ignores it. Neither runs collectives across processes.
 pub fn job_create_options(
     platform: Platform,
     rank: usize,
@@ -132,7 +134,8 @@ pub fn job_create_options(
             ("num_nodes".into(), NamedValue::Int64(world_size as i64)),
             ("visible_devices".into(), NamedValue::Int64List(vec![local_rank as i64])),
         ],
-        Platform::Cpu | Platform::Tpu => Vec::new(),
+        Platform::Cpu => vec![("process_id".into(), NamedValue::Int64(rank as i64))],
+        Platform::Tpu => Vec::new(),
     }
 }
 
