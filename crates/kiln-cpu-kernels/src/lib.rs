@@ -23,6 +23,7 @@ pub mod conv;
 pub mod gelu;
 pub mod group_norm;
 pub mod im2col;
+pub mod linear;
 mod switches;
 mod values;
 
@@ -38,6 +39,7 @@ pub enum Handler {
     GroupNorm,
     GroupNormSilu,
     Im2col,
+    Linear,
 }
 
 impl Handler {
@@ -51,6 +53,7 @@ impl Handler {
             Handler::GroupNorm => group_norm::TARGET,
             Handler::GroupNormSilu => group_norm::TARGET_SILU,
             Handler::Im2col => im2col::TARGET,
+            Handler::Linear => linear::TARGET,
         }
     }
 
@@ -63,6 +66,7 @@ impl Handler {
             Handler::Gelu => Kernel::Gelu,
             Handler::GroupNorm | Handler::GroupNormSilu => Kernel::GroupNorm,
             Handler::Im2col => Kernel::Im2col,
+            Handler::Linear => Kernel::Linear,
         }
     }
 
@@ -75,6 +79,7 @@ impl Handler {
             Handler::Gelu => "gelu_tanh",
             Handler::GroupNorm => "group_norm_channels_last",
             Handler::GroupNormSilu => "group_norm_silu_channels_last",
+            Handler::Linear => "linear",
         }
     }
 
@@ -84,7 +89,7 @@ impl Handler {
         match self {
             Handler::Gelu | Handler::GroupNorm | Handler::GroupNormSilu => Avx512::get().is_some(),
             Handler::Conv => switches::bf16_products().is_some(),
-            Handler::Attention | Handler::Concat | Handler::Im2col => true,
+            Handler::Attention | Handler::Concat | Handler::Im2col | Handler::Linear => true,
         }
     }
 
@@ -98,6 +103,7 @@ impl Handler {
             Handler::GroupNorm => group_norm::probe(false),
             Handler::GroupNormSilu => group_norm::probe(true),
             Handler::Im2col => im2col::probe(),
+            Handler::Linear => linear::probe(),
         }
     }
 
@@ -112,6 +118,7 @@ impl Handler {
             Handler::GroupNorm => plugin.register_host_kernel::<group_norm::GroupNorm<false>>("Host"),
             Handler::GroupNormSilu => plugin.register_host_kernel::<group_norm::GroupNorm<true>>("Host"),
             Handler::Im2col => plugin.register_host_kernel::<im2col::Im2col>("Host"),
+            Handler::Linear => plugin.register_host_kernel::<linear::Linear>("Host"),
         }
     }
 }
@@ -211,7 +218,7 @@ mod tests {
     use super::*;
     use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 
-    const HANDLERS: [Handler; 7] = [
+    const HANDLERS: [Handler; 8] = [
         Handler::Attention,
         Handler::Concat,
         Handler::Conv,
@@ -219,6 +226,7 @@ mod tests {
         Handler::GroupNorm,
         Handler::GroupNormSilu,
         Handler::Im2col,
+        Handler::Linear,
     ];
 
     fn run<K: HostKernel>(probe: &Probe) -> Result<Vec<f32>, String> {
@@ -265,6 +273,7 @@ mod tests {
                 Handler::GroupNorm => run::<group_norm::GroupNorm<false>>(&probe),
                 Handler::GroupNormSilu => run::<group_norm::GroupNorm<true>>(&probe),
                 Handler::Im2col => run::<im2col::Im2col>(&probe),
+                Handler::Linear => run::<linear::Linear>(&probe),
             };
             let checked = got.and_then(|got| probe.check(&got));
             assert_eq!(checked, Ok(()), "{}", handler.target());
@@ -285,6 +294,7 @@ mod tests {
                 Handler::GroupNorm => group_norm::GroupNorm::<false>::NAME,
                 Handler::GroupNormSilu => group_norm::GroupNorm::<true>::NAME,
                 Handler::Im2col => im2col::Im2col::NAME,
+                Handler::Linear => linear::Linear::NAME,
             };
             assert_eq!(handler.target(), name);
         }

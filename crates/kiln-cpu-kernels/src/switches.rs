@@ -33,11 +33,13 @@ pub enum Kernel {
     Amx,
     /// `bf16_dot`: the kernels' bf16 products on AVX-512 BF16 where AMX is not used.
     Bf16Dot,
+    /// `linear`: f32 `nn.Linear` on faer's GEMM (`linear.rs`).
+    Linear,
 }
 
 impl Kernel {
     /// Every kernel, in the order of [`Kernel::name`]s listed in warnings.
-    pub const ALL: [Kernel; 8] = [
+    pub const ALL: [Kernel; 9] = [
         Kernel::Attention,
         Kernel::Concat,
         Kernel::Conv,
@@ -46,6 +48,7 @@ impl Kernel {
         Kernel::GroupNorm,
         Kernel::Amx,
         Kernel::Bf16Dot,
+        Kernel::Linear,
     ];
 
     /// The name `KILN_KERNELS_OFF` takes.
@@ -59,6 +62,7 @@ impl Kernel {
             Kernel::GroupNorm => "group_norm",
             Kernel::Amx => "amx",
             Kernel::Bf16Dot => "bf16_dot",
+            Kernel::Linear => "linear",
         }
     }
 
@@ -101,8 +105,8 @@ fn apply_to_x86(kernel: Kernel, on: bool) {
 }
 
 /// The switches, read from the environment at the first call.
-fn switches() -> &'static [AtomicBool; 8] {
-    static SWITCHES: OnceLock<[AtomicBool; 8]> = OnceLock::new();
+fn switches() -> &'static [AtomicBool; 9] {
+    static SWITCHES: OnceLock<[AtomicBool; 9]> = OnceLock::new();
     SWITCHES.get_or_init(|| {
         let var = |name: &str| std::env::var(name).ok();
         let (off, problems) = off_from(var(ENV).as_deref(), &|name| var(name));

@@ -23,6 +23,14 @@ pub(crate) fn as_u16(bytes: &[u8]) -> std::borrow::Cow<'_, [u16]> {
     }
 }
 
+/// f32 values (borrowed when the bytes are aligned, as XLA's buffers are).
+pub(crate) fn as_f32(bytes: &[u8]) -> std::borrow::Cow<'_, [f32]> {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(values) => std::borrow::Cow::Borrowed(values),
+        Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}
+
 /// `bytes` of `dtype` values as f32 (exact for 16-bit floats).
 pub(crate) fn read_f32(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     let mut out = Vec::new();

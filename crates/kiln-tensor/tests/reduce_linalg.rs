@@ -167,6 +167,40 @@ fn linear_matches_the_reference() {
     }
 }
 
+/// f32 linears at real model widths run kiln's GEMM kernel on CPU (`kiln_cpu_linear`): against
+/// the f64 reference, with and without a bias, and against XLA's own dot with the kernel off.
+#[test]
+fn linear_at_model_widths_runs_the_kernel() {
+    let device = kiln_tensor::Device::cpu().unwrap();
+    assert!(
+        kernels::is_active(Kernel::Linear, &device),
+        "the linear kernel did not register or failed its probe"
+    );
+    let mut r = rng(71);
+    let (k, n) = (1536, 1600);
+    let x = Arr::rand(&mut r, &[2, 37, k], -1.0, 1.0, DType::F32);
+    let w = Arr::rand(&mut r, &[n, k], -1.0, 1.0, DType::F32);
+    let b = Arr::rand(&mut r, &[n], -1.0, 1.0, DType::F32);
+    let t = dot_tol(&x.reshape(&[74, k]), &w.permute(&[1, 0]), DType::F32);
+    let (xt, wt, bt) = (x.tensor(DType::F32), w.tensor(DType::F32), b.tensor(DType::F32));
+    for with_bias in [true, false] {
+        let bias = with_bias.then_some(&bt);
+        let got = xt.linear(&wt, bias).unwrap();
+        let want = x.linear(&w, with_bias.then_some(&b));
+        assert_close(&format!("linear kernel bias={with_bias}"), &got, &want, DType::F32, t);
+        kernels::set(Kernel::Linear, false);
+        let xla = xt.linear(&wt, bias);
+        kernels::set(Kernel::Linear, true);
+        assert_close(
+            &format!("XLA's linear bias={with_bias}"),
+            &xla.unwrap(),
+            &want,
+            DType::F32,
+            t,
+        );
+    }
+}
+
 struct ConvCase {
     x: [usize; 4],
     w: [usize; 4],

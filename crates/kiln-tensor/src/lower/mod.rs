@@ -110,6 +110,22 @@ pub(crate) fn concat(device: &Device, last: bool, bytes: usize) -> Concat {
     }
 }
 
+/// How an `nn.Linear` runs.
+pub(crate) enum Linear {
+    /// kiln's f32 GEMM kernel (CPU: XLA:CPU's f32 dot runs on Eigen, slower).
+    CpuKernel,
+    Xla,
+}
+
+/// `[m, k] · [n, k]ᵀ` in `dtype`.
+pub(crate) fn linear(device: &Device, dtype: DType, m: usize, k: usize, n: usize) -> Linear {
+    let fits = dtype == DType::F32 && kiln_cpu_kernels::linear::worth_it(m, k, n);
+    match device.platform() {
+        Platform::Cpu if fits && cpu::ready(device, cpu::Handler::Linear) => Linear::CpuKernel,
+        _ => Linear::Xla,
+    }
+}
+
 /// How GELU with tanh runs.
 pub(crate) enum GeluTanh {
     /// kiln's AVX-512 kernel (CPU, eager bf16 of big tensors; traced programs keep XLA's ops,

@@ -94,9 +94,17 @@ impl Tensor {
         }
         let dtype = self.dtype();
         let last = self.rank() - 1;
+        let (k, n) = (weight.dims()[1], weight.dims()[0]);
+        let m = self.numel().checked_div(k).unwrap_or(0);
+        let lowering = lower::linear(self.device(), dtype, m, k, n);
         let mut inputs = vec![self, weight];
         inputs.extend(bias);
         apply1(op, &inputs, |b, p| {
+            if let lower::Linear::CpuKernel = lowering {
+                let mut shape = p[0].dims().to_vec();
+                shape[last] = n;
+                return b.ffi_call(Handler::Linear.target(), p, shape, dtype);
+            }
             let dims = DotDims {
                 lhs_contract: vec![last],
                 rhs_contract: vec![1],

@@ -1,0 +1,69 @@
+//! f32 `linear` at FLUX.1's, SD3.5's and T5's real widths and at the scaled benchmark's, with
+//! kiln's linear kernel (faer's GEMM) and with XLA's own dot, alternated in one process: median
+//! ms of 7 calls each, GFLOP/s, and the ratio.
+//!
+//! Run with `cargo run --release -p kiln-tensor --example linear_widths` on a quiet machine.
+
+use std::time::Instant;
+
+use kiln_tensor::kernels::{self, Kernel};
+use kiln_tensor::{DType, Device, Tensor};
+
+type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+const RUNS: usize = 7;
+
+fn main() -> AnyResult<()> {
+    let dev = Device::cpu()?;
+    println!("kernel active: {}", kernels::is_active(Kernel::Linear, &dev));
+    // [rows, in] · [out, in]ᵀ: FLUX.1 at 512² (1024 image + 128 text tokens), T5-XXL's 128 tokens,
+    // SD3.5 Medium's 1536 width, the scaled benchmark's 512
+    let shapes = [
+        (1024usize, 3072usize, 3072usize),
+        (1152, 3072, 12288),
+        (1152, 15360, 3072),
+        (1024, 12288, 3072),
+        (128, 3072, 3072),
+        (128, 4096, 10240),
+        (128, 10240, 4096),
+        (1024, 1536, 1536),
+        (1024, 1536, 6144),
+        (1152, 512, 2048),
+        (1152, 2560, 512),
+        (32, 3072, 3072),
+    ];
+    for (m, k, n) in shapes {
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let b: Vec<f32> = (0..n).map(|i| i as f32 / n as f32).collect();
+        let x = Tensor::from_f32(&x, DType::F32, [m, k], &dev)?;
+        let w = Tensor::from_f32(&w, DType::F32, [n, k], &dev)?;
+        let b = Tensor::from_f32(&b, DType::F32, [n], &dev)?;
+        let mut times = [Vec::new(), Vec::new()];
+        for run in 0..=RUNS {
+            for (on, times) in [true, false].into_iter().zip(&mut times) {
+                kernels::set(Kernel::Linear, on);
+                let start = Instant::now();
+                x.linear(&w, Some(&b))?.wait()?;
+                if run > 0 {
+                    times.push(start.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+        }
+        kernels::set(Kernel::Linear, true);
+        let [kernel, xla] = times.map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[RUNS / 2]
+        });
+        let rate = |ms: f64| 2.0 * (m * k * n) as f64 / ms / 1e6;
+        println!(
+            "[{m}, {k}] · [{n}, {k}]ᵀ: kernel {kernel:.2} ms ({:.0} GFLOP/s), XLA {xla:.2} ms ({:.0} GFLOP/s), kernel / XLA {:.2}",
+            rate(kernel),
+            rate(xla),
+            kernel / xla
+        );
+    }
+    Ok(())
+}
