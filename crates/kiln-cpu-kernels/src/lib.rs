@@ -26,6 +26,7 @@ pub mod im2col;
 pub mod linear;
 mod switches;
 mod values;
+pub mod winograd;
 
 pub use switches::{is_enabled, set, Kernel, ENV};
 
@@ -40,6 +41,7 @@ pub enum Handler {
     GroupNormSilu,
     Im2col,
     Linear,
+    Winograd,
 }
 
 impl Handler {
@@ -54,6 +56,7 @@ impl Handler {
             Handler::GroupNormSilu => group_norm::TARGET_SILU,
             Handler::Im2col => im2col::TARGET,
             Handler::Linear => linear::TARGET,
+            Handler::Winograd => winograd::TARGET,
         }
     }
 
@@ -67,6 +70,7 @@ impl Handler {
             Handler::GroupNorm | Handler::GroupNormSilu => Kernel::GroupNorm,
             Handler::Im2col => Kernel::Im2col,
             Handler::Linear => Kernel::Linear,
+            Handler::Winograd => Kernel::Winograd,
         }
     }
 
@@ -75,7 +79,7 @@ impl Handler {
         match self {
             Handler::Attention => "attention",
             Handler::Concat => "cat",
-            Handler::Conv | Handler::Im2col => "conv2d",
+            Handler::Conv | Handler::Im2col | Handler::Winograd => "conv2d",
             Handler::Gelu => "gelu_tanh",
             Handler::GroupNorm => "group_norm_channels_last",
             Handler::GroupNormSilu => "group_norm_silu_channels_last",
@@ -89,7 +93,7 @@ impl Handler {
         match self {
             Handler::Gelu | Handler::GroupNorm | Handler::GroupNormSilu => Avx512::get().is_some(),
             Handler::Conv => switches::bf16_products().is_some(),
-            Handler::Attention | Handler::Concat | Handler::Im2col | Handler::Linear => true,
+            Handler::Attention | Handler::Concat | Handler::Im2col | Handler::Linear | Handler::Winograd => true,
         }
     }
 
@@ -104,6 +108,7 @@ impl Handler {
             Handler::GroupNormSilu => group_norm::probe(true),
             Handler::Im2col => im2col::probe(),
             Handler::Linear => linear::probe(),
+            Handler::Winograd => winograd::probe(),
         }
     }
 
@@ -119,6 +124,7 @@ impl Handler {
             Handler::GroupNormSilu => plugin.register_host_kernel::<group_norm::GroupNorm<true>>("Host"),
             Handler::Im2col => plugin.register_host_kernel::<im2col::Im2col>("Host"),
             Handler::Linear => plugin.register_host_kernel::<linear::Linear>("Host"),
+            Handler::Winograd => plugin.register_host_kernel::<winograd::Winograd>("Host"),
         }
     }
 }
@@ -218,7 +224,7 @@ mod tests {
     use super::*;
     use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 
-    const HANDLERS: [Handler; 8] = [
+    const HANDLERS: [Handler; 9] = [
         Handler::Attention,
         Handler::Concat,
         Handler::Conv,
@@ -227,6 +233,7 @@ mod tests {
         Handler::GroupNormSilu,
         Handler::Im2col,
         Handler::Linear,
+        Handler::Winograd,
     ];
 
     fn run<K: HostKernel>(probe: &Probe) -> Result<Vec<f32>, String> {
@@ -274,6 +281,7 @@ mod tests {
                 Handler::GroupNormSilu => run::<group_norm::GroupNorm<true>>(&probe),
                 Handler::Im2col => run::<im2col::Im2col>(&probe),
                 Handler::Linear => run::<linear::Linear>(&probe),
+                Handler::Winograd => run::<winograd::Winograd>(&probe),
             };
             let checked = got.and_then(|got| probe.check(&got));
             assert_eq!(checked, Ok(()), "{}", handler.target());
@@ -295,6 +303,7 @@ mod tests {
                 Handler::GroupNormSilu => group_norm::GroupNorm::<true>::NAME,
                 Handler::Im2col => im2col::Im2col::NAME,
                 Handler::Linear => linear::Linear::NAME,
+                Handler::Winograd => winograd::Winograd::NAME,
             };
             assert_eq!(handler.target(), name);
         }

@@ -35,11 +35,13 @@ pub enum Kernel {
     Bf16Dot,
     /// `linear`: f32 `nn.Linear` on faer's GEMM (`linear.rs`).
     Linear,
+    /// `winograd`: 3×3 convolutions by Winograd's F(4×4, 3×3) (`winograd.rs`).
+    Winograd,
 }
 
 impl Kernel {
     /// Every kernel, in the order of [`Kernel::name`]s listed in warnings.
-    pub const ALL: [Kernel; 9] = [
+    pub const ALL: [Kernel; 10] = [
         Kernel::Attention,
         Kernel::Concat,
         Kernel::Conv,
@@ -49,6 +51,7 @@ impl Kernel {
         Kernel::Amx,
         Kernel::Bf16Dot,
         Kernel::Linear,
+        Kernel::Winograd,
     ];
 
     /// The name `KILN_KERNELS_OFF` takes.
@@ -63,6 +66,7 @@ impl Kernel {
             Kernel::Amx => "amx",
             Kernel::Bf16Dot => "bf16_dot",
             Kernel::Linear => "linear",
+            Kernel::Winograd => "winograd",
         }
     }
 
@@ -105,8 +109,8 @@ fn apply_to_x86(kernel: Kernel, on: bool) {
 }
 
 /// The switches, read from the environment at the first call.
-fn switches() -> &'static [AtomicBool; 9] {
-    static SWITCHES: OnceLock<[AtomicBool; 9]> = OnceLock::new();
+fn switches() -> &'static [AtomicBool; 10] {
+    static SWITCHES: OnceLock<[AtomicBool; 10]> = OnceLock::new();
     SWITCHES.get_or_init(|| {
         let var = |name: &str| std::env::var(name).ok();
         let (off, problems) = off_from(var(ENV).as_deref(), &|name| var(name));

@@ -4,7 +4,8 @@
 //!
 //! The names: `attention`, `concat` (along the last dimension), `conv` (the direct bf16
 //! convolution), `im2col` (the column kernel, and with it bf16 convolutions as dots), `gelu`
-//! (tanh), `group_norm` (channels last, also with SiLU), `linear` (f32 `nn.Linear`), `amx` and `bf16_dot` (the kernels' bf16
+//! (tanh), `group_norm` (channels last, also with SiLU), `linear` (f32 `nn.Linear`), `winograd` (3×3 convolutions by Winograd's
+//! F(4×4, 3×3)), `amx` and `bf16_dot` (the kernels' bf16
 //! products on AMX tiles, on AVX-512 BF16).
 
 pub use kiln_cpu_kernels::{cpu_has_amx_bf16, is_enabled, set, Kernel, ENV};
@@ -25,6 +26,7 @@ pub fn is_active(kernel: Kernel, device: &Device) -> bool {
         Kernel::Im2col => ready(device, Handler::Im2col),
         Kernel::Gelu => ready(device, Handler::Gelu),
         Kernel::Linear => ready(device, Handler::Linear),
+        Kernel::Winograd => ready(device, Handler::Winograd),
         Kernel::GroupNorm => ready(device, Handler::GroupNorm) && ready(device, Handler::GroupNormSilu),
         Kernel::Amx => on_cpu && kiln_cpu_kernels::amx_active(),
         Kernel::Bf16Dot => on_cpu && kiln_cpu_kernels::bf16_dot_active(),

@@ -201,6 +201,55 @@ fn linear_at_model_widths_runs_the_kernel() {
     }
 }
 
+/// f32 channels-last 3×3 convolutions between 64+ channels run by Winograd's F(4×4, 3×3) on CPU
+/// (`kiln_cpu_winograd`): two images whose sides are not multiples of the 4-pixel tiles, padding
+/// 1 and 0, against the f64 reference and against XLA's convolution with the kernel off.
+#[test]
+fn f32_3x3_convolutions_run_by_winograd() {
+    let device = kiln_tensor::Device::cpu().unwrap();
+    assert!(
+        kernels::is_active(Kernel::Winograd, &device),
+        "the Winograd kernel did not register or failed its probe"
+    );
+    let mut r = rng(72);
+    for (padding, with_bias) in [(1, true), (0, false)] {
+        let p = Conv2dParams {
+            padding,
+            ..Default::default()
+        };
+        let x = Arr::rand(&mut r, &[2, 64, 11, 18], -1.0, 1.0, DType::F32);
+        let w = Arr::rand(&mut r, &[72, 64, 3, 3], -1.0, 1.0, DType::F32);
+        let b = Arr::rand(&mut r, &[72], -1.0, 1.0, DType::F32);
+        let want = x.conv2d(&w, with_bias.then_some(&b), conv_params(p));
+        let mag = x.map(f64::abs).conv2d(&w.map(f64::abs), None, conv_params(p));
+        let max = mag.data.iter().cloned().fold(0.0, f64::max);
+        let t = Tol {
+            rtol: tol(DType::F32).rtol,
+            atol: tol(DType::F32).rtol * max * 0.5 + tol(DType::F32).atol,
+        };
+        let nhwc = [0, 2, 3, 1];
+        let (xt, wt, bt) = (
+            x.permute(&nhwc).tensor(DType::F32),
+            w.tensor(DType::F32),
+            b.tensor(DType::F32),
+        );
+        let bias = with_bias.then_some(&bt);
+        let got = xt.conv2d_channels_last(&wt, bias, p).unwrap();
+        assert_close(
+            &format!("Winograd padding {padding}"),
+            &got,
+            &want.permute(&nhwc),
+            DType::F32,
+            t,
+        );
+        kernels::set(Kernel::Winograd, false);
+        let xla = xt.conv2d_channels_last(&wt, bias, p);
+        kernels::set(Kernel::Winograd, true);
+        let what = format!("XLA's convolution padding {padding}");
+        assert_close(&what, &xla.unwrap(), &want.permute(&nhwc), DType::F32, t);
+    }
+}
+
 struct ConvCase {
     x: [usize; 4],
     w: [usize; 4],

@@ -40,7 +40,9 @@ fn run_probe(device: &Device, probe: &Probe) -> Result<Vec<f32>, String> {
 /// bf16 channels-last convolutions with stride and dilation 1 and one group run as the direct
 /// kernel where the CPU has bf16 products (input channels a multiple of 32), else as dots: XLA:CPU
 /// widens a bf16 convolution to f32 (Eigen) but runs bf16 × bf16 → f32 dots on YNNPACK
-/// (`benches/conv_bf16.rs`). The numbers are the same: exact products, f32 sums.
+/// (`benches/conv_bf16.rs`). The numbers are the same: exact products, f32 sums. f32 3×3 ones
+/// between wide enough channels run by Winograd's F(4×4, 3×3) (XLA's f32 convolution is Eigen's
+/// direct one, `examples/conv_widths.rs`).
 pub(super) fn conv(
     device: &Device,
     layout: ConvLayout,
@@ -49,7 +51,15 @@ pub(super) fn conv(
     weight: &[usize],
     p: Conv2dParams,
 ) -> Conv {
-    let eligible = layout == ConvLayout::Nhwc && dtype == DType::BF16 && [p.groups, p.stride, p.dilation] == [1; 3];
+    let direct = layout == ConvLayout::Nhwc && [p.groups, p.stride, p.dilation] == [1; 3];
+    let winograd = direct
+        && dtype == DType::F32
+        && weight[2..] == [3, 3]
+        && kiln_cpu_kernels::winograd::worth_it(input[3], weight[0]);
+    if winograd && ready(device, Handler::Winograd) {
+        return Conv::Winograd;
+    }
+    let eligible = direct && dtype == DType::BF16;
     if !eligible {
         Conv::Xla
     } else if kiln_cpu_kernels::conv::takes_channels(input[3]) && ready(device, Handler::Conv) {

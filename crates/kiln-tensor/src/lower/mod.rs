@@ -57,6 +57,8 @@ pub(crate) enum Conv {
     Im2colDot,
     /// The direct convolution kernel (`conv`), bias included.
     CpuKernel,
+    /// The Winograd F(4×4, 3×3) kernel (`winograd`), bias included.
+    Winograd,
 }
 
 /// The convolution of an `input` in `layout` with an OIHW `weight` in `dtype`.

@@ -186,7 +186,8 @@ impl Tensor {
                 lower::Conv::PointwiseDot => pointwise_conv_as_dot(b, &p[0], &p[1], acc)?,
                 lower::Conv::Im2colDot => conv_as_columns_dot(b, &p[0], &p[1], params.padding, acc)?,
                 // bias and rounding happen inside the kernel
-                lower::Conv::CpuKernel => return direct_conv(b, p, params.padding, dtype),
+                lower::Conv::CpuKernel => return direct_conv(b, p, params.padding, Handler::Conv, dtype),
+                lower::Conv::Winograd => return direct_conv(b, p, params.padding, Handler::Winograd, dtype),
             };
             if let Some(bias) = p.get(2) {
                 let bias = b.convert(bias, acc)?;
@@ -221,13 +222,13 @@ fn conv_as_columns_dot(b: &mut Builder, x: &Value, w: &Value, padding: usize, ac
     b.dot_general(&columns, &w, &dims, acc)
 }
 
-/// A stride-1 channels-last convolution (input, OIHW weight, optional bias in `p`) as the native
-/// AMX kernel, whose result is already biased and rounded to `dtype`.
-fn direct_conv(b: &mut Builder, p: &[Value], padding: usize, dtype: DType) -> kiln_hlo::Result<Value> {
+/// A stride-1 channels-last convolution (input, OIHW weight, optional bias in `p`) as a native
+/// kernel (`conv` or `winograd`), whose result is already biased and rounded to `dtype`.
+fn direct_conv(b: &mut Builder, p: &[Value], padding: usize, kernel: Handler, dtype: DType) -> kiln_hlo::Result<Value> {
     let (x, w) = (p[0].dims(), p[1].dims());
     let grow = 2 * padding + 1;
     let shape = [x[0], x[1] + grow - w[2], x[2] + grow - w[3], w[0]];
-    b.ffi_call(Handler::Conv.target(), p, shape, dtype)
+    b.ffi_call(kernel.target(), p, shape, dtype)
 }
 
 /// A 1×1 channels-last convolution (stride 1, no padding, groups 1) as the dot it is:

@@ -1,0 +1,82 @@
+//! f32 channels-last 3×3 convolutions at the sizes FLUX.1's real VAE decodes a 512² image with
+//! (and the scaled benchmark's 64-wide VAE), with kiln's Winograd kernel and with XLA's own
+//! convolution, alternated in one process: median ms of 5 calls each, GFLOP/s of the direct
+//! convolution's count, and the ratio.
+//!
+//! Run with `cargo run --release -p kiln-tensor --example conv_widths` on a quiet machine.
+
+use std::time::Instant;
+
+use kiln_tensor::kernels::{self, Kernel};
+use kiln_tensor::{Conv2dParams, DType, Device, Tensor};
+
+type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+const RUNS: usize = 5;
+
+fn main() -> AnyResult<()> {
+    let dev = Device::cpu()?;
+    println!("kernel active: {}", kernels::is_active(Kernel::Winograd, &dev));
+    let params = Conv2dParams {
+        padding: 1,
+        ..Default::default()
+    };
+    // (input channels, output channels, height = width): the decoder's mid block and up blocks,
+    // conv_out, the scaled benchmark's VAE
+    let shapes = [
+        (512usize, 512usize, 64usize),
+        (512, 512, 128),
+        (512, 256, 256),
+        (256, 256, 256),
+        (256, 128, 512),
+        (128, 128, 512),
+        (128, 3, 512),
+        (64, 64, 128),
+        (64, 64, 512),
+    ];
+    for (c, o, hw) in shapes {
+        let x: Vec<f32> = (0..hw * hw * c)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let w: Vec<f32> = (0..o * c * 9)
+            .map(|i| ((i * 104729) % 1000) as f32 / 1e5 - 0.005)
+            .collect();
+        let b: Vec<f32> = (0..o).map(|i| i as f32 / o as f32).collect();
+        let x = Tensor::from_f32(&x, DType::F32, [1, hw, hw, c], &dev)?;
+        let w = Tensor::from_f32(&w, DType::F32, [o, c, 3, 3], &dev)?;
+        let b = Tensor::from_f32(&b, DType::F32, [o], &dev)?;
+        let mut times = [Vec::new(), Vec::new()];
+        let mut results = Vec::new();
+        for run in 0..=RUNS {
+            for (on, times) in [true, false].into_iter().zip(&mut times) {
+                kernels::set(Kernel::Winograd, on);
+                let start = Instant::now();
+                let y = x.conv2d_channels_last(&w, Some(&b), params)?;
+                y.wait()?;
+                if run > 0 {
+                    times.push(start.elapsed().as_secs_f64() * 1e3);
+                } else {
+                    results.push(y.to_f32_vec()?);
+                }
+            }
+        }
+        kernels::set(Kernel::Winograd, true);
+        let diff = results[0]
+            .iter()
+            .zip(&results[1])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        let [kernel, xla] = times.map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[RUNS / 2]
+        });
+        let rate = |ms: f64| 2.0 * (hw * hw * c * o * 9) as f64 / ms / 1e6;
+        println!(
+            "{c}→{o} at {hw}²: kernel {kernel:.1} ms ({:.0} GFLOP/s), XLA {xla:.1} ms ({:.0} GFLOP/s), kernel / XLA {:.2}, max difference {diff:.1e}",
+            rate(kernel),
+            rate(xla),
+            kernel / xla
+        );
+    }
+    Ok(())
+}
