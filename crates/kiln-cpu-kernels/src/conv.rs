@@ -20,7 +20,7 @@ use kiln_pjrt::{HostBuffer, HostBufferMut, HostKernel, HostPool};
 use kiln_types::DType;
 use kiln_x86::{Avx512, Bf16Products, PackedB};
 
-use crate::values::{as_u16, pool_threads, read_f32, write_as};
+use crate::values::{as_u16, pool_threads, read_f32, widened, write_as};
 
 /// The custom call target.
 pub const TARGET: &str = "kiln_cpu_conv";
@@ -35,73 +35,17 @@ impl HostKernel for Conv {
     const NAME: &'static str = TARGET;
 
     fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
-        let counts = (args.len(), rets.len());
-        let ((x, w, bias), [out]) = (
-            match args {
-                [x, w] => (x, w, None),
-                [x, w, b] => (x, w, Some(b)),
-                _ => {
-                    return Err(format!(
-                        "expects 2 or 3 operands (input, weight, bias), got {}",
-                        counts.0
-                    ))
-                }
-            },
-            rets,
-        ) else {
-            return Err(format!("expects 1 result, got {}", counts.1));
-        };
-        let four = |dims: &[usize], what: &str| -> Result<[usize; 4], String> {
-            <[usize; 4]>::try_from(dims).map_err(|_| format!("{what} must have rank 4, got {dims:?}"))
-        };
-        let [n, h, wd, c] = four(&x.dims, "the input")?;
-        let [o, wc, kh, kw] = four(&w.dims, "the weight")?;
-        let [on, ho, wo, oo] = four(&out.dims, "the result")?;
+        let Checked { x, w, bias, out, g } = checked(args, rets)?;
         let dtype = x.dtype;
-        if [w.dtype, out.dtype] != [dtype; 2] || bias.is_some_and(|b| b.dtype != dtype) {
-            return Err(format!(
-                "operands and result must share one dtype, got {dtype}, {}, {}",
-                w.dtype, out.dtype
-            ));
-        }
-        if bias.is_some_and(|b| b.dims != [o]) {
-            return Err(format!("the bias must be [{o}]"));
-        }
-        let padding = crate::values::same_side_padding;
-        let (Some(ph), Some(pw)) = (padding(h, ho, kh), padding(wd, wo, kw)) else {
-            return Err(format!(
-                "result {:?} is not a stride-1 convolution of input {:?} with kernel {kh}x{kw}",
-                out.dims, x.dims
-            ));
-        };
-        if on != n || wc != c || oo != o || ph != pw || kh == 0 || kw == 0 {
-            return Err(format!(
-                "result {:?} is not the convolution of input {:?} with weight {:?}",
-                out.dims, x.dims, w.dims
-            ));
-        }
-        let g = Geometry {
-            n,
-            h,
-            w: wd,
-            c,
-            o,
-            kh,
-            kw,
-            ho,
-            wo,
-            pad: ph,
-        };
-        let bias = bias.map_or_else(|| vec![0.0; o], |b| read_f32(dtype, b.bytes));
         let x86 = crate::switches::bf16_products().zip(Avx512::get());
         match (x86, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
-            (Some(x86), Ok(out)) if dtype == DType::BF16 && c.is_multiple_of(TILE) && !out.is_empty() => {
+            (Some(x86), Ok(out)) if dtype == DType::BF16 && g.c.is_multiple_of(TILE) && !out.is_empty() => {
                 conv_bf16(x86, &g, &as_u16(x.bytes), &as_u16(w.bytes), &bias, out, pool)
             }
             _ => conv_f32(
                 &g,
-                &read_f32(dtype, x.bytes),
-                &read_f32(dtype, w.bytes),
+                &widened(dtype, x.bytes),
+                &widened(dtype, w.bytes),
                 &bias,
                 dtype,
                 out.bytes,
@@ -112,17 +56,81 @@ impl HostKernel for Conv {
     }
 }
 
-struct Geometry {
-    n: usize,
-    h: usize,
-    w: usize,
-    c: usize,
-    o: usize,
-    kh: usize,
-    kw: usize,
-    ho: usize,
-    wo: usize,
-    pad: usize,
+/// A stride-1 convolution's operands, checked: the input `[N, H, W, C]`, the OIHW weight, the bias
+/// as f32 (zeros without one), the result `[N, H', W', O]` of the same dtype, and their geometry.
+pub(crate) struct Checked<'a, 'x, 'y> {
+    pub x: &'a HostBuffer<'x>,
+    pub w: &'a HostBuffer<'x>,
+    pub bias: Vec<f32>,
+    pub out: &'a mut HostBufferMut<'y>,
+    pub g: Geometry,
+}
+
+/// Checks a stride-1 convolution call (`conv`, `winograd`): ranks, one dtype, the bias `[O]`, one
+/// symmetric padding that gives the result's size.
+pub(crate) fn checked<'a, 'x, 'y>(
+    args: &'a [HostBuffer<'x>],
+    rets: &'a mut [HostBufferMut<'y>],
+) -> Result<Checked<'a, 'x, 'y>, String> {
+    let (x, w, bias, out) = crate::values::with_bias(args, rets)?;
+    let four = |dims: &[usize], what: &str| -> Result<[usize; 4], String> {
+        <[usize; 4]>::try_from(dims).map_err(|_| format!("{what} must have rank 4, got {dims:?}"))
+    };
+    let [n, h, wd, c] = four(&x.dims, "the input")?;
+    let [o, wc, kh, kw] = four(&w.dims, "the weight")?;
+    let [on, ho, wo, oo] = four(&out.dims, "the result")?;
+    let dtype = x.dtype;
+    if [w.dtype, out.dtype] != [dtype; 2] || bias.is_some_and(|b| b.dtype != dtype) {
+        return Err(format!(
+            "operands and result must share one dtype, got {dtype}, {}, {}",
+            w.dtype, out.dtype
+        ));
+    }
+    if bias.is_some_and(|b| b.dims != [o]) {
+        return Err(format!("the bias must be [{o}]"));
+    }
+    let padding = crate::values::same_side_padding;
+    let (Some(ph), Some(pw)) = (padding(h, ho, kh), padding(wd, wo, kw)) else {
+        return Err(format!(
+            "result {:?} is not a stride-1 convolution of input {:?} with kernel {kh}x{kw}",
+            out.dims, x.dims
+        ));
+    };
+    if on != n || wc != c || oo != o || ph != pw || kh == 0 || kw == 0 {
+        return Err(format!(
+            "result {:?} is not the convolution of input {:?} with weight {:?}",
+            out.dims, x.dims, w.dims
+        ));
+    }
+    let g = Geometry {
+        n,
+        h,
+        w: wd,
+        c,
+        o,
+        kh,
+        kw,
+        ho,
+        wo,
+        pad: ph,
+    };
+    let bias = bias.map_or_else(|| vec![0.0; o], |b| read_f32(dtype, b.bytes));
+    Ok(Checked { x, w, bias, out, g })
+}
+
+/// A stride-1 convolution's sizes: `n` images of `h × w × c` to `ho × wo × o`, a `kh × kw` kernel,
+/// `pad` on every side.
+pub(crate) struct Geometry {
+    pub n: usize,
+    pub h: usize,
+    pub w: usize,
+    pub c: usize,
+    pub o: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub ho: usize,
+    pub wo: usize,
+    pub pad: usize,
 }
 
 /// The bf16 path (AMX or AVX-512 BF16): the weight packed once (`[taps·C, O]`), the input copied with its padding (and

@@ -36,19 +36,7 @@ impl HostKernel for Linear {
     const NAME: &'static str = TARGET;
 
     fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
-        let (x, w, bias) = match args {
-            [x, w] => (x, w, None),
-            [x, w, b] => (x, w, Some(b)),
-            _ => {
-                return Err(format!(
-                    "expects 2 or 3 operands (input, weight, bias), got {}",
-                    args.len()
-                ))
-            }
-        };
-        let [out] = rets else {
-            return Err(format!("expects 1 result, got {}", rets.len()));
-        };
+        let (x, w, bias, out) = crate::values::with_bias(args, rets)?;
         if [x.dtype, w.dtype, out.dtype] != [DType::F32; 3] || bias.is_some_and(|b| b.dtype != DType::F32) {
             return Err(format!(
                 "takes f32 operands and result, got {}, {}, {}",

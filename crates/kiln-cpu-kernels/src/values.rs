@@ -1,6 +1,7 @@
 //! What the kernels share: reading and writing 16-bit floats, the thread count on XLA's pool, the
 //! padding of a stride-1 convolution.
 
+use kiln_pjrt::{HostBuffer, HostBufferMut};
 use kiln_types::{f16, DType};
 
 /// Threads for `items` work items on XLA's pool: one per core, at most one per item.
@@ -20,6 +21,44 @@ pub(crate) fn as_u16(bytes: &[u8]) -> std::borrow::Cow<'_, [u16]> {
     match bytemuck::try_cast_slice(bytes) {
         Ok(bits) => std::borrow::Cow::Borrowed(bits),
         Err(_) => std::borrow::Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}
+
+/// The operands of a kernel that takes an input, a weight and optionally a bias, and its one result.
+pub(crate) type WithBias<'a, 'x, 'y> = (
+    &'a HostBuffer<'x>,
+    &'a HostBuffer<'x>,
+    Option<&'a HostBuffer<'x>>,
+    &'a mut HostBufferMut<'y>,
+);
+
+/// Splits `args` into (input, weight, bias?) and `rets` into its one result.
+pub(crate) fn with_bias<'a, 'x, 'y>(
+    args: &'a [HostBuffer<'x>],
+    rets: &'a mut [HostBufferMut<'y>],
+) -> Result<WithBias<'a, 'x, 'y>, String> {
+    let (x, w, bias) = match args {
+        [x, w] => (x, w, None),
+        [x, w, b] => (x, w, Some(b)),
+        _ => {
+            return Err(format!(
+                "expects 2 or 3 operands (input, weight, bias), got {}",
+                args.len()
+            ))
+        }
+    };
+    let count = rets.len();
+    let [out] = rets else {
+        return Err(format!("expects 1 result, got {count}"));
+    };
+    Ok((x, w, bias, out))
+}
+
+/// `bytes` of `dtype` values as f32: borrowed when they are f32 already.
+pub(crate) fn widened(dtype: DType, bytes: &[u8]) -> std::borrow::Cow<'_, [f32]> {
+    match dtype {
+        DType::F32 => as_f32(bytes),
+        _ => std::borrow::Cow::Owned(read_f32(dtype, bytes)),
     }
 }
 

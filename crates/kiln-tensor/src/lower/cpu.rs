@@ -57,13 +57,13 @@ pub(super) fn conv(
         && weight[2..] == [3, 3]
         && kiln_cpu_kernels::winograd::worth_it(input[3], weight[0]);
     if winograd && ready(device, Handler::Winograd) {
-        return Conv::Winograd;
+        return Conv::CpuKernel(Handler::Winograd);
     }
     let eligible = direct && dtype == DType::BF16;
     if !eligible {
         Conv::Xla
     } else if kiln_cpu_kernels::conv::takes_channels(input[3]) && ready(device, Handler::Conv) {
-        Conv::CpuKernel
+        Conv::CpuKernel(Handler::Conv)
     } else if !kiln_cpu_kernels::is_enabled(Kernel::Im2col) {
         Conv::Xla
     } else if weight[2..] == [1, 1] && p.padding == 0 {

@@ -55,10 +55,9 @@ pub(crate) enum Conv {
     PointwiseDot,
     /// The input's columns (the `im2col` kernel) times the weight as a matrix.
     Im2colDot,
-    /// The direct convolution kernel (`conv`), bias included.
-    CpuKernel,
-    /// The Winograd F(4×4, 3×3) kernel (`winograd`), bias included.
-    Winograd,
+    /// A native kernel, bias included: the direct convolution (`conv`) or Winograd's F(4×4, 3×3)
+    /// (`winograd`).
+    CpuKernel(cpu::Handler),
 }
 
 /// The convolution of an `input` in `layout` with an OIHW `weight` in `dtype`.

@@ -186,8 +186,7 @@ impl Tensor {
                 lower::Conv::PointwiseDot => pointwise_conv_as_dot(b, &p[0], &p[1], acc)?,
                 lower::Conv::Im2colDot => conv_as_columns_dot(b, &p[0], &p[1], params.padding, acc)?,
                 // bias and rounding happen inside the kernel
-                lower::Conv::CpuKernel => return direct_conv(b, p, params.padding, Handler::Conv, dtype),
-                lower::Conv::Winograd => return direct_conv(b, p, params.padding, Handler::Winograd, dtype),
+                lower::Conv::CpuKernel(kernel) => return direct_conv(b, p, params.padding, kernel, dtype),
             };
             if let Some(bias) = p.get(2) {
                 let bias = b.convert(bias, acc)?;
