@@ -237,13 +237,16 @@ fn convolve(g: &Geometry, x: &[f32], w: &[f32], bias: &[f32], dtype: DType, out:
         let tiles = rows.div_ceil(M) * tiles_x;
         transformed_tiles(g, x, *image, *first_tile_row, rows.div_ceil(M), tiles_x, v);
         products.resize(TT * tiles * g.o, 0.0);
-        // the tiles are tile-major (matrix `e` is every tile's `e`-th row), the products position-major
-        for (e, products) in products.chunks_exact_mut(tiles * g.o).enumerate() {
+        // tiles and products tile-major (matrix `e` is every tile's `e`-th row), so that each tile's
+        // 36 products are one contiguous block for the output transform (position-major products
+        // took it 36 streams); the product is taken transposed, `Mₑᵀ = Uₑ Vₑᵀ` into a column-major
+        // destination, as faer 0.22 crashed writing a row-major destination with such a row stride
+        for e in 0..TT {
             matmul(
-                MatMut::from_row_major_slice_mut(products, tiles, g.o),
+                MatMut::from_column_major_slice_with_stride_mut(&mut products[e * g.o..], g.o, tiles, TT * g.o),
                 Accum::Replace,
-                MatRef::from_row_major_slice_with_stride(&v[e * g.c..], tiles, g.c, TT * g.c),
-                MatRef::from_row_major_slice(&u[e * g.o * g.c..][..g.o * g.c], g.o, g.c).transpose(),
+                MatRef::from_row_major_slice(&u[e * g.o * g.c..][..g.o * g.c], g.o, g.c),
+                MatRef::from_row_major_slice_with_stride(&v[e * g.c..], tiles, g.c, TT * g.c).transpose(),
                 1.0f32,
                 Par::Seq,
             );
@@ -257,7 +260,7 @@ fn convolve(g: &Geometry, x: &[f32], w: &[f32], bias: &[f32], dtype: DType, out:
                 let width = (g.o - o0).min(LANES);
                 let mut m = [[0f32; LANES]; TT];
                 for (e, lanes) in m.iter_mut().enumerate() {
-                    copy_lanes(&mut lanes[..width], &products[(e * tiles + tile) * g.o + o0..][..width]);
+                    copy_lanes(&mut lanes[..width], &products[(tile * TT + e) * g.o + o0..][..width]);
                 }
                 let mut y = [[0f32; LANES]; M * M];
                 tile_transform(&m, &mut y, output_1d);
