@@ -20,7 +20,7 @@ pub const TARGET: &str = "kiln_cpu_linear";
 /// Whether an f32 `[m, k] · [n, k]ᵀ` runs here rather than as XLA's dot: rows for two work items
 /// or more, and 2M multiply-adds or more (smaller dots, not measured, keep XLA's fusions).
 /// Measured on a Zen 4 (kiln-tensor's `examples/linear_widths.rs`, alternated in one process):
-/// 0.78–0.98× XLA's time at 1000+ rows, 0.24–0.39× at 32–128 rows, at widths 512 to 15360.
+/// 0.83–0.92× XLA's time at 1000+ rows, 0.22–0.44× at 32–128 rows, at widths 512 to 15360.
 pub fn worth_it(m: usize, k: usize, n: usize) -> bool {
     m >= 32 && m.saturating_mul(k).saturating_mul(n) >= 1 << 21
 }
@@ -34,34 +34,25 @@ struct Block<'a> {
 
 /// The result split into one block per thread: by columns (multiples of 64) where the width
 /// gives every thread some, so that each thread packs only its share of the weight (by rows, each
-/// packed all of it: 5–10 % slower at model widths, measured on a Zen 4), by rows (multiples of 16)
-/// otherwise.
+/// packed all of it: 3–11 % slower at model widths with 1000+ rows, measured on a Zen 4), by rows
+/// (multiples of 16) otherwise.
 fn blocks(mut dst: MatMut<'_, f32>, threads: usize) -> Vec<Mutex<Block<'_>>> {
     let (m, n) = (dst.nrows(), dst.ncols());
     let threads = threads.max(1);
+    let by_columns = n >= 64 * threads;
+    let (len, unit) = if by_columns { (n, 64) } else { (m, 16) };
+    let step = len.div_ceil(threads).div_ceil(unit).max(1) * unit;
     let mut blocks = Vec::with_capacity(threads);
-    if n >= 64 * threads {
-        let step = n.div_ceil(threads).div_ceil(64) * 64;
-        for col in (0..n).step_by(step) {
-            let (block, rest) = dst.split_at_col_mut(step.min(n - col));
-            blocks.push(Mutex::new(Block {
-                row: 0,
-                col,
-                dst: block,
-            }));
-            dst = rest;
-        }
-    } else {
-        let step = m.div_ceil(threads).div_ceil(16).max(1) * 16;
-        for row in (0..m).step_by(step) {
-            let (block, rest) = dst.split_at_row_mut(step.min(m - row));
-            blocks.push(Mutex::new(Block {
-                row,
-                col: 0,
-                dst: block,
-            }));
-            dst = rest;
-        }
+    for at in (0..len).step_by(step) {
+        let size = step.min(len - at);
+        let (block, rest) = if by_columns {
+            dst.split_at_col_mut(size)
+        } else {
+            dst.split_at_row_mut(size)
+        };
+        let (row, col) = if by_columns { (0, at) } else { (at, 0) };
+        blocks.push(Mutex::new(Block { row, col, dst: block }));
+        dst = rest;
     }
     blocks
 }
