@@ -20,7 +20,7 @@ pub const TARGET: &str = "kiln_cpu_linear";
 /// Whether an f32 `[m, k] · [n, k]ᵀ` runs here rather than as XLA's dot: rows for two work items
 /// or more, and 2M multiply-adds or more (smaller dots, not measured, keep XLA's fusions).
 /// Measured on a Zen 4 (kiln-tensor's `examples/linear_widths.rs`, alternated in one process):
-/// 0.83–0.92× XLA's time at 1000+ rows, 0.22–0.44× at 32–128 rows, at widths 512 to 15360.
+/// 0.79–0.92× XLA's time at 1000+ rows, 0.22–0.44× at 32–128 rows, at widths 512 to 15360.
 pub fn worth_it(m: usize, k: usize, n: usize) -> bool {
     m >= 32 && m.saturating_mul(k).saturating_mul(n) >= 1 << 21
 }

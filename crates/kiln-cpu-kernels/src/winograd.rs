@@ -42,7 +42,7 @@ const TILES_PER_ITEM: usize = 256;
 /// Whether a 3×3 convolution from `channels` to `outputs` channels runs here rather than as XLA's
 /// convolution: the products need both wide enough. Measured on a Zen 4 (kiln-tensor's
 /// `examples/conv_widths.rs`, alternated in one process): 0.36–0.59× XLA's time from 128 to 512
-/// channels at FLUX.1's VAE sizes, 0.64–0.74× at 64 channels; 1.06× at 128→3 (first version).
+/// channels at FLUX.1's VAE sizes, 0.63–0.87× at 64 channels; 1.06× at 128→3 (first version).
 pub fn worth_it(channels: usize, outputs: usize) -> bool {
     channels >= 64 && outputs >= 64
 }

@@ -5,12 +5,11 @@
 //!
 //! Run with `cargo run --release -p kiln-tensor --example conv_widths` on a quiet machine.
 
-use std::time::Instant;
+mod support;
 
 use kiln_tensor::kernels::{self, Kernel};
 use kiln_tensor::{Conv2dParams, DType, Device, Tensor};
-
-type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+use support::{alternate, AnyResult};
 
 const RUNS: usize = 5;
 
@@ -45,31 +44,7 @@ fn main() -> AnyResult<()> {
         let x = Tensor::from_f32(&x, DType::F32, [1, hw, hw, c], &dev)?;
         let w = Tensor::from_f32(&w, DType::F32, [o, c, 3, 3], &dev)?;
         let b = Tensor::from_f32(&b, DType::F32, [o], &dev)?;
-        let mut times = [Vec::new(), Vec::new()];
-        let mut results = Vec::new();
-        for run in 0..=RUNS {
-            for (on, times) in [true, false].into_iter().zip(&mut times) {
-                kernels::set(Kernel::Winograd, on);
-                let start = Instant::now();
-                let y = x.conv2d_channels_last(&w, Some(&b), params)?;
-                y.wait()?;
-                if run > 0 {
-                    times.push(start.elapsed().as_secs_f64() * 1e3);
-                } else {
-                    results.push(y.to_f32_vec()?);
-                }
-            }
-        }
-        kernels::set(Kernel::Winograd, true);
-        let diff = results[0]
-            .iter()
-            .zip(&results[1])
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        let [kernel, xla] = times.map(|mut t| {
-            t.sort_by(f64::total_cmp);
-            t[RUNS / 2]
-        });
+        let ([kernel, xla], diff) = alternate(Kernel::Winograd, RUNS, || x.conv2d_channels_last(&w, Some(&b), params))?;
         let rate = |ms: f64| 2.0 * (hw * hw * c * o * 9) as f64 / ms / 1e6;
         println!(
             "{c}→{o} at {hw}²: kernel {kernel:.1} ms ({:.0} GFLOP/s), XLA {xla:.1} ms ({:.0} GFLOP/s), kernel / XLA {:.2}, max difference {diff:.1e}",

@@ -1,15 +1,14 @@
 //! f32 `linear` at FLUX.1's, SD3.5's and T5's real widths and at the scaled benchmark's, with
 //! kiln's linear kernel (faer's GEMM) and with XLA's own dot, alternated in one process: median
-//! ms of 7 calls each, GFLOP/s, and the ratio.
+//! ms of 7 calls each, GFLOP/s, the ratio and the largest difference between the two results.
 //!
 //! Run with `cargo run --release -p kiln-tensor --example linear_widths` on a quiet machine.
 
-use std::time::Instant;
+mod support;
 
 use kiln_tensor::kernels::{self, Kernel};
 use kiln_tensor::{DType, Device, Tensor};
-
-type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+use support::{alternate, AnyResult};
 
 const RUNS: usize = 7;
 
@@ -41,25 +40,10 @@ fn main() -> AnyResult<()> {
         let x = Tensor::from_f32(&x, DType::F32, [m, k], &dev)?;
         let w = Tensor::from_f32(&w, DType::F32, [n, k], &dev)?;
         let b = Tensor::from_f32(&b, DType::F32, [n], &dev)?;
-        let mut times = [Vec::new(), Vec::new()];
-        for run in 0..=RUNS {
-            for (on, times) in [true, false].into_iter().zip(&mut times) {
-                kernels::set(Kernel::Linear, on);
-                let start = Instant::now();
-                x.linear(&w, Some(&b))?.wait()?;
-                if run > 0 {
-                    times.push(start.elapsed().as_secs_f64() * 1e3);
-                }
-            }
-        }
-        kernels::set(Kernel::Linear, true);
-        let [kernel, xla] = times.map(|mut t| {
-            t.sort_by(f64::total_cmp);
-            t[RUNS / 2]
-        });
+        let ([kernel, xla], diff) = alternate(Kernel::Linear, RUNS, || x.linear(&w, Some(&b)))?;
         let rate = |ms: f64| 2.0 * (m * k * n) as f64 / ms / 1e6;
         println!(
-            "[{m}, {k}] · [{n}, {k}]ᵀ: kernel {kernel:.2} ms ({:.0} GFLOP/s), XLA {xla:.2} ms ({:.0} GFLOP/s), kernel / XLA {:.2}",
+            "[{m}, {k}] · [{n}, {k}]ᵀ: kernel {kernel:.2} ms ({:.0} GFLOP/s), XLA {xla:.2} ms ({:.0} GFLOP/s), kernel / XLA {:.2}, max difference {diff:.1e}",
             rate(kernel),
             rate(xla),
             kernel / xla
