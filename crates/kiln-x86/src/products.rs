@@ -98,7 +98,13 @@ impl Bf16Gemm {
     /// row `i` at `a[i·a_stride..]`; `c`: f32, row `i` at `c[i·c_stride..]`. Panics when `col0` is not
     /// a multiple of 16, the columns pass `b.n_pad()`, or `a` or `c` is too short.
     pub fn gemm_32x32(&self, a: &[u16], a_stride: usize, b: &PackedB, col0: usize, c: &mut [f32], c_stride: usize) {
-        self.gemm_32x32_segments(&[(a, a_stride)], b, col0, c, c_stride);
+        self.product(&[(a, a_stride)], b, col0, c, c_stride, false);
+    }
+
+    /// As [`gemm_32x32`](Self::gemm_32x32) but adding the product into `c` (`c += a · B`): the sums
+    /// of a product split along `k`, carried in `c` between the parts.
+    pub fn gemm_32x32_add(&self, a: &[u16], a_stride: usize, b: &PackedB, col0: usize, c: &mut [f32], c_stride: usize) {
+        self.product(&[(a, a_stride)], b, col0, c, c_stride, true);
     }
 
     /// As [`gemm_32x32`](Self::gemm_32x32) with `A` in column segments: the `k` rows of `B` split
@@ -112,6 +118,19 @@ impl Bf16Gemm {
         col0: usize,
         c: &mut [f32],
         c_stride: usize,
+    ) {
+        self.product(segments, b, col0, c, c_stride, false);
+    }
+
+    /// The checked product: `c` replaced, or added to if `add`.
+    fn product(
+        &self,
+        segments: &[(&[u16], usize)],
+        b: &PackedB,
+        col0: usize,
+        c: &mut [f32],
+        c_stride: usize,
+        add: bool,
     ) {
         let parts = segments.len();
         assert!(
@@ -139,21 +158,37 @@ impl Bf16Gemm {
         let block = b.block_len();
         let b0 = &b.data[col0 / 16 * block..][..2 * block];
         match &self.0 {
-            // SAFETY: the tile layout is loaded on this thread (`Tiles`); every tile row read or
-            // written lies inside a segment, `b0` (two column blocks of `k / 2` pair-rows of 32;
-            // segment `t` reads pair-rows `t·seg_k/2..(t + 1)·seg_k/2` of each) or `c` (checked above).
-            Engine::Tiles(_) => unsafe {
-                amx::imp::zero_c();
-                for (t, &(a, a_stride)) in segments.iter().enumerate() {
-                    let b_part = b0.as_ptr().add(t * seg_k / 2 * 32);
-                    amx::imp::accumulate(seg_k / 32, a.as_ptr(), a_stride, b_part, block);
+            Engine::Tiles(_) => {
+                // with `add`, the tiles store the product here and it is added to `c` after
+                let mut product = if add { Some([0f32; 32 * 32]) } else { None };
+                let (dst, dst_stride) = match &mut product {
+                    Some(product) => (product.as_mut_ptr(), 32),
+                    None => (c.as_mut_ptr(), c_stride),
+                };
+                // SAFETY: the tile layout is loaded on this thread (`Tiles`); every tile row read or
+                // written lies inside a segment, `b0` (two column blocks of `k / 2` pair-rows of 32;
+                // segment `t` reads pair-rows `t·seg_k/2..(t + 1)·seg_k/2` of each), `product` (32
+                // rows of 32) or `c` (checked above).
+                unsafe {
+                    amx::imp::zero_c();
+                    for (t, &(a, a_stride)) in segments.iter().enumerate() {
+                        let b_part = b0.as_ptr().add(t * seg_k / 2 * 32);
+                        amx::imp::accumulate(seg_k / 32, a.as_ptr(), a_stride, b_part, block);
+                    }
+                    amx::imp::store_c(dst, dst_stride);
                 }
-                amx::imp::store_c(c.as_mut_ptr(), c_stride);
-            },
+                if let Some(product) = product {
+                    for (row, product) in c.chunks_mut(c_stride).zip(product.chunks_exact(32)) {
+                        for (c, p) in row.iter_mut().zip(product) {
+                            *c += p;
+                        }
+                    }
+                }
+            }
             // SAFETY: the CPU has AVX-512 F and BF16 (`Avx512Bf16`); the reads are those of the
             // tiles above and the writes 32 rows of 32 f32 of `c` (checked above).
             Engine::Dot(_) => unsafe {
-                dot::gemm_32x32_segments(segments, seg_k, b0.as_ptr(), block, c.as_mut_ptr(), c_stride)
+                dot::gemm_32x32_segments(segments, seg_k, b0.as_ptr(), block, c.as_mut_ptr(), c_stride, add)
             },
         }
     }
@@ -272,7 +307,7 @@ mod dot {
 
     /// Safety: the CPU has AVX-512 F and BF16; for each segment `(a, stride)`, 32 rows of `seg_k`
     /// elements are in bounds; `b` and `b + b_block` hold `segments.len() · seg_k / 2` pair-rows of
-    /// 32 elements; 32 rows (stride `c_stride`) of 32 f32 of `c` are writable.
+    /// 32 elements; 32 rows (stride `c_stride`) of 32 f32 of `c` are readable and writable.
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn gemm_32x32_segments(
         segments: &[(&[u16], usize)],
@@ -281,9 +316,19 @@ mod dot {
         b_block: usize,
         c: *mut f32,
         c_stride: usize,
+        add: bool,
     ) {
         for row0 in (0..32).step_by(ROWS) {
             let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+            if add {
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: row `row0 + i` of `c` holds 32 f32 (the caller's contract).
+                    unsafe {
+                        let row = c.add((row0 + i) * c_stride);
+                        *acc = [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16))];
+                    }
+                }
+            }
             for (t, &(a, a_stride)) in segments.iter().enumerate() {
                 // SAFETY: the caller's contract: rows `row0..row0 + ROWS` of the segment and its
                 // `seg_k / 2` pair-rows of `B` are in bounds.
@@ -326,6 +371,7 @@ mod dot {
         _: usize,
         _: *mut f32,
         _: usize,
+        _: bool,
     ) {
         unreachable!("Avx512Bf16 is never constructed off x86_64")
     }
@@ -428,6 +474,32 @@ mod tests {
                     let want: f32 = (0..seg_k)
                         .map(|l| f(a0[i * seg_k + l]) * f(b[l * n + j]) + f(a1[i * 40 + l]) * f(b[(seg_k + l) * n + j]))
                         .sum();
+                    assert_eq!(c[i * n + j], want, "{}: c[{i}][{j}]", engine.name());
+                }
+            }
+        }
+    }
+
+    /// `gemm_32x32_add` adds the product to what `c` holds, on every engine.
+    #[test]
+    fn add_keeps_what_c_held() {
+        let (k, n) = (64usize, 64usize);
+        let a: Vec<u16> = (0..32 * k).map(|i| bf(((i * 13) % 9) as f32 - 4.0)).collect();
+        let b: Vec<u16> = (0..k * n).map(|i| bf(((i * 7) % 5) as f32 - 2.0)).collect();
+        let mut packed = PackedB::default();
+        packed.pack(&b, k, n, n);
+        for engine in engines() {
+            let held: Vec<f32> = (0..32 * n).map(|i| (i % 11) as f32 * 0.5).collect();
+            let mut c = held.clone();
+            // B's columns 32..64 into c's columns 32..64
+            engine.begin().gemm_32x32_add(&a, k, &packed, 32, &mut c[32..], n);
+            for i in 0..32 {
+                for j in 0..n {
+                    let want = if j < 32 {
+                        held[i * n + j]
+                    } else {
+                        held[i * n + j] + (0..k).map(|l| f(a[i * k + l]) * f(b[l * n + j])).sum::<f32>()
+                    };
                     assert_eq!(c[i * n + j], want, "{}: c[{i}][{j}]", engine.name());
                 }
             }
