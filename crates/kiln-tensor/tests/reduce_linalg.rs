@@ -167,8 +167,35 @@ fn linear_matches_the_reference() {
     }
 }
 
-/// f32 linears at real model widths run kiln's GEMM kernel on CPU (`kiln_cpu_linear`): against
-/// the f64 reference, with and without a bias, and against XLA's own dot with the kernel off.
+/// `x · wᵀ (+ b)` in `dtype`, with and without the bias, as run (the linear kernel where the
+/// lowering takes it) and with the kernel off (XLA's dot), each against the f64 reference.
+fn linear_with_and_without_the_kernel(x: &Arr, w: &Arr, b: &Arr, dtype: DType) {
+    let k = w.shape[1];
+    let m = x.data.len() / k;
+    let t = dot_tol(&x.reshape(&[m, k]), &w.permute(&[1, 0]), dtype);
+    let (xt, wt, bt) = (x.tensor(dtype), w.tensor(dtype), b.tensor(dtype));
+    for with_bias in [true, false] {
+        let bias = with_bias.then_some(&bt);
+        let want = x.linear(w, with_bias.then_some(b));
+        let got = xt.linear(&wt, bias).unwrap();
+        assert_close(
+            &format!("{dtype} linear, {m} rows, bias={with_bias}"),
+            &got,
+            &want,
+            dtype,
+            t,
+        );
+        kernels::set(Kernel::Linear, false);
+        let xla = xt.linear(&wt, bias);
+        kernels::set(Kernel::Linear, true);
+        let what = format!("XLA's {dtype} linear, {m} rows, bias={with_bias}");
+        assert_close(&what, &xla.unwrap(), &want, dtype, t);
+    }
+}
+
+/// f32 linears at real model widths run kiln's GEMM kernel on CPU (`kiln_cpu_linear`), 74 rows and
+/// the modulations' two: against the f64 reference, with and without a bias, and against XLA's own
+/// dot with the kernel off.
 #[test]
 fn linear_at_model_widths_runs_the_kernel() {
     let device = kiln_tensor::Device::cpu().unwrap();
@@ -178,27 +205,26 @@ fn linear_at_model_widths_runs_the_kernel() {
     );
     let mut r = rng(71);
     let (k, n) = (1536, 1600);
-    let x = Arr::rand(&mut r, &[2, 37, k], -1.0, 1.0, DType::F32);
     let w = Arr::rand(&mut r, &[n, k], -1.0, 1.0, DType::F32);
     let b = Arr::rand(&mut r, &[n], -1.0, 1.0, DType::F32);
-    let t = dot_tol(&x.reshape(&[74, k]), &w.permute(&[1, 0]), DType::F32);
-    let (xt, wt, bt) = (x.tensor(DType::F32), w.tensor(DType::F32), b.tensor(DType::F32));
-    for with_bias in [true, false] {
-        let bias = with_bias.then_some(&bt);
-        let got = xt.linear(&wt, bias).unwrap();
-        let want = x.linear(&w, with_bias.then_some(&b));
-        assert_close(&format!("linear kernel bias={with_bias}"), &got, &want, DType::F32, t);
-        kernels::set(Kernel::Linear, false);
-        let xla = xt.linear(&wt, bias);
-        kernels::set(Kernel::Linear, true);
-        assert_close(
-            &format!("XLA's linear bias={with_bias}"),
-            &xla.unwrap(),
-            &want,
-            DType::F32,
-            t,
-        );
+    for rows in [&[2, 37][..], &[2]] {
+        let x = Arr::rand(&mut r, &[rows, &[k]].concat(), -1.0, 1.0, DType::F32);
+        linear_with_and_without_the_kernel(&x, &w, &b, DType::F32);
     }
+}
+
+/// bf16 linears of 256+ rows run on the kernel's bf16 products where the CPU has them
+/// (`kiln_cpu_linear`): rows and columns not multiples of its blocks, an inner dimension over one
+/// of its blocks, with and without a bias, against the f64 reference and against XLA's dot with
+/// the kernel off.
+#[test]
+fn bf16_linear_at_model_widths_matches_xla() {
+    let mut r = rng(73);
+    let (k, n) = (1056, 200);
+    let x = Arr::rand(&mut r, &[2, 150, k], -1.0, 1.0, DType::BF16);
+    let w = Arr::rand(&mut r, &[n, k], -1.0, 1.0, DType::BF16);
+    let b = Arr::rand(&mut r, &[n], -1.0, 1.0, DType::BF16);
+    linear_with_and_without_the_kernel(&x, &w, &b, DType::BF16);
 }
 
 /// f32 channels-last 3×3 convolutions between 64+ channels run by Winograd's F(4×4, 3×3) on CPU

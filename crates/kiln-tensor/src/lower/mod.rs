@@ -113,14 +113,17 @@ pub(crate) fn concat(device: &Device, last: bool, bytes: usize) -> Concat {
 
 /// How an `nn.Linear` runs.
 pub(crate) enum Linear {
-    /// kiln's f32 GEMM kernel (CPU: XLA:CPU's f32 dot runs on Eigen, slower).
+    /// kiln's GEMM kernel (CPU: f32 on faer, XLA:CPU's f32 dot runs on Eigen, slower; bf16 on
+    /// kiln-x86's bf16 products).
     CpuKernel,
     Xla,
 }
 
-/// `[m, k] · [n, k]ᵀ` in `dtype`.
-pub(crate) fn linear(device: &Device, dtype: DType, m: usize, k: usize, n: usize) -> Linear {
-    let fits = dtype == DType::F32 && kiln_cpu_kernels::linear::worth_it(m, k, n);
+/// `[m, k] · [n, k]ᵀ` in `dtype`, in a traced program if `traced`. bf16 takes the kernel eagerly
+/// only: inside a compiled FLUX.1 step, XLA's fused bf16 dots were as fast (real widths, seven
+/// alternated pairs), where eagerly the step took 0.75–0.87× its time without the kernel.
+pub(crate) fn linear(device: &Device, dtype: DType, traced: bool, [m, k, n]: [usize; 3]) -> Linear {
+    let fits = kiln_cpu_kernels::linear::worth_it(dtype, m, k, n) && !(traced && dtype == DType::BF16);
     match device.platform() {
         Platform::Cpu if fits && cpu::ready(device, cpu::Handler::Linear) => Linear::CpuKernel,
         _ => Linear::Xla,
