@@ -797,7 +797,9 @@ impl AnyPipeline {
         if n == 0 {
             return Err(invalid("`num_images_per_prompt` must be at least 1"));
         }
-        let per_image = PromptEncoding::batch(&[(encoding, n)])?;
+        // each row repeated n times; one image per row already needs no copy
+        let repeated = (n > 1).then(|| PromptEncoding::batch(&[(encoding, n)])).transpose()?;
+        let per_image = repeated.as_ref().unwrap_or(encoding);
         call.num_images_per_prompt = Some(1);
         let device = match self.device() {
             Some(d) => d.clone(),
