@@ -33,7 +33,7 @@ pub enum Kernel {
     Amx,
     /// `bf16_dot`: the kernels' bf16 products on AVX-512 BF16 where AMX is not used.
     Bf16Dot,
-    /// `linear`: `nn.Linear`, f32 on faer's GEMM and eager bf16 on the bf16 products (`linear.rs`).
+    /// `linear`: `nn.Linear`, f32 on faer's GEMM and bf16 on the bf16 products (`linear.rs`).
     Linear,
     /// `winograd`: 3×3 convolutions by Winograd's F(4×4, 3×3) (`winograd.rs`).
     Winograd,

@@ -4,7 +4,7 @@
 //!
 //! The names: `attention`, `concat` (along the last dimension), `conv` (the direct bf16
 //! convolution), `im2col` (the column kernel, and with it bf16 convolutions as dots), `gelu`
-//! (tanh), `group_norm` (channels last, also with SiLU), `linear` (`nn.Linear`: f32, eager bf16), `winograd` (3×3 convolutions by Winograd's
+//! (tanh), `group_norm` (channels last, also with SiLU), `linear` (`nn.Linear`: f32, bf16), `winograd` (3×3 convolutions by Winograd's
 //! F(4×4, 3×3)), `amx` and `bf16_dot` (the kernels' bf16
 //! products on AMX tiles, on AVX-512 BF16).
 

@@ -4,7 +4,7 @@ mod common;
 
 use common::*;
 use kiln_tensor::kernels::{self, Kernel};
-use kiln_tensor::{Conv2dParams, DType, Tensor};
+use kiln_tensor::{CompiledFunction, Conv2dParams, DType, Tensor};
 
 /// Resolves possibly negative dims for the reference.
 fn pos(dims: &[isize], rank: usize) -> Vec<usize> {
@@ -167,8 +167,9 @@ fn linear_matches_the_reference() {
     }
 }
 
-/// `x · wᵀ (+ b)` in `dtype`, with and without the bias, as run (the linear kernel where the
-/// lowering takes it) and with the kernel off (XLA's dot), each against the f64 reference.
+/// `x · wᵀ (+ b)` in `dtype`, with and without the bias, as run eagerly and inside a compiled
+/// program (the linear kernel where the lowering takes it) and with the kernel off (XLA's dot),
+/// each against the f64 reference.
 fn linear_with_and_without_the_kernel(x: &Arr, w: &Arr, b: &Arr, dtype: DType) {
     let k = w.shape[1];
     let m = x.data.len() / k;
@@ -185,6 +186,16 @@ fn linear_with_and_without_the_kernel(x: &Arr, w: &Arr, b: &Arr, dtype: DType) {
             dtype,
             t,
         );
+        // the same inside a compiled program
+        let mut args = vec![xt.clone(), wt.clone()];
+        args.extend(bias.cloned());
+        let compiled = CompiledFunction::new("test.linear")
+            .call(&args, |t| {
+                Ok::<_, kiln_tensor::Error>(vec![t[0].linear(&t[1], t.get(2))?])
+            })
+            .unwrap();
+        let what = format!("compiled {dtype} linear, {m} rows, bias={with_bias}");
+        assert_close(&what, &compiled[0], &want, dtype, t);
         kernels::set(Kernel::Linear, false);
         let xla = xt.linear(&wt, bias);
         kernels::set(Kernel::Linear, true);

@@ -119,11 +119,9 @@ pub(crate) enum Linear {
     Xla,
 }
 
-/// `[m, k] · [n, k]ᵀ` in `dtype`, in a traced program if `traced`. bf16 takes the kernel eagerly
-/// only: inside a compiled FLUX.1 step, XLA's fused bf16 dots were as fast (real widths, seven
-/// alternated pairs), where eagerly the step took 0.75–0.87× its time without the kernel.
-pub(crate) fn linear(device: &Device, dtype: DType, traced: bool, [m, k, n]: [usize; 3]) -> Linear {
-    let fits = kiln_cpu_kernels::linear::worth_it(dtype, m, k, n) && !(traced && dtype == DType::BF16);
+/// `[m, k] · [n, k]ᵀ` in `dtype`, eagerly or in a traced program alike.
+pub(crate) fn linear(device: &Device, dtype: DType, [m, k, n]: [usize; 3]) -> Linear {
+    let fits = kiln_cpu_kernels::linear::worth_it(dtype, m, k, n);
     match device.platform() {
         Platform::Cpu if fits && cpu::ready(device, cpu::Handler::Linear) => Linear::CpuKernel,
         _ => Linear::Xla,

@@ -96,7 +96,7 @@ impl Tensor {
         let last = self.rank() - 1;
         let (k, n) = (weight.dims()[1], weight.dims()[0]);
         let m = self.numel().checked_div(k).unwrap_or(0);
-        let lowering = lower::linear(self.device(), dtype, self.is_traced(), [m, k, n]);
+        let lowering = lower::linear(self.device(), dtype, [m, k, n]);
         let mut inputs = vec![self, weight];
         inputs.extend(bias);
         apply1(op, &inputs, |b, p| {
