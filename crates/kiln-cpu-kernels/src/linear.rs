@@ -42,7 +42,7 @@ const NC: usize = 128;
 ///   0.63–0.82× at SD3.5's 1536, 0.81× and 1.11× at the scaled model's two shapes; a first version
 ///   took 1.2–1.4× at 32–128 rows, where packing the weight is a bigger share. Inside compiled
 ///   steps, against XLA's fused bf16 dots (four alternated pairs each): 0.92× the step at FLUX.1's
-///   real widths, 0.96× at SD3.5's and at the scaled model's.
+///   real widths, 0.96× at SD3.5's, 0.94× at the scaled model's.
 pub fn worth_it(dtype: DType, m: usize, k: usize, n: usize) -> bool {
     let big = m.saturating_mul(k).saturating_mul(n) >= 1 << 21;
     match dtype {
