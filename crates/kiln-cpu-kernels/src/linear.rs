@@ -26,7 +26,7 @@ pub const TARGET: &str = "kiln_cpu_linear";
 
 /// The bf16 path's square of rows × columns per product (kiln-x86's `gemm_32x32`).
 const TILE: usize = 32;
-/// The bf16 path's block of the inner dimension: 512 pair-rows of the weight per packed block.
+/// The bf16 path's block of the inner dimension: 512 values of `k` (256 bf16 pairs) per packed block.
 const KC: usize = 512;
 /// The bf16 path's columns per packed block of the weight (`KC × NC` bf16: 128 KiB, within L2).
 const NC: usize = 128;
@@ -94,7 +94,8 @@ fn for_each_block<T: Send>(
     });
 }
 
-/// The kernel: operands `x [..., k]`, `w [n, k]` and optionally `bias [n]`, all f32; result `[..., n]`.
+/// The kernel: operands `x [..., k]`, `w [n, k]` and optionally `bias [n]`, all f32 or all bf16; result `[..., n]`
+/// in their dtype.
 pub struct Linear;
 
 impl HostKernel for Linear {

@@ -3,7 +3,7 @@
 //! only, 12 independent accumulators per thread, on one thread and on every core.
 //!
 //! Run with `cargo run --release -p kiln-x86 --example peak` on a quiet machine; each line is the
-//! best of 3 runs of about a second.
+//! best of 3 runs (each about half a second in f32 and a quarter in bf16 on a 2-core Zen 4).
 
 #[cfg(target_arch = "x86_64")]
 mod imp {
