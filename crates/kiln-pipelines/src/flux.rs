@@ -17,7 +17,7 @@ use crate::call::{
 };
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, Next, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, CallStart, Next, PipelineCore, PipelineParts};
 
 pipeline_call! {
     /// The arguments of a `FluxPipeline` call, with diffusers' defaults. `prompt_2` is T5's;
@@ -193,13 +193,15 @@ impl FluxPipeline {
         self.check_inputs(&args, height, width, &mut warnings)?;
         let dtype = self.core.dtype();
         let transformer_in = self.transformer_config.in_channels;
-        let (models, device) = self.core.loaded()?;
-        let _finish = self.core.begin_call()?;
-
-        // 2. Batch size and prompts.
-        let batch = args.nonempty_batch()?;
         let n = args.num_images_per_prompt;
-        let total = batch * n;
+        // 2. Batch size and prompts.
+        let CallStart {
+            models,
+            device,
+            batch,
+            total,
+            finish: _finish,
+        } = self.core.start_call(args.nonempty_batch(), n)?;
         let has_negative = args.negative_prompt.is_some()
             || (args.negative_prompt_embeds.is_some() && args.negative_pooled_prompt_embeds.is_some());
         let do_true_cfg = args.true_cfg_scale > 1.0 && has_negative;

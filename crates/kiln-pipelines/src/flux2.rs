@@ -28,7 +28,7 @@ use crate::call::{
 use crate::error::{invalid, Result};
 use crate::flux::timestep_tensor;
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, Next, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, CallStart, Next, PipelineCore, PipelineParts};
 
 pipeline_call! {
     /// The arguments of a `Flux2Pipeline` call, with diffusers' defaults (50 steps, guidance 4.0,
@@ -360,13 +360,15 @@ impl Flux2Base {
         self.check_inputs(&args, height, width, not_arguments, cfg, &mut warnings)?;
         let dtype = self.core.dtype();
         let channels = self.transformer_config.in_channels;
-        let (models, device) = self.core.loaded()?;
-        let _finish = self.core.begin_call()?;
-
-        // 2. Batch size.
-        let batch = args.nonempty_batch()?;
         let n = args.num_images_per_prompt;
-        let total = batch * n;
+        // 2. Batch size.
+        let CallStart {
+            models,
+            device,
+            batch,
+            total,
+            finish: _finish,
+        } = self.core.start_call(args.nonempty_batch(), n)?;
 
         // 3. Text encoding (given embeddings are repeated per image too); with CFG the negative
         //    embeddings after the prompt's: given ones, else the empty prompt's (one per prompt).

@@ -74,6 +74,16 @@ pub(crate) enum Next {
     Same,
 }
 
+/// What [`PipelineCore::start_call`] gives a generation call; `finish` is held until the call ends.
+pub(crate) struct CallStart<'a, C> {
+    pub models: &'a C,
+    pub device: &'a Device,
+    pub batch: usize,
+    /// `batch × images_per_prompt`.
+    pub total: usize,
+    pub finish: FinishOnDrop<'a>,
+}
+
 /// What every pipeline holds the same way: its folder, dtype, checkpoints, run configuration,
 /// loaded components and offloader.
 pub struct PipelineCore<C> {
@@ -151,6 +161,22 @@ impl<C: Components> PipelineCore<C> {
         Ok(FinishOnDrop {
             device: self.run.device.as_ref(),
             offloader: self.offloader.as_ref(),
+        })
+    }
+
+    /// The start of a generation call whose inputs are checked: the loaded components and their
+    /// device, then [`Self::begin_call`]'s guard, then the call's `batch` (its prompts, or the rows
+    /// of its embeddings; an empty list is diffusers' error) and the images it makes.
+    pub(crate) fn start_call(&self, batch: Result<usize>, images_per_prompt: usize) -> Result<CallStart<'_, C>> {
+        let (models, device) = self.loaded()?;
+        let finish = self.begin_call()?;
+        let batch = batch?;
+        Ok(CallStart {
+            models,
+            device,
+            batch,
+            total: batch * images_per_prompt,
+            finish,
         })
     }
 

@@ -18,7 +18,7 @@ use crate::call::{
 };
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, Next, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, CallStart, Next, PipelineCore, PipelineParts};
 
 const CLIP_MAX_LENGTH: usize = 77;
 
@@ -383,12 +383,16 @@ impl StableDiffusion3Pipeline {
         let (height, width) = args.size_or(self.default_size());
         self.check_inputs(&args, height, width)?;
         let dtype = self.core.dtype();
-        let (models, device) = self.core.loaded()?;
-        let _finish = self.core.begin_call()?;
-
         // 2-3. Batch and text encoding.
-        let batch = args.nonempty_batch()?;
-        let total = batch * args.num_images_per_prompt;
+        let CallStart {
+            models,
+            device,
+            total,
+            finish: _finish,
+            ..
+        } = self
+            .core
+            .start_call(args.nonempty_batch(), args.num_images_per_prompt)?;
         let do_cfg = args.do_classifier_free_guidance();
         let t0 = Instant::now();
         let encoded = self.encode_with(&args)?;
