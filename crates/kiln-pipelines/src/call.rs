@@ -5,12 +5,10 @@ use std::time::{Duration, Instant};
 
 use image::RgbImage;
 use kiln_nn::Args;
-use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
-use kiln_tensor::{DType, Tensor};
+use kiln_tensor::{DType, Device, Tensor};
 
 use crate::budget::CallBudget;
 use crate::error::{invalid, PipelineError, Result};
-use crate::pipeline::Next;
 
 /// A text encoding's result: the sequence states and the pooled vector, per prompt row.
 pub(crate) struct Encoded {
@@ -63,53 +61,6 @@ pub struct PipelineOutput {
     pub warnings: Vec<String>,
 }
 
-/// The denoising loop of every pipeline: at each timestep `step(i, t, inputs, next)` runs the
-/// pipeline's guided prediction and the scheduler's Euler step on `inputs` — `constants` (what
-/// every step reads: embeddings, guidance scales, ...), `latents` and `dt` (an f32 scalar) — and
-/// returns `latents` and `noise_pred` (see [`euler_step_outputs`] and
-/// [`crate::pipeline::PipelineCore::step`]); `next` is the component after the step (the VAE after
-/// the last one when the call `decodes`, so that its transfer can start during that step). Then
-/// the step callback, timing and progress. Returns the final latents and each step's time (each
-/// step waits for its latents).
-pub(crate) fn denoise(
-    (scheduler, timesteps): (&FlowMatchEulerDiscreteScheduler, &[f32]),
-    mut latents: Tensor,
-    (progress, callback): (bool, &mut Option<Box<StepCallback<'_>>>),
-    (constants, decodes): (&Args, bool),
-    mut step: impl FnMut(usize, f32, Args, Next) -> Result<Args>,
-) -> Result<(Tensor, Vec<Duration>)> {
-    let mut bar = crate::progress::step_bar(timesteps.len(), progress);
-    let mut step_times = Vec::with_capacity(timesteps.len());
-    for (i, &t) in timesteps.iter().enumerate() {
-        let started = Instant::now();
-        let dt = Tensor::from_f32(&[scheduler.dt(i)?], DType::F32, [], latents.device())?;
-        let inputs = constants.clone().with("latents", &latents).with("dt", &dt);
-        let next = match i + 1 == timesteps.len() && decodes {
-            true => Next::InOrder,
-            false => Next::Same,
-        };
-        let mut out = step(i, t, inputs, next)?;
-        let noise_pred = out.take("noise_pred")?;
-        latents = out.take("latents")?;
-        if let Some(cb) = callback.as_mut() {
-            let mut state = StepState {
-                step: i,
-                timestep: t,
-                noise_pred: &noise_pred,
-                latents: &mut latents,
-            };
-            if !cb(&mut state) {
-                return Err(PipelineError::Interrupted { step: i });
-            }
-        }
-        latents.wait()?;
-        step_times.push(started.elapsed());
-        bar.inc();
-    }
-    bar.finish();
-    Ok((latents, step_times))
-}
-
 /// The end of a denoising step: the scheduler's Euler step of the step's `latents` by
 /// `noise_pred` over its `dt`, as the step's results `latents` and `noise_pred`.
 pub(crate) fn euler_step_outputs(inputs: &Args, noise_pred: Tensor) -> kiln_nn::Result<Args> {
@@ -142,8 +93,16 @@ pub(crate) fn mul_scale(x: &Tensor, scale: &Tensor) -> kiln_tensor::Result<Tenso
 }
 
 /// `value` as an f32 scalar tensor on `device` (a guidance scale passed to a step).
-pub(crate) fn scalar(value: f64, device: &kiln_tensor::Device) -> Result<Tensor> {
+pub(crate) fn scalar(value: f64, device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_f32(&[value as f32], DType::F32, [], device)?)
+}
+
+/// FLUX's timestep input: `t.expand(N).to(dtype) / 1000` as the pipelines pass it (division in
+/// f32, then the dtype).
+pub(crate) fn timestep_tensor(t: f32, n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let t_dtype = kiln_types::bytes_to_f32(&kiln_types::f32_to_bytes(&[t], dtype), dtype)[0];
+    let value = t_dtype / 1000.0;
+    Ok(Tensor::from_f32(&vec![value; n], dtype, [n], device)?)
 }
 
 /// The end of every call: the final latents decoded (`decode` gives the image tensor `[N, 3, H, W]`
@@ -177,6 +136,11 @@ pub(crate) fn finish_call(
         timings,
         warnings,
     })
+}
+
+/// The texts of `prompts`, as a tokenizer takes them.
+pub(crate) fn texts(prompts: &[String]) -> Vec<&str> {
+    prompts.iter().map(String::as_str).collect()
 }
 
 /// `prompt_2`'s value as diffusers prints it in a message.
@@ -394,13 +358,66 @@ macro_rules! pipeline_call {
             }
         }
 
-        impl $name<'_> {
+        impl<'a> $name<'a> {
             /// A call for one prompt with the other arguments at their defaults.
             pub fn prompt(prompt: impl Into<String>) -> Self {
                 $name {
                     prompt: Some(vec![prompt.into()]),
                     ..Default::default()
                 }
+            }
+
+            /// The call defaults of this call's `Default` (diffusers').
+            #[allow(dead_code)]
+            pub(crate) fn call_defaults() -> $crate::CallDefaults {
+                let d = Self::default();
+                $crate::CallDefaults {
+                    height: d.height,
+                    width: d.width,
+                    num_inference_steps: d.num_inference_steps,
+                    guidance_scale: d.guidance_scale,
+                    max_sequence_length: d.max_sequence_length,
+                }
+            }
+
+            /// The arguments every pipeline takes from a generic call `c`, what is unset taken
+            /// from `defaults` (the model's) or this call's `Default`; with `embeddings` instead of
+            /// the prompts. The pipeline's own arguments are left at their defaults.
+            #[allow(dead_code)]
+            pub(crate) fn from_generate(
+                c: $crate::GenerateCall<'a>,
+                defaults: &$crate::CallDefaults,
+                embeddings: Option<$crate::encoding::Embeddings>,
+            ) -> Self {
+                let d = Self::default();
+                let steps = c.num_inference_steps.or(c.sigmas.as_ref().map(Vec::len));
+                let mut call = $name {
+                    prompt: Some(c.prompt),
+                    prompt_2: c.prompt_2,
+                    negative_prompt: c.negative_prompt,
+                    negative_prompt_2: c.negative_prompt_2,
+                    height: c.height.unwrap_or(defaults.height),
+                    width: c.width.unwrap_or(defaults.width),
+                    num_inference_steps: steps.unwrap_or(defaults.num_inference_steps),
+                    sigmas: c.sigmas,
+                    guidance_scale: c.guidance_scale.unwrap_or(defaults.guidance_scale),
+                    num_images_per_prompt: c.num_images_per_prompt.unwrap_or(d.num_images_per_prompt),
+                    seed: c.seed.unwrap_or(d.seed),
+                    seeds: c.seeds,
+                    max_sequence_length: c.max_sequence_length.unwrap_or(defaults.max_sequence_length),
+                    output_type: c.output_type,
+                    progress: c.progress,
+                    callback: c.callback,
+                    ..d
+                };
+                if let Some(e) = embeddings {
+                    call.prompt = None;
+                    call.prompt_embeds = Some(e.prompt_embeds);
+                    call.pooled_prompt_embeds = e.pooled_prompt_embeds;
+                    call.negative_prompt_embeds = e.negative_prompt_embeds;
+                    call.negative_pooled_prompt_embeds = e.negative_pooled_prompt_embeds;
+                }
+                call
             }
 
             /// The batch: the prompts, or the rows of `prompt_embeds`.

@@ -12,7 +12,6 @@ use std::path::PathBuf;
 
 use kiln_tensor::{DType, Device, Tensor};
 
-use crate::any::PipelineKind;
 use crate::error::{invalid, Result};
 
 /// One tensor's values on the host: little-endian bytes of `dtype`, row-major `dims`.
@@ -97,13 +96,20 @@ impl HostTensor {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct EncodingSettings {
     pub max_sequence_length: usize,
-    /// SD3's (for the prompts, not the negatives); `None` elsewhere.
-    pub clip_skip: Option<usize>,
-    /// FLUX.2's (both kinds); empty elsewhere.
-    pub text_encoder_out_layers: Vec<usize>,
     /// Whether the negatives are encoded: the call runs classifier-free guidance (SD3, FLUX.2
     /// [klein] base) or FLUX.1's true CFG with a negative prompt.
     pub negative: bool,
+    /// The pipeline's other call arguments the encoding depends on (SD3's `clip_skip`, FLUX.2's
+    /// `text_encoder_out_layers`), resolved: each name and its value as JSON text.
+    pub arguments: Vec<(&'static str, String)>,
+}
+
+impl EncodingSettings {
+    /// The resolved value of argument `name`, when the encoding depends on it.
+    pub fn argument(&self, name: &str) -> Option<serde_json::Value> {
+        let (_, json) = self.arguments.iter().find(|(n, _)| *n == name)?;
+        serde_json::from_str(json).ok()
+    }
 }
 
 /// What an encoding depends on: the model, the texts it reads and the settings. Two calls with
@@ -111,7 +117,8 @@ pub struct EncodingSettings {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct PromptKey {
     pub(crate) root: PathBuf,
-    pub(crate) kind: PipelineKind,
+    /// The pipeline's class.
+    pub(crate) class: &'static str,
     pub(crate) dtype: DType,
     /// The text arguments the encoding reads, by name, as the call gives them.
     pub(crate) texts: Vec<(&'static str, Option<Vec<String>>)>,
@@ -141,7 +148,8 @@ impl PromptKey {
 #[derive(Clone, Debug, PartialEq)]
 pub struct PromptEncoding {
     pub(crate) root: PathBuf,
-    pub(crate) kind: PipelineKind,
+    /// The pipeline's class.
+    pub(crate) class: &'static str,
     /// The pipeline's dtype.
     pub(crate) dtype: DType,
     pub(crate) settings: EncodingSettings,
@@ -160,8 +168,9 @@ impl PromptEncoding {
         self.prompt_embeds.rows()
     }
 
-    pub fn kind(&self) -> PipelineKind {
-        self.kind
+    /// The class of the pipeline that made it.
+    pub fn class_name(&self) -> &'static str {
+        self.class
     }
 
     pub fn settings(&self) -> &EncodingSettings {
@@ -210,7 +219,7 @@ impl PromptEncoding {
             .first()
             .ok_or_else(|| invalid("no prompt encoding to batch: give at least one"))?;
         if let Some((other, _)) = parts.iter().find(|(p, _)| {
-            (&p.root, p.kind, p.dtype, &p.settings) != (&first.root, first.kind, first.dtype, &first.settings)
+            (&p.root, p.class, p.dtype, &p.settings) != (&first.root, first.class, first.dtype, &first.settings)
                 || p.tensors().map(|t| t.is_some()) != first.tensors().map(|t| t.is_some())
         }) {
             return Err(invalid(format!(
@@ -233,7 +242,7 @@ impl PromptEncoding {
         };
         Ok(PromptEncoding {
             root: first.root.clone(),
-            kind: first.kind,
+            class: first.class,
             dtype: first.dtype,
             settings: first.settings.clone(),
             prompt_embeds: rows(|p| Some(&p.prompt_embeds))?.expect("every encoding has prompt embeddings"),
@@ -253,6 +262,46 @@ impl PromptEncoding {
             ))),
             None => Ok(()),
         }
+    }
+}
+
+/// Prompt embeddings on the device, one row per prompt or per image: what a pipeline's call
+/// takes as given embeddings, and what its encoding of texts gives ([`crate::Pipeline`]).
+pub struct Embeddings {
+    pub prompt_embeds: Tensor,
+    /// FLUX.1's and SD3's.
+    pub pooled_prompt_embeds: Option<Tensor>,
+    pub negative_prompt_embeds: Option<Tensor>,
+    pub negative_pooled_prompt_embeds: Option<Tensor>,
+}
+
+impl Embeddings {
+    /// `encoding` on `device`.
+    pub(crate) fn upload(encoding: &PromptEncoding, device: &Device) -> Result<Embeddings> {
+        let up = |t: &HostTensor| t.to_device(device);
+        Ok(Embeddings {
+            prompt_embeds: up(&encoding.prompt_embeds)?,
+            pooled_prompt_embeds: encoding.pooled_prompt_embeds.as_ref().map(up).transpose()?,
+            negative_prompt_embeds: encoding.negative_prompt_embeds.as_ref().map(up).transpose()?,
+            negative_pooled_prompt_embeds: encoding.negative_pooled_prompt_embeds.as_ref().map(up).transpose()?,
+        })
+    }
+
+    /// The encoding of `key`, copied to the host.
+    pub(crate) fn download(&self, key: PromptKey) -> Result<PromptEncoding> {
+        let host = |t: &Tensor| HostTensor::of(t);
+        let encoding = PromptEncoding {
+            root: key.root,
+            class: key.class,
+            dtype: key.dtype,
+            settings: key.settings,
+            prompt_embeds: host(&self.prompt_embeds)?,
+            pooled_prompt_embeds: self.pooled_prompt_embeds.as_ref().map(host).transpose()?,
+            negative_prompt_embeds: self.negative_prompt_embeds.as_ref().map(host).transpose()?,
+            negative_pooled_prompt_embeds: self.negative_pooled_prompt_embeds.as_ref().map(host).transpose()?,
+        };
+        encoding.check_rows()?;
+        Ok(encoding)
     }
 }
 

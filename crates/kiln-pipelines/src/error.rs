@@ -25,6 +25,10 @@ pub enum PipelineError {
     /// A call argument diffusers would reject (the message is diffusers' where it has one).
     #[error("{0}")]
     InvalidArgument(String),
+    /// A call argument of a value no pipeline takes (checked before any work; see
+    /// [`crate::GenerateCall::check`]).
+    #[error("{0}")]
+    Argument(#[from] crate::arguments::ArgError),
     /// An argument past kiln's limit for it (checked before any work).
     #[error("{0}")]
     OverBudget(crate::budget::OverBudget),

@@ -7,17 +7,20 @@ use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInputs};
 use kiln_nn::Args;
 use kiln_schedulers::{flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
-use kiln_tensor::{DType, Device, MemoryKind, Tensor};
+use kiln_tensor::{Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 use std::time::Instant;
 
+use crate::arguments::GenerateCall;
 use crate::call::{
-    check_packed_size, check_same_shape, denoise, euler_step_outputs, finish_call, mul_scale, pipeline_call, scalar,
+    check_packed_size, check_same_shape, finish_call, mul_scale, pipeline_call, scalar, texts, timestep_tensor,
     Encoded, OutputType, PipelineOutput,
 };
+use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, CallStart, Next, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, CallStart, Denoising, PipelineCore, PipelineParts};
+use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
 pipeline_call! {
     /// The arguments of a `FluxPipeline` call, with diffusers' defaults. `prompt_2` is T5's;
@@ -29,6 +32,13 @@ pipeline_call! {
         pub true_cfg_scale: f64 = 1.0,
     }
 }
+
+/// `FluxPipeline` in the registry.
+pub static CLASS: PipelineClass = PipelineClass::new("FluxPipeline", FluxCall::call_defaults, |model, options| {
+    Ok(Box::new(FluxPipeline::from_pretrained(model, options)?))
+})
+.takes(&["true_cfg_scale"], &[])
+.encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"]);
 
 /// The models, once loaded on a device, in the order a call runs them.
 pub struct FluxComponents {
@@ -119,7 +129,21 @@ impl FluxPipeline {
         images_per_prompt: usize,
         max_sequence_length: usize,
     ) -> Result<(Tensor, Tensor)> {
-        // The checks a call makes of the texts and `max_sequence_length`.
+        let e = self.encode_checked(prompt, prompt_2, None, images_per_prompt, max_sequence_length)?;
+        let Encoded { embeds, pooled } = e.into_iter().next().expect("one set, one encoding");
+        Ok((embeds, pooled))
+    }
+
+    /// [`Self::encode`] of the prompts and, when given, the negatives, after the checks a call
+    /// makes of the texts and `max_sequence_length`.
+    fn encode_checked(
+        &mut self,
+        prompt: &[String],
+        prompt_2: Option<&[String]>,
+        negative: Option<(&[String], &[String])>,
+        images_per_prompt: usize,
+        max_sequence_length: usize,
+    ) -> Result<Vec<Encoded>> {
         let texts = FluxCall {
             prompt: Some(prompt.to_vec()),
             prompt_2: prompt_2.map(<[String]>::to_vec),
@@ -130,53 +154,45 @@ impl FluxPipeline {
         self.check_inputs(&texts, size, size, &mut Vec::new())?;
         self.ensure_loaded()?;
         let _finish = self.core.begin_call()?;
-        let e = self.encode(
-            prompt,
-            prompt_2.unwrap_or(prompt),
-            images_per_prompt,
-            max_sequence_length,
-            &[],
-            None,
-        )?;
-        Ok((e.embeds, e.pooled))
+        let sets: Vec<(&[String], &[String])> = std::iter::once((prompt, prompt_2.unwrap_or(prompt)))
+            .chain(negative)
+            .collect();
+        self.encode(&sets, images_per_prompt, max_sequence_length)
     }
 
-    /// CLIP then T5 on their prompts. With offload, `after` are the results of the component
-    /// that ran before CLIP and `then` the component that runs after T5 (the transformer when
-    /// `None`).
+    /// CLIP on each set's `prompt`s, then T5 on each set's `prompt_2`s (each encoder entered once
+    /// however many sets there are): each set's embeddings, repeated per image.
     fn encode(
         &self,
-        prompt: &[String],
-        prompt_2: &[String],
+        sets: &[(&[String], &[String])],
         images_per_prompt: usize,
         max_sequence_length: usize,
-        after: &[&Tensor],
-        then: Option<&'static str>,
-    ) -> Result<Encoded> {
+    ) -> Result<Vec<Encoded>> {
         let (models, device) = self.core.loaded()?;
-        let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
-        let clip_ids = self.tokenizer.encode_batch(&texts, 77)?;
-        let ids = Tensor::from_slice(&clip_ids.input_ids, clip_ids.shape(), device)?;
-        let pooled = self
-            .core
-            .run("text_encoder", &models.text_encoder, after, Next::InOrder, |clip| {
-                let out = clip.forward_with_host_ids(&ids, &clip_ids.input_ids, false)?;
-                Ok(out.pooler_output.to_dtype(self.core.dtype())?)
+        let dtype = self.core.dtype();
+        let mut pooled = Vec::with_capacity(sets.len());
+        for (prompt, _) in sets {
+            let ids = self.tokenizer.encode_batch(&texts(prompt), 77)?;
+            let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
+            pooled.push(self.core.run("text_encoder", &models.text_encoder, |clip| {
+                let out = clip.forward_with_host_ids(&t, &ids.input_ids, false)?;
+                Ok(out.pooler_output.to_dtype(dtype)?)
+            })?);
+        }
+        let mut encoded = Vec::with_capacity(sets.len());
+        for ((_, prompt_2), pooled) in sets.iter().zip(pooled) {
+            let ids = self.tokenizer_2.encode_batch(&texts(prompt_2), max_sequence_length)?;
+            let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
+            let embeds = self.core.run("text_encoder_2", &models.text_encoder_2, |t5| {
+                let out = t5.forward_with_host_ids(&t, &ids.input_ids, false)?;
+                Ok(out.last_hidden_state.to_dtype(dtype)?)
             })?;
-        let texts_2: Vec<&str> = prompt_2.iter().map(String::as_str).collect();
-        let t5_ids = self.tokenizer_2.encode_batch(&texts_2, max_sequence_length)?;
-        let ids = Tensor::from_slice(&t5_ids.input_ids, t5_ids.shape(), device)?;
-        let then = then.map_or(Next::InOrder, Next::Then);
-        let embeds = self
-            .core
-            .run("text_encoder_2", &models.text_encoder_2, &[&pooled], then, |t5| {
-                let out = t5.forward_with_host_ids(&ids, &t5_ids.input_ids, false)?;
-                Ok(out.last_hidden_state.to_dtype(self.core.dtype())?)
-            })?;
-        Ok(Encoded {
-            embeds: embeds.repeat_interleave(images_per_prompt, 0)?,
-            pooled: pooled.repeat_interleave(images_per_prompt, 0)?,
-        })
+            encoded.push(Encoded {
+                embeds: embeds.repeat_interleave(images_per_prompt, 0)?,
+                pooled: pooled.repeat_interleave(images_per_prompt, 0)?,
+            });
+        }
+        Ok(encoded)
     }
 
     /// Runs the pipeline (`pipe(prompt=..., ...)`).
@@ -209,53 +225,41 @@ impl FluxPipeline {
             check_same_shape(args.prompt_embeds.as_ref(), args.negative_prompt_embeds.as_ref())?;
         }
 
-        // 3. Text encoding.
+        // 3. Text encoding: given embeddings, else the texts (the negatives' with true CFG).
         let t0 = Instant::now();
-        let encode = |prompt: &Option<Vec<String>>,
-                      prompt_2: &Option<Vec<String>>,
-                      embeds: &Option<Tensor>,
-                      pooled: &Option<Tensor>,
-                      after: &[&Tensor],
-                      then: Option<&'static str>|
-         -> Result<Encoded> {
-            if let (Some(e), Some(p)) = (embeds, pooled) {
-                let given = |t: &Tensor| -> Result<Tensor> {
-                    Ok(t.to_device(device)?.to_dtype(dtype)?.repeat_interleave(n, 0)?)
-                };
-                return Ok(Encoded {
-                    embeds: given(e)?,
-                    pooled: given(p)?,
-                });
+        let given = |e: &Option<Tensor>, p: &Option<Tensor>| -> Result<Option<Encoded>> {
+            let up =
+                |t: &Tensor| -> Result<Tensor> { Ok(t.to_device(device)?.to_dtype(dtype)?.repeat_interleave(n, 0)?) };
+            match (e, p) {
+                (Some(e), Some(p)) => Ok(Some(Encoded {
+                    embeds: up(e)?,
+                    pooled: up(p)?,
+                })),
+                _ => Ok(None),
             }
-            let prompt = prompt.clone().unwrap_or_default();
-            let prompt_2 = prompt_2.clone().unwrap_or_else(|| prompt.clone());
-            self.encode(&prompt, &prompt_2, n, args.max_sequence_length, after, then)
         };
-        // With offload, CLIP comes back after T5 when the negative prompt is encoded next.
-        let negative_encoded = do_true_cfg && args.negative_prompt_embeds.is_none();
-        let positive = encode(
-            &args.prompt,
-            &args.prompt_2,
-            &args.prompt_embeds,
-            &args.pooled_prompt_embeds,
-            &[],
-            negative_encoded.then_some("text_encoder"),
-        )?;
-        let negative = if do_true_cfg {
-            let (negative_prompt, negative_prompt_2) =
-                negative_texts(args.negative_prompt.as_ref(), args.negative_prompt_2.as_ref(), batch);
-            Some(encode(
-                &negative_prompt,
-                &negative_prompt_2,
-                &args.negative_prompt_embeds,
-                &args.negative_pooled_prompt_embeds,
-                &[&positive.embeds],
-                None,
-            )?)
-        } else {
-            None
+        let positive = given(&args.prompt_embeds, &args.pooled_prompt_embeds)?;
+        let negative = match do_true_cfg {
+            true => given(&args.negative_prompt_embeds, &args.negative_pooled_prompt_embeds)?,
+            false => None,
         };
-        positive.embeds.wait()?;
+        let prompt = args.prompt.clone().unwrap_or_default();
+        let prompt_2 = args.prompt_2.clone().unwrap_or_else(|| prompt.clone());
+        let (negative_prompt, negative_prompt_2) =
+            negative_texts(args.negative_prompt.as_ref(), args.negative_prompt_2.as_ref(), batch);
+        let mut sets: Vec<(&[String], &[String])> = Vec::new();
+        if positive.is_none() {
+            sets.push((&prompt, &prompt_2));
+        }
+        if do_true_cfg && negative.is_none() {
+            sets.push((&negative_prompt, &negative_prompt_2));
+        }
+        let mut encoded = self.encode(&sets, n, args.max_sequence_length)?.into_iter();
+        let mut next = || encoded.next().expect("one encoding per set");
+        let positive = positive.unwrap_or_else(&mut next);
+        let negative = do_true_cfg.then(|| negative.unwrap_or_else(&mut next));
+        let last_encoded = negative.as_ref().unwrap_or(&positive);
+        last_encoded.embeds.wait()?;
         let text_encoding = t0.elapsed();
         let text_len = positive.embeds.dims()[1];
 
@@ -301,8 +305,6 @@ impl FluxPipeline {
             )?),
             false => None,
         };
-        let decodes = args.output_type == OutputType::Image;
-        let last_encoded = negative.as_ref().unwrap_or(&positive);
         // What every step reads besides its latents, timestep and dt (a compiled step's arguments).
         let mut call_inputs = Args::new()
             .with("embeds", &positive.embeds)
@@ -316,42 +318,42 @@ impl FluxPipeline {
                 .with("true_cfg_scale", &scalar(args.true_cfg_scale, device)?);
         }
         let variant = if negative.is_some() { "flux.true_cfg" } else { "flux" };
-        let (latents, steps) = denoise(
-            (&scheduler, &timesteps),
+        let denoising = Denoising {
+            scheduler: &scheduler,
+            timesteps: &timesteps,
             latents,
-            (args.progress, &mut args.callback),
-            (&call_inputs, decodes),
-            |_, t, mut inputs, next| {
+            progress: args.progress,
+            callback: &mut args.callback,
+            decodes: args.output_type == OutputType::Image,
+        };
+        let (latents, steps) = self.core.denoise(
+            ("transformer", &models.transformer),
+            denoising,
+            &call_inputs,
+            |_, t, inputs| {
                 inputs.insert("timestep", timestep_tensor(t, total, dtype, device)?);
-                let transformer = ("transformer", &models.transformer);
-                self.core.step(
-                    transformer,
-                    (&[&last_encoded.embeds], next),
-                    variant,
-                    inputs,
-                    |tr, a| {
-                        let rope = a.rope()?;
-                        let predict = |embeds: &str, pooled: &str| {
-                            tr.forward(&FluxTransformerInputs {
-                                hidden_states: a.get("latents")?,
-                                encoder_hidden_states: a.get(embeds)?,
-                                pooled_projections: a.get(pooled)?,
-                                timestep: a.get("timestep")?,
-                                guidance: a.opt("guidance"),
-                                rope: &rope,
-                            })
-                        };
-                        let pos = predict("embeds", "pooled")?;
-                        let noise_pred = match a.opt("true_cfg_scale") {
-                            None => pos,
-                            Some(scale) => {
-                                let neg = predict("negative.embeds", "negative.pooled")?;
-                                neg.add(&mul_scale(&pos.sub(&neg)?, scale)?)?
-                            }
-                        };
-                        euler_step_outputs(a, noise_pred)
-                    },
-                )
+                Ok(variant.to_string())
+            },
+            |tr, a| {
+                let rope = a.rope()?;
+                let predict = |embeds: &str, pooled: &str| {
+                    tr.forward(&FluxTransformerInputs {
+                        hidden_states: a.get("latents")?,
+                        encoder_hidden_states: a.get(embeds)?,
+                        pooled_projections: a.get(pooled)?,
+                        timestep: a.get("timestep")?,
+                        guidance: a.opt("guidance"),
+                        rope: &rope,
+                    })
+                };
+                let pos = predict("embeds", "pooled")?;
+                match a.opt("true_cfg_scale") {
+                    None => Ok(pos),
+                    Some(scale) => {
+                        let neg = predict("negative.embeds", "negative.pooled")?;
+                        Ok(neg.add(&mul_scale(&pos.sub(&neg)?, scale)?)?)
+                    }
+                }
             },
         )?;
 
@@ -376,8 +378,7 @@ impl FluxPipeline {
         // with the shift rounded to the latent dtype first).
         let shift = self.vae_config.shift_factor.unwrap_or(0.0);
         let z = z.div_scalar_f32(self.vae_config.scaling_factor)?.add_scalar(shift)?;
-        self.core
-            .run("vae", &models.vae, &[latents], Next::InOrder, |vae| Ok(vae.decode(&z)?))
+        self.core.run("vae", &models.vae, |vae| Ok(vae.decode(&z)?))
     }
 
     /// diffusers' `check_inputs` (plus the checks `__call__` does early); warnings go to `warnings`.
@@ -392,18 +393,84 @@ impl FluxPipeline {
     }
 }
 
+impl Pipeline for FluxPipeline {
+    fn class(&self) -> &'static PipelineClass {
+        &CLASS
+    }
+
+    fn generate(
+        &mut self,
+        call: GenerateCall<'_>,
+        defaults: &CallDefaults,
+        e: Option<Embeddings>,
+    ) -> Result<PipelineOutput> {
+        let true_cfg_scale = call.true_cfg_scale;
+        let mut c = FluxCall::from_generate(call, defaults, e);
+        c.true_cfg_scale = true_cfg_scale.unwrap_or(c.true_cfg_scale);
+        self.call(c)
+    }
+
+    fn encoding_settings(
+        &self,
+        call: &GenerateCall<'_>,
+        defaults: &CallDefaults,
+        negative_given: bool,
+    ) -> EncodingSettings {
+        let true_cfg = call.true_cfg_scale.unwrap_or(FluxCall::default().true_cfg_scale);
+        EncodingSettings {
+            max_sequence_length: call.max_sequence_length.unwrap_or(defaults.max_sequence_length),
+            negative: true_cfg > 1.0 && negative_given,
+            arguments: Vec::new(),
+        }
+    }
+
+    fn encode_prompt(&mut self, call: &GenerateCall<'_>, settings: &EncodingSettings) -> Result<Embeddings> {
+        let prompt = &call.prompt;
+        let (negative, negative_2) = negative_texts(
+            call.negative_prompt.as_ref(),
+            call.negative_prompt_2.as_ref(),
+            prompt.len(),
+        );
+        let negatives = settings.negative.then_some((&negative[..], &negative_2[..]));
+        let prompt_2 = call.prompt_2.as_deref();
+        let mut e = self
+            .encode_checked(prompt, prompt_2, negatives, 1, settings.max_sequence_length)?
+            .into_iter();
+        let positive = e.next().expect("one encoding per set");
+        let negative = e.next();
+        Ok(Embeddings {
+            prompt_embeds: positive.embeds,
+            pooled_prompt_embeds: Some(positive.pooled),
+            negative_pooled_prompt_embeds: negative.as_ref().map(|n| n.pooled.clone()),
+            negative_prompt_embeds: negative.map(|n| n.embeds),
+        })
+    }
+
+    fn uses_guidance(&self, _: f64) -> bool {
+        self.transformer_config.guidance_embeds
+    }
+
+    fn default_size(&self) -> usize {
+        FluxPipeline::default_size(self)
+    }
+
+    fn vae_scale_factor(&self) -> usize {
+        FluxPipeline::vae_scale_factor(self)
+    }
+}
+
 /// The negative texts true CFG encodes for a batch of `batch` prompts: `negative_prompt` (diffusers
-/// broadcasts one over the batch) and `negative_prompt_2` (default: the former).
-pub(crate) fn negative_texts(
+/// broadcasts one over the batch; none: empty) and `negative_prompt_2` (default: the former).
+fn negative_texts(
     negative_prompt: Option<&Vec<String>>,
     negative_prompt_2: Option<&Vec<String>>,
     batch: usize,
-) -> (Option<Vec<String>>, Option<Vec<String>>) {
-    let negative_prompt = negative_prompt.cloned().map(|neg| match neg.len() {
+) -> (Vec<String>, Vec<String>) {
+    let negative_prompt = negative_prompt.cloned().map_or_else(Vec::new, |neg| match neg.len() {
         1 if batch > 1 => vec![neg[0].clone(); batch],
         _ => neg,
     });
-    let negative_prompt_2 = negative_prompt_2.cloned().or_else(|| negative_prompt.clone());
+    let negative_prompt_2 = negative_prompt_2.cloned().unwrap_or_else(|| negative_prompt.clone());
     (negative_prompt, negative_prompt_2)
 }
 
@@ -422,11 +489,4 @@ pub fn unpack_latents(x: &Tensor, h: usize, w: usize) -> Result<Tensor> {
     Ok(x.reshape([n, h / 2, w / 2, c, 2, 2])?
         .permute(&[0, 3, 1, 4, 2, 5])?
         .reshape([n, c, h, w])?)
-}
-
-/// `t.expand(N).to(dtype) / 1000` as the pipeline passes it (division in f32, then the dtype).
-pub(crate) fn timestep_tensor(t: f32, n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let t_dtype = kiln_types::bytes_to_f32(&kiln_types::f32_to_bytes(&[t], dtype), dtype)[0];
-    let value = t_dtype / 1000.0;
-    Ok(Tensor::from_f32(&vec![value; n], dtype, [n], device)?)
 }

@@ -1,7 +1,7 @@
 //! diffusers' `Flux2KleinPipeline` (FLUX.2 [klein], distilled and base) text-to-image: the Qwen3
 //! text encoder's hidden states 9, 18 and 27 stacked per token, FLUX.2 [dev]'s transformer
 //! without the guidance embedder and FLUX.2's VAE — every stage but the text encoder and the
-//! guidance is FLUX.2 [dev]'s ([`crate::flux2::Flux2Base`]).
+//! guidance is FLUX.2 [dev]'s ([`crate::flux2_base::Flux2Base`]).
 //!
 //! `is_distilled` (from `model_index.json`, default false as diffusers' constructor has it):
 //! a distilled model never runs classifier-free guidance, and a `guidance_scale` above 1 is
@@ -15,11 +15,23 @@ use kiln_tokenizers::Qwen3Tokenizer;
 
 use crate::call::{pipeline_call, PipelineOutput};
 use crate::error::Result;
-use crate::flux2::{
-    flux2_shared_methods, Flux2Base, Flux2Call, Flux2Components, Flux2Guidance, Flux2Tokenizer, TextSide,
+use crate::flux2_base::{
+    cfg_negative_prompts, flux2_pipeline_methods, flux2_shared_methods, Flux2Base, Flux2Call, Flux2Components,
+    Flux2Guidance, Flux2Tokenizer, TextSide,
 };
 use crate::loading::LoadOptions;
 use crate::pipeline::{pipeline_parts, PipelineParts};
+use crate::seam::{Pipeline, PipelineClass};
+
+/// `Flux2KleinPipeline` in the registry: FLUX.2 [dev]'s arguments (CFG uses the empty prompt).
+pub static CLASS: PipelineClass =
+    PipelineClass::new("Flux2KleinPipeline", Flux2KleinCall::call_defaults, |model, options| {
+        Ok(Box::new(Flux2KleinPipeline::from_pretrained(model, options)?))
+    })
+    .takes(
+        &["text_encoder_out_layers"],
+        &["prompt_2", "negative_prompt", "negative_prompt_2"],
+    );
 
 pipeline_call! {
     /// The arguments of a `Flux2KleinPipeline` call, with diffusers' defaults (50 steps, guidance
@@ -111,6 +123,18 @@ impl Flux2KleinPipeline {
         let args = Flux2Call::from(args);
         self.base.generate(args, guidance, NOT_ARGUMENTS, warnings)
     }
+}
+
+impl Pipeline for Flux2KleinPipeline {
+    fn class(&self) -> &'static PipelineClass {
+        &CLASS
+    }
+
+    fn uses_guidance(&self, scale: f64) -> bool {
+        self.does_cfg(scale)
+    }
+
+    flux2_pipeline_methods!(Flux2KleinCall);
 }
 
 /// A float as Python's `str` writes it in diffusers' messages (`4.0`, `2.5`).

@@ -110,17 +110,6 @@ impl ModelFolder {
     }
 }
 
-/// Bytes a checkpoint's floating-point tensors take in `dtype`: about what loading it puts on a
-/// device (a model may leave a tensor unused or add a small table of its own).
-pub(crate) fn checkpoint_bytes(checkpoint: &Checkpoint, dtype: DType) -> u64 {
-    checkpoint
-        .names()
-        .filter_map(|n| checkpoint.info(n))
-        .filter(|info| info.dtype.to_dtype().is_some_and(|d| d.is_float()))
-        .map(|info| info.shape.numel() as u64 * dtype.size_in_bytes() as u64)
-        .sum()
-}
-
 /// The initial noise `[N, C, h, w]` on `device`: diffusers' `randn_tensor` with one
 /// `torch.Generator('cpu')` seeded `seed`, or one generator per image when `seeds` is given.
 pub(crate) fn initial_noise(

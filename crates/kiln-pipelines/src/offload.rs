@@ -275,6 +275,8 @@ pub(crate) struct Offloader {
     /// Streams of the components whose blocks stream, and the storage keys of their host weights.
     streams: HashMap<&'static str, (BlockStream, HashSet<usize>)>,
     prefetcher: Mutex<Prefetcher<&'static str>>,
+    /// The component entered last and the results it gave since: awaited before its weights leave.
+    results: Mutex<(Option<&'static str>, Vec<Tensor>)>,
 }
 
 impl Offloader {
@@ -289,6 +291,7 @@ impl Offloader {
                 })
                 .collect(),
             prefetcher: Mutex::new(Prefetcher::new(Order::ReleaseFirst, log)),
+            results: Mutex::new((None, Vec::new())),
         }
     }
 
@@ -297,24 +300,30 @@ impl Offloader {
     }
 
     /// `model` (the pipeline's host copy of `component`) ready to run: a copy with its weights on
-    /// the device. `after` are the previous component's results: they are awaited before that
-    /// component's weights leave, so that this component's transfer (unless it is already on its
-    /// way) never shares the device with them. `next` is the component that runs after this one
-    /// (`None` when it is this one again, or nothing): its transfer starts now if both fit in the
-    /// room.
+    /// the device. The previous component's results ([`Offloader::produced`]) are awaited before
+    /// its weights leave, so that this component's transfer (unless it is already on its way)
+    /// never shares the device with them. `next` is the component that runs after this one (`None`
+    /// when it is this one again, or nothing): its transfer starts now if both fit in the room.
     pub fn enter<'m, M: Module + Clone>(
         &self,
         component: &'static str,
         model: &'m M,
-        after: &[&Tensor],
         next: Option<(&'static str, &dyn Module)>,
     ) -> Result<Cow<'m, M>> {
+        let after = {
+            let mut results = self.results();
+            match results.0 {
+                Some(c) if c == component => Vec::new(),
+                _ => std::mem::replace(&mut *results, (Some(component), Vec::new())).1,
+            }
+        };
+        let after: Vec<&Tensor> = after.iter().collect();
         let mut prefetcher = self.prefetcher();
         let mut mover = Components {
             streams: &self.streams,
             models: [Some((component, model as &dyn Module)), next],
         };
-        let weights = prefetcher.enter(component, after, &mut mover)?;
+        let weights = prefetcher.enter(component, &after, &mut mover)?;
         if let Some((name, _)) = next {
             if self.plan.need_of(component) + self.plan.need_of(name) <= self.plan.room() {
                 prefetcher.prefetch(name, &mut mover)?;
@@ -324,8 +333,21 @@ impl Offloader {
         Ok(Cow::Owned(with_weights(model, weights)?))
     }
 
+    /// `results` of a run of `component` (entered last).
+    pub fn produced(&self, component: &'static str, results: Vec<Tensor>) {
+        let mut held = self.results();
+        if held.0 == Some(component) {
+            held.1.extend(results);
+        }
+    }
+
+    fn results(&self) -> MutexGuard<'_, (Option<&'static str>, Vec<Tensor>)> {
+        self.results.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Releases every weight on the device (the end of a call).
     pub fn finish(&self) {
+        *self.results() = (None, Vec::new());
         let mut mover = Components {
             streams: &self.streams,
             models: [None, None],

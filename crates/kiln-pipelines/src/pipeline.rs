@@ -3,16 +3,17 @@
 //! component's run with its prefetch and out-of-memory naming ([`PipelineCore::run`]). The
 //! arguments, checks, denoising loop and output every call shares are in [`crate::call`].
 
-use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kiln_io::Checkpoint;
 use kiln_nn::{Args, CompileMode, Compiled, Model, Module, OffloadLog, OffloadMode, RunConfig, Weights};
+use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 
+use crate::call::{euler_step_outputs, StepCallback, StepState};
 use crate::error::{invalid, PipelineError, Result};
-use crate::loading::checkpoint_bytes;
 use crate::offload::{
     free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadPlan, Offloader, Placing,
 };
@@ -26,6 +27,19 @@ pub trait Components {
     fn find(&self, name: &str) -> Option<&dyn Module>;
     /// The names of the components present, in run order.
     fn names(&self) -> Vec<&'static str>;
+}
+
+/// A pipeline without models of its own (one that draws without weights, as a test's).
+impl Components for () {
+    fn each(&mut self, _: &mut dyn FnMut(&'static str, &mut dyn Model) -> Result<()>) -> Result<()> {
+        Ok(())
+    }
+    fn find(&self, _: &str) -> Option<&dyn Module> {
+        None
+    }
+    fn names(&self) -> Vec<&'static str> {
+        Vec::new()
+    }
 }
 
 /// Implements [`Components`] for a struct whose fields, in run order, are the components named
@@ -63,15 +77,50 @@ macro_rules! components {
 }
 pub(crate) use components;
 
-/// The component that runs after the one a pipeline enters, so that offload can bring it early.
+/// The component that runs after the one entered, so that offload can bring it early.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Next {
+enum Next {
     /// The next one in the components' run order (none after the last).
     InOrder,
-    /// Another one (a pipeline that goes back, e.g. to CLIP for the negative prompt).
-    Then(&'static str),
-    /// This one again (e.g. the transformer before the last step).
+    /// This one again (the denoiser before the last step).
     Same,
+}
+
+/// What a component's run gives back: with offload, its tensors are awaited before the
+/// component's weights leave the device (so that nothing still reads them).
+pub(crate) trait Results {
+    fn tensors(&self) -> Vec<Tensor>;
+}
+
+impl Results for Tensor {
+    fn tensors(&self) -> Vec<Tensor> {
+        vec![self.clone()]
+    }
+}
+
+impl<A: Results, B: Results> Results for (A, B) {
+    fn tensors(&self) -> Vec<Tensor> {
+        let mut all = self.0.tensors();
+        all.extend(self.1.tensors());
+        all
+    }
+}
+
+impl Results for Args {
+    fn tensors(&self) -> Vec<Tensor> {
+        Args::tensors(self).cloned().collect()
+    }
+}
+
+/// The loop of a denoising call: the schedule, the starting latents, the progress and callback,
+/// and whether the latents are decoded afterwards.
+pub(crate) struct Denoising<'s, 'c, 'a> {
+    pub scheduler: &'s FlowMatchEulerDiscreteScheduler,
+    pub timesteps: &'s [f32],
+    pub latents: Tensor,
+    pub progress: bool,
+    pub callback: &'c mut Option<Box<StepCallback<'a>>>,
+    pub decodes: bool,
 }
 
 /// What [`PipelineCore::start_call`] gives a generation call; `finish` is held until the call ends.
@@ -101,7 +150,9 @@ pub struct PipelineCore<C> {
 }
 
 impl<C: Components> PipelineCore<C> {
-    pub(crate) fn new(root: PathBuf, dtype: DType, checkpoints: Vec<(&'static str, Arc<Checkpoint>)>) -> Self {
+    /// The core of a pipeline of folder `root` in `dtype` over its components' `checkpoints` (in
+    /// run order), not loaded yet.
+    pub fn new(root: PathBuf, dtype: DType, checkpoints: Vec<(&'static str, Arc<Checkpoint>)>) -> Self {
         PipelineCore {
             root,
             dtype,
@@ -180,64 +231,109 @@ impl<C: Components> PipelineCore<C> {
         })
     }
 
-    /// Runs `f` on component `name` (`model`): with offload, its weights reach the device first
-    /// (after the previous component's results `after` are awaited, so that its weights may
-    /// leave), and the transfer of the component that runs `next` starts while `f` runs. Running
-    /// out of device memory names the component.
-    pub(crate) fn run<M: Module + Clone, T>(
+    /// Runs `f` on component `name` (`model`). With offload, the hook around it: the component's
+    /// weights reach the device first (the previous component's results are awaited before its
+    /// weights leave), and the transfer of the component after it in run order starts while `f`
+    /// runs. Running out of device memory names the component.
+    pub(crate) fn run<M: Module + Clone, T: Results>(
         &self,
         name: &'static str,
         model: &M,
-        after: &[&Tensor],
+        f: impl FnOnce(&M) -> Result<T>,
+    ) -> Result<T> {
+        self.run_then(name, model, Next::InOrder, f)
+    }
+
+    fn run_then<M: Module + Clone, T: Results>(
+        &self,
+        name: &'static str,
+        model: &M,
         next: Next,
         f: impl FnOnce(&M) -> Result<T>,
     ) -> Result<T> {
-        let model = match (&self.offloader, &self.components) {
-            (Some(o), Some(components)) => {
-                let next = match next {
-                    Next::InOrder => {
-                        let names = components.names();
-                        names.iter().skip_while(|n| **n != name).nth(1).copied()
-                    }
-                    Next::Then(n) => Some(n),
-                    Next::Same => None,
-                };
-                let next = next.and_then(|n| Some((n, components.find(n)?)));
-                o.enter(name, model, after, next).map_err(|e| self.oom(name, e))?
-            }
-            _ => Cow::Borrowed(model),
+        let (Some(offloader), Some(components)) = (&self.offloader, &self.components) else {
+            return f(model).map_err(|e| self.oom(name, e));
         };
-        f(&model).map_err(|e| self.oom(name, e))
+        let next = match next {
+            Next::InOrder => components.names().into_iter().skip_while(|n| *n != name).nth(1),
+            Next::Same => None,
+        };
+        let next = next.and_then(|n| Some((n, components.find(n)?)));
+        let entered = offloader.enter(name, model, next).map_err(|e| self.oom(name, e))?;
+        let results = f(&entered).map_err(|e| self.oom(name, e))?;
+        offloader.produced(name, results.tensors());
+        Ok(results)
     }
 
-    /// One denoising step, `step(model, inputs)`, on the denoiser `name` (`model`) as
-    /// [`Self::run`] runs it. When the model is compiled whole ([`CompileMode::Full`]), the step —
-    /// every model call of the guidance, the guidance and the scheduler step — is one program,
-    /// `variant` (one per variant and input signature; the model's weights are its arguments).
-    /// `variant` must name everything besides the inputs' shapes that changes what the step does
-    /// (skipped layers, ...), and `step` must read tensors only from the model and `inputs`: a
-    /// tensor it captured would be frozen into the program, so a capture is an error.
-    pub(crate) fn step<M: Model + Clone>(
+    /// The denoising loop on the denoiser `name` (`model`): at each timestep `prepare(i, t,
+    /// inputs)` adds the step's own inputs to `inputs` — `constants` (what every step reads:
+    /// embeddings, guidance scales, ...), `latents` and `dt` (an f32 scalar) — and names the step's
+    /// variant; `predict(model, inputs)` is the guided prediction, after which the scheduler's
+    /// Euler step gives the next latents. Then the step callback, timing and progress. Returns the
+    /// final latents and each step's time (each step waits for its latents).
+    ///
+    /// When the model is compiled whole ([`CompileMode::Full`]), each step — every model call of
+    /// the guidance, the guidance and the Euler step — is one program per variant and input
+    /// signature (the model's weights are its arguments). The variant must name everything besides
+    /// the inputs' shapes that changes what the step does (skipped layers, ...), and `predict` must
+    /// read tensors only from the model and the inputs: a captured tensor would be frozen into the
+    /// program, so a capture is an error.
+    pub(crate) fn denoise<M: Model + Clone>(
         &self,
         (name, model): (&'static str, &M),
-        (after, next): (&[&Tensor], Next),
-        variant: &str,
-        inputs: Args,
-        step: impl FnOnce(&M, &Args) -> kiln_nn::Result<Args>,
-    ) -> Result<Args> {
-        self.run(name, model, after, next, |m| {
-            if m.compile_mode() != CompileMode::Full {
-                return Ok(step(m, &inputs)?);
+        run: Denoising<'_, '_, '_>,
+        constants: &Args,
+        mut prepare: impl FnMut(usize, f32, &mut Args) -> Result<String>,
+        predict: impl Fn(&M, &Args) -> kiln_nn::Result<Tensor>,
+    ) -> Result<(Tensor, Vec<Duration>)> {
+        let steps = run.timesteps.len();
+        let mut bar = crate::progress::step_bar(steps, run.progress);
+        let mut step_times = Vec::with_capacity(steps);
+        let mut latents = run.latents;
+        for (i, &t) in run.timesteps.iter().enumerate() {
+            let started = Instant::now();
+            let dt = Tensor::from_f32(&[run.scheduler.dt(i)?], DType::F32, [], latents.device())?;
+            let mut inputs = constants.clone().with("latents", &latents).with("dt", &dt);
+            let variant = prepare(i, t, &mut inputs)?;
+            // The decoder's transfer may start during the last step.
+            let next = if i + 1 == steps && run.decodes {
+                Next::InOrder
+            } else {
+                Next::Same
+            };
+            let step = |m: &M, a: &Args| euler_step_outputs(a, predict(m, a)?);
+            let mut out = self.run_then(name, model, next, |m| {
+                if m.compile_mode() != CompileMode::Full {
+                    return Ok(step(m, &inputs)?);
+                }
+                let out = self.steps.call(&variant, m, inputs, step)?;
+                match self.steps.captured() {
+                    0 => Ok(out),
+                    n => Err(invalid(format!(
+                        "internal error: the compiled denoising step `{variant}` read {n} tensors that are not its \
+                         arguments (they would be frozen into the program); use CompileMode::RepeatedBlocks and report this"
+                    ))),
+                }
+            })?;
+            let noise_pred = out.take("noise_pred")?;
+            latents = out.take("latents")?;
+            if let Some(cb) = run.callback.as_mut() {
+                let mut state = StepState {
+                    step: i,
+                    timestep: t,
+                    noise_pred: &noise_pred,
+                    latents: &mut latents,
+                };
+                if !cb(&mut state) {
+                    return Err(PipelineError::Interrupted { step: i });
+                }
             }
-            let out = self.steps.call(variant, m, inputs, step)?;
-            match self.steps.captured() {
-                0 => Ok(out),
-                n => Err(invalid(format!(
-                    "internal error: the compiled denoising step `{variant}` read {n} tensors that are not its \
-                     arguments (they would be frozen into the program); use --compile blocks and report this"
-                ))),
-            }
-        })
+            latents.wait()?;
+            step_times.push(started.elapsed());
+            bar.inc();
+        }
+        bar.finish();
+        Ok((latents, step_times))
     }
 
     /// `e` from `component`'s work, naming it when the device ran out of memory.
@@ -262,6 +358,17 @@ impl<C: Components> PipelineCore<C> {
             });
         }
     }
+}
+
+/// Bytes a checkpoint's floating-point tensors take in `dtype`: about what loading it puts on a
+/// device (a model may leave a tensor unused or add a small table of its own).
+fn checkpoint_bytes(checkpoint: &Checkpoint, dtype: DType) -> u64 {
+    checkpoint
+        .names()
+        .filter_map(|n| checkpoint.info(n))
+        .filter(|info| info.dtype.to_dtype().is_some_and(|d| d.is_float()))
+        .map(|info| info.shape.numel() as u64 * dtype.size_in_bytes() as u64)
+        .sum()
 }
 
 /// Implements [`PipelineParts`] for a pipeline whose `core` field is its [`PipelineCore`] and whose

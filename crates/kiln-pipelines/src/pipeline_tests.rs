@@ -4,7 +4,7 @@
 use kiln_nn::{impl_model, impl_module, Args, Compiled, OffloadEvent};
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 
-use super::{DiffusionPipeline, Next, PipelineCore, PipelineParts};
+use super::{DiffusionPipeline, PipelineCore, PipelineParts};
 use crate::{OffloadMode, Result};
 
 /// A square weight applied as `tanh(x·W)`.
@@ -65,23 +65,17 @@ impl ThreeStepPipeline {
         })
     }
 
-    /// encoder → (narrowed) denoiser twice → decoder, each entered with `Next::InOrder` or `Same`.
+    /// encoder → (narrowed) denoiser twice → decoder; no line of it moves a weight.
     fn call(&mut self, x: &Tensor) -> Result<Tensor> {
         self.ensure_loaded()?;
         let (parts, _) = self.core.loaded()?;
         let _finish = self.core.begin_call()?;
-        let h = self
-            .core
-            .run("encoder", &parts.encoder, &[], Next::InOrder, |m| m.forward(x))?;
+        let h = self.core.run("encoder", &parts.encoder, |m| m.forward(x))?;
         let mut h = h.narrow(1, 0, NARROW)?;
-        for step in 0..2 {
-            let next = if step == 1 { Next::InOrder } else { Next::Same };
-            h = self
-                .core
-                .run("denoiser", &parts.denoiser, &[&h], next, |m| m.forward(&h))?;
+        for _ in 0..2 {
+            h = self.core.run("denoiser", &parts.denoiser, |m| m.forward(&h))?;
         }
-        self.core
-            .run("decoder", &parts.decoder, &[&h], Next::InOrder, |m| m.forward(&h))
+        self.core.run("decoder", &parts.decoder, |m| m.forward(&h))
     }
 }
 

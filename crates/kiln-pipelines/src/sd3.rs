@@ -12,13 +12,15 @@ use kiln_schedulers::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSch
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 
+use crate::arguments::GenerateCall;
 use crate::call::{
-    check_same_shape, denoise, euler_step_outputs, finish_call, mul_scale, pipeline_call, scalar, shown, Encoded,
-    OutputType, PipelineOutput,
+    check_same_shape, finish_call, mul_scale, pipeline_call, scalar, shown, Encoded, OutputType, PipelineOutput,
 };
+use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
 use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, CallStart, Next, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, CallStart, Denoising, PipelineCore, PipelineParts};
+use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
 const CLIP_MAX_LENGTH: usize = 77;
 
@@ -61,6 +63,29 @@ pub struct StableDiffusion3Embeddings {
     pub negative_prompt_embeds: Option<Tensor>,
     pub negative_pooled_prompt_embeds: Option<Tensor>,
 }
+
+/// `StableDiffusion3Pipeline` in the registry.
+pub static CLASS: PipelineClass = PipelineClass::new(
+    "StableDiffusion3Pipeline",
+    StableDiffusion3Call::call_defaults,
+    |model, options| Ok(Box::new(StableDiffusion3Pipeline::from_pretrained(model, options)?)),
+)
+.takes(
+    &[
+        "prompt_3",
+        "negative_prompt_3",
+        "skip_guidance_layers",
+        "skip_layer_guidance_scale",
+        "skip_layer_guidance_start",
+        "skip_layer_guidance_stop",
+        "clip_skip",
+    ],
+    &[],
+)
+.encodes(
+    &["prompt", "prompt_2", "prompt_3"],
+    &["negative_prompt", "negative_prompt_2", "negative_prompt_3"],
+);
 
 /// The models, once loaded on a device, in the order a call runs them.
 pub struct StableDiffusion3Components {
@@ -203,75 +228,43 @@ impl StableDiffusion3Pipeline {
     fn encode_with(&self, call: &StableDiffusion3Call<'_>) -> Result<StableDiffusion3Embeddings> {
         let (_, device) = self.core.loaded()?;
         let (batch, dtype) = (call.batch(), self.core.dtype());
+        let cfg = call.do_classifier_free_guidance();
         // diffusers uses given embeddings as they are (no repetition per image).
         let given = |e: &Option<Tensor>, pooled: &Option<Tensor>| -> Result<Option<(Tensor, Tensor)>> {
             let (Some(e), Some(p)) = (e, pooled) else {
                 return Ok(None);
             };
-            Ok(Some((
-                e.to_device(device)?.to_dtype(dtype)?,
-                p.to_device(device)?.to_dtype(dtype)?,
-            )))
+            let up = |t: &Tensor| -> Result<Tensor> { Ok(t.to_device(device)?.to_dtype(dtype)?) };
+            Ok(Some((up(e)?, up(p)?)))
         };
-        let text =
-            |prompts, clip_skip, after: &[&Tensor], then| self.encode_texts(prompts, call, clip_skip, after, then);
-        let (prompt_embeds, pooled_prompt_embeds) =
-            match (given(&call.prompt_embeds, &call.pooled_prompt_embeds)?, &call.prompt) {
-                (Some(given), _) => given,
-                (None, None) => return Err(invalid("Provide either `prompt` or `prompt_embeds`.")),
-                (None, Some(prompt)) => {
-                    // With offload, CLIP-L comes back after T5 when the negative prompts are encoded next.
-                    let then = match call.do_classifier_free_guidance() && call.negative_prompt_embeds.is_none() {
-                        true => "text_encoder",
-                        false => "transformer",
-                    };
-                    let prompt_2 = call.prompt_2.as_ref().unwrap_or(prompt);
-                    text(
-                        [prompt, prompt_2, call.prompt_3.as_ref().unwrap_or(prompt)],
-                        call.clip_skip,
-                        &[],
-                        then,
-                    )?
-                }
+        let positive = given(&call.prompt_embeds, &call.pooled_prompt_embeds)?;
+        let negative = match cfg {
+            true => given(&call.negative_prompt_embeds, &call.negative_pooled_prompt_embeds)?,
+            false => None,
+        };
+        let mut sets: Vec<([&Vec<String>; 3], Option<usize>)> = Vec::new();
+        if positive.is_none() {
+            let Some(prompt) = &call.prompt else {
+                return Err(invalid("Provide either `prompt` or `prompt_embeds`."));
             };
-        let negative = match given(&call.negative_prompt_embeds, &call.negative_pooled_prompt_embeds)? {
-            _ if !call.do_classifier_free_guidance() => None,
-            Some(given) => Some(given),
-            None => {
-                // diffusers: `negative_prompt or ""`, the _2/_3 variants default to it; one string
-                // stands for the whole batch.
-                let broadcast = |v: Vec<String>| if v.len() == 1 { vec![v[0].clone(); batch] } else { v };
-                let negative = broadcast(call.negative_prompt.clone().unwrap_or_else(|| vec![String::new()]));
-                let or_negative = |v: &Option<Vec<String>>| v.clone().map_or_else(|| negative.clone(), broadcast);
-                let (negative_2, negative_3) = (
-                    or_negative(&call.negative_prompt_2),
-                    or_negative(&call.negative_prompt_3),
-                );
-                if negative.len() != batch {
-                    return Err(invalid(format!(
-                        "`negative_prompt`: {negative:?} has batch size {}, but `prompt`: {:?} has batch size {batch}. Please make sure that passed `negative_prompt` matches the batch size of `prompt`.",
-                        negative.len(),
-                        call.prompt.as_deref().unwrap_or_default()
-                    )));
-                }
-                for (name, v) in [("negative_prompt_2", &negative_2), ("negative_prompt_3", &negative_3)] {
-                    if v.len() != batch {
-                        return Err(invalid(format!(
-                            "`{name}` has {} entries but there are {batch} prompts: give one, or one per prompt",
-                            v.len()
-                        )));
-                    }
-                }
-                // diffusers quirk: negative prompts always use the penultimate CLIP layer (clip_skip ignored).
-                Some(text(
-                    [&negative, &negative_2, &negative_3],
-                    None,
-                    &[&prompt_embeds],
-                    "transformer",
-                )?)
-            }
-        };
-        let (negative_prompt_embeds, negative_pooled_prompt_embeds) = negative.unzip();
+            let (prompt_2, prompt_3) = (call.prompt_2.as_ref(), call.prompt_3.as_ref());
+            sets.push((
+                [prompt, prompt_2.unwrap_or(prompt), prompt_3.unwrap_or(prompt)],
+                call.clip_skip,
+            ));
+        }
+        let negatives = (cfg && negative.is_none())
+            .then(|| negative_texts(call, batch))
+            .transpose()?;
+        if let Some([negative, negative_2, negative_3]) = &negatives {
+            // diffusers quirk: negative prompts always use the penultimate CLIP layer (clip_skip ignored).
+            sets.push(([negative, negative_2, negative_3], None));
+        }
+        let mut encoded = self.encode_texts(&sets, call)?.into_iter();
+        let mut next = || encoded.next().expect("one encoding per set");
+        let (prompt_embeds, pooled_prompt_embeds) = positive.unwrap_or_else(&mut next);
+        let (negative_prompt_embeds, negative_pooled_prompt_embeds) =
+            cfg.then(|| negative.unwrap_or_else(&mut next)).unzip();
         Ok(StableDiffusion3Embeddings {
             prompt_embeds,
             pooled_prompt_embeds,
@@ -280,64 +273,62 @@ impl StableDiffusion3Pipeline {
         })
     }
 
-    /// CLIP-L, CLIP-G and T5 on their prompts, assembled into `(prompt_embeds, pooled)` and
-    /// repeated per image. With offload, `after` are the results of the component that ran before
-    /// CLIP-L and `then` the component that runs after T5.
+    /// CLIP-L, CLIP-G and T5 on each set's prompts (each encoder entered once however many sets
+    /// there are, with the set's `clip_skip`), assembled into `(prompt_embeds, pooled)` and
+    /// repeated per image.
     fn encode_texts(
         &self,
-        [prompt, prompt_2, prompt_3]: [&Vec<String>; 3],
+        sets: &[([&Vec<String>; 3], Option<usize>)],
         call: &StableDiffusion3Call<'_>,
-        clip_skip: Option<usize>,
-        after: &[&Tensor],
-        then: &'static str,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<Vec<(Tensor, Tensor)>> {
         let (models, device) = self.core.loaded()?;
         let (n, max_sequence_length) = (call.num_images_per_prompt, call.max_sequence_length);
-        for (name, v) in [("prompt_2", prompt_2), ("prompt_3", prompt_3)] {
-            if v.len() != prompt.len() {
-                return Err(invalid(format!(
-                    "`{name}` has {} entries but `prompt` has {}: give one per prompt",
-                    v.len(),
-                    prompt.len()
-                )));
+        for ([prompt, prompt_2, prompt_3], _) in sets {
+            for (name, v) in [("prompt_2", prompt_2), ("prompt_3", prompt_3)] {
+                if v.len() != prompt.len() {
+                    return Err(invalid(format!(
+                        "`{name}` has {} entries but `prompt` has {}: give one per prompt",
+                        v.len(),
+                        prompt.len()
+                    )));
+                }
             }
         }
-        let clip_l = self.clip_states("text_encoder", prompt, clip_skip, after, "text_encoder_2")?;
-        let after_g = models.text_encoder_3.as_ref().map_or(then, |_| "text_encoder_3");
-        let clip_g = self.clip_states("text_encoder_2", prompt_2, clip_skip, &[&clip_l.embeds], after_g)?;
-        let joint = self.transformer_config.joint_attention_dim;
-        let t5 = match (&models.text_encoder_3, &self.tokenizer_3) {
-            (Some(model), Some(tokenizer)) => {
-                let texts: Vec<&str> = prompt_3.iter().map(String::as_str).collect();
-                let ids = tokenizer.encode_batch(&texts, max_sequence_length)?;
-                let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
-                self.core
-                    .run("text_encoder_3", model, &[&clip_g.embeds], Next::Then(then), |t5| {
-                        Ok(t5.forward_with_host_ids(&t, &ids.input_ids, false)?.last_hidden_state)
-                    })?
-                    .to_dtype(self.core.dtype())?
-            }
-            // No T5: zeros of the sequence length still take positions 77.. (diffusers).
-            _ => Tensor::zeros([prompt_3.len(), max_sequence_length, joint], self.core.dtype(), device)?,
+        let clip = |component, k: usize| -> Result<Vec<Encoded>> {
+            sets.iter()
+                .map(|(prompts, clip_skip)| self.clip_states(component, prompts[k], *clip_skip))
+                .collect()
         };
-        let clip = Tensor::cat(&[&clip_l.embeds, &clip_g.embeds], -1)?;
-        let clip_width = clip.dims()[2];
-        let clip = clip.pad(&[(0, 0), (0, 0), (0, joint - clip_width)], 0.0)?;
-        let embeds = Tensor::cat(&[&clip, &t5], 1)?;
-        let pooled = Tensor::cat(&[&clip_l.pooled, &clip_g.pooled], -1)?;
-        Ok((embeds.repeat_interleave(n, 0)?, pooled.repeat_interleave(n, 0)?))
+        let (clip_l, clip_g) = (clip("text_encoder", 0)?, clip("text_encoder_2", 1)?);
+        let joint = self.transformer_config.joint_attention_dim;
+        let mut out = Vec::with_capacity(sets.len());
+        for ((([_, _, prompt_3], _), l), g) in sets.iter().zip(clip_l).zip(clip_g) {
+            let t5 = match (&models.text_encoder_3, &self.tokenizer_3) {
+                (Some(model), Some(tokenizer)) => {
+                    let texts: Vec<&str> = prompt_3.iter().map(String::as_str).collect();
+                    let ids = tokenizer.encode_batch(&texts, max_sequence_length)?;
+                    let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
+                    self.core.run("text_encoder_3", model, |t5| {
+                        let states = t5.forward_with_host_ids(&t, &ids.input_ids, false)?.last_hidden_state;
+                        Ok(states.to_dtype(self.core.dtype())?)
+                    })?
+                }
+                // No T5: zeros of the sequence length still take positions 77.. (diffusers).
+                _ => Tensor::zeros([prompt_3.len(), max_sequence_length, joint], self.core.dtype(), device)?,
+            };
+            let clip = Tensor::cat(&[&l.embeds, &g.embeds], -1)?;
+            let clip_width = clip.dims()[2];
+            let clip = clip.pad(&[(0, 0), (0, 0), (0, joint - clip_width)], 0.0)?;
+            let embeds = Tensor::cat(&[&clip, &t5], 1)?;
+            let pooled = Tensor::cat(&[&l.pooled, &g.pooled], -1)?;
+            out.push((embeds.repeat_interleave(n, 0)?, pooled.repeat_interleave(n, 0)?));
+        }
+        Ok(out)
     }
 
     /// One CLIP branch: `hidden_states[-(clip_skip + 2)]` (the penultimate layer by default, no
     /// final LayerNorm) and the projected pooled output.
-    fn clip_states(
-        &self,
-        component: &'static str,
-        prompt: &[String],
-        clip_skip: Option<usize>,
-        after: &[&Tensor],
-        next: &'static str,
-    ) -> Result<Encoded> {
+    fn clip_states(&self, component: &'static str, prompt: &[String], clip_skip: Option<usize>) -> Result<Encoded> {
         let (models, device) = self.core.loaded()?;
         let (model, tokenizer) = match component {
             "text_encoder" => (&models.text_encoder, &self.tokenizer),
@@ -346,29 +337,27 @@ impl StableDiffusion3Pipeline {
         let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
         let ids = tokenizer.encode_batch(&texts, CLIP_MAX_LENGTH)?;
         let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
-        let mut out = self.core.run(component, model, after, Next::Then(next), |clip| {
-            Ok(clip.forward_with_host_ids(&t, &ids.input_ids, true)?)
-        })?;
-        let back = clip_skip.unwrap_or(0).saturating_add(2);
-        let layers = out.hidden_states.len() - 1;
-        if back > out.hidden_states.len() {
-            return Err(invalid(format!(
-                "`clip_skip` {} is too large: {component} has {layers} layers, so at most {} can be skipped",
-                clip_skip.unwrap_or(0),
-                layers.saturating_sub(1)
-            )));
-        }
-        let embeds = out.hidden_states.swap_remove(out.hidden_states.len() - back);
-        let pooled = out.text_embeds.ok_or_else(|| {
-            invalid(format!(
-                "{component}: CLIPTextModelWithProjection has no text_projection"
-            ))
-        })?;
-        Ok(Encoded {
+        let (embeds, pooled) = self.core.run(component, model, |clip| {
+            let mut out = clip.forward_with_host_ids(&t, &ids.input_ids, true)?;
+            let back = clip_skip.unwrap_or(0).saturating_add(2);
+            let layers = out.hidden_states.len() - 1;
+            if back > out.hidden_states.len() {
+                return Err(invalid(format!(
+                    "`clip_skip` {} is too large: {component} has {layers} layers, so at most {} can be skipped",
+                    clip_skip.unwrap_or(0),
+                    layers.saturating_sub(1)
+                )));
+            }
+            let embeds = out.hidden_states.swap_remove(out.hidden_states.len() - back);
+            let pooled = out.text_embeds.ok_or_else(|| {
+                invalid(format!(
+                    "{component}: CLIPTextModelWithProjection has no text_projection"
+                ))
+            })?;
             // diffusers casts both CLIP branches to text_encoder's dtype (the pipeline's dtype here).
-            embeds: embeds.to_dtype(self.core.dtype())?,
-            pooled,
-        })
+            Ok((embeds.to_dtype(self.core.dtype())?, pooled))
+        })?;
+        Ok(Encoded { embeds, pooled })
     }
 
     /// Runs the pipeline (`pipe(prompt=..., ...)`).
@@ -453,75 +442,78 @@ impl StableDiffusion3Pipeline {
 
         // 6. Denoising loop: CFG `uncond + g·(text − uncond)`, plus skip-layer guidance
         // `+ slg·(text − skipped)` inside its window.
-        let decodes = args.output_type == OutputType::Image;
         let skip_layers = args.skip_guidance_layers.clone().unwrap_or_default();
         let rows = latents.dims()[0];
         let mut call_inputs = Args::new().with("embeds", &embeds).with("pooled", &pooled);
         if do_cfg {
             call_inputs.insert("guidance_scale", scalar(args.guidance_scale, device)?);
         }
-        let (latents, steps) = denoise(
-            (&scheduler, &timesteps),
+        let (slg, window) = (
+            args.skip_layer_guidance_scale,
+            (args.skip_layer_guidance_start, args.skip_layer_guidance_stop),
+        );
+        let skips = do_cfg && args.skip_guidance_layers.is_some();
+        let denoising = Denoising {
+            scheduler: &scheduler,
+            timesteps: &timesteps,
             latents,
-            (args.progress, &mut args.callback),
-            (&call_inputs, decodes),
-            |i, t, mut inputs, next| {
-                // diffusers: strict inequalities on the float products.
-                let fi = i as f64;
-                let in_window = fi > num_inference_steps * args.skip_layer_guidance_start
-                    && fi < num_inference_steps * args.skip_layer_guidance_stop;
-                let skip_call = do_cfg && args.skip_guidance_layers.is_some() && in_window;
-                inputs.insert(
-                    "timestep",
-                    Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?,
-                );
-                let variant = match (do_cfg, skip_call) {
-                    (false, _) => "sd3".to_string(),
-                    (true, false) => "sd3.cfg".to_string(),
-                    (true, true) => {
-                        inputs.insert("text.embeds", encoded.prompt_embeds.clone());
-                        inputs.insert("text.pooled", encoded.pooled_prompt_embeds.clone());
-                        inputs.insert(
-                            "skip_layer_guidance_scale",
-                            scalar(args.skip_layer_guidance_scale, device)?,
-                        );
-                        format!("sd3.cfg.skip_layers{skip_layers:?}")
-                    }
-                };
-                let transformer = ("transformer", &models.transformer);
-                self.core
-                    .step(transformer, (&[&embeds], next), &variant, inputs, |tr, a| {
-                        let predict =
-                            |hidden_states: &Tensor, timestep: &Tensor, text: &str, pooled: &str, skip: &[usize]| {
-                                tr.forward(&SD3TransformerInputs {
-                                    hidden_states,
-                                    timestep,
-                                    encoder_hidden_states: a.get(text)?,
-                                    pooled_projections: a.get(pooled)?,
-                                    skip_layers: skip,
-                                })
-                            };
-                        let (latents, timestep) = (a.get("latents")?, a.get("timestep")?);
-                        let Some(scale) = a.opt("guidance_scale") else {
-                            let noise_pred = predict(latents, timestep, "embeds", "pooled", &[])?;
-                            return euler_step_outputs(a, noise_pred);
-                        };
-                        let both = predict(
-                            &Tensor::cat(&[latents, latents], 0)?,
-                            &Tensor::cat(&[timestep, timestep], 0)?,
-                            "embeds",
-                            "pooled",
-                            &[],
-                        )?;
-                        let halves = both.chunk(2, 0)?;
-                        let (uncond, text) = (&halves[0], &halves[1]);
-                        let guided = uncond.add(&mul_scale(&text.sub(uncond)?, scale)?)?;
-                        let Some(slg_scale) = a.opt("skip_layer_guidance_scale") else {
-                            return euler_step_outputs(a, guided);
-                        };
-                        let skipped = predict(latents, timestep, "text.embeds", "text.pooled", &skip_layers)?;
-                        euler_step_outputs(a, guided.add(&mul_scale(&text.sub(&skipped)?, slg_scale)?)?)
+            progress: args.progress,
+            callback: &mut args.callback,
+            decodes: args.output_type == OutputType::Image,
+        };
+        let prepare = |i: usize, t: f32, inputs: &mut Args| -> Result<String> {
+            inputs.insert(
+                "timestep",
+                Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?,
+            );
+            // diffusers: strict inequalities on the float products.
+            let fi = i as f64;
+            let in_window = fi > num_inference_steps * window.0 && fi < num_inference_steps * window.1;
+            Ok(match (do_cfg, skips && in_window) {
+                (false, _) => "sd3".to_string(),
+                (true, false) => "sd3.cfg".to_string(),
+                (true, true) => {
+                    inputs.insert("text.embeds", encoded.prompt_embeds.clone());
+                    inputs.insert("text.pooled", encoded.pooled_prompt_embeds.clone());
+                    inputs.insert("skip_layer_guidance_scale", scalar(slg, device)?);
+                    format!("sd3.cfg.skip_layers{skip_layers:?}")
+                }
+            })
+        };
+        let (latents, steps) = self.core.denoise(
+            ("transformer", &models.transformer),
+            denoising,
+            &call_inputs,
+            prepare,
+            |tr, a| {
+                let predict = |hidden_states: &Tensor, timestep: &Tensor, text: &str, pooled: &str, skip: &[usize]| {
+                    tr.forward(&SD3TransformerInputs {
+                        hidden_states,
+                        timestep,
+                        encoder_hidden_states: a.get(text)?,
+                        pooled_projections: a.get(pooled)?,
+                        skip_layers: skip,
                     })
+                };
+                let (latents, timestep) = (a.get("latents")?, a.get("timestep")?);
+                let Some(scale) = a.opt("guidance_scale") else {
+                    return predict(latents, timestep, "embeds", "pooled", &[]);
+                };
+                let both = predict(
+                    &Tensor::cat(&[latents, latents], 0)?,
+                    &Tensor::cat(&[timestep, timestep], 0)?,
+                    "embeds",
+                    "pooled",
+                    &[],
+                )?;
+                let halves = both.chunk(2, 0)?;
+                let (uncond, text) = (&halves[0], &halves[1]);
+                let guided = uncond.add(&mul_scale(&text.sub(uncond)?, scale)?)?;
+                let Some(slg_scale) = a.opt("skip_layer_guidance_scale") else {
+                    return Ok(guided);
+                };
+                let skipped = predict(latents, timestep, "text.embeds", "text.pooled", &skip_layers)?;
+                Ok(guided.add(&mul_scale(&text.sub(&skipped)?, slg_scale)?)?)
             },
         )?;
 
@@ -545,8 +537,7 @@ impl StableDiffusion3Pipeline {
         let z = latents
             .div_scalar_f32(self.vae_config.scaling_factor)?
             .add_scalar(shift)?;
-        self.core
-            .run("vae", &models.vae, &[latents], Next::InOrder, |vae| Ok(vae.decode(&z)?))
+        self.core.run("vae", &models.vae, |vae| Ok(vae.decode(&z)?))
     }
 
     /// diffusers' `check_inputs` (plus the checks `__call__` makes early).
@@ -602,4 +593,104 @@ impl StableDiffusion3Pipeline {
         }
         Ok(())
     }
+}
+
+impl Pipeline for StableDiffusion3Pipeline {
+    fn class(&self) -> &'static PipelineClass {
+        &CLASS
+    }
+
+    fn generate(
+        &mut self,
+        mut c: GenerateCall<'_>,
+        defaults: &CallDefaults,
+        e: Option<Embeddings>,
+    ) -> Result<PipelineOutput> {
+        let d = StableDiffusion3Call::default();
+        self.call(StableDiffusion3Call {
+            prompt_3: c.prompt_3.take(),
+            negative_prompt_3: c.negative_prompt_3.take(),
+            clip_skip: c.clip_skip,
+            skip_guidance_layers: c.skip_guidance_layers.take(),
+            skip_layer_guidance_scale: c.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
+            skip_layer_guidance_start: c.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
+            skip_layer_guidance_stop: c.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
+            ..StableDiffusion3Call::from_generate(c, defaults, e)
+        })
+    }
+
+    fn encoding_settings(&self, call: &GenerateCall<'_>, defaults: &CallDefaults, _: bool) -> EncodingSettings {
+        EncodingSettings {
+            max_sequence_length: call.max_sequence_length.unwrap_or(defaults.max_sequence_length),
+            negative: call.guidance_scale.unwrap_or(defaults.guidance_scale) > 1.0,
+            arguments: vec![("clip_skip", serde_json::json!(call.clip_skip).to_string())],
+        }
+    }
+
+    fn encode_prompt(&mut self, call: &GenerateCall<'_>, settings: &EncodingSettings) -> Result<Embeddings> {
+        let texts = |t: &Option<Vec<String>>| t.clone();
+        let e = StableDiffusion3Pipeline::encode_prompt(
+            self,
+            &StableDiffusion3Call {
+                prompt: Some(call.prompt.clone()),
+                prompt_2: texts(&call.prompt_2),
+                prompt_3: texts(&call.prompt_3),
+                negative_prompt: texts(&call.negative_prompt),
+                negative_prompt_2: texts(&call.negative_prompt_2),
+                negative_prompt_3: texts(&call.negative_prompt_3),
+                clip_skip: call.clip_skip,
+                max_sequence_length: settings.max_sequence_length,
+                // CFG (and so the negatives) as the settings say.
+                guidance_scale: if settings.negative { 2.0 } else { 1.0 },
+                progress: false,
+                ..Default::default()
+            },
+        )?;
+        Ok(Embeddings {
+            prompt_embeds: e.prompt_embeds,
+            pooled_prompt_embeds: Some(e.pooled_prompt_embeds),
+            negative_prompt_embeds: e.negative_prompt_embeds,
+            negative_pooled_prompt_embeds: e.negative_pooled_prompt_embeds,
+        })
+    }
+
+    fn uses_guidance(&self, _: f64) -> bool {
+        true
+    }
+
+    fn default_size(&self) -> usize {
+        StableDiffusion3Pipeline::default_size(self)
+    }
+
+    fn vae_scale_factor(&self) -> usize {
+        StableDiffusion3Pipeline::vae_scale_factor(self)
+    }
+}
+
+/// The negative texts of CFG for a batch of `batch` prompts — diffusers: `negative_prompt or ""`,
+/// the _2/_3 variants default to it; one text stands for the whole batch — each one per prompt.
+fn negative_texts(call: &StableDiffusion3Call<'_>, batch: usize) -> Result<[Vec<String>; 3]> {
+    let broadcast = |v: Vec<String>| if v.len() == 1 { vec![v[0].clone(); batch] } else { v };
+    let negative = broadcast(call.negative_prompt.clone().unwrap_or_else(|| vec![String::new()]));
+    let or_negative = |v: &Option<Vec<String>>| v.clone().map_or_else(|| negative.clone(), broadcast);
+    let (negative_2, negative_3) = (
+        or_negative(&call.negative_prompt_2),
+        or_negative(&call.negative_prompt_3),
+    );
+    if negative.len() != batch {
+        return Err(invalid(format!(
+            "`negative_prompt`: {negative:?} has batch size {}, but `prompt`: {:?} has batch size {batch}. Please make sure that passed `negative_prompt` matches the batch size of `prompt`.",
+            negative.len(),
+            call.prompt.as_deref().unwrap_or_default()
+        )));
+    }
+    for (name, v) in [("negative_prompt_2", &negative_2), ("negative_prompt_3", &negative_3)] {
+        if v.len() != batch {
+            return Err(invalid(format!(
+                "`{name}` has {} entries but there are {batch} prompts: give one, or one per prompt",
+                v.len()
+            )));
+        }
+    }
+    Ok([negative, negative_2, negative_3])
 }

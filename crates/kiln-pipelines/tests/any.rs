@@ -27,11 +27,11 @@ fn values(t: &Tensor) -> Vec<f32> {
 #[test]
 fn the_model_index_names_the_pipeline() {
     for (name, kind) in [
-        ("flux1_schnell", PipelineKind::Flux),
-        ("sd3", PipelineKind::StableDiffusion3),
-        ("flux2_dev", PipelineKind::Flux2),
-        ("flux2_klein", PipelineKind::Flux2Klein),
-        ("flux2_klein_base", PipelineKind::Flux2Klein),
+        ("flux1_schnell", PipelineKind::named("FluxPipeline").unwrap()),
+        ("sd3", PipelineKind::named("StableDiffusion3Pipeline").unwrap()),
+        ("flux2_dev", PipelineKind::named("Flux2Pipeline").unwrap()),
+        ("flux2_klein", PipelineKind::named("Flux2KleinPipeline").unwrap()),
+        ("flux2_klein_base", PipelineKind::named("Flux2KleinPipeline").unwrap()),
     ] {
         let (root, found) = PipelineKind::of_model(&folder(name), None).unwrap();
         assert_eq!(found, kind);
@@ -62,7 +62,7 @@ fn the_model_index_names_the_pipeline() {
 #[test]
 fn a_flux_call_through_any_pipeline_is_the_pipelines_own() {
     let mut any = load("flux1_schnell");
-    assert_eq!(any.kind(), PipelineKind::Flux);
+    assert_eq!(any.kind(), PipelineKind::named("FluxPipeline").unwrap());
     // FLUX.1 [schnell] does not embed guidance.
     assert_eq!(any.guidance_scale(&GenerateCall::prompt("a")), None);
     let mut flux = FluxPipeline::from_pretrained(&folder("flux1_schnell"), &LoadOptions::default())
@@ -120,7 +120,7 @@ fn a_flux_call_through_any_pipeline_is_the_pipelines_own() {
 #[test]
 fn an_sd3_call_through_any_pipeline_is_the_pipelines_own() {
     let mut any = load("sd3");
-    assert_eq!(any.kind(), PipelineKind::StableDiffusion3);
+    assert_eq!(any.kind(), PipelineKind::named("StableDiffusion3Pipeline").unwrap());
     let mut sd3 = StableDiffusion3Pipeline::from_pretrained(&folder("sd3"), &LoadOptions::default())
         .unwrap()
         .to(&device())
@@ -173,7 +173,7 @@ fn an_sd3_call_through_any_pipeline_is_the_pipelines_own() {
 #[test]
 fn a_flux2_call_through_any_pipeline_is_the_pipelines_own() {
     let mut any = load("flux2_dev");
-    assert_eq!(any.kind(), PipelineKind::Flux2);
+    assert_eq!(any.kind(), PipelineKind::named("Flux2Pipeline").unwrap());
     // FLUX.2 [dev] embeds guidance: diffusers' default 4.0 when left out.
     assert_eq!(any.guidance_scale(&GenerateCall::prompt("a")), Some(4.0));
     let mut flux2 = Flux2Pipeline::from_pretrained(&folder("flux2_dev"), &LoadOptions::default())
@@ -251,7 +251,7 @@ fn a_flux2_call_through_any_pipeline_is_the_pipelines_own() {
 #[test]
 fn a_flux2_klein_call_through_any_pipeline_is_the_pipelines_own() {
     let distilled = load("flux2_klein");
-    assert_eq!(distilled.kind(), PipelineKind::Flux2Klein);
+    assert_eq!(distilled.kind(), PipelineKind::named("Flux2KleinPipeline").unwrap());
     assert_eq!(distilled.guidance_scale(&GenerateCall::prompt("a")), None);
     let mut any = load("flux2_klein_base");
     assert_eq!(any.guidance_scale(&GenerateCall::prompt("a")), Some(4.0));

@@ -102,7 +102,7 @@ fn sd3_with_cfg_and_its_negatives_from_an_encoding_is_the_call_from_text() {
     };
     let encoding = same_from_text_and_encoding(&mut any, call);
     assert!(encoding.settings().negative);
-    assert_eq!(encoding.settings().clip_skip, Some(1));
+    assert_eq!(encoding.settings().argument("clip_skip"), Some(serde_json::json!(1)));
     assert_eq!(encoding.negative_prompt_embeds().unwrap().dims()[0], 2);
     // Given negative prompts, one per prompt.
     let negatives = || GenerateCall {
@@ -137,7 +137,10 @@ fn flux2_from_an_encoding_is_the_call_from_text() {
         ..Default::default()
     };
     let encoding = same_from_text_and_encoding(&mut any, call);
-    assert_eq!(encoding.settings().text_encoder_out_layers, [30, 20, 10]);
+    assert_eq!(
+        encoding.settings().argument("text_encoder_out_layers"),
+        Some(serde_json::json!([30, 20, 10]))
+    );
     assert!(encoding.pooled_prompt_embeds().is_none() && encoding.negative_prompt_embeds().is_none());
 }
 

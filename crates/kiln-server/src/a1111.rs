@@ -12,6 +12,7 @@ use crate::api::{images_of, Body, CancelOnDrop, Shared};
 use crate::error::ApiError;
 use crate::jobs::Status;
 use crate::request::{seed_of, take, CallFields, JobRequest};
+use kiln_pipelines::ARGUMENTS;
 
 pub(crate) fn routes() -> Router<Shared> {
     Router::new()
@@ -63,11 +64,17 @@ fn checkpoint(app: &crate::App, name: Option<&Value>, field: &str) -> Result<usi
 async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json<Value>, ApiError> {
     let parameters = Value::Object(body.clone());
     let prompt: String = take(&mut body, "prompt")?.unwrap_or_default();
-    let negative: Option<String> = take::<String>(&mut body, "negative_prompt")?.filter(|n| !n.is_empty());
     let width: Option<usize> = take(&mut body, "width")?;
     let height: Option<usize> = take(&mut body, "height")?;
-    let steps: Option<usize> = take(&mut body, "steps")?;
-    let cfg_scale: Option<f64> = take(&mut body, "cfg_scale")?;
+    // The call arguments A1111 has a field for (an empty text is A1111's "none").
+    let mut fields = CallFields::default();
+    for (name, field) in ARGUMENTS.iter().filter_map(|a| Some((a.name, a.a1111?))) {
+        match body.remove(field) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(text)) if text.is_empty() => {}
+            Some(value) => fields.set(name, &value).map_err(|e| a1111_field(e, name, field))?,
+        }
+    }
     let batch_size: usize = take(&mut body, "batch_size")?.unwrap_or(1);
     let n_iter: usize = take(&mut body, "n_iter")?.unwrap_or(1);
     let seed = match body.remove("seed") {
@@ -109,12 +116,6 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
     let n = batch_size.saturating_mul(n_iter);
     let field = if n_iter > 1 { "n_iter" } else { "batch_size" };
     let seeds = app.seeds(n, seed, field)?;
-    let fields = CallFields {
-        negative_prompt: negative,
-        num_inference_steps: steps,
-        guidance_scale: cfg_scale,
-        ..Default::default()
-    };
     let request = JobRequest::new(
         model,
         &app.models[model],
@@ -126,10 +127,12 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
     )
     .map_err(|e| {
         let renamed = match e.param.as_deref() {
-            Some("num_inference_steps") => "steps",
-            Some("guidance_scale") => "cfg_scale",
             Some("n") => "batch_size",
-            _ => return e,
+            Some(name) => match ARGUMENTS.iter().find(|a| a.name == name).and_then(|a| a.a1111) {
+                Some(field) => field,
+                None => return e,
+            },
+            None => return e,
         };
         ApiError {
             param: Some(renamed.into()),
@@ -141,6 +144,7 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
     let images = images_of(&job).await?;
     guard.disarm();
     let r = &job.request;
+    let negative_prompt = r.fields.text("negative_prompt").unwrap_or_default();
     let b64: Vec<String> = images
         .iter()
         .map(|i| base64::engine::general_purpose::STANDARD.encode(&i.png))
@@ -149,8 +153,8 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
     let info = json!({
         "prompt": r.prompt,
         "all_prompts": vec![r.prompt.clone(); r.seeds.len()],
-        "negative_prompt": r.fields.negative_prompt.clone().unwrap_or_default(),
-        "all_negative_prompts": vec![r.fields.negative_prompt.clone().unwrap_or_default(); r.seeds.len()],
+        "all_negative_prompts": vec![negative_prompt.clone(); r.seeds.len()],
+        "negative_prompt": negative_prompt,
         "seed": r.seeds[0],
         "all_seeds": r.seeds,
         "subseed": -1,
@@ -159,7 +163,7 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
         "width": first.map_or(r.width as u32, |p| p.width),
         "height": first.map_or(r.height as u32, |p| p.height),
         "sampler_name": SAMPLER,
-        "cfg_scale": r.fields.guidance_scale,
+        "cfg_scale": r.fields.call().guidance_scale,
         "steps": r.steps(),
         "batch_size": batch_size,
         "n_iter": n_iter,
@@ -181,6 +185,15 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
         "parameters": parameters,
         "info": info.to_string(),
     })))
+}
+
+/// `e` about argument `name` from A1111's `field`, naming the field.
+fn a1111_field(e: ApiError, name: &str, field: &str) -> ApiError {
+    ApiError {
+        param: Some(field.to_string()),
+        message: e.message.replace(&format!("`{name}`"), &format!("`{field}`")),
+        ..e
+    }
 }
 
 async fn options(State(app): State<Shared>) -> Json<Value> {

@@ -1,13 +1,10 @@
 //! What the worker runs: a [`Backend`] holding the loaded models, and what the HTTP side knows of
 //! each model ([`ModelInfo`]) to check a request before it is queued.
 
-use std::collections::BTreeMap;
-
 use kiln_image::RgbImage;
-use kiln_nn::CompileMode;
 use kiln_pipelines::{
-    AnyPipeline, CallBudget, CallDefaults, DiffusionPipeline, GenerateCall, LoadOptions, OffloadMode, PipelineError,
-    PipelineKind, PromptEncoding, PromptKey,
+    AnyPipeline, CallBudget, CallDefaults, GenerateCall, PipelineError, PipelineKind, PromptEncoding, PromptKey,
+    RunOptions, RunRecord,
 };
 use kiln_tensor::Device;
 
@@ -23,10 +20,8 @@ pub struct ModelInfo {
     pub default_size: usize,
     /// Whether the model uses a guidance scale (FLUX.1 [schnell] does not).
     pub uses_guidance: bool,
-    /// How the PNGs name the model (an absolute folder, or the repo id).
-    pub record: String,
-    /// What else the PNGs record (dtype, device, compile).
-    pub extras: BTreeMap<String, String>,
+    /// How the model runs, as the PNGs record it.
+    pub record: RunRecord,
     /// The device, for the memory budget (see [`ModelInfo::free_bytes`]); `None` in tests.
     pub device: Option<Device>,
 }
@@ -100,9 +95,7 @@ pub trait Backend {
 pub struct ModelSpec {
     /// A diffusers model folder or a Hugging Face repo id in the local cache.
     pub model: String,
-    pub options: LoadOptions,
-    pub offload: OffloadMode,
-    pub compile: CompileMode,
+    pub options: RunOptions,
 }
 
 /// The real backend: one [`AnyPipeline`] per model, all on one device (or mesh).
@@ -126,18 +119,16 @@ pub fn model_name(model: &str) -> String {
 }
 
 impl PipelineBackend {
-    /// Loads every model onto `device` (call it on the worker thread).
-    pub fn load(specs: &[ModelSpec], device: &Device) -> anyhow::Result<(PipelineBackend, Vec<ModelInfo>)> {
+    /// Loads every model ([`AnyPipeline::load`]; call it on the worker thread).
+    pub fn load(specs: &[ModelSpec]) -> anyhow::Result<(PipelineBackend, Vec<ModelInfo>)> {
         use anyhow::Context;
         let mut pipes = Vec::new();
         let mut infos: Vec<ModelInfo> = Vec::new();
         for spec in specs {
             let started = std::time::Instant::now();
-            let mut pipe = AnyPipeline::from_pretrained(&spec.model, &spec.options)
-                .with_context(|| format!("loading {}", spec.model))?;
-            pipe.set_offload(spec.offload, device)
-                .with_context(|| format!("loading {} onto {device} (offload {})", spec.model, spec.offload))?;
-            pipe.compile(spec.compile);
+            let o = &spec.options;
+            let pipe = AnyPipeline::load(&spec.model, o)
+                .with_context(|| format!("loading {} onto {} (offload {})", spec.model, o.device, o.offload))?;
             let mut name = model_name(&spec.model);
             if infos.iter().any(|i| i.name == name) {
                 name = spec.model.clone();
@@ -145,37 +136,20 @@ impl PipelineBackend {
             if infos.iter().any(|i| i.name == name) {
                 anyhow::bail!("--model {} is given twice", spec.model);
             }
-            let record = if std::path::Path::new(&spec.model).is_dir() {
-                pipe.root()
-                    .canonicalize()
-                    .unwrap_or_else(|_| pipe.root().to_path_buf())
-                    .display()
-                    .to_string()
-            } else {
-                spec.model.clone()
-            };
-            let extras = [
-                ("dtype".to_string(), spec.options.dtype.to_string()),
-                ("device".to_string(), device.to_string()),
-                ("compile".to_string(), spec.compile.to_string()),
-            ]
-            .into_iter()
-            .chain(spec.options.revision.clone().map(|r| ("revision".to_string(), r)))
-            .collect();
             infos.push(ModelInfo {
                 name,
                 kind: pipe.kind(),
                 defaults: pipe.defaults().clone(),
                 default_size: pipe.default_size(),
                 uses_guidance: pipe.guidance_scale(&GenerateCall::default()).is_some(),
-                record,
-                extras,
-                device: Some(device.clone()),
+                record: pipe.record().clone(),
+                device: Some(o.device.clone()),
             });
             eprintln!(
-                "loaded {} ({}) on {device} in {:.2} s",
+                "loaded {} ({}) on {} in {:.2} s",
                 spec.model,
-                spec.options.dtype,
+                o.dtype,
+                o.device,
                 started.elapsed().as_secs_f64()
             );
             pipes.push(pipe);

@@ -375,9 +375,10 @@ mod tests {
             prompt: "p".into(),
             height: 64,
             width: 64,
-            fields: CallFields {
-                num_inference_steps: Some(steps),
-                ..Default::default()
+            fields: {
+                let mut fields = CallFields::default();
+                fields.set("num_inference_steps", &steps.into()).unwrap();
+                fields
             },
             seeds,
         })

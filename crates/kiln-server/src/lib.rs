@@ -333,10 +333,7 @@ fn warm_up(
                             model,
                             "warm-up".into(),
                             (Some(height), Some(width)),
-                            request::CallFields {
-                                num_inference_steps: Some(1),
-                                ..Default::default()
-                            },
+                            request::CallFields::one_step(),
                             vec![seed as u64],
                             &Limits {
                                 max_side: usize::MAX,

@@ -1,114 +1,74 @@
 //! A request in kiln's own terms ([`JobRequest`]), whichever API it came through: diffusers' call
 //! arguments, one seed per image, every field checked before it is queued.
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::{Map, Value};
 
 use kiln_image::GenerationParams;
-use kiln_pipelines::GenerateCall;
+use kiln_pipelines::arguments::Served;
+use kiln_pipelines::{ArgError, GenerateCall, ARGUMENTS};
 
 use crate::backend::ModelInfo;
 use crate::error::ApiError;
 use crate::Limits;
 
-/// diffusers' call arguments besides `prompt`, the size and the seed, as extra top-level request
-/// fields (as vLLM-Omni takes them). Which a model takes depends on its pipeline
-/// ([`kiln_pipelines::PipelineKind::takes`]).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CallFields {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub negative_prompt: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prompt_2: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub negative_prompt_2: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prompt_3: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub negative_prompt_3: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub num_inference_steps: Option<usize>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sigmas: Option<Vec<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub guidance_scale: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub true_cfg_scale: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_sequence_length: Option<usize>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub skip_guidance_layers: Option<Vec<usize>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub skip_layer_guidance_scale: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub skip_layer_guidance_start: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub skip_layer_guidance_stop: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub clip_skip: Option<usize>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub text_encoder_out_layers: Option<Vec<usize>>,
+/// The call arguments a request gives besides `prompt`, the size and the seed: each row of the
+/// pipelines' argument table the server takes as a field of its JSON ([`Served::Field`]), by
+/// diffusers' keyword (as vLLM-Omni takes them). Which a model takes depends on its pipeline
+/// ([`kiln_pipelines::PipelineKind::takes`]). Held as the table's JSON, checked when set.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct CallFields(Map<String, Value>);
+
+/// An argument error as a request shows it: the field named, in backticks.
+pub fn argument_error(e: &ArgError) -> ApiError {
+    ApiError::bad_request(Some(e.argument), e.to_string())
 }
 
 impl CallFields {
-    /// The field names, as requests give them.
-    pub const NAMES: &'static [&'static str] = &[
-        "negative_prompt",
-        "prompt_2",
-        "negative_prompt_2",
-        "prompt_3",
-        "negative_prompt_3",
-        "num_inference_steps",
-        "sigmas",
-        "guidance_scale",
-        "true_cfg_scale",
-        "max_sequence_length",
-        "skip_guidance_layers",
-        "skip_layer_guidance_scale",
-        "skip_layer_guidance_start",
-        "skip_layer_guidance_stop",
-        "clip_skip",
-        "text_encoder_out_layers",
-    ];
+    /// The field names requests may give.
+    pub fn names() -> impl Iterator<Item = &'static str> {
+        ARGUMENTS.iter().filter(|a| a.served == Served::Field).map(|a| a.name)
+    }
 
     /// The fields among `body`'s keys (each removed from it), checked for type; an error names
     /// the field.
     pub fn take_from(body: &mut Map<String, Value>) -> Result<CallFields, ApiError> {
-        let mut fields = Map::new();
-        for name in Self::NAMES {
-            if let Some(v) = body.remove(*name) {
-                if !v.is_null() {
-                    fields.insert(name.to_string(), v);
-                }
+        let mut fields = CallFields::default();
+        for name in Self::names() {
+            if let Some(v) = body.remove(name) {
+                fields.set(name, &v)?;
             }
         }
-        deserialize(Value::Object(fields))
+        Ok(fields)
     }
 
-    /// The texts, by name.
-    fn texts(&self) -> [(&'static str, Option<&String>); 5] {
-        [
-            ("negative_prompt", self.negative_prompt.as_ref()),
-            ("prompt_2", self.prompt_2.as_ref()),
-            ("negative_prompt_2", self.negative_prompt_2.as_ref()),
-            ("prompt_3", self.prompt_3.as_ref()),
-            ("negative_prompt_3", self.negative_prompt_3.as_ref()),
-        ]
+    /// Sets argument `name` (`null`: unset), checked for type.
+    pub fn set(&mut self, name: &str, value: &Value) -> Result<(), ApiError> {
+        let mut call = self.call();
+        call.set_json(name, value).map_err(|e| argument_error(&e))?;
+        self.0 = call.to_json();
+        Ok(())
     }
-}
 
-/// `value` as `T`; a type error names the field (its path).
-pub fn deserialize<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner().to_string();
-        if path == "." {
-            ApiError::bad_request(None, inner)
-        } else {
-            ApiError::bad_request(Some(&path), format!("`{path}`: {inner}"))
-        }
-    })
+    /// The call of these arguments.
+    pub fn call(&self) -> GenerateCall<'static> {
+        GenerateCall::from_json(&self.0).expect("the fields are checked when set")
+    }
+
+    /// One denoising step (the warm-up calls').
+    pub fn one_step() -> CallFields {
+        CallFields(Map::from_iter([("num_inference_steps".to_string(), Value::from(1))]))
+    }
+
+    /// Text argument `name`'s text, if given.
+    pub fn text(&self, name: &str) -> Option<String> {
+        self.call().text_argument(name)?.into_iter().next()
+    }
+
+    /// The number of denoising steps given (the sigmas' count when they are given).
+    fn steps(&self) -> Option<usize> {
+        self.call().steps_given()
+    }
 }
 
 /// Removes `name` from `body` and reads it as `T` (`None` when absent or null).
@@ -157,25 +117,16 @@ pub struct JobRequest {
 impl JobRequest {
     /// The number of denoising steps (the sigmas' count when they are given).
     pub fn steps(&self) -> usize {
-        self.fields
-            .sigmas
-            .as_ref()
-            .map_or(self.fields.num_inference_steps.unwrap_or(0), Vec::len)
+        self.fields.steps().unwrap_or(0)
     }
 
     /// What requests must share to run as one batch: everything but the texts and the seeds (a
     /// text's presence counts).
     pub fn batch_key(&self) -> String {
-        let mut fields = self.fields.clone();
-        for text in [
-            &mut fields.negative_prompt,
-            &mut fields.prompt_2,
-            &mut fields.negative_prompt_2,
-            &mut fields.prompt_3,
-            &mut fields.negative_prompt_3,
-        ] {
-            if let Some(t) = text.as_mut() {
-                t.clear();
+        let mut fields = self.fields.0.clone();
+        for (name, value) in fields.iter_mut() {
+            if self.fields.text(name).is_some() {
+                *value = Value::Null;
             }
         }
         format!(
@@ -183,7 +134,7 @@ impl JobRequest {
             self.model,
             self.width,
             self.height,
-            serde_json::to_string(&fields).expect("CallFields serializes")
+            Value::Object(fields)
         )
     }
 
@@ -202,9 +153,9 @@ impl JobRequest {
         if prompt.trim().is_empty() {
             return Err(bad("prompt", "`prompt` is required and must not be empty".into()));
         }
-        let texts = std::iter::once(("prompt", Some(&prompt))).chain(fields.texts());
-        for (name, text) in texts {
-            let Some(text) = text else { continue };
+        let mut call = fields.call();
+        call.prompt = vec![prompt.clone()];
+        for (name, text) in call.texts() {
             let chars = text.chars().count();
             if chars > limits.max_prompt_chars {
                 return Err(bad(
@@ -215,8 +166,9 @@ impl JobRequest {
                     ),
                 ));
             }
-            kiln_pipelines::check_prompt_text(text).map_err(|e| bad(name, format!("`{name}`: {e}")))?;
         }
+        // The table's checks: texts, numbers, the steps against the sigmas.
+        call.check().map_err(|e| argument_error(&e))?;
         let n = seeds.len();
         if n == 0 || n > limits.max_images {
             return Err(bad(
@@ -247,31 +199,8 @@ impl JobRequest {
         };
         let height = resolve("height", size.0, model.defaults.height)?;
         let width = resolve("width", size.1, model.defaults.width)?;
-        match (&fields.sigmas, fields.num_inference_steps) {
-            (Some(sigmas), steps) => {
-                if let Some(v) = sigmas.iter().find(|v| !v.is_finite()) {
-                    return Err(bad("sigmas", format!("`sigmas` must be finite numbers, got {v}")));
-                }
-                if let Some(steps) = steps.filter(|&s| s != sigmas.len()) {
-                    return Err(bad(
-                        "num_inference_steps",
-                        format!(
-                            "`num_inference_steps` {steps} does not match the {} `sigmas`; leave it out",
-                            sigmas.len()
-                        ),
-                    ));
-                }
-                fields.num_inference_steps = None;
-            }
-            (None, steps) => {
-                fields.num_inference_steps = Some(steps.unwrap_or(model.defaults.num_inference_steps));
-            }
-        }
-        let steps = fields
-            .sigmas
-            .as_ref()
-            .map_or(fields.num_inference_steps.unwrap_or(0), Vec::len);
-        let steps_field = if fields.sigmas.is_some() {
+        let steps = call.steps_given().unwrap_or(model.defaults.num_inference_steps);
+        let steps_field = if call.sigmas.is_some() {
             "sigmas"
         } else {
             "num_inference_steps"
@@ -285,23 +214,11 @@ impl JobRequest {
                 ),
             ));
         }
-        fields.guidance_scale.get_or_insert(model.defaults.guidance_scale);
-        for (name, value) in [
-            ("guidance_scale", fields.guidance_scale),
-            ("true_cfg_scale", fields.true_cfg_scale),
-            ("skip_layer_guidance_scale", fields.skip_layer_guidance_scale),
-            ("skip_layer_guidance_start", fields.skip_layer_guidance_start),
-            ("skip_layer_guidance_stop", fields.skip_layer_guidance_stop),
-        ] {
-            if let Some(v) = value.filter(|v| !v.is_finite()) {
-                return Err(bad(name, format!("`{name}` must be a finite number, got {v}")));
-            }
+        if call.sigmas.is_none() {
+            fields.set("num_inference_steps", &steps.into())?;
         }
-        if fields.max_sequence_length == Some(0) {
-            return Err(bad(
-                "max_sequence_length",
-                "`max_sequence_length` must be at least 1".into(),
-            ));
+        if call.guidance_scale.is_none() {
+            fields.set("guidance_scale", &model.defaults.guidance_scale.into())?;
         }
         let request = JobRequest {
             model: model_index,
@@ -311,16 +228,14 @@ impl JobRequest {
             fields,
             seeds,
         };
-        // The pipeline's own checks that need no model run: the arguments it takes, the texts,
-        // and the call budget against the device's free memory.
+        // The pipeline's own checks that need no model run: the arguments it takes and the call
+        // budget against the device's free memory.
         let call = request.generate_call(std::slice::from_ref(&request));
         if let Err(e) = model.kind.check_arguments(&call) {
             let message = e.to_string();
             let field = message.split('`').nth(1).unwrap_or("model").to_string();
             return Err(bad(&field, format!("{message} (model {})", model.name)));
         }
-        call.check_text()
-            .map_err(|e| ApiError::bad_request(None, e.to_string()))?;
         model
             .check_budget(steps, n, height, width)
             .map_err(|over| bad(over.argument, over.to_string()))?;
@@ -331,41 +246,29 @@ impl JobRequest {
     /// per image and one generator seed per image, so that each image is the one it would be
     /// alone.
     pub fn generate_call<'a>(&self, batch: &[JobRequest]) -> GenerateCall<'a> {
-        let per_image = |text: &dyn Fn(&JobRequest) -> Option<String>| -> Option<Vec<String>> {
-            text(self)?;
-            Some(
-                batch
-                    .iter()
-                    .flat_map(|r| std::iter::repeat_n(text(r).unwrap_or_default(), r.seeds.len()))
-                    .collect(),
-            )
+        let per_image = |text: &dyn Fn(&JobRequest) -> String| -> Vec<String> {
+            batch
+                .iter()
+                .flat_map(|r| std::iter::repeat_n(text(r), r.seeds.len()))
+                .collect()
         };
-        let f = &self.fields;
+        let mut call = self.fields.call();
+        for name in call.given() {
+            if self.fields.text(name).is_some() {
+                let texts = per_image(&|r| r.fields.text(name).unwrap_or_default());
+                call.set_json(name, &texts.into())
+                    .expect("a list of texts for a text argument");
+            }
+        }
         GenerateCall {
-            prompt: per_image(&|r| Some(r.prompt.clone())).unwrap_or_default(),
-            prompt_2: per_image(&|r| r.fields.prompt_2.clone()),
-            prompt_3: per_image(&|r| r.fields.prompt_3.clone()),
-            negative_prompt: per_image(&|r| r.fields.negative_prompt.clone()),
-            negative_prompt_2: per_image(&|r| r.fields.negative_prompt_2.clone()),
-            negative_prompt_3: per_image(&|r| r.fields.negative_prompt_3.clone()),
+            prompt: per_image(&|r| r.prompt.clone()),
             height: Some(self.height),
             width: Some(self.width),
-            num_inference_steps: f.num_inference_steps,
-            sigmas: f.sigmas.clone(),
-            guidance_scale: f.guidance_scale,
-            true_cfg_scale: f.true_cfg_scale,
             num_images_per_prompt: None,
             seed: None,
             seeds: Some(batch.iter().flat_map(|r| r.seeds.iter().copied()).collect()),
-            max_sequence_length: f.max_sequence_length,
-            skip_guidance_layers: f.skip_guidance_layers.clone(),
-            skip_layer_guidance_scale: f.skip_layer_guidance_scale,
-            skip_layer_guidance_start: f.skip_layer_guidance_start,
-            skip_layer_guidance_stop: f.skip_layer_guidance_stop,
-            clip_skip: f.clip_skip,
-            text_encoder_out_layers: f.text_encoder_out_layers.clone(),
             progress: false,
-            ..Default::default()
+            ..call
         }
     }
 
@@ -385,36 +288,13 @@ impl JobRequest {
     /// What the PNG of image `k` records: `kiln generate --from` on it makes the image again
     /// (its call holds this image's prompt and seed alone).
     pub fn params(&self, k: usize, model: &ModelInfo, size: (usize, usize)) -> GenerationParams {
-        let (height, width) = size;
-        let mut call = match serde_json::to_value(&self.fields) {
-            Ok(Value::Object(map)) => map,
-            _ => unreachable!("CallFields serializes to an object"),
+        let call = GenerateCall {
+            prompt: vec![self.prompt.clone()],
+            seed: Some(self.seeds[k]),
+            ..self.fields.call()
         };
-        // `kiln generate` stores the texts as lists (one per prompt).
-        for (name, value) in call.iter_mut() {
-            if name.contains("prompt") {
-                *value = Value::Array(vec![value.take()]);
-            }
-        }
-        call.insert("prompt".into(), Value::Array(vec![Value::String(self.prompt.clone())]));
-        call.insert("height".into(), height.into());
-        call.insert("width".into(), width.into());
-        call.insert("seed".into(), self.seeds[k].into());
-        GenerationParams {
-            prompt: self.prompt.clone(),
-            negative_prompt: self.fields.negative_prompt.clone(),
-            seed: self.seeds[k],
-            steps: self.steps(),
-            guidance: model.uses_guidance.then_some(self.fields.guidance_scale).flatten(),
-            width: width as u32,
-            height: height as u32,
-            model: model.record.clone(),
-            kiln_version: env!("CARGO_PKG_VERSION").to_string(),
-            extras: model.extras.clone(),
-            pipeline: Some(model.kind.class_name().to_string()),
-            call,
-            image_index: 0,
-        }
+        let guidance = model.uses_guidance.then_some(call.guidance_scale).flatten();
+        model.record.image_params(&call, 0, size, guidance)
     }
 }
 
@@ -474,32 +354,28 @@ mod tests {
     }
 
     #[test]
-    fn the_call_field_names_are_the_struct_fields() {
-        let all: Map<String, Value> = CallFields::NAMES.iter().map(|n| (n.to_string(), Value::Null)).collect();
-        // Every name deserializes (a wrong name would be an unknown field)...
-        let _: CallFields = serde_json::from_value(Value::Object(all)).unwrap();
-        // ...and every field is named.
-        let full = CallFields {
-            negative_prompt: Some(String::new()),
-            prompt_2: Some(String::new()),
-            negative_prompt_2: Some(String::new()),
-            prompt_3: Some(String::new()),
-            negative_prompt_3: Some(String::new()),
-            num_inference_steps: Some(1),
-            sigmas: Some(vec![]),
-            guidance_scale: Some(1.0),
-            true_cfg_scale: Some(1.0),
-            max_sequence_length: Some(1),
-            skip_guidance_layers: Some(vec![]),
-            skip_layer_guidance_scale: Some(1.0),
-            skip_layer_guidance_start: Some(1.0),
-            skip_layer_guidance_stop: Some(1.0),
-            clip_skip: Some(1),
-            text_encoder_out_layers: Some(vec![]),
-        };
-        let Value::Object(map) = serde_json::to_value(full).unwrap() else {
-            panic!()
-        };
-        assert_eq!(map.len(), CallFields::NAMES.len());
+    fn the_call_fields_are_the_tables_rows_served_as_fields() {
+        use kiln_pipelines::arguments::Shape;
+        let names: Vec<&str> = CallFields::names().collect();
+        assert_eq!(names.len(), 16);
+        for api in ["prompt", "height", "width", "seed", "num_images_per_prompt"] {
+            assert!(!names.contains(&api), "{api} is the API's own");
+        }
+        let mut body: Map<String, Value> = ARGUMENTS
+            .iter()
+            .filter(|a| names.contains(&a.name))
+            .map(|a| {
+                let value = match a.shape {
+                    Shape::Repeated => Value::from("text"),
+                    Shape::List => serde_json::json!([1]),
+                    Shape::One => Value::from(1),
+                };
+                (a.name.to_string(), value)
+            })
+            .collect();
+        let fields = CallFields::take_from(&mut body).unwrap();
+        assert!(body.is_empty(), "every field is taken: {body:?}");
+        assert_eq!(fields.call().given().len(), names.len());
+        assert_eq!(fields.text("negative_prompt").as_deref(), Some("text"));
     }
 }

@@ -56,7 +56,7 @@ fn image_pixel(seed: u64, prompt: &str) -> image::Rgb<u8> {
 fn fake_model() -> ModelInfo {
     ModelInfo {
         name: "fake".into(),
-        kind: PipelineKind::Flux,
+        kind: PipelineKind::named("FluxPipeline").unwrap(),
         defaults: CallDefaults {
             height: 32,
             width: 32,
@@ -66,8 +66,10 @@ fn fake_model() -> ModelInfo {
         },
         default_size: 32,
         uses_guidance: false,
-        record: "fake".into(),
-        extras: Default::default(),
+        record: kiln_pipelines::RunRecord {
+            model: "fake".into(),
+            ..Default::default()
+        },
         device: None,
     }
 }

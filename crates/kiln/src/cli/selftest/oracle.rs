@@ -1,11 +1,10 @@
 //! A FLUX.1 oracle case end to end: the tiny random-weight `flux1_schnell` pipeline diffusers made,
 //! called as diffusers was, eager and compiled, against diffusers' image.
 
-use kiln::DiffusionPipeline;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, ensure, Context, Result};
-use kiln::{AnyPipeline, CompileMode, DType, Device, GenerateCall, LoadOptions};
+use crate::{AnyPipeline, CompileMode, DType, Device, GenerateCall, OffloadMode, RunOptions};
+use anyhow::{ensure, Context, Result};
 
 use super::{Row, Status};
 
@@ -43,34 +42,15 @@ fn smallest_case(oracle: &Path) -> Result<PathBuf> {
         .with_context(|| format!("no case with call.json and image_0.png in {}", dir.display()))
 }
 
-/// The call of `call.json`, for the arguments a small schnell case uses.
+/// The call of `call.json`: its keyword arguments are the table's (`kiln_pipelines::ARGUMENTS`).
 fn generate_call(call: &serde_json::Value) -> Result<GenerateCall<'static>> {
     let kwargs = call["call_kwargs"]
         .as_object()
         .context("call.json has no call_kwargs")?;
-    let mut c = GenerateCall {
-        progress: false,
-        seed: Some(call["seed"].as_u64().context("call.json has no seed")?),
-        ..Default::default()
-    };
-    for (key, value) in kwargs {
-        let usize_of = |v: &serde_json::Value| v.as_u64().map(|x| Some(x as usize)).context(key.clone());
-        match key.as_str() {
-            "prompt" => {
-                c.prompt = match value {
-                    serde_json::Value::Array(v) => v.iter().map(|s| s.as_str().unwrap_or("").to_string()).collect(),
-                    v => vec![v.as_str().context("prompt")?.to_string()],
-                }
-            }
-            "height" => c.height = usize_of(value)?,
-            "width" => c.width = usize_of(value)?,
-            "num_inference_steps" => c.num_inference_steps = usize_of(value)?,
-            "max_sequence_length" => c.max_sequence_length = usize_of(value)?,
-            "num_images_per_prompt" => c.num_images_per_prompt = usize_of(value)?,
-            "guidance_scale" => c.guidance_scale = Some(value.as_f64().context("guidance_scale")?),
-            other => bail!("the case uses `{other}`, which the self-test does not pass on"),
-        }
-    }
+    let mut c = GenerateCall::from_json(kwargs)
+        .map_err(|e| anyhow::anyhow!("the case's call_kwargs are not ones the self-test passes on: {e}"))?;
+    c.seed = Some(call["seed"].as_u64().context("call.json has no seed")?);
+    c.progress = false;
     Ok(c)
 }
 
@@ -80,15 +60,14 @@ fn run_case(dev: &Device, oracle: &Path, case: &Path, mode: CompileMode) -> Resu
     let call: serde_json::Value = serde_json::from_slice(&std::fs::read(case.join("call.json"))?)?;
     let pipeline_dir = oracle.join(call["pipeline_dir"].as_str().context("call.json has no pipeline_dir")?);
     ensure!(call["dtype"] == "float32", "the self-test expects a float32 case");
-    let mut pipe = AnyPipeline::from_pretrained(
-        &pipeline_dir.to_string_lossy(),
-        &LoadOptions {
-            dtype: DType::F32,
-            revision: None,
-        },
-    )?
-    .to(dev)?;
-    pipe.compile(mode);
+    let options = RunOptions {
+        dtype: DType::F32,
+        revision: None,
+        device: dev.clone(),
+        offload: OffloadMode::None,
+        compile: mode,
+    };
+    let mut pipe = AnyPipeline::load(&pipeline_dir.to_string_lossy(), &options)?;
     let out = pipe.call(generate_call(&call)?)?;
     let got = out.images.first().context("the pipeline returned no image")?;
     let want = kiln_image::read_png(case.join("image_0.png"))?.image;

@@ -11,8 +11,8 @@ mod runtime;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::Device;
 use anyhow::{bail, Context, Result};
-use kiln::Device;
 
 #[derive(clap::Args)]
 pub struct SelftestArgs {

@@ -4,9 +4,9 @@
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Result};
-use serde_json::Value;
 
 use super::{CallArgs, GenerateArgs, Given, Load};
+use crate::GenerateCall;
 
 /// The call and load settings of `--from`, and which image of the call the PNG is.
 pub struct FromPng {
@@ -17,14 +17,14 @@ pub struct FromPng {
 }
 
 pub fn read(png: &Path, args: &GenerateArgs, given: &Given) -> Result<FromPng> {
-    let params = kiln::read_png_parameters(png)?;
+    let params = crate::read_png_parameters(png)?;
     if params.call.is_empty() {
         bail!(
             "{} has kiln parameters but not the call's arguments (written by an older kiln); it cannot be generated again",
             png.display()
         );
     }
-    let stored: CallArgs = serde_json::from_value(Value::Object(params.call.clone())).map_err(|e| {
+    let stored = GenerateCall::from_json(&params.call).map_err(|e| {
         anyhow!(
             "{}: the stored call arguments are not ones kiln knows: {e}",
             png.display()
@@ -36,15 +36,12 @@ pub fn read(png: &Path, args: &GenerateArgs, given: &Given) -> Result<FromPng> {
         merged.remove("num_inference_steps");
         merged.remove("sigmas");
     }
-    let Value::Object(flags) = serde_json::to_value(&args.call)? else {
-        unreachable!("CallArgs serializes to a JSON object");
-    };
-    for (key, value) in flags {
+    for (key, value) in args.call.0.to_json() {
         if given.contains(&key) {
             merged.insert(key, value);
         }
     }
-    let call: CallArgs = serde_json::from_value(Value::Object(merged))?;
+    let call = CallArgs(GenerateCall::from_json(&merged).map_err(|e| anyhow!("{}", e.with_flags()))?);
     let pick = |id: &str, flag: &str| -> String {
         match params.extras.get(id) {
             Some(stored) if !given.contains(id) => stored.clone(),

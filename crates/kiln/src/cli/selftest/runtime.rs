@@ -1,8 +1,8 @@
 //! Runtime conformance of a plugin, below the ops: buffers, views as program arguments, compiled
 //! functions, donation, memory spaces and executable serialization.
 
+use crate::{CompiledFunction, DType, Device, Tensor};
 use anyhow::{bail, ensure, Context, Result};
-use kiln::{CompiledFunction, DType, Device, Tensor};
 use kiln_hlo::{ArgAttrs, Builder};
 use kiln_pjrt::{CompileOptions, ExecuteOptions};
 

@@ -2,7 +2,7 @@
 //! (f16 for the ops a model runs in f16 too). Shapes are tiny: this checks the plugin's lowering of
 //! each op, not its speed.
 
-use kiln::{DType, Device, Tensor};
+use crate::{DType, Device, Tensor};
 use kiln_tensor::{AttentionMask, Conv2dParams, RopeLayout};
 
 use super::{Row, Status};

@@ -3,23 +3,22 @@
 mod call;
 mod from_png;
 
-use kiln::DiffusionPipeline;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::defaults::default_model_folder;
+use crate::{
+    AnyPipeline, CompileMode, DType, Device, GenerateCall, OffloadMode, OpCacheStats, PipelineKind, RunOptions,
+    RunRecord, Timings,
+};
 use anyhow::{bail, Context, Result};
 use clap::parser::ValueSource;
 use clap::ArgMatches;
-use kiln::defaults::default_model_folder;
-use kiln::{
-    AnyPipeline, CompileMode, DType, Device, GenerationParams, LoadOptions, OffloadMode, OpCacheStats, PipelineKind,
-    Timings,
-};
 use kiln_image::RgbImage;
 
-pub use call::{count, CallArgs};
-use call::{flag, DRAW, OUTPUT, RUN};
+pub use call::{count, flag, flagged, CallArgs};
+use call::{DRAW, OUTPUT, RUN};
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
@@ -46,7 +45,7 @@ pub struct GenerateArgs {
     /// sharded across them as one SPMD program, each device holding 1/N of every split weight.
     /// On CPU the plugin makes N devices that share the cores (this shows the cost of
     /// partitioning, not a speed-up).
-    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cmd::generate::count, help_heading = RUN)]
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count, help_heading = RUN)]
     pub tp: usize,
     /// How the models run: none (op by op), blocks (one compiled program per repeated block
     /// type), full (each model as one program), or auto (the fastest on the device's platform).
@@ -130,23 +129,23 @@ fn output_paths(output: &Path, n: usize) -> Result<Vec<PathBuf>> {
 
 /// Each argument the pipeline does not take is an error naming it, the pipeline and the model.
 fn check_taken_by(
-    call: &CallArgs,
+    call: &GenerateCall<'_>,
     pipeline: PipelineKind,
     root: &Path,
     from: Option<&Path>,
     given: &Given,
 ) -> Result<()> {
-    for field in call.present() {
-        if pipeline.takes(&field) {
+    for field in call.given() {
+        if pipeline.takes(field) {
             continue;
         }
         let origin = match from {
-            Some(png) if !given.contains(&field) => format!(" (from {})", png.display()),
+            Some(png) if !given.contains(field) => format!(" (from {})", png.display()),
             _ => String::new(),
         };
         bail!(
             "{}{origin} is not an argument of {} (model {})",
-            flag(&field),
+            flag(field),
             pipeline.class_name(),
             root.display()
         );
@@ -166,6 +165,8 @@ struct Generated {
     calls: Vec<(Timings, OpCacheStats)>,
     /// The guidance scale, when the model takes one.
     guidance: Option<f64>,
+    /// How the model ran, for the images' records.
+    record: RunRecord,
 }
 
 /// The most device memory the call held: kiln's count of the tensors on the device, and the
@@ -184,31 +185,27 @@ fn print_peak_memory(device: &Device, offload: OffloadMode) {
     );
 }
 
-/// How to load a pipeline, once checked.
+/// How to load a pipeline, once checked, and how often to call it.
 struct Settings<'a> {
     model: &'a str,
-    revision: Option<String>,
-    dtype: DType,
-    device: &'a Device,
-    compile: CompileMode,
+    options: RunOptions,
     calls: usize,
-    offload: OffloadMode,
 }
 
 /// `s.calls` calls of `call_once`, each with the device's peak memory reset and printed and the
 /// programs it compiled counted; the last call's images.
 fn timed_calls(
     s: &Settings<'_>,
-    guidance: Option<f64>,
+    (guidance, record): (Option<f64>, RunRecord),
     mut call_once: impl FnMut() -> Result<(Vec<RgbImage>, (usize, usize), Timings)>,
 ) -> Result<Generated> {
     let mut calls = Vec::new();
     loop {
-        let programs_before = kiln::op_cache_stats();
-        s.device.reset_peak_memory();
+        let programs_before = crate::op_cache_stats();
+        s.options.device.reset_peak_memory();
         let (images, size, timings) = call_once()?;
-        print_peak_memory(s.device, s.offload);
-        let programs = kiln::op_cache_stats().since(&programs_before);
+        print_peak_memory(&s.options.device, s.options.offload);
+        let programs = crate::op_cache_stats().since(&programs_before);
         calls.push((timings.clone(), programs));
         if calls.len() >= s.calls {
             return Ok(Generated {
@@ -218,15 +215,17 @@ fn timed_calls(
                 programs,
                 calls,
                 guidance,
+                record,
             });
         }
     }
 }
 
-/// A pipeline error for the command line: an argument past its budget is named by its flag.
-fn flagged(e: kiln::PipelineError) -> anyhow::Error {
+/// A pipeline error for the command line: an argument is named by its flag.
+fn on_the_command_line(e: crate::PipelineError) -> anyhow::Error {
     match e {
-        kiln::PipelineError::OverBudget(over) => anyhow::anyhow!("{}", over.message(&flag(over.argument))),
+        crate::PipelineError::OverBudget(over) => anyhow::anyhow!("{}", over.message(&flag(over.argument))),
+        crate::PipelineError::Argument(e) => flagged(&e),
         e => e.into(),
     }
 }
@@ -327,38 +326,34 @@ fn write_all_or_nothing(files: &[(PathBuf, Vec<u8>)]) -> Result<()> {
     Ok(())
 }
 
-/// Loads the model's pipeline onto the device with the offload mode and the compile mode
-/// (telling the user when sequential offload changes what is compiled), then calls it
-/// `s.calls` times.
+/// Loads the model's pipeline ([`AnyPipeline::load`]: placed with the offload mode, compiled),
+/// telling the user when sequential offload changes what is compiled, then calls it `s.calls`
+/// times.
 fn load_and_call(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
     let t_load = Instant::now();
-    let options = LoadOptions {
-        dtype: s.dtype,
-        revision: s.revision.clone(),
-    };
-    let mut pipe = AnyPipeline::from_pretrained(s.model, &options).with_context(|| format!("loading {}", s.model))?;
-    pipe.set_offload(s.offload, s.device)
-        .with_context(|| format!("loading {} onto {} (offload {})", s.model, s.device, s.offload))?;
-    pipe.compile(s.compile);
-    if let Some(note) = pipe.run_config().note() {
+    let o = &s.options;
+    let mut pipe = AnyPipeline::load(s.model, o)
+        .with_context(|| format!("loading {} onto {} (offload {})", s.model, o.device, o.offload))?;
+    if let Some(note) = crate::DiffusionPipeline::run_config(&pipe).note() {
         eprintln!("note: {note}");
     }
     eprintln!(
         "loaded {} ({}) on {} in {:.2} s",
         s.model,
-        s.dtype,
-        s.device,
+        o.dtype,
+        o.device,
         t_load.elapsed().as_secs_f64()
     );
     let guidance = pipe.guidance_scale(&call.generate_call());
-    timed_calls(s, guidance, || {
-        let out = pipe.call(call.generate_call()).map_err(flagged)?;
+    let record = pipe.record().clone();
+    timed_calls(s, (guidance, record), || {
+        let out = pipe.call(call.generate_call()).map_err(on_the_command_line)?;
         Ok((out.images, out.size, out.timings))
     })
 }
 
 pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
-    let (mut call, load) = match &args.from {
+    let (call, load) = match &args.from {
         Some(png) => {
             let from = from_png::read(png, &args, given)?;
             if from.image_count > 1 {
@@ -392,7 +387,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
         .offload
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--offload: {e}"))?;
-    let paths = output_paths(&args.output, call.image_count())?;
+    let paths = output_paths(&args.output, call.0.image_count())?;
     check_outputs(&paths, args.from.as_deref())?;
     let model = match &load.model {
         Some(m) => m.clone(),
@@ -408,23 +403,27 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     }
     let (root, pipeline) =
         PipelineKind::of_model(&model, load.revision.as_deref()).with_context(|| format!("loading {model}"))?;
-    check_taken_by(&call, pipeline, &root, args.from.as_deref(), given)?;
-    call.resolve(&pipeline.model_defaults(&root)?);
+    check_taken_by(&call.0, pipeline, &root, args.from.as_deref(), given)?;
+    // What the images record: the call with the model's defaults filled in.
+    let mut recorded = call.0.arguments();
+    recorded.resolve(&pipeline.model_defaults(&root)?);
 
     let device = match &args.from {
-        Some(png) if !given.contains("device") => kiln::open_device(&load.device, load.tp)
+        Some(png) if !given.contains("device") => crate::open_device(&load.device, load.tp)
             .with_context(|| format!("device {} (from {}; pass --device)", load.device, png.display()))?,
-        _ => kiln::open_device(&load.device, load.tp)?,
+        _ => crate::open_device(&load.device, load.tp)?,
     };
-    let compile = kiln::parse_compile_mode(&load.compile)?;
+    let compile = crate::parse_compile_mode(&load.compile)?;
     let settings = Settings {
         model: &model,
-        revision: load.revision.clone(),
-        dtype,
-        device: &device,
-        compile,
+        options: RunOptions {
+            dtype,
+            revision: load.revision.clone(),
+            device: device.clone(),
+            offload,
+            compile,
+        },
         calls: args.calls,
-        offload,
     };
     let out = load_and_call(&call, &settings)?;
 
@@ -462,47 +461,10 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     }
 
     // The PNGs record the call as made (the size after rounding), so that --from makes it again.
-    let (height, width) = out.size;
-    call.height = Some(height);
-    call.width = Some(width);
-    let serde_json::Value::Object(stored_call) = serde_json::to_value(&call)? else {
-        unreachable!("CallArgs serializes to a JSON object");
-    };
-    // A local folder is recorded as an absolute path, so that --from works from anywhere.
-    let model_record = if Path::new(&model).is_dir() {
-        root.canonicalize().unwrap_or(root).display().to_string()
-    } else {
-        model.clone()
-    };
-    let mut extras: BTreeMap<String, String> = [
-        ("dtype".to_string(), dtype.to_string()),
-        ("device".to_string(), device.to_string()),
-        ("compile".to_string(), compile.to_string()),
-    ]
-    .into_iter()
-    .collect();
-    if let Some(revision) = &load.revision {
-        extras.insert("revision".to_string(), revision.clone());
-    }
     let mut files = Vec::with_capacity(paths.len());
     for (k, (image, path)) in out.images.iter().zip(&paths).enumerate() {
-        let (prompt, negative_prompt) = call.prompts_of_image(k);
-        let params = GenerationParams {
-            prompt,
-            negative_prompt,
-            seed: call.seed.unwrap_or_default(),
-            steps: t.steps.len(),
-            guidance: out.guidance,
-            width: width as u32,
-            height: height as u32,
-            model: model_record.clone(),
-            kiln_version: env!("CARGO_PKG_VERSION").to_string(),
-            extras: extras.clone(),
-            pipeline: Some(pipeline.class_name().to_string()),
-            call: stored_call.clone(),
-            image_index: k,
-        };
-        let bytes = kiln::encode_png(image, Some(&params)).with_context(|| format!("encoding {}", path.display()))?;
+        let params = out.record.image_params(&recorded, k, out.size, out.guidance);
+        let bytes = crate::encode_png(image, Some(&params)).with_context(|| format!("encoding {}", path.display()))?;
         files.push((path.clone(), bytes));
     }
     write_all_or_nothing(&files)?;

@@ -3,9 +3,9 @@
 use std::path::Path;
 use std::time::Duration;
 
+use crate::defaults::default_model_folder;
+use crate::{DType, OffloadMode, RunOptions};
 use anyhow::{bail, Context, Result};
-use kiln::defaults::default_model_folder;
-use kiln::{DType, LoadOptions, OffloadMode};
 use kiln_server::{Backend, Limits, ModelSpec, OnShutdown, PipelineBackend, ServerConfig};
 
 const MODELS: &str = "What to serve";
@@ -31,7 +31,7 @@ pub struct ServeArgs {
     pub device: Vec<String>,
     /// Tensor parallelism over N devices of each --device's platform, from its index (one worker
     /// drives each mesh).
-    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cmd::generate::count, help_heading = MODELS)]
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count, help_heading = MODELS)]
     pub tp: usize,
     /// How the models run: none, blocks, full or auto (as `kiln generate --compile`).
     #[arg(long, default_value = "auto", help_heading = MODELS)]
@@ -113,7 +113,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .offload
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--offload: {e}"))?;
-    let compile = kiln::parse_compile_mode(&args.compile)?;
+    let compile = crate::parse_compile_mode(&args.compile)?;
     let on_shutdown = match args.on_shutdown.as_str() {
         "finish" => OnShutdown::Finish,
         "cancel" => OnShutdown::Cancel,
@@ -150,38 +150,39 @@ pub fn run(args: ServeArgs) -> Result<()> {
             kiln_fixtures::unpack(Path::new(model)).with_context(|| format!("unpacking {model}"))?;
         }
         // The model's pipeline is known before anything loads (and the error names the model).
-        kiln::PipelineKind::of_model(model, args.revision.as_deref()).with_context(|| format!("--model {model}"))?;
+        crate::PipelineKind::of_model(model, args.revision.as_deref()).with_context(|| format!("--model {model}"))?;
     }
     // Bind before loading: a port in use or a public address without a key fails at once.
     let listener = kiln_server::bind(&args.host, args.port, args.api_key.is_some(), args.insecure_public)?;
-    let mut devices: Vec<kiln::Device> = Vec::new();
+    let mut devices: Vec<crate::Device> = Vec::new();
     for spec in &args.device {
-        let device = kiln::open_device(spec, args.tp)?;
+        let device = crate::open_device(spec, args.tp)?;
         if let Some(same) = devices.iter().find(|d| **d == device) {
             bail!("--device {spec} is {same} again: give each device once");
         }
         devices.push(device);
     }
-    let specs = || -> Vec<ModelSpec> {
+    let specs = |device: &crate::Device| -> Vec<ModelSpec> {
         models
             .iter()
             .map(|model| ModelSpec {
                 model: model.clone(),
-                options: LoadOptions {
+                options: RunOptions {
                     dtype,
                     revision: args.revision.clone(),
+                    device: device.clone(),
+                    offload,
+                    compile,
                 },
-                offload,
-                compile,
             })
             .collect()
     };
     let loaders: Vec<_> = devices
         .into_iter()
         .map(|device| {
-            let specs = specs();
+            let specs = specs(&device);
             move || {
-                let (backend, infos) = PipelineBackend::load(&specs, &device)?;
+                let (backend, infos) = PipelineBackend::load(&specs)?;
                 Ok((Box::new(backend) as Box<dyn Backend>, infos))
             }
         })

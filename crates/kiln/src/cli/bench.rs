@@ -1,11 +1,10 @@
 //! `kiln bench`: times a pipeline (FLUX.1, SD3, FLUX.2 [dev], [klein]) the way `tools/bench_flux/bench.py` times diffusers.
 
-use kiln::DiffusionPipeline;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use crate::{AnyPipeline, DType, GenerateCall, LoadOptions, OffloadMode, RunOptions, Timings};
 use anyhow::{bail, Context, Result};
-use kiln::{AnyPipeline, DType, GenerateCall, LoadOptions, OffloadMode, Timings};
 use kiln_image::RgbImage;
 
 #[derive(clap::Args)]
@@ -16,24 +15,24 @@ pub struct BenchArgs {
     pub model: String,
     #[arg(long, default_value = "a photo of a cat holding a sign")]
     pub prompt: String,
-    #[arg(long, default_value_t = 512, allow_negative_numbers = true, value_parser = crate::cmd::generate::count)]
+    #[arg(long, default_value_t = 512, allow_negative_numbers = true, value_parser = crate::cli::generate::count)]
     pub height: usize,
-    #[arg(long, default_value_t = 512, allow_negative_numbers = true, value_parser = crate::cmd::generate::count)]
+    #[arg(long, default_value_t = 512, allow_negative_numbers = true, value_parser = crate::cli::generate::count)]
     pub width: usize,
-    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = crate::cmd::generate::count)]
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true, value_parser = crate::cli::generate::count)]
     pub steps: usize,
     /// FLUX.1: the embedded guidance (dev); SD3: the classifier-free guidance scale (above 1 the
     /// transformer runs on [negative; prompt], twice the batch, as in diffusers).
     #[arg(long, default_value_t = 3.5, allow_negative_numbers = true)]
     pub guidance: f64,
-    #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = crate::cmd::generate::count)]
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true, value_parser = crate::cli::generate::count)]
     pub max_sequence_length: usize,
     #[arg(long, default_value = "f32")]
     pub dtype: String,
     #[arg(long, default_value = "auto")]
     pub device: String,
     /// Tensor parallelism over N devices (as `kiln generate --tp`).
-    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cmd::generate::count)]
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count)]
     pub tp: usize,
     /// none, blocks, full or auto (as `kiln generate --compile`).
     #[arg(long, default_value = "auto")]
@@ -42,7 +41,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "none")]
     pub offload: String,
     /// Timed calls after one warm-up call.
-    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = crate::cmd::generate::count)]
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = crate::cli::generate::count)]
     pub runs: usize,
     /// Save the first image of the first call as a PNG (to compare with another engine's).
     #[arg(long, value_name = "PNG")]
@@ -109,8 +108,8 @@ fn check(args: &BenchArgs) -> Result<()> {
     if !args.guidance.is_finite() {
         bail!("--guidance must be a finite number, got {}", args.guidance);
     }
-    kiln::check_prompt_text(&args.prompt).map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
-    let budget = kiln::CallBudget {
+    crate::check_prompt_text(&args.prompt).map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
+    let budget = crate::CallBudget {
         num_inference_steps: args.steps,
         batch: 1,
         num_images_per_prompt: 1,
@@ -118,10 +117,9 @@ fn check(args: &BenchArgs) -> Result<()> {
         width: args.width,
     };
     if let Err(over) = budget.check() {
-        let flag = if over.argument == "num_inference_steps" {
-            "--steps".to_string()
-        } else {
-            format!("--{}", over.argument.replace('_', "-"))
+        let flag = match over.argument {
+            "num_inference_steps" => "--steps".to_string(),
+            argument => crate::cli::generate::flag(argument),
         };
         bail!("{}", over.message(&flag));
     }
@@ -134,20 +132,26 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("--runs must be at least 1");
     }
     check(&args)?;
-    let device = kiln::open_device(&args.device, args.tp)?;
-    let compile = kiln::parse_compile_mode(&args.compile)?;
+    let device = crate::open_device(&args.device, args.tp)?;
+    let compile = crate::parse_compile_mode(&args.compile)?;
     let offload: OffloadMode = args
         .offload
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--offload: {e}"))?;
     let t_load = Instant::now();
-    let mut pipe = AnyPipeline::from_pretrained(&args.model, &LoadOptions { dtype, revision: None })
-        .with_context(|| format!("loading {}", args.model))?;
     if args.text_encoder_only {
+        let pipe = AnyPipeline::from_pretrained(&args.model, &LoadOptions { dtype, revision: None })
+            .with_context(|| format!("loading {}", args.model))?;
         return text_encoder_only(&pipe, &args, &device, dtype, secs(t_load.elapsed()));
     }
-    pipe.set_offload(offload, &device)?;
-    pipe.compile(compile);
+    let options = RunOptions {
+        dtype,
+        revision: None,
+        device: device.clone(),
+        offload,
+        compile,
+    };
+    let mut pipe = AnyPipeline::load(&args.model, &options).with_context(|| format!("loading {}", args.model))?;
     let pipeline = pipe.kind();
     let load_s = secs(t_load.elapsed());
     // What the loaded weights hold on each device (the most any device of a mesh holds).
@@ -187,7 +191,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     kiln_tensor::set_op_profiling(false);
     profiled?;
     let ops = kiln_tensor::op_profile();
-    let programs = kiln::op_cache_stats();
+    let programs = crate::op_cache_stats();
     let op_total: f64 = ops.iter().map(|(_, _, d)| secs(*d)).sum();
 
     let result = serde_json::json!({
@@ -268,7 +272,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
 fn text_encoder_only(
     pipe: &AnyPipeline,
     args: &BenchArgs,
-    device: &kiln::Device,
+    device: &crate::Device,
     dtype: DType,
     open_s: f64,
 ) -> Result<()> {
@@ -276,7 +280,7 @@ fn text_encoder_only(
     let embeds = pipe.encode_prompt_text_encoder_only(&args.prompt, Some(args.max_sequence_length), device)?;
     let dims = embeds.dims().to_vec();
     // Waits for the device: the time includes the encoder's work, not only its dispatch.
-    kiln::synchronize_all()?;
+    crate::synchronize_all()?;
     drop(embeds);
     let encode_s = secs(t.elapsed());
     let result = serde_json::json!({

@@ -10,7 +10,7 @@ pub fn run() -> Result<()> {
             p.display()
         );
     }
-    if let Some(job) = kiln::job() {
+    if let Some(job) = crate::job() {
         return job_devices(job, paths);
     }
     let found = paths.find_all();
@@ -66,7 +66,7 @@ pub fn run() -> Result<()> {
 
 /// Under `kiln launch`: each rank creates its client (with the job's key-value callbacks), puts
 /// what it sees into the job's store, and rank 0 prints every rank's line, read back from it.
-fn job_devices(job: &kiln::Job, paths: &kiln_pjrt::SearchPaths) -> Result<()> {
+fn job_devices(job: &crate::Job, paths: &kiln_pjrt::SearchPaths) -> Result<()> {
     use anyhow::Context;
     let m = &job.membership;
     let location = paths.find(None)?;

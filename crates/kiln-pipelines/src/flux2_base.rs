@@ -1,0 +1,823 @@
+//! What FLUX.2 [dev] ([`crate::flux2`]) and [klein] ([`crate::flux2_klein`]) share: the
+//! transformer, the VAE behind its latent BatchNorm statistics, the latents, the ids, the schedule
+//! and the decoding ([`Flux2Base`], which both pipelines hold); they differ in the text encoder
+//! (Mistral / Qwen3, one decoder code) and the guidance.
+
+use std::time::Instant;
+
+use kiln_io::{AutoencoderKLFlux2Config, Flux2TransformerConfig, Mistral3Config, Qwen3Config};
+use kiln_models::autoencoder_kl_flux2::{pack_latents, AutoencoderKLFlux2};
+use kiln_models::mistral::FLUX2_HIDDEN_STATES;
+use kiln_models::qwen3::FLUX2_KLEIN_HIDDEN_STATES;
+use kiln_models::text_decoder::{TextDecoderArch, TextDecoderConfig, TextDecoderModel};
+use kiln_models::transformer_flux2::{Flux2Transformer2DModel, Flux2TransformerInputs};
+use kiln_nn::Args;
+use kiln_schedulers::{
+    compute_empirical_mu, flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
+};
+use kiln_tensor::{Device, MemoryKind, Tensor};
+use kiln_tokenizers::{Encoded, MistralTokenizer, Qwen3Tokenizer};
+
+use crate::call::{
+    check_packed_size, finish_call, mul_scale, pipeline_call, scalar, timestep_tensor, OutputType, PipelineOutput,
+};
+use crate::error::{invalid, Result};
+use crate::loading::{initial_noise, LoadOptions, ModelFolder};
+use crate::pipeline::{components, CallStart, Denoising, PipelineCore};
+
+pipeline_call! {
+    /// The arguments of a `Flux2Pipeline` call, with diffusers' defaults (50 steps, guidance 4.0,
+    /// `max_sequence_length` 512, size 0 = `128 · vae_scale_factor`). FLUX.2 has one text encoder
+    /// and no negative prompt: `prompt_2`, `negative_prompt*`, `pooled_prompt_embeds` and the
+    /// negative embeddings are not its arguments (an error naming them when given).
+    /// `prompt_embeds` are `[B, L, joint_attention_dim]` (repeated per image); `latents` are the
+    /// patchified noise `[B·n, in_channels, H/(2·vsf), W/(2·vsf)]`, as diffusers takes them.
+    pub struct Flux2Call {
+        guidance_scale: 4.0,
+        max_sequence_length: 512,
+        num_inference_steps: 50,
+        /// The text encoder's `hidden_states` indices stacked per token into the prompt
+        /// embeddings (0 = the embeddings, `k` = after layer `k`).
+        pub text_encoder_out_layers: Vec<usize> = FLUX2_HIDDEN_STATES.to_vec(),
+    }
+}
+
+/// The models, once loaded on a device, in the order a call runs them (FLUX.2 [dev] and [klein]
+/// alike: the text encoder is the shared decoder of Mistral or Qwen3).
+pub struct Flux2Components {
+    /// `None` when the folder has no text encoder (`text_encoder: [null, null]`): the calls then
+    /// take `prompt_embeds` (computed elsewhere, e.g. by a remote text encoder).
+    text_encoder: Option<TextDecoderModel>,
+    transformer: Flux2Transformer2DModel,
+    vae: AutoencoderKLFlux2,
+}
+
+components!(Flux2Components: text_encoder (optional), transformer, vae);
+
+/// The classes `model_index.json` must name for the transformer and the VAE (both FLUX.2s).
+const FOLDER_COMPONENTS: &[(&str, &[&str])] = &[
+    ("transformer", &["Flux2Transformer2DModel"]),
+    ("vae", &["AutoencoderKLFlux2"]),
+];
+
+/// Which text encoder a FLUX.2 folder has: FLUX.2 [dev]'s Mistral or [klein]'s Qwen3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TextSide {
+    Mistral,
+    Qwen3,
+}
+
+impl TextSide {
+    fn encoder_classes(self) -> &'static [&'static str] {
+        match self {
+            TextSide::Mistral => &["Mistral3ForConditionalGeneration"],
+            TextSide::Qwen3 => &["Qwen3ForCausalLM"],
+        }
+    }
+    fn tokenizer_classes(self) -> &'static [&'static str] {
+        match self {
+            TextSide::Mistral => &["PixtralProcessor"],
+            TextSide::Qwen3 => &["Qwen2Tokenizer", "Qwen2TokenizerFast"],
+        }
+    }
+    /// diffusers' default `text_encoder_out_layers`.
+    pub(crate) fn out_layers(self) -> [usize; 3] {
+        match self {
+            TextSide::Mistral => FLUX2_HIDDEN_STATES,
+            TextSide::Qwen3 => FLUX2_KLEIN_HIDDEN_STATES,
+        }
+    }
+}
+
+/// The folder's tokenizer, of either kind.
+pub(crate) enum Flux2Tokenizer {
+    Mistral(MistralTokenizer),
+    Qwen3(Qwen3Tokenizer),
+}
+
+impl Flux2Tokenizer {
+    /// The text encoder's input for `prompts`, as the pipeline builds it.
+    fn encode(&self, prompts: &[&str], max_sequence_length: usize) -> Result<Encoded> {
+        Ok(match self {
+            Flux2Tokenizer::Mistral(t) => t.encode_flux2_prompts(prompts, max_sequence_length)?,
+            Flux2Tokenizer::Qwen3(t) => t.encode_flux2_klein_prompts(prompts, max_sequence_length)?,
+        })
+    }
+}
+
+/// How a FLUX.2 call guides the transformer.
+pub(crate) enum Flux2Guidance {
+    /// FLUX.2 [dev]: the scale is passed to the transformer (its guidance embedder), one call per
+    /// step.
+    Embedded(f64),
+    /// FLUX.2 [klein], distilled (or the base model with a scale ≤ 1): one call per step, no
+    /// guidance input.
+    Unguided,
+    /// FLUX.2 [klein] base with a scale > 1: classifier-free guidance with the negative embeddings
+    /// (the call's `negative_prompt_embeds`, else the empty prompt's), `neg + scale·(cond − neg)`,
+    /// two calls per step.
+    Cfg(f64),
+}
+
+/// What FLUX.2 [dev] and [klein] share: the pipeline core, the folder's tokenizer and configs,
+/// and every stage of a call but the guidance ([`Flux2Base::generate`]).
+pub(crate) struct Flux2Base {
+    pub(crate) core: PipelineCore<Flux2Components>,
+    /// The diffusers class, for messages.
+    class: &'static str,
+    pub(crate) tokenizer: Option<Flux2Tokenizer>,
+    text_encoder_config: Option<TextDecoderArch>,
+    /// The hidden states the text encoder is loaded for: `0..=max(default out layers)`, so that a
+    /// call may pick any of them; the layers past the last one are never read.
+    text_encoder_hidden_states: Vec<usize>,
+    pub(crate) default_out_layers: [usize; 3],
+    pub(crate) transformer_config: Flux2TransformerConfig,
+    vae_config: AutoencoderKLFlux2Config,
+    scheduler_config: FlowMatchEulerDiscreteSchedulerConfig,
+}
+
+impl Flux2Base {
+    /// Opens a FLUX.2 folder whose `model_index.json` names `class` and, unless null, a text
+    /// encoder and tokenizer of `text`'s kind: parses every config, builds the tokenizer and maps
+    /// the weights. Returns the folder too (for pipeline options such as `is_distilled`).
+    pub(crate) fn open(
+        model: &str,
+        options: &LoadOptions,
+        class: &'static str,
+        text: TextSide,
+    ) -> Result<(Self, ModelFolder)> {
+        let folder = ModelFolder::open_pipeline(model, options, &[class], FOLDER_COMPONENTS)?;
+        let has_text_encoder = folder
+            .index
+            .optional_component("text_encoder", text.encoder_classes())?
+            .is_some();
+        let (tokenizer, text_encoder_config) = if has_text_encoder {
+            folder.index.require_component("tokenizer", text.tokenizer_classes())?;
+            let dir = folder.component_dir("tokenizer")?;
+            let (tokenizer, arch) = match text {
+                TextSide::Mistral => {
+                    let config: Mistral3Config = folder.config("text_encoder")?;
+                    (
+                        Flux2Tokenizer::Mistral(MistralTokenizer::from_folder(dir)?),
+                        config.text_config.arch(),
+                    )
+                }
+                TextSide::Qwen3 => {
+                    let config: Qwen3Config = folder.config("text_encoder")?;
+                    (Flux2Tokenizer::Qwen3(Qwen3Tokenizer::from_folder(dir)?), config.arch())
+                }
+            };
+            let arch = arch.map_err(|e| invalid(format!("text_encoder/config.json: {e}")))?;
+            (Some(tokenizer), Some(arch))
+        } else {
+            (None, None)
+        };
+        let components: &[&'static str] = match has_text_encoder {
+            true => &["text_encoder", "transformer", "vae"],
+            false => &["transformer", "vae"],
+        };
+        let default_out_layers = text.out_layers();
+        let last = default_out_layers.iter().copied().max().unwrap_or(0);
+        let base = Flux2Base {
+            core: folder.core(options, components)?,
+            class,
+            tokenizer,
+            text_encoder_config,
+            text_encoder_hidden_states: (0..=last).collect(),
+            default_out_layers,
+            transformer_config: folder.config("transformer")?,
+            vae_config: folder.config("vae")?,
+            scheduler_config: folder.scheduler_config()?,
+        };
+        Ok((base, folder))
+    }
+
+    /// Loads every component's weights into memory space `memory` of `device`.
+    pub(crate) fn load_components(&self, device: &Device, memory: MemoryKind) -> Result<Flux2Components> {
+        let w = |name| self.core.weights(name, device, memory);
+        let text_encoder = match &self.text_encoder_config {
+            Some(config) => Some(TextDecoderModel::load(
+                config,
+                &w("text_encoder")?,
+                &self.text_encoder_hidden_states,
+            )?),
+            None => None,
+        };
+        Ok(Flux2Components {
+            text_encoder,
+            transformer: Flux2Transformer2DModel::load(&self.transformer_config, &w("transformer")?)?,
+            vae: AutoencoderKLFlux2::load(&self.vae_config, &w("vae")?)?,
+        })
+    }
+
+    /// `layers` when given, else the pipeline's default `text_encoder_out_layers`.
+    pub(crate) fn out_layers(&self, layers: Option<&[usize]>) -> Vec<usize> {
+        layers.map_or_else(|| self.default_out_layers.to_vec(), <[usize]>::to_vec)
+    }
+
+    pub(crate) fn transformer_mut(&mut self) -> Option<&mut Flux2Transformer2DModel> {
+        self.core.components_mut().map(|m| &mut m.transformer)
+    }
+
+    pub(crate) fn has_text_encoder(&self) -> bool {
+        self.text_encoder_config.is_some()
+    }
+
+    pub(crate) fn vae_scale_factor(&self) -> usize {
+        self.vae_config.vae_scale_factor()
+    }
+
+    pub(crate) fn default_size(&self) -> usize {
+        128 * self.vae_scale_factor()
+    }
+
+    /// `encode_prompt` for a placed pipeline (see the pipelines' `encode_prompt`).
+    pub(crate) fn encode_prompt(
+        &self,
+        prompt: &[String],
+        images_per_prompt: usize,
+        max_sequence_length: usize,
+        text_encoder_out_layers: &[usize],
+    ) -> Result<Tensor> {
+        self.check_encode(prompt, text_encoder_out_layers, max_sequence_length)?;
+        let _finish = self.core.begin_call()?;
+        self.encode(prompt, images_per_prompt, max_sequence_length, text_encoder_out_layers)
+    }
+
+    /// The prompt embeddings `[B·n, L, k·hidden]`: the text encoder's hidden states `layers` of
+    /// each prompt's tokens, concatenated per token and repeated per image (prompt-major).
+    fn encode(
+        &self,
+        prompt: &[String],
+        images_per_prompt: usize,
+        max_sequence_length: usize,
+        layers: &[usize],
+    ) -> Result<Tensor> {
+        let (models, device) = self.core.loaded()?;
+        let Some(text_encoder) = &models.text_encoder else {
+            return Err(self.no_text_encoder());
+        };
+        let (tokens, ids) = self.tokens(prompt, max_sequence_length, device)?;
+        let embeds = self.core.run("text_encoder", text_encoder, |te| {
+            self.stacked_hidden_states(te, &ids, &tokens, layers)
+        })?;
+        Ok(embeds.repeat_interleave(images_per_prompt, 0)?)
+    }
+
+    /// The checks of an `encode_prompt`: at least one prompt, out layers and a length the text
+    /// encoder has.
+    fn check_encode(&self, prompt: &[String], layers: &[usize], max_sequence_length: usize) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(invalid("`prompt` is an empty list: give at least one prompt"));
+        }
+        self.check_text_inputs(layers, max_sequence_length, false)
+    }
+
+    /// The tokenizer's output for `prompt` and its ids on `device`.
+    fn tokens(&self, prompt: &[String], max_sequence_length: usize, device: &Device) -> Result<(Encoded, Tensor)> {
+        let tokenizer = self.tokenizer.as_ref().ok_or_else(|| self.no_text_encoder())?;
+        let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
+        let tokens = tokenizer.encode(&texts, max_sequence_length)?;
+        let ids = Tensor::from_slice(&tokens.input_ids, tokens.shape(), device)?;
+        Ok((tokens, ids))
+    }
+
+    /// The text encoder's hidden states `layers` for `tokens` (`ids` on its device), concatenated
+    /// per token, in the pipeline's dtype.
+    fn stacked_hidden_states(
+        &self,
+        text_encoder: &TextDecoderModel,
+        ids: &Tensor,
+        tokens: &Encoded,
+        layers: &[usize],
+    ) -> Result<Tensor> {
+        let out = text_encoder.forward_with_host_inputs(ids, &tokens.input_ids, Some(&tokens.attention_mask))?;
+        let loaded = text_encoder.hidden_state_indices();
+        let parts = layers
+            .iter()
+            .map(|k| {
+                let at = loaded
+                    .iter()
+                    .position(|i| i == k)
+                    .ok_or_else(|| self.out_layer_error(*k))?;
+                Ok(&out.hidden_states[at])
+            })
+            .collect::<Result<Vec<&Tensor>>>()?;
+        Ok(Tensor::cat(&parts, -1)?.to_dtype(self.core.dtype())?)
+    }
+
+    /// The prompt embeddings ([`Self::encode_prompt`]'s) with only the text encoder loaded, on
+    /// `device`, and dropped afterwards: the transformer's and the VAE's weights are never read
+    /// (BFL's remote text encoder computes embeddings this way for a machine that loads none).
+    pub(crate) fn encode_prompt_text_encoder_only(
+        &self,
+        prompt: &[String],
+        max_sequence_length: usize,
+        text_encoder_out_layers: &[usize],
+        device: &Device,
+    ) -> Result<Tensor> {
+        self.check_encode(prompt, text_encoder_out_layers, max_sequence_length)?;
+        let Some(config) = &self.text_encoder_config else {
+            return Err(self.no_text_encoder());
+        };
+        let weights = self.core.weights("text_encoder", device, MemoryKind::Device)?;
+        let text_encoder = TextDecoderModel::load(config, &weights, &self.text_encoder_hidden_states)?;
+        let (tokens, ids) = self.tokens(prompt, max_sequence_length, device)?;
+        self.stacked_hidden_states(&text_encoder, &ids, &tokens, text_encoder_out_layers)
+    }
+
+    /// A call (`pipe(prompt=..., ...)`) with `guidance`; the arguments `not_arguments` names
+    /// are refused when given. Warnings the pipeline logged before are in `warnings`.
+    pub(crate) fn generate(
+        &self,
+        mut args: Flux2Call<'_>,
+        guidance: Flux2Guidance,
+        not_arguments: &[&str],
+        mut warnings: Vec<String>,
+    ) -> Result<PipelineOutput> {
+        let start = Instant::now();
+        let vsf = self.vae_scale_factor();
+        let (height, width) = args.size_or(self.default_size());
+        let cfg = matches!(guidance, Flux2Guidance::Cfg(_));
+        self.check_inputs(&args, height, width, not_arguments, cfg, &mut warnings)?;
+        let dtype = self.core.dtype();
+        let channels = self.transformer_config.in_channels;
+        let n = args.num_images_per_prompt;
+        // 2. Batch size.
+        let CallStart {
+            models,
+            device,
+            batch,
+            total,
+            finish: _finish,
+        } = self.core.start_call(args.nonempty_batch(), n)?;
+
+        // 3. Text encoding (given embeddings are repeated per image too); with CFG the negative
+        //    embeddings after the prompt's: given ones, else the empty prompt's (one per prompt).
+        let t0 = Instant::now();
+        let given =
+            |e: Tensor| -> Result<Tensor> { Ok(e.to_device(device)?.to_dtype(dtype)?.repeat_interleave(n, 0)?) };
+        let layers = args.text_encoder_out_layers.clone();
+        let embedded = match guidance {
+            Flux2Guidance::Embedded(g) => Some(g),
+            _ => None,
+        };
+        let prompt_embeds = match args.prompt_embeds.take() {
+            Some(e) => given(e)?,
+            None => {
+                let prompt = args.prompt.clone().unwrap_or_default();
+                self.encode(&prompt, n, args.max_sequence_length, &layers)?
+            }
+        };
+        let (negative, scale) = match guidance {
+            Flux2Guidance::Cfg(scale) => {
+                let negative = match args.negative_prompt_embeds.take() {
+                    Some(e) => given(e)?,
+                    None => {
+                        let empty = cfg_negative_prompts(batch);
+                        self.encode(&empty, n, args.max_sequence_length, &layers)?
+                    }
+                };
+                (Some(negative), scale)
+            }
+            _ => (None, 1.0),
+        };
+        negative.as_ref().unwrap_or(&prompt_embeds).wait()?;
+        let text_encoding = t0.elapsed();
+
+        // 4. Latents, drawn in the patchified shape, and the ids: text (0, 0, 0, l), image (0, h, w, 0).
+        let (gh, gw) = (height / (vsf * 2), width / (vsf * 2));
+        let seq = gh * gw;
+        let latents = match args.latents.take() {
+            Some(l) if l.dims() != [total, channels, gh, gw] => {
+                return Err(invalid(format!(
+                    "`latents` must be patchified latents of shape [{total}, {channels}, {gh}, {gw}], got {}",
+                    l.shape()
+                )))
+            }
+            Some(l) => pack_latents(&l.to_device(device)?.to_dtype(dtype)?)?,
+            None => {
+                let shape = [total, channels, gh, gw];
+                pack_latents(&initial_noise(shape, args.seed, args.seeds.as_deref(), dtype, device)?)?
+            }
+        };
+        let image_ids = latent_ids(gh, gw);
+        let rope_for = |embeds: &Tensor| models.transformer.rope(&text_ids(embeds.dims()[1]), &image_ids, device);
+        let rope = rope_for(&prompt_embeds)?;
+        let negative_rope = match &negative {
+            Some(neg) if neg.dims()[1] != prompt_embeds.dims()[1] => Some(rope_for(neg)?),
+            _ => None,
+        };
+
+        // 5. Timesteps.
+        let scheduler = self.scheduler(args.num_inference_steps, args.sigmas.as_deref(), seq)?;
+        let timesteps = scheduler.timesteps().to_vec();
+
+        // 6. Denoising loop: FLUX.2 [dev] passes the guidance (float32) to every call; with CFG,
+        //    `neg + scale·(cond − neg)` in the latent dtype.
+        let guidance_values = match embedded {
+            Some(g) => Some(Tensor::from_slice(&vec![g as f32; total], [total], device)?),
+            None => None,
+        };
+        let mut call_inputs = Args::new()
+            .with("embeds", &prompt_embeds)
+            .with_opt("guidance", guidance_values.as_ref())
+            .with_rope(&rope);
+        if let Some(neg) = &negative {
+            let neg_rope = negative_rope.as_ref().unwrap_or(&rope);
+            call_inputs = call_inputs
+                .with("negative.embeds", neg)
+                .with("negative.rope.cos", &neg_rope.cos)
+                .with("negative.rope.sin", &neg_rope.sin)
+                .with("cfg_scale", &scalar(scale, device)?);
+        }
+        let variant = if negative.is_some() { "flux2.cfg" } else { "flux2" };
+        let denoising = Denoising {
+            scheduler: &scheduler,
+            timesteps: &timesteps,
+            latents,
+            progress: args.progress,
+            callback: &mut args.callback,
+            decodes: args.output_type == OutputType::Image,
+        };
+        let prepare = |_: usize, t: f32, inputs: &mut Args| -> Result<String> {
+            inputs.insert("timestep", timestep_tensor(t, total, dtype, device)?);
+            Ok(variant.to_string())
+        };
+        let (latents, steps) = self.core.denoise(
+            ("transformer", &models.transformer),
+            denoising,
+            &call_inputs,
+            prepare,
+            |tr, a| {
+                let predict = |embeds: &str, rope: kiln_nn::RopeTables| {
+                    tr.forward(&Flux2TransformerInputs {
+                        hidden_states: a.get("latents")?,
+                        encoder_hidden_states: a.get(embeds)?,
+                        timestep: a.get("timestep")?,
+                        guidance: a.opt("guidance"),
+                        rope: &rope,
+                    })
+                };
+                let cond = predict("embeds", a.rope()?)?;
+                let Some(scale) = a.opt("cfg_scale") else {
+                    return Ok(cond);
+                };
+                let negative_rope = kiln_nn::RopeTables {
+                    cos: a.get("negative.rope.cos")?.clone(),
+                    sin: a.get("negative.rope.sin")?.clone(),
+                };
+                let neg = predict("negative.embeds", negative_rope)?;
+                Ok(neg.add(&mul_scale(&cond.sub(&neg)?, scale)?)?)
+            },
+        )?;
+
+        let times = (start, text_encoding, steps);
+        finish_call(
+            args.output_type,
+            latents,
+            (2 * gh * vsf, 2 * gw * vsf),
+            times,
+            warnings,
+            |l| self.decode(l, gh, gw),
+        )
+    }
+
+    /// The schedule of a call: `sigmas`, or `linspace(1, 1/N, N)` for `N = num_inference_steps`,
+    /// shifted with `mu = compute_empirical_mu(image_seq_len, num_inference_steps)` (the packed
+    /// token count), in float32 as the folder's scheduler does it; the step index starts at 0.
+    pub(crate) fn scheduler(
+        &self,
+        num_inference_steps: usize,
+        sigmas: Option<&[f64]>,
+        image_seq_len: usize,
+    ) -> Result<FlowMatchEulerDiscreteScheduler> {
+        let sigmas = sigmas.map_or_else(|| flux_default_sigmas(num_inference_steps), <[f64]>::to_vec);
+        let mu = compute_empirical_mu(image_seq_len, num_inference_steps);
+        let mut scheduler = FlowMatchEulerDiscreteScheduler::new(self.scheduler_config.clone())?;
+        scheduler.set_timesteps(sigmas.len(), Some(&sigmas), Some(mu))?;
+        scheduler.set_begin_index(0);
+        Ok(scheduler)
+    }
+
+    pub(crate) fn vae(&self) -> Option<&AutoencoderKLFlux2> {
+        self.core.loaded().ok().map(|(m, _)| &m.vae)
+    }
+
+    pub(crate) fn decode_latents(&self, latents: &Tensor, gh: usize, gw: usize) -> Result<Tensor> {
+        let _finish = self.core.begin_call()?;
+        self.decode(latents, gh, gw)
+    }
+
+    fn decode(&self, latents: &Tensor, gh: usize, gw: usize) -> Result<Tensor> {
+        let (models, _) = self.core.loaded()?;
+        self.core.run("vae", &models.vae, |vae| {
+            let z = vae.latents_from_tokens(latents, gh, gw)?;
+            Ok(vae.decode(&z)?)
+        })
+    }
+
+    /// Every index of `layers` must be a hidden state the text encoder is loaded for.
+    fn check_out_layers(&self, layers: &[usize]) -> Result<()> {
+        if layers.is_empty() {
+            let [a, b, c] = self.default_out_layers;
+            return Err(invalid(format!(
+                "`text_encoder_out_layers` is empty: give the hidden states to stack ({}: {a}, {b}, {c})",
+                self.class
+            )));
+        }
+        match layers.iter().find(|k| !self.text_encoder_hidden_states.contains(k)) {
+            Some(&k) => Err(self.out_layer_error(k)),
+            None => Ok(()),
+        }
+    }
+
+    /// `embeds` (named `name`) must be `[batch, tokens, joint_attention_dim]`.
+    fn check_embeds(&self, name: &str, embeds: &Tensor) -> Result<()> {
+        let joint = self.transformer_config.joint_attention_dim;
+        if embeds.rank() != 3 || embeds.dims()[2] != joint || embeds.dims()[1] == 0 {
+            return Err(invalid(format!(
+                "`{name}` must be [batch, tokens, {joint}] (the transformer's joint_attention_dim), got {}",
+                embeds.shape()
+            )));
+        }
+        Ok(())
+    }
+
+    /// diffusers' `check_inputs` (plus the checks `__call__` does early); warnings go to `warnings`.
+    fn check_inputs(
+        &self,
+        args: &Flux2Call<'_>,
+        height: usize,
+        width: usize,
+        not_arguments: &[&str],
+        cfg: bool,
+        warnings: &mut Vec<String>,
+    ) -> Result<()> {
+        let given = [
+            ("prompt_2", args.prompt_2.is_some()),
+            ("negative_prompt", args.negative_prompt.is_some()),
+            ("negative_prompt_2", args.negative_prompt_2.is_some()),
+            ("pooled_prompt_embeds", args.pooled_prompt_embeds.is_some()),
+            ("negative_prompt_embeds", args.negative_prompt_embeds.is_some()),
+            (
+                "negative_pooled_prompt_embeds",
+                args.negative_pooled_prompt_embeds.is_some(),
+            ),
+        ];
+        if let Some((name, _)) = given.iter().find(|(name, g)| *g && not_arguments.contains(name)) {
+            return Err(invalid(format!("`{name}` is not an argument of {}", self.class)));
+        }
+        check_packed_size(self.vae_scale_factor() * 2, height, width, warnings)?;
+        // FLUX.2 has no pooled embeddings and no limit on `max_sequence_length`.
+        let mut checks = args.shared_checks_of(&[], &[]);
+        checks.needs_pooled = false;
+        checks.max_sequence_length_limit = None;
+        checks.check()?;
+        if args.sigmas.is_none() && args.num_inference_steps == 0 {
+            // diffusers fails here with ZeroDivisionError.
+            return Err(invalid("`num_inference_steps` must be at least 1, got 0"));
+        }
+        // Negative embeddings are read (and checked) with CFG only; diffusers ignores them otherwise.
+        if let Some(e) = args.negative_prompt_embeds.as_ref().filter(|_| cfg) {
+            self.check_embeds("negative_prompt_embeds", e)?;
+            let batch = args.batch();
+            if e.dims()[0] != batch {
+                return Err(invalid(format!(
+                    "`negative_prompt_embeds` must have one row per prompt ({batch}), got {}",
+                    e.shape()
+                )));
+            }
+        }
+        match &args.prompt_embeds {
+            Some(e) => self.check_embeds("prompt_embeds", e)?,
+            None => self.check_text_inputs(&args.text_encoder_out_layers, args.max_sequence_length, true)?,
+        }
+        Ok(())
+    }
+
+    /// The checks of a call that encodes its prompts: a text encoder, `layers` it gives (that fill
+    /// the transformer's joint_attention_dim when `joint`: an encoding of other layers may be
+    /// asked for by itself), and `max_sequence_length` within its positions.
+    fn check_text_inputs(&self, layers: &[usize], max_sequence_length: usize, joint: bool) -> Result<()> {
+        if !self.has_text_encoder() {
+            return Err(self.no_text_encoder());
+        }
+        self.check_out_layers(layers)?;
+        let config = self.text_encoder_config.as_ref();
+        let hidden = config.map_or(0, |c| c.hidden_size);
+        let k = layers.len();
+        if joint && k * hidden != self.transformer_config.joint_attention_dim {
+            return Err(invalid(format!(
+                "`text_encoder_out_layers` gives {k} hidden states of {hidden} features ({}), but the transformer's joint_attention_dim is {}",
+                k * hidden,
+                self.transformer_config.joint_attention_dim
+            )));
+        }
+        if max_sequence_length == 0 {
+            return Err(invalid("`max_sequence_length` must be at least 1"));
+        }
+        // diffusers has no limit; the text encoder's positions do.
+        let positions = config.map_or(0, |c| c.max_position_embeddings);
+        if positions > 0 && max_sequence_length > positions {
+            return Err(invalid(format!(
+                "`max_sequence_length` cannot be greater than the text encoder's max_position_embeddings {positions} but is {max_sequence_length}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn no_text_encoder(&self) -> crate::PipelineError {
+        invalid(format!(
+            "this {} has no text encoder (`text_encoder` is null in model_index.json): pass `prompt_embeds` instead of `prompt`",
+            self.class
+        ))
+    }
+
+    fn out_layer_error(&self, k: usize) -> crate::PipelineError {
+        let last = self.text_encoder_hidden_states.iter().copied().max().unwrap_or(0);
+        invalid(format!(
+            "`text_encoder_out_layers` asks for hidden state {k}, but the text encoder is loaded for hidden states 0..={last} only"
+        ))
+    }
+}
+
+/// The methods FLUX.2 [dev] and [klein] share, on `self.base`.
+macro_rules! flux2_shared_methods {
+    () => {
+        /// The loaded transformer (`pipe.transformer`); `None` before the pipeline is placed.
+        pub fn transformer_mut(&mut self) -> Option<&mut kiln_models::transformer_flux2::Flux2Transformer2DModel> {
+            self.base.transformer_mut()
+        }
+        /// Whether the folder has a text encoder (else calls need `prompt_embeds`).
+        pub fn has_text_encoder(&self) -> bool {
+            self.base.has_text_encoder()
+        }
+        /// `2^(len(block_out_channels) − 1)`.
+        pub fn vae_scale_factor(&self) -> usize {
+            self.base.vae_scale_factor()
+        }
+        /// `default_sample_size (128) · vae_scale_factor`: the size used when height/width are 0.
+        pub fn default_size(&self) -> usize {
+            self.base.default_size()
+        }
+        pub fn transformer_config(&self) -> &kiln_io::Flux2TransformerConfig {
+            &self.base.transformer_config
+        }
+        /// `encode_prompt`: the prompt embeddings `[B·n, max_sequence_length, k·hidden]` — the
+        /// text encoder's hidden states `text_encoder_out_layers` of each prompt's chat-template
+        /// tokens, concatenated per token and repeated per image (prompt-major order). Loads the
+        /// models on the CPU if `to` was not called.
+        pub fn encode_prompt(
+            &mut self,
+            prompt: &[String],
+            images_per_prompt: usize,
+            max_sequence_length: usize,
+            text_encoder_out_layers: &[usize],
+        ) -> $crate::Result<kiln_tensor::Tensor> {
+            $crate::pipeline::PipelineParts::ensure_loaded(self)?;
+            self.base.encode_prompt(
+                prompt,
+                images_per_prompt,
+                max_sequence_length,
+                text_encoder_out_layers,
+            )
+        }
+        /// `encode_prompt` (one row per prompt) with only the text encoder loaded on `device`,
+        /// and dropped afterwards; the transformer and the VAE are never read.
+        pub fn encode_prompt_text_encoder_only(
+            &self,
+            prompt: &[String],
+            max_sequence_length: usize,
+            text_encoder_out_layers: &[usize],
+            device: &kiln_tensor::Device,
+        ) -> $crate::Result<kiln_tensor::Tensor> {
+            self.base
+                .encode_prompt_text_encoder_only(prompt, max_sequence_length, text_encoder_out_layers, device)
+        }
+        /// The schedule of a call: `sigmas`, or `linspace(1, 1/N, N)` for
+        /// `N = num_inference_steps`, shifted with `mu = compute_empirical_mu(image_seq_len,
+        /// num_inference_steps)` (the packed token count), in float32 as the folder's scheduler
+        /// does it; the step index starts at 0.
+        pub fn scheduler(
+            &self,
+            num_inference_steps: usize,
+            sigmas: Option<&[f64]>,
+            image_seq_len: usize,
+        ) -> $crate::Result<kiln_schedulers::FlowMatchEulerDiscreteScheduler> {
+            self.base.scheduler(num_inference_steps, sigmas, image_seq_len)
+        }
+        /// The loaded VAE (`pipe.vae`), e.g. for its BatchNorm statistics; `None` before the
+        /// pipeline is placed.
+        pub fn vae(&self) -> Option<&kiln_models::autoencoder_kl_flux2::AutoencoderKLFlux2> {
+            self.base.vae()
+        }
+        /// Packed latents `[N, gh·gw, in_channels]` of a `gh × gw` token grid → the image tensor
+        /// `[N, 3, 2·gh·vsf, 2·gw·vsf]` in [-1, 1] before post-processing: unpacked, BatchNorm
+        /// de-normalized, unpatchified, decoded.
+        pub fn decode_latents(
+            &mut self,
+            latents: &kiln_tensor::Tensor,
+            gh: usize,
+            gw: usize,
+        ) -> $crate::Result<kiln_tensor::Tensor> {
+            $crate::pipeline::PipelineParts::ensure_loaded(self)?;
+            self.base.decode_latents(latents, gh, gw)
+        }
+    };
+}
+pub(crate) use flux2_shared_methods;
+
+/// The [`crate::Pipeline`] methods FLUX.2 [dev] and [klein] share, for a pipeline whose call is
+/// `$call` and whose `does_cfg(scale)` says whether a call runs classifier-free guidance.
+macro_rules! flux2_pipeline_methods {
+    ($call:ident) => {
+        fn generate(
+            &mut self,
+            mut c: $crate::GenerateCall<'_>,
+            defaults: &$crate::CallDefaults,
+            e: Option<$crate::Embeddings>,
+        ) -> $crate::Result<$crate::PipelineOutput> {
+            let layers = c.text_encoder_out_layers.take();
+            let mut call = $call::from_generate(c, defaults, e);
+            call.text_encoder_out_layers = layers.unwrap_or(call.text_encoder_out_layers);
+            self.call(call)
+        }
+
+        fn encoding_settings(
+            &self,
+            call: &$crate::GenerateCall<'_>,
+            defaults: &$crate::CallDefaults,
+            _: bool,
+        ) -> $crate::EncodingSettings {
+            let layers = self.base.out_layers(call.text_encoder_out_layers.as_deref());
+            $crate::EncodingSettings {
+                max_sequence_length: call.max_sequence_length.unwrap_or(defaults.max_sequence_length),
+                negative: self.does_cfg(call.guidance_scale.unwrap_or(defaults.guidance_scale)),
+                arguments: vec![("text_encoder_out_layers", format!("{layers:?}").replace(' ', ""))],
+            }
+        }
+
+        fn encode_prompt(
+            &mut self,
+            call: &$crate::GenerateCall<'_>,
+            settings: &$crate::EncodingSettings,
+        ) -> $crate::Result<$crate::Embeddings> {
+            $crate::pipeline::PipelineParts::ensure_loaded(self)?;
+            let layers = self.base.out_layers(call.text_encoder_out_layers.as_deref());
+            let msl = settings.max_sequence_length;
+            let prompt_embeds = self.base.encode_prompt(&call.prompt, 1, msl, &layers)?;
+            let negative = match settings.negative {
+                true => Some(
+                    self.base
+                        .encode_prompt(&cfg_negative_prompts(call.prompt.len()), 1, msl, &layers)?,
+                ),
+                false => None,
+            };
+            Ok($crate::Embeddings {
+                prompt_embeds,
+                pooled_prompt_embeds: None,
+                negative_prompt_embeds: negative,
+                negative_pooled_prompt_embeds: None,
+            })
+        }
+
+        fn encode_prompt_text_encoder_only(
+            &self,
+            prompt: &str,
+            max_sequence_length: usize,
+            device: &kiln_tensor::Device,
+        ) -> $crate::Result<kiln_tensor::Tensor> {
+            let layers = self.base.out_layers(None);
+            self.base
+                .encode_prompt_text_encoder_only(&[prompt.to_string()], max_sequence_length, &layers, device)
+        }
+
+        fn default_size(&self) -> usize {
+            self.base.default_size()
+        }
+
+        fn vae_scale_factor(&self) -> usize {
+            self.base.vae_scale_factor()
+        }
+    };
+}
+pub(crate) use flux2_pipeline_methods;
+
+/// The prompts whose embeddings are the negatives of FLUX.2 [klein]'s CFG without
+/// `negative_prompt_embeds`: the empty prompt, one per prompt of a batch of `batch`.
+pub(crate) fn cfg_negative_prompts(batch: usize) -> Vec<String> {
+    vec![String::new(); batch]
+}
+
+/// The text ids of `len` tokens, row-major `[len, 4]`: `(0, 0, 0, l)`.
+pub fn text_ids(len: usize) -> Vec<i64> {
+    (0..len as i64).flat_map(|l| [0, 0, 0, l]).collect()
+}
+
+/// The image ids of a `gh × gw` token grid, row-major `[gh·gw, 4]`: `(0, h, w, 0)`, `h` outer.
+pub fn latent_ids(gh: usize, gw: usize) -> Vec<i64> {
+    (0..gh as i64)
+        .flat_map(|i| (0..gw as i64).flat_map(move |j| [0, i, j, 0]))
+        .collect()
+}

@@ -1,6 +1,0 @@
-pub mod bench;
-pub mod devices;
-pub mod generate;
-pub mod launch;
-pub mod selftest;
-pub mod serve;
