@@ -3,7 +3,7 @@
 
 use kiln_tensor::Tensor;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// A model or layer that owns weights.
 pub trait Module {
@@ -102,6 +102,28 @@ pub fn weights_of(module: &dyn Module) -> Vec<Tensor> {
     let mut out = Vec::new();
     module.visit(&mut |_, t| out.push(t.clone()));
     out
+}
+
+/// A copy of `module` whose weights are `weights`, in [`Module::visit`] order.
+pub fn with_weights<M: Module + Clone>(module: &M, weights: Vec<Tensor>) -> Result<M> {
+    let expected = weights.len();
+    let mut given = weights.into_iter();
+    let mut copy = module.clone();
+    let mut walked = 0;
+    copy.map(&mut |name, _| {
+        walked += 1;
+        given.next().ok_or_else(|| Error::Config {
+            component: "offload".into(),
+            message: format!("{expected} weights were given for a module that has more (first missing: `{name}`)"),
+        })
+    })?;
+    if walked != expected {
+        return Err(Error::Config {
+            component: "offload".into(),
+            message: format!("{expected} weights were given for a module that has {walked}"),
+        });
+    }
+    Ok(copy)
 }
 
 /// How a model runs: op by op, or as compiled programs (diffusers' `torch.compile` of the whole
