@@ -15,7 +15,7 @@
 use kiln_io::{Activation, ClipTextConfig};
 use kiln_nn::module::{join_name, map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Module, Outputs, Result,
+    impl_model, impl_module, impl_tensors, Args, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Module, Result,
     Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Tensor};
@@ -489,34 +489,13 @@ impl ClipTextModel {
     }
 }
 
-/// The results of the whole forward: `last_hidden_state`, `pooler_output`, `text_embeds` (with a
-/// projection), then `hidden_states.{i}`.
-impl Outputs for ClipTextOutput {
-    fn into_args(self) -> Args {
-        let mut args = Args::new()
-            .with("last_hidden_state", &self.last_hidden_state)
-            .with("pooler_output", &self.pooler_output)
-            .with_opt("text_embeds", self.text_embeds.as_ref());
-        args.insert_list("hidden_states", self.hidden_states);
-        args
-    }
-    fn from_args(mut args: Args) -> Result<Self> {
-        let last_hidden_state = args.take("last_hidden_state")?;
-        let pooler_output = args.take("pooler_output")?;
-        let text_embeds = args
-            .opt("text_embeds")
-            .is_some()
-            .then(|| args.take("text_embeds"))
-            .transpose()?;
-        let hidden_states = args.take_list("hidden_states");
-        Ok(ClipTextOutput {
-            last_hidden_state,
-            pooler_output,
-            text_embeds,
-            hidden_states,
-        })
-    }
-}
+// The results of the whole forward, in this order.
+impl_tensors!(ClipTextOutput {
+    last_hidden_state,
+    pooler_output,
+    text_embeds,
+    hidden_states
+});
 
 /// The position whose hidden state is the pooled output.
 /// transformers quirk: configs with the legacy `eos_token_id == 2` pool at the first position of

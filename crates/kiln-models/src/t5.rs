@@ -18,7 +18,7 @@
 use kiln_io::{Activation, T5Config};
 use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, TpPlan,
+    impl_model, impl_module, impl_tensors, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Result, TpPlan,
     TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, Tensor};
@@ -306,22 +306,11 @@ impl_model!(
     }
 );
 
-/// The results of the whole forward: `last_hidden_state`, then `hidden_states.{i}`.
-impl Outputs for T5EncoderOutput {
-    fn into_args(self) -> Args {
-        let mut args = Args::new().with("last_hidden_state", &self.last_hidden_state);
-        args.insert_list("hidden_states", self.hidden_states);
-        args
-    }
-    fn from_args(mut args: Args) -> Result<Self> {
-        let last_hidden_state = args.take("last_hidden_state")?;
-        let hidden_states = args.take_list("hidden_states");
-        Ok(T5EncoderOutput {
-            last_hidden_state,
-            hidden_states,
-        })
-    }
-}
+// The results of the whole forward, in this order.
+impl_tensors!(T5EncoderOutput {
+    last_hidden_state,
+    hidden_states
+});
 
 /// Block 0's bucket table, which every block uses.
 const RELATIVE_ATTENTION_BIAS: &str = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias";

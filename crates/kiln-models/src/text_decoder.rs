@@ -31,7 +31,7 @@
 use kiln_io::Activation;
 use kiln_nn::module::{join_name, map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, TpPlan,
+    impl_model, impl_module, impl_tensors, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Result, TpPlan,
     TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
@@ -277,19 +277,8 @@ impl TextDecoderOutput {
     }
 }
 
-/// The results of the whole forward: `hidden_states.{i}`.
-impl Outputs for TextDecoderOutput {
-    fn into_args(self) -> Args {
-        let mut args = Args::new();
-        args.insert_list("hidden_states", self.hidden_states);
-        args
-    }
-    fn from_args(mut args: Args) -> Result<Self> {
-        Ok(TextDecoderOutput {
-            hidden_states: args.take_list("hidden_states"),
-        })
-    }
-}
+// The results of the whole forward.
+impl_tensors!(TextDecoderOutput { hidden_states });
 
 /// What the decoder's code needs of a text encoder's config: the numbers of transformers'
 /// `MistralConfig` / `Qwen3Config` and what tells the two families apart. Made from a config by

@@ -1,4 +1,6 @@
-//! [`Args`]: tensors under names, what compiled functions take and return.
+//! [`Args`]: tensors under names, which compiled functions take and return like any
+//! [`Tensors`]. Kept for the pipelines' denoising steps until they declare typed inputs (see
+//! [`crate::tensors`]); models use typed structs.
 
 use std::borrow::Cow;
 
@@ -6,6 +8,7 @@ use kiln_tensor::Tensor;
 
 use crate::error::{Error, Result};
 use crate::rope::RopeTables;
+use crate::tensors::{Flat, Tensors, Unflatten};
 
 /// Tensors under names, in insertion order: the inputs and results of a compiled function (the
 /// order is the program's parameter and result order).
@@ -113,40 +116,22 @@ impl Args {
             ),
         }
     }
+}
 
-    pub(crate) fn from_parts(names: Vec<Cow<'static, str>>, tensors: impl IntoIterator<Item = Tensor>) -> Self {
-        Args {
-            entries: names.into_iter().zip(tensors).collect(),
+/// Each entry's name (in the layout) and tensor, in order.
+impl Tensors for Args {
+    fn flatten(&self, flat: &mut Flat) {
+        flat.push_count(self.entries.len());
+        for (name, tensor) in &self.entries {
+            flat.push_name(name.clone());
+            flat.push(tensor);
         }
     }
-
-    pub(crate) fn into_parts(self) -> (Vec<Cow<'static, str>>, Vec<Tensor>) {
-        self.entries.into_iter().unzip()
-    }
-}
-
-/// What a compiled forward returns: converted to named tensors (the program's results) and back.
-pub trait Outputs: Sized {
-    fn into_args(self) -> Args;
-    fn from_args(args: Args) -> Result<Self>;
-}
-
-impl Outputs for Args {
-    fn into_args(self) -> Args {
-        self
-    }
-    fn from_args(args: Args) -> Result<Self> {
-        Ok(args)
-    }
-}
-
-/// One tensor, named `output`.
-impl Outputs for Tensor {
-    fn into_args(self) -> Args {
-        Args::new().with("output", &self)
-    }
-    fn from_args(mut args: Args) -> Result<Self> {
-        args.take("output")
+    fn unflatten(from: &mut Unflatten<'_>) -> Result<Self> {
+        let entries = (0..from.count()?)
+            .map(|_| Ok((from.name()?, from.tensor()?)))
+            .collect::<Result<_>>()?;
+        Ok(Args { entries })
     }
 }
 
@@ -180,5 +165,29 @@ mod tests {
         assert_eq!(args.take_list("h").iter().map(value).collect::<Vec<_>>(), [4.0, 5.0]);
         assert_eq!(value(&args.take("y").unwrap()), 2.0);
         assert_eq!(args.len(), 1);
+    }
+
+    /// A compiled call returns its results under the names of the traced forward, also when it
+    /// hits the program and does not run the forward.
+    #[test]
+    fn compiled_results_keep_their_names_on_a_hit() {
+        let d = Device::cpu().expect("the CPU PJRT plugin must be installed");
+        let weight = scalar(10.0, &d);
+        let compiled = crate::Compiled::new("test");
+        let run = |x: f32| -> Args {
+            compiled
+                .call("f", &weight, Args::new().with("x", &scalar(x, &d)), |w, a| {
+                    let x = a.get("x")?;
+                    Ok(Args::new().with("sum", &x.add(w)?).with("product", &x.mul(w)?))
+                })
+                .unwrap()
+        };
+        for x in [1.0, 2.0] {
+            let out = run(x);
+            assert_eq!(out.names().collect::<Vec<_>>(), ["sum", "product"]);
+            assert_eq!(value(out.get("sum").unwrap()), x + 10.0);
+            assert_eq!(value(out.get("product").unwrap()), x * 10.0);
+        }
+        assert_eq!(compiled.programs(), 1);
     }
 }

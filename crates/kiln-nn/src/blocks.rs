@@ -6,11 +6,11 @@ use std::borrow::Cow;
 
 use kiln_tensor::Tensor;
 
-use crate::args::{Args, Outputs};
 use crate::compiled::Compiled;
 use crate::error::Result;
 use crate::module::{join_name, weights_of, with_weights, Module};
 use crate::stream::BlockStream;
+use crate::tensors::{Flat, Tensors};
 
 /// A list of repeated blocks (an `nn.ModuleList` such as `transformer_blocks`), walked as
 /// `0.…`, `1.…` like a `Vec`, run one block at a time ([`Blocks::run`]) op by op or as one
@@ -69,11 +69,15 @@ impl<M: Module + Clone> Blocks<M> {
     /// Block `i`, ready to run on `inputs` (the activations it is about to be given): the block
     /// itself, or with a stream a copy whose weights are on the device (awaiting the previous
     /// block's results and starting the next block's transfer, see [`BlockStream`]).
-    fn get(&self, i: usize, inputs: &[&Tensor]) -> Result<Cow<'_, M>> {
+    fn get(&self, i: usize, inputs: &impl Tensors) -> Result<Cow<'_, M>> {
         let block = &self.blocks[i];
         match &self.stream {
             None => Ok(Cow::Borrowed(block)),
-            Some((stream, base)) => Ok(Cow::Owned(with_weights(block, stream.fetch(base + i, inputs)?)?)),
+            Some((stream, base)) => {
+                let inputs = Flat::of(inputs).tensors;
+                let weights = stream.fetch(base + i, &inputs.iter().collect::<Vec<_>>())?;
+                Ok(Cow::Owned(with_weights(block, weights)?))
+            }
         }
     }
 
@@ -81,14 +85,14 @@ impl<M: Module + Clone> Blocks<M> {
     /// first when the list streams (every input is awaited before the previous block's weights
     /// leave), and as the program of the block's type (called with this block's weights) in
     /// [`crate::CompileMode::RepeatedBlocks`] (see [`Compiled::block`]).
-    pub fn run<O: Outputs>(
+    pub fn run<I: Tensors, O: Tensors>(
         &self,
         compiled: &Compiled,
         i: usize,
-        inputs: Args,
-        forward: impl FnOnce(&M, &Args) -> Result<O>,
+        inputs: I,
+        forward: impl FnOnce(&M, &I) -> Result<O>,
     ) -> Result<O> {
-        let block = self.get(i, &inputs.tensors().collect::<Vec<_>>())?;
+        let block = self.get(i, &inputs)?;
         compiled.block(&self.program(i), &*block, inputs, forward)
     }
 }

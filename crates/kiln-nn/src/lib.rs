@@ -19,9 +19,10 @@ pub mod prefetch;
 mod rope;
 pub mod run;
 mod stream;
+pub mod tensors;
 mod weights;
 
-pub use args::{Args, Outputs};
+pub use args::Args;
 pub use blocks::{BlockList, Blocks};
 pub use compiled::Compiled;
 pub use error::{Error, Result};
@@ -32,4 +33,5 @@ pub use offload_log::{OffloadEvent, OffloadLog};
 pub use parallel::{TpPlan, TpStyle};
 pub use rope::{rope_tables, RopeTables};
 pub use run::{OffloadMode, RunConfig};
+pub use tensors::Tensors;
 pub use weights::{Weights, WeightsReport};
