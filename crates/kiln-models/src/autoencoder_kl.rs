@@ -20,7 +20,7 @@
 
 use kiln_io::{Activation, AutoencoderKLConfig};
 use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::{impl_model, impl_module, Args, Compiled, Conv2d, Error, GroupNorm, Linear, Module, Result, Weights};
+use kiln_nn::{impl_model, impl_module, Compiled, Conv2d, Error, GroupNorm, Linear, Module, Result, Weights};
 use kiln_rng::Generators;
 use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
@@ -154,9 +154,7 @@ impl ResnetBlock2D {
 fn run_resnet(resnet: &ResnetBlock2D, x: &Tensor, compiled: Option<&Compiled>) -> Result<Tensor> {
     match compiled {
         None => resnet.forward(x),
-        Some(compiled) => compiled.block("decoder.resnets", resnet, Args::new().with("x", x), |r, a| {
-            r.forward(a.get("x")?)
-        }),
+        Some(compiled) => compiled.block("decoder.resnets", resnet, x.clone(), |r, x| r.forward(x)),
     }
 }
 
@@ -683,9 +681,7 @@ impl AutoencoderKL {
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.check_input("AutoencoderKL::decode", "latent", z, self.config.latent_channels)?;
         let compiled = &self.compiled;
-        compiled.whole("decode", &self.decode, Args::new().with("z", z), |d, a| {
-            d.forward(a.get("z")?, Some(compiled))
-        })
+        compiled.whole("decode", &self.decode, z.clone(), |d, z| d.forward(z, Some(compiled)))
     }
 
     /// Image `x` `[B, in_channels, H, W]` in [-1, 1] → the latent distribution, with

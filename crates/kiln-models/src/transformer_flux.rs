@@ -7,8 +7,8 @@
 use kiln_io::FluxTransformer2DConfig;
 use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, rope_tables, Args, Blocks, Compiled, Error, LayerNorm, Linear, Module, Result, RmsNorm,
-    RopeTables, TpPlan, TpStyle, Weights,
+    impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear, Module, Result,
+    RmsNorm, RopeTables, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
@@ -257,6 +257,27 @@ pub struct FluxTransformerInputs<'a> {
     pub rope: &'a RopeTables,
 }
 
+/// The tensors of one call as the whole forward takes them (a compiled forward's parameters, in
+/// this order); `guidance` only when the model embeds it.
+#[derive(Clone, Debug)]
+struct CallInputs {
+    hidden_states: Tensor,
+    encoder_hidden_states: Tensor,
+    pooled_projections: Tensor,
+    timestep: Tensor,
+    rope: RopeTables,
+    guidance: Option<Tensor>,
+}
+
+impl_tensors!(CallInputs {
+    hidden_states,
+    encoder_hidden_states,
+    pooled_projections,
+    timestep,
+    rope,
+    guidance,
+});
+
 /// diffusers `FluxTransformer2DModel`.
 #[derive(Clone, Debug)]
 pub struct FluxTransformer2DModel {
@@ -397,82 +418,59 @@ impl FluxTransformer2DModel {
                 message: "this model has guidance_embeds=true and needs a guidance value".into(),
             });
         }
-        let args = Args::new()
-            .with("hidden_states", inputs.hidden_states)
-            .with("encoder_hidden_states", inputs.encoder_hidden_states)
-            .with("pooled_projections", inputs.pooled_projections)
-            .with("timestep", inputs.timestep)
-            .with_rope(inputs.rope)
-            .with_opt("guidance", inputs.guidance.filter(|_| self.config.guidance_embeds));
-        self.compiled.whole("", self, args, |m, a| {
-            m.forward_graph(&FluxTransformerInputs {
-                hidden_states: a.get("hidden_states")?,
-                encoder_hidden_states: a.get("encoder_hidden_states")?,
-                pooled_projections: a.get("pooled_projections")?,
-                timestep: a.get("timestep")?,
-                guidance: a.opt("guidance"),
-                rope: &a.rope()?,
-            })
-        })
+        let inputs = CallInputs {
+            hidden_states: inputs.hidden_states.clone(),
+            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
+            pooled_projections: inputs.pooled_projections.clone(),
+            timestep: inputs.timestep.clone(),
+            rope: inputs.rope.clone(),
+            guidance: inputs.guidance.filter(|_| self.config.guidance_embeds).cloned(),
+        };
+        self.compiled
+            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
     }
 
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
-    fn forward_graph(&self, inputs: &FluxTransformerInputs<'_>) -> Result<Tensor> {
-        let x = inputs.hidden_states;
+    fn forward_graph(&self, inputs: &CallInputs) -> Result<Tensor> {
+        let x = &inputs.hidden_states;
         let dtype = x.dtype();
-        let guidance = if self.config.guidance_embeds {
-            inputs.guidance
-        } else {
-            None
-        };
         // diffusers: `timestep.to(dtype) * 1000` and `guidance.to(dtype) * 1000` in the model dtype.
         let t = inputs
             .timestep
             .to_dtype(dtype)?
             .mul_scalar_f32(1000.0)?
             .to_dtype(DType::F32)?;
-        let g = guidance
+        let g = inputs
+            .guidance
+            .as_ref()
             .map(|g| -> Result<Tensor> { Ok(g.to_dtype(dtype)?.mul_scalar_f32(1000.0)?.to_dtype(DType::F32)?) })
             .transpose()?;
         let temb = self
             .time_text_embed
-            .forward(&t, g.as_ref(), inputs.pooled_projections)?;
+            .forward(&t, g.as_ref(), &inputs.pooled_projections)?;
         let temb_silu = temb.silu()?;
-        let rope = inputs.rope;
+        let rope = &inputs.rope;
 
         let mut x = self.x_embedder.forward(x)?;
-        let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?;
+        let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?;
         for i in 0..self.transformer_blocks.len() {
-            let args = Args::new()
-                .with("hidden_states", &x)
-                .with("encoder_hidden_states", &ctx)
-                .with("temb", &temb_silu)
-                .with_rope(rope);
-            let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
-                let (ctx, x) = block.forward(
-                    a.get("hidden_states")?,
-                    a.get("encoder_hidden_states")?,
-                    a.get("temb")?,
-                    &a.rope()?,
-                )?;
-                Ok(Args::new()
-                    .with("encoder_hidden_states", &ctx)
-                    .with("hidden_states", &x))
-            })?;
-            (ctx, x) = (out.take("encoder_hidden_states")?, out.take("hidden_states")?);
+            let args = (x, ctx, temb_silu.clone(), rope.clone());
+            let out = self
+                .transformer_blocks
+                .run(&self.compiled, i, args, |block, (x, ctx, temb, rope)| {
+                    block.forward(x, ctx, temb, rope)
+                })?;
+            (ctx, x) = out;
         }
         let text_len = ctx.dims()[1];
         let mut h = Tensor::cat(&[&ctx, &x], 1)?;
         for i in 0..self.single_transformer_blocks.len() {
-            let args = Args::new()
-                .with("hidden_states", &h)
-                .with("temb", &temb_silu)
-                .with_rope(rope);
+            let args = (h, temb_silu.clone(), rope.clone());
             h = self
                 .single_transformer_blocks
-                .run(&self.compiled, i, args, |block, a| {
-                    block.forward(a.get("hidden_states")?, a.get("temb")?, &a.rope()?)
+                .run(&self.compiled, i, args, |block, (h, temb, rope)| {
+                    block.forward(h, temb, rope)
                 })?;
         }
         let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;

@@ -18,7 +18,7 @@
 
 use kiln_io::Flux2TransformerConfig;
 use kiln_nn::{
-    impl_model, impl_module, rope_tables, Args, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
+    impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
     RopeTables, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
@@ -325,6 +325,25 @@ pub struct Flux2TransformerInputs<'a> {
     pub rope: &'a RopeTables,
 }
 
+/// The tensors of one call as the whole forward takes them (a compiled forward's parameters, in
+/// this order); `guidance` only when the model embeds it.
+#[derive(Clone, Debug)]
+struct CallInputs {
+    hidden_states: Tensor,
+    encoder_hidden_states: Tensor,
+    timestep: Tensor,
+    rope: RopeTables,
+    guidance: Option<Tensor>,
+}
+
+impl_tensors!(CallInputs {
+    hidden_states,
+    encoder_hidden_states,
+    timestep,
+    rope,
+    guidance,
+});
+
 /// diffusers `Flux2Transformer2DModel`.
 #[derive(Clone, Debug)]
 pub struct Flux2Transformer2DModel {
@@ -536,76 +555,54 @@ impl Flux2Transformer2DModel {
                 message: "this model has guidance_embeds=true and needs a guidance value".into(),
             });
         }
-        let args = Args::new()
-            .with("hidden_states", inputs.hidden_states)
-            .with("encoder_hidden_states", inputs.encoder_hidden_states)
-            .with("timestep", inputs.timestep)
-            .with_rope(inputs.rope)
-            .with_opt("guidance", inputs.guidance.filter(|_| self.config.guidance_embeds));
-        self.compiled.whole("", self, args, |m, a| {
-            m.forward_graph(&Flux2TransformerInputs {
-                hidden_states: a.get("hidden_states")?,
-                encoder_hidden_states: a.get("encoder_hidden_states")?,
-                timestep: a.get("timestep")?,
-                guidance: a.opt("guidance"),
-                rope: &a.rope()?,
-            })
-        })
+        let inputs = CallInputs {
+            hidden_states: inputs.hidden_states.clone(),
+            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
+            timestep: inputs.timestep.clone(),
+            rope: inputs.rope.clone(),
+            guidance: inputs.guidance.filter(|_| self.config.guidance_embeds).cloned(),
+        };
+        self.compiled
+            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
     }
 
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
-    fn forward_graph(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<Tensor> {
-        let x = inputs.hidden_states;
+    fn forward_graph(&self, inputs: &CallInputs) -> Result<Tensor> {
+        let x = &inputs.hidden_states;
         let dtype = x.dtype();
-        let guidance = inputs.guidance.filter(|_| self.config.guidance_embeds);
         // diffusers: `timestep.to(dtype) * 1000` and `guidance.to(dtype) * 1000` in the model dtype.
         let times_1000 =
             |v: &Tensor| -> Result<Tensor> { Ok(v.to_dtype(dtype)?.mul_scalar_f32(1000.0)?.to_dtype(DType::F32)?) };
-        let t = times_1000(inputs.timestep)?;
-        let g = guidance.map(times_1000).transpose()?;
+        let t = times_1000(&inputs.timestep)?;
+        let g = inputs.guidance.as_ref().map(times_1000).transpose()?;
         let temb = self.time_guidance_embed.forward(&t, g.as_ref(), dtype)?;
         let temb_silu = temb.silu()?;
         // One modulation per forward, shared by every block of a kind.
         let mod_img = self.double_stream_modulation_img.forward(&temb_silu)?;
         let mod_txt = self.double_stream_modulation_txt.forward(&temb_silu)?;
         let mod_single = self.single_stream_modulation.forward(&temb_silu)?;
-        let rope = inputs.rope;
+        let rope = &inputs.rope;
 
         let mut x = self.x_embedder.forward(x)?;
-        let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?;
+        let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?;
         for i in 0..self.transformer_blocks.len() {
-            let args = Args::new()
-                .with("hidden_states", &x)
-                .with("encoder_hidden_states", &ctx)
-                .with("mod_img", &mod_img)
-                .with("mod_txt", &mod_txt)
-                .with_rope(rope);
-            let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
-                let (ctx, x) = block.forward(
-                    a.get("hidden_states")?,
-                    a.get("encoder_hidden_states")?,
-                    a.get("mod_img")?,
-                    a.get("mod_txt")?,
-                    &a.rope()?,
-                )?;
-                Ok(Args::new()
-                    .with("encoder_hidden_states", &ctx)
-                    .with("hidden_states", &x))
-            })?;
-            (ctx, x) = (out.take("encoder_hidden_states")?, out.take("hidden_states")?);
+            let args = (x, ctx, mod_img.clone(), mod_txt.clone(), rope.clone());
+            let out =
+                self.transformer_blocks
+                    .run(&self.compiled, i, args, |block, (x, ctx, mod_img, mod_txt, rope)| {
+                        block.forward(x, ctx, mod_img, mod_txt, rope)
+                    })?;
+            (ctx, x) = out;
         }
         let text_len = ctx.dims()[1];
         let mut h = Tensor::cat(&[&ctx, &x], 1)?;
         for i in 0..self.single_transformer_blocks.len() {
-            let args = Args::new()
-                .with("hidden_states", &h)
-                .with("mod", &mod_single)
-                .with_rope(rope);
+            let args = (h, mod_single.clone(), rope.clone());
             h = self
                 .single_transformer_blocks
-                .run(&self.compiled, i, args, |block, a| {
-                    block.forward(a.get("hidden_states")?, a.get("mod")?, &a.rope()?)
+                .run(&self.compiled, i, args, |block, (h, modulation, rope)| {
+                    block.forward(h, modulation, rope)
                 })?;
         }
         let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;

@@ -12,8 +12,8 @@
 use kiln_io::SD3Transformer2DConfig;
 use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Module, Result, TpPlan, TpStyle,
-    Weights,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Module, Result, TpPlan,
+    TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
@@ -384,6 +384,23 @@ pub struct SD3TransformerInputs<'a> {
     pub skip_layers: &'a [usize],
 }
 
+/// The tensors of one call as the whole forward takes them (a compiled forward's parameters, in
+/// this order).
+#[derive(Clone, Debug)]
+struct CallInputs {
+    hidden_states: Tensor,
+    timestep: Tensor,
+    encoder_hidden_states: Tensor,
+    pooled_projections: Tensor,
+}
+
+impl_tensors!(CallInputs {
+    hidden_states,
+    timestep,
+    encoder_hidden_states,
+    pooled_projections,
+});
+
 /// diffusers `SD3Transformer2DModel`.
 #[derive(Clone, Debug)]
 pub struct SD3Transformer2DModel {
@@ -510,58 +527,46 @@ impl SD3Transformer2DModel {
             let list: Vec<String> = skip.iter().map(usize::to_string).collect();
             format!("skip_layers_{}", list.join("_"))
         };
-        let args = Args::new()
-            .with("hidden_states", inputs.hidden_states)
-            .with("timestep", inputs.timestep)
-            .with("encoder_hidden_states", inputs.encoder_hidden_states)
-            .with("pooled_projections", inputs.pooled_projections);
-        self.compiled.whole(&program, self, args, |m, a| {
-            let traced = SD3TransformerInputs {
-                hidden_states: a.get("hidden_states")?,
-                timestep: a.get("timestep")?,
-                encoder_hidden_states: a.get("encoder_hidden_states")?,
-                pooled_projections: a.get("pooled_projections")?,
-                skip_layers: &skip,
-            };
-            m.forward_graph(&traced, &skip)
-        })
+        let inputs = CallInputs {
+            hidden_states: inputs.hidden_states.clone(),
+            timestep: inputs.timestep.clone(),
+            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
+            pooled_projections: inputs.pooled_projections.clone(),
+        };
+        self.compiled
+            .whole(&program, self, inputs, |m, inputs| m.forward_graph(inputs, &skip))
     }
 
     /// The forward's ops, each block run through the list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]). `skip` is sorted, without duplicates and in
     /// range.
-    fn forward_graph(&self, inputs: &SD3TransformerInputs<'_>, skip: &[usize]) -> Result<Tensor> {
+    fn forward_graph(&self, inputs: &CallInputs, skip: &[usize]) -> Result<Tensor> {
         let [b, _, height, width] = inputs.hidden_states.dims()[..] else {
             unreachable!("check_inputs requires a rank-4 hidden_states")
         };
         let p = self.config.patch_size;
         let (h, w) = (height / p, width / p);
 
-        let mut x = self.pos_embed.forward(inputs.hidden_states)?; // [B, h·w, D]
+        let mut x = self.pos_embed.forward(&inputs.hidden_states)?; // [B, h·w, D]
         let temb = self
             .time_text_embed
-            .forward(inputs.timestep, inputs.pooled_projections)?;
+            .forward(&inputs.timestep, &inputs.pooled_projections)?;
         let temb_silu = temb.silu()?;
-        let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?; // [B, L, D]
+        let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?; // [B, L, D]
         for i in 0..self.transformer_blocks.len() {
             if skip.binary_search(&i).is_ok() {
                 continue;
             }
-            let args = Args::new()
-                .with("hidden_states", &x)
-                .with("encoder_hidden_states", &ctx)
-                .with("temb", &temb_silu);
-            let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
-                let (ctx, x) =
-                    block.forward(a.get("hidden_states")?, a.get("encoder_hidden_states")?, a.get("temb")?)?;
-                Ok(Args::new()
-                    .with_opt("encoder_hidden_states", ctx.as_ref())
-                    .with("hidden_states", &x))
-            })?;
-            x = out.take("hidden_states")?;
+            let args = (x, ctx.clone(), temb_silu.clone());
+            let (new_ctx, new_x) = self
+                .transformer_blocks
+                .run(&self.compiled, i, args, |block, (x, ctx, temb)| {
+                    block.forward(x, ctx, temb)
+                })?;
+            x = new_x;
             // After a context_pre_only block (the last) the text stream is no longer used.
-            if let Some(new_ctx) = out.opt("encoder_hidden_states") {
-                ctx = new_ctx.clone();
+            if let Some(new_ctx) = new_ctx {
+                ctx = new_ctx;
             }
         }
 
