@@ -7,15 +7,16 @@
 //! transformers' (`text_model.encoder.layers.{i}.self_attn.q_proj`, ...); files with or without the
 //! `text_model.` prefix load, and [`Module::visit`] names every weight as its file does.
 //!
-//! The forward reads nothing back from the device: the pooled row of each prompt (its EOS
-//! position) is found on the host from the token ids the caller already has
-//! ([`ClipTextModel::forward_with_host_ids`]), so the same code runs op by op or compiled
-//! ([`kiln_nn::Model::compile`]).
+//! The pooled row of each prompt (its EOS position) is found on the host, from the token ids the
+//! caller already has or read back ([`ClipTextModel::forward`]); the forward's ops take it as an
+//! input, so the same code runs op by op or compiled ([`kiln_nn::Model::compile`]).
+
+use std::borrow::Cow;
 
 use kiln_io::{Activation, ClipTextConfig};
 use kiln_nn::module::{join_name, map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, Args, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Module, Result,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Module, Result,
     Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Tensor};
@@ -57,9 +58,19 @@ pub(crate) fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
     })
 }
 
-/// Checks that `input_ids` is a non-empty `[B, L]` tensor of integer ids (from its shape and
-/// dtype only, so it also holds for a traced value).
-pub(crate) fn check_input_ids(component: &str, input_ids: &Tensor) -> Result<()> {
+/// The values of `input_ids` (a non-empty `[B, L]` tensor of integer ids) on the host: `host_ids`
+/// when the caller has them (as the tokenizer returned them), else read back from the device;
+/// each is checked to be in `0..vocab_size` (the device gather would clamp an id outside the
+/// table instead of failing). A traced `input_ids` is refused: `method` prepares its inputs on
+/// the host, which a compiled function would freeze into its program as they were on the first
+/// call.
+pub(crate) fn host_token_ids<'a>(
+    component: &str,
+    method: &str,
+    input_ids: &Tensor,
+    host_ids: Option<&'a [i64]>,
+    vocab_size: usize,
+) -> Result<Cow<'a, [i64]>> {
     if input_ids.rank() != 2 || !matches!(input_ids.dtype(), DType::I64 | DType::I32 | DType::U32) {
         return Err(config_error(
             component,
@@ -76,24 +87,30 @@ pub(crate) fn check_input_ids(component: &str, input_ids: &Tensor) -> Result<()>
             format!("input_ids {} is empty", input_ids.shape()),
         ));
     }
-    Ok(())
-}
-
-/// Checks the host copy `host_ids` of `input_ids`: one id per element, each in `0..vocab_size`
-/// (the device gather would clamp an id outside the table instead of failing).
-pub(crate) fn check_host_ids(component: &str, input_ids: &Tensor, host_ids: &[i64], vocab_size: usize) -> Result<()> {
-    check_input_ids(component, input_ids)?;
-    if host_ids.len() != input_ids.numel() {
+    if input_ids.is_traced() {
+        return Err(config_error(
+            component,
+            format!(
+                "{method} needs concrete input_ids (it prepares inputs on the host); call it outside compiled \
+                 functions (Model::compile compiles its own forward)"
+            ),
+        ));
+    }
+    let ids = match host_ids {
+        Some(ids) => Cow::Borrowed(ids),
+        None => Cow::Owned(input_ids.to_dtype(DType::I64)?.to_vec::<i64>()?),
+    };
+    if ids.len() != input_ids.numel() {
         return Err(config_error(
             component,
             format!(
                 "{} host token ids given for input_ids of shape {}",
-                host_ids.len(),
+                ids.len(),
                 input_ids.shape()
             ),
         ));
     }
-    if let Some(&id) = host_ids.iter().find(|&&id| id < 0 || id as u64 >= vocab_size as u64) {
+    if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= vocab_size as u64) {
         return Err(config_error(
             component,
             format!(
@@ -101,26 +118,7 @@ pub(crate) fn check_host_ids(component: &str, input_ids: &Tensor, host_ids: &[i6
             ),
         ));
     }
-    Ok(())
-}
-
-/// Reads integer ids `[B, L]` to the host, checking the rank and dtype (`forward_with_host_ids`,
-/// which every caller hands them to, checks the range).
-pub(crate) fn read_input_ids(component: &str, input_ids: &Tensor) -> Result<Vec<i64>> {
-    check_input_ids(component, input_ids)?;
-    Ok(input_ids.to_dtype(DType::I64)?.to_vec::<i64>()?)
-}
-
-/// The error host-side wrappers return when handed a traced value: they would freeze the host
-/// facts of the first call into the program.
-pub(crate) fn traced_input_error(component: &str, wrapper: &str, traceable: &str) -> Error {
-    config_error(
-        component,
-        format!(
-            "{wrapper} needs concrete input_ids (it prepares inputs on the host); inside a compiled function call \
-             {traceable} with inputs prepared outside it"
-        ),
-    )
+    Ok(ids)
 }
 
 fn config_error(component: &str, message: String) -> Error {
@@ -363,76 +361,52 @@ impl ClipTextModel {
     }
 
     /// Encodes token ids `[B, L]` (integer, `L ≤ max_position_embeddings`), with no attention mask.
-    /// Reads the ids back to the host to find the pooled positions; a caller that has the ids on
-    /// the host already calls [`Self::forward_with_host_ids`] instead.
-    pub fn forward(&self, input_ids: &Tensor, output_hidden_states: bool) -> Result<ClipTextOutput> {
-        let ids = read_input_ids(&self.component, input_ids)?;
-        self.forward_with_host_ids(input_ids, &ids, output_hidden_states)
+    /// `host_ids` are the values of `input_ids` on the host (row-major, `B·L` of them, as the
+    /// tokenizer returned them), read back from the device when `None`; they are checked against
+    /// the vocabulary and give each prompt's pooled row. With `output_hidden_states` the output
+    /// holds every layer's hidden states.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        host_ids: Option<&[i64]>,
+        output_hidden_states: bool,
+    ) -> Result<ClipTextOutput> {
+        let vocab_size = self.config.vocab_size;
+        let host_ids = host_token_ids(
+            &self.component,
+            "ClipTextModel::forward",
+            input_ids,
+            host_ids,
+            vocab_size,
+        )?;
+        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
+        self.check_seq_len(l)?;
+        let rows = Tensor::from_slice(&self.pooled_rows(&host_ids, l), [b], input_ids.device())?;
+        let program = if output_hidden_states { "with_hidden_states" } else { "" };
+        self.compiled
+            .whole(program, self, (input_ids.clone(), rows), |m, (input_ids, rows)| {
+                m.forward_graph(input_ids, rows, output_hidden_states)
+            })
     }
 
-    /// [`Self::forward`] for a caller that has the token ids on the host too: `host_ids` are the
-    /// values of `input_ids` (row-major, `B·L` of them, as the tokenizer returned them). They are
-    /// checked against the vocabulary and give the pooled rows; nothing is read from the device.
+    /// [`Self::forward`] with the ids on the host.
     pub fn forward_with_host_ids(
         &self,
         input_ids: &Tensor,
         host_ids: &[i64],
         output_hidden_states: bool,
     ) -> Result<ClipTextOutput> {
-        check_host_ids(&self.component, input_ids, host_ids, self.config.vocab_size)?;
-        if input_ids.is_traced() {
-            return Err(traced_input_error(
-                &self.component,
-                "ClipTextModel::forward_with_host_ids",
-                "ClipTextModel::forward_with_pooled_rows",
-            ));
-        }
-        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        self.check_seq_len(l)?;
-        let rows = Tensor::from_slice(&self.pooled_rows(host_ids, l), [b], input_ids.device())?;
-        self.forward_with_pooled_rows(input_ids, &rows, output_hidden_states)
+        self.forward(input_ids, Some(host_ids), output_hidden_states)
     }
 
     /// The row of the flattened `[B·L, hidden]` `last_hidden_state` that is each prompt's pooled
-    /// output (`b·L + ` [`pooled_position`] of row b), for [`Self::forward_with_pooled_rows`].
-    /// `host_ids` holds `B` rows of `seq_len` ids.
+    /// output (`b·L + ` [`pooled_position`] of row b). `host_ids` holds `B` rows of `seq_len` ids.
     pub fn pooled_rows(&self, host_ids: &[i64], seq_len: usize) -> Vec<i64> {
         host_ids
             .chunks_exact(seq_len.max(1))
             .enumerate()
             .map(|(row, row_ids)| (row * seq_len + pooled_position(row_ids, self.config.eos_token_id)) as i64)
             .collect()
-    }
-
-    /// The forward on device data only (it runs unchanged inside a compiled function):
-    /// `pooled_rows` `[B]` (integer) holds [`Self::pooled_rows`]. Ids are not range-checked here
-    /// (the device gather clamps them); [`Self::forward_with_host_ids`] checks them.
-    pub fn forward_with_pooled_rows(
-        &self,
-        input_ids: &Tensor,
-        pooled_rows: &Tensor,
-        output_hidden_states: bool,
-    ) -> Result<ClipTextOutput> {
-        check_input_ids(&self.component, input_ids)?;
-        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        self.check_seq_len(l)?;
-        if pooled_rows.dims() != [b] || !matches!(pooled_rows.dtype(), DType::I64 | DType::I32 | DType::U32) {
-            return Err(config_error(
-                &self.component,
-                format!(
-                    "pooled_rows must be {b} integer row indices (one per prompt), got {} {}",
-                    pooled_rows.shape(),
-                    pooled_rows.dtype()
-                ),
-            ));
-        }
-        let program = if output_hidden_states { "with_hidden_states" } else { "" };
-        let args = Args::new()
-            .with("input_ids", input_ids)
-            .with("pooled_rows", pooled_rows);
-        self.compiled.whole(program, self, args, |m, a| {
-            m.forward_graph(a.get("input_ids")?, a.get("pooled_rows")?, output_hidden_states)
-        })
     }
 
     fn check_seq_len(&self, l: usize) -> Result<()> {
@@ -448,8 +422,8 @@ impl ClipTextModel {
         Ok(())
     }
 
-    /// The forward's ops, each layer run through the list (compiled on its own in
-    /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
+    /// The forward's ops on device data only (`pooled_rows` `[B]` is [`Self::pooled_rows`]), each
+    /// layer run through the list (compiled on its own in [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(
         &self,
         input_ids: &Tensor,
@@ -464,10 +438,9 @@ impl ClipTextModel {
             if output_hidden_states {
                 all_hidden_states.push(hidden_states.clone());
             }
-            let args = Args::new().with("hidden_states", &hidden_states);
-            hidden_states = self.layers.run(&self.compiled, i, args, |layer, a| {
-                layer.forward(a.get("hidden_states")?)
-            })?;
+            hidden_states = self
+                .layers
+                .run(&self.compiled, i, hidden_states, |layer, h| layer.forward(h))?;
         }
         if output_hidden_states {
             all_hidden_states.push(hidden_states.clone());

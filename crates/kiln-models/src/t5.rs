@@ -10,20 +10,20 @@
 //! `DenseReluDense.wo` stays f32 (`_keep_in_fp32_modules`), which makes the residual stream f32
 //! from the first feed-forward on, and fp16 hidden states are clamped to the finite range.
 //!
-//! The forward reads nothing back from the device and creates no tensor from host data: the
+//! The forward's ops read nothing back from the device and create no tensor from host data: the
 //! relative-position bucket of every (query, key) pair depends only on the sequence length and is
-//! computed on the host before the forward ([`T5EncoderModel::position_buckets`]), so the same
-//! code runs op by op or compiled ([`kiln_nn::Model::compile`]).
+//! computed on the host before them ([`T5EncoderModel::position_buckets`]), so the same code runs
+//! op by op or compiled ([`kiln_nn::Model::compile`]).
 
 use kiln_io::{Activation, T5Config};
 use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Result, TpPlan,
-    TpStyle, Weights,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Embedding, Error, Linear, Module, Result, TpPlan, TpStyle,
+    Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, Tensor};
 
-use crate::clip::{activation, check_host_ids, check_input_ids, read_input_ids, traced_input_error};
+use crate::clip::{activation, host_token_ids};
 
 /// `T5LayerNorm`: `weight * x / sqrt(mean(x²) + eps)`, no mean subtraction and no bias.
 #[derive(Clone, Debug)]
@@ -402,8 +402,7 @@ impl T5EncoderModel {
 
     /// The bucket indices `[L, L]` (i64, `[query, key]`) of the relative-position bias for
     /// sequence length `seq_len`, created on `device`: they depend on the length only, so the
-    /// caller creates them once, outside any compiled function (see
-    /// [`Self::forward_with_position_buckets`]).
+    /// forward creates them on the host and passes them to its ops.
     pub fn position_buckets(&self, seq_len: usize, device: &Device) -> Result<Tensor> {
         let (buckets, max_distance) = (
             self.config.relative_attention_num_buckets,
@@ -432,68 +431,46 @@ impl T5EncoderModel {
     }
 
     /// Encodes token ids `[B, L]` (integer), with no attention mask: padding tokens are attended
-    /// to, as the FLUX and SD3 pipelines call it. Reads the ids back to the host to check them
-    /// against the vocabulary; a caller that has them on the host already calls
-    /// [`Self::forward_with_host_ids`] instead.
-    pub fn forward(&self, input_ids: &Tensor, output_hidden_states: bool) -> Result<T5EncoderOutput> {
-        let ids = read_input_ids(&self.component, input_ids)?;
-        self.forward_with_host_ids(input_ids, &ids, output_hidden_states)
+    /// to, as the FLUX and SD3 pipelines call it. `host_ids` are the values of `input_ids` on the
+    /// host (row-major, `B·L` of them), read back from the device when `None`; they are checked
+    /// against the vocabulary. With `output_hidden_states` the output holds every block's input.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        host_ids: Option<&[i64]>,
+        output_hidden_states: bool,
+    ) -> Result<T5EncoderOutput> {
+        let vocab_size = self.config.vocab_size;
+        host_token_ids(
+            &self.component,
+            "T5EncoderModel::forward",
+            input_ids,
+            host_ids,
+            vocab_size,
+        )?;
+        let buckets = self.position_buckets(input_ids.dims()[1], input_ids.device())?;
+        let program = if output_hidden_states { "with_hidden_states" } else { "" };
+        self.compiled.whole(
+            program,
+            self,
+            (input_ids.clone(), buckets),
+            |m, (input_ids, buckets)| m.forward_graph(input_ids, buckets, output_hidden_states),
+        )
     }
 
-    /// [`Self::forward`] for a caller that has the token ids on the host too: `host_ids` are the
-    /// values of `input_ids` (row-major, `B·L` of them), checked against the vocabulary; nothing is
-    /// read from the device.
+    /// [`Self::forward`] with the ids on the host.
     pub fn forward_with_host_ids(
         &self,
         input_ids: &Tensor,
         host_ids: &[i64],
         output_hidden_states: bool,
     ) -> Result<T5EncoderOutput> {
-        check_host_ids(&self.component, input_ids, host_ids, self.config.vocab_size)?;
-        if input_ids.is_traced() {
-            return Err(traced_input_error(
-                &self.component,
-                "T5EncoderModel::forward_with_host_ids",
-                "T5EncoderModel::forward_with_position_buckets",
-            ));
-        }
-        let buckets = self.position_buckets(input_ids.dims()[1], input_ids.device())?;
-        self.forward_with_position_buckets(input_ids, &buckets, output_hidden_states)
+        self.forward(input_ids, Some(host_ids), output_hidden_states)
     }
 
-    /// The forward on device data only (it runs unchanged inside a compiled function):
-    /// `position_buckets` `[L, L]` is [`Self::position_buckets`] for `input_ids`' length. Ids
-    /// are not range-checked here (the device gather clamps them); [`Self::forward_with_host_ids`]
-    /// checks them.
-    pub fn forward_with_position_buckets(
-        &self,
-        input_ids: &Tensor,
-        position_buckets: &Tensor,
-        output_hidden_states: bool,
-    ) -> Result<T5EncoderOutput> {
-        check_input_ids(&self.component, input_ids)?;
-        let l = input_ids.dims()[1];
-        if position_buckets.dims() != [l, l] || !matches!(position_buckets.dtype(), DType::I64 | DType::I32) {
-            return Err(Error::Config {
-                component: self.component.clone(),
-                message: format!(
-                    "position_buckets must be the [{l}, {l}] integer bucket table of the input length, got {} {}",
-                    position_buckets.shape(),
-                    position_buckets.dtype()
-                ),
-            });
-        }
-        let program = if output_hidden_states { "with_hidden_states" } else { "" };
-        let args = Args::new()
-            .with("input_ids", input_ids)
-            .with("position_buckets", position_buckets);
-        self.compiled.whole(program, self, args, |m, a| {
-            m.forward_graph(a.get("input_ids")?, a.get("position_buckets")?, output_hidden_states)
-        })
-    }
-
-    /// The forward's ops, each block run through the list (streamed, or compiled on its own in
-    /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
+    /// The forward's ops on device data only (`position_buckets` `[L, L]` is
+    /// [`Self::position_buckets`]), each block run through the list (streamed, or compiled on its
+    /// own in [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(
         &self,
         input_ids: &Tensor,
@@ -507,12 +484,10 @@ impl T5EncoderModel {
             if output_hidden_states {
                 all_hidden_states.push(hidden_states.clone());
             }
-            let args = Args::new()
-                .with("hidden_states", &hidden_states)
-                .with("position_bias", &position_bias);
-            hidden_states = self.block.run(&self.compiled, i, args, |block, a| {
-                block.forward(a.get("hidden_states")?, a.get("position_bias")?)
-            })?;
+            let args = (hidden_states, position_bias.clone());
+            hidden_states = self
+                .block
+                .run(&self.compiled, i, args, |block, (h, bias)| block.forward(h, bias))?;
         }
         let last_hidden_state = self.final_layer_norm.forward(&hidden_states)?;
         if output_hidden_states {

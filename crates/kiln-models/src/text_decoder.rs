@@ -23,20 +23,20 @@
 //! multiplies by the weight in that dtype; the RoPE tables are computed in f32 and rounded to the
 //! model dtype, and `q·cos + rotate_half(q)·sin` rounds after every op in 16-bit.
 //!
-//! The forward reads nothing back from the device and creates no tensor from host data: the
+//! The forward's ops read nothing back from the device and create no tensor from host data: the
 //! attention bias and the RoPE tables depend on the attention mask and the length only and are
-//! built on the host before the forward ([`TextDecoderModel::prepare`]), so the same code runs
-//! op by op or compiled ([`kiln_nn::Model::compile`]).
+//! built on the host before them, so the same code runs op by op or compiled
+//! ([`kiln_nn::Model::compile`]).
 
 use kiln_io::Activation;
 use kiln_nn::module::{join_name, map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Result, TpPlan,
-    TpStyle, Weights,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Embedding, Error, Linear, Module, Result, TpPlan, TpStyle,
+    Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
-use crate::clip::{activation, check_host_ids, check_input_ids, read_input_ids, traced_input_error};
+use crate::clip::{activation, host_token_ids};
 
 /// Where the language model's weights sit in the files that hold one, tried in order:
 /// transformers 5's `Mistral3ForConditionalGeneration`, the legacy LLaVA-style layout older
@@ -118,7 +118,7 @@ impl DecoderAttention {
     }
 
     /// `[B, L, D]` → `[B, L, D]`; see [`DecoderInputs`] for the rest.
-    fn forward(&self, x: &Tensor, inputs: &DecoderInputs<'_>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, inputs: &DecoderInputs) -> Result<Tensor> {
         let (b, l) = (x.dims()[0], x.dims()[1]);
         // On a tensor-parallel mesh each device holds 1/N of the query and of the KV heads.
         let devices = x.device().mesh_size();
@@ -135,15 +135,15 @@ impl DecoderAttention {
         let q = heads(self.q_proj.forward(x)?, num_heads, &self.q_norm)?; // [b, h, l, hd]
         let k = heads(self.k_proj.forward(x)?, num_kv_heads, &self.k_norm)?; // [b, kv, l, hd]
         let v = heads(self.v_proj.forward(x)?, num_kv_heads, &None)?;
-        let q = apply_rope(&q, inputs.cos, inputs.sin)?;
-        let k = apply_rope(&k, inputs.cos, inputs.sin)?;
+        let q = apply_rope(&q, &inputs.cos, &inputs.sin)?;
+        let k = apply_rope(&k, &inputs.cos, &inputs.sin)?;
         // transformers `repeat_kv`: kv head j serves query heads j·n .. j·n + n − 1.
         let n_rep = self.num_heads / self.num_kv_heads;
         let (k, v) = (k.repeat_interleave(n_rep, 1)?, v.repeat_interleave(n_rep, 1)?);
         let mask = AttentionMask::Additive(inputs.attention_bias.clone());
         let attn = Tensor::scaled_dot_product_attention(&q, &k, &v, &mask, None)?;
         // Rows that see no key: zero, as torch's SDPA returns for fully masked rows.
-        let attn = attn.mul(inputs.attended)?;
+        let attn = attn.mul(&inputs.attended)?;
         let attn = attn.transpose(1, 2)?.reshape([b, l, num_heads * self.head_dim])?;
         self.o_proj.forward(&attn)
     }
@@ -194,18 +194,6 @@ impl DecoderMlp {
     }
 }
 
-/// What every decoder layer takes besides the hidden states (all built before the forward).
-struct DecoderInputs<'a> {
-    /// `[B, 1, L, L]` in the model dtype: 0 where the key is visible, the dtype's lowest value
-    /// where it is not.
-    attention_bias: &'a Tensor,
-    /// `[B, 1, L, 1]` in the model dtype: 1 where the query row sees a key, 0 where it sees none.
-    attended: &'a Tensor,
-    /// `[L, head_dim]` f32.
-    cos: &'a Tensor,
-    sin: &'a Tensor,
-}
-
 /// `MistralDecoderLayer` / `Qwen3DecoderLayer`.
 #[derive(Clone, Debug)]
 struct DecoderLayer {
@@ -233,7 +221,7 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(&self, hidden_states: &Tensor, inputs: &DecoderInputs<'_>) -> Result<Tensor> {
+    fn forward(&self, hidden_states: &Tensor, inputs: &DecoderInputs) -> Result<Tensor> {
         let attn = self
             .self_attn
             .forward(&self.input_layernorm.forward(hidden_states)?, inputs)?;
@@ -245,19 +233,26 @@ impl DecoderLayer {
     }
 }
 
-/// The inputs of [`TextDecoderModel::forward_prepared`] besides the ids, built on the host from
-/// the attention mask and the length ([`TextDecoderModel::prepare`]).
+/// What every decoder layer takes besides the hidden states, built on the host from the
+/// attention mask and the length before the forward's ops ([`TextDecoderModel::prepare`]).
 #[derive(Clone, Debug)]
-pub struct TextDecoderInputs {
+struct DecoderInputs {
     /// `[B, 1, L, L]` in the model dtype: 0 where query `i` sees key `k` (`k ≤ i`, `mask[k] = 1`,
     /// and within the sliding window if the config has one), the dtype's lowest value elsewhere.
-    pub attention_bias: Tensor,
+    attention_bias: Tensor,
     /// `[B, 1, L, 1]` in the model dtype: 1 where the query row sees at least one key, else 0.
-    pub attended: Tensor,
+    attended: Tensor,
     /// RoPE tables `[L, head_dim]` (f32) for the absolute positions `0..L`.
-    pub cos: Tensor,
-    pub sin: Tensor,
+    cos: Tensor,
+    sin: Tensor,
 }
+
+impl_tensors!(DecoderInputs {
+    attention_bias,
+    attended,
+    cos,
+    sin
+});
 
 /// What [`TextDecoderModel::forward`] returns.
 #[derive(Clone, Debug)]
@@ -500,47 +495,40 @@ impl TextDecoderModel {
         self.embed_tokens.weight.dtype()
     }
 
-    /// Encodes token ids `[B, L]` (integer) with `attention_mask` `[B, L]` (1 on tokens, 0 on
-    /// padding; `None` means all ones). Reads both back to the host to check the ids and build
-    /// the mask; a caller that has them on the host calls [`Self::forward_with_host_inputs`].
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<TextDecoderOutput> {
-        let ids = read_input_ids(&self.component, input_ids)?;
-        let mask = match attention_mask {
-            Some(mask) => {
-                if mask.dims() != input_ids.dims() {
-                    return Err(self.error(format!(
-                        "attention_mask {} must have the shape of input_ids {}",
-                        mask.shape(),
-                        input_ids.shape()
-                    )));
-                }
-                Some(read_input_ids(&self.component, mask)?)
-            }
-            None => None,
-        };
-        self.forward_with_host_inputs(input_ids, &ids, mask.as_deref())
+    /// Encodes token ids `[B, L]` (integer) with `attention_mask` `[B, L]` (row-major on the host,
+    /// 1 on tokens, 0 on padding; `None` means all ones). `host_ids` are the values of
+    /// `input_ids` on the host (row-major, as the tokenizer returned them), read back from the
+    /// device when `None`; they are checked against the vocabulary.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        host_ids: Option<&[i64]>,
+        attention_mask: Option<&[i64]>,
+    ) -> Result<TextDecoderOutput> {
+        let vocab_size = self.config.vocab_size;
+        host_token_ids(
+            &self.component,
+            "TextDecoderModel::forward",
+            input_ids,
+            host_ids,
+            vocab_size,
+        )?;
+        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
+        let inputs = self.prepare(attention_mask, b, l, input_ids.device())?;
+        self.compiled
+            .whole("", self, (input_ids.clone(), inputs), |m, (input_ids, inputs)| {
+                m.forward_graph(input_ids, inputs)
+            })
     }
 
-    /// [`Self::forward`] for a caller that has the ids (and the mask) on the host too, row-major
-    /// `B·L` values each, as the tokenizer returned them. The ids are checked against the
-    /// vocabulary; nothing is read from the device.
+    /// [`Self::forward`] with the ids on the host.
     pub fn forward_with_host_inputs(
         &self,
         input_ids: &Tensor,
         host_ids: &[i64],
         host_mask: Option<&[i64]>,
     ) -> Result<TextDecoderOutput> {
-        check_host_ids(&self.component, input_ids, host_ids, self.config.vocab_size)?;
-        if input_ids.is_traced() {
-            return Err(traced_input_error(
-                &self.component,
-                "TextDecoderModel::forward_with_host_inputs",
-                "TextDecoderModel::forward_prepared",
-            ));
-        }
-        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        let inputs = self.prepare(host_mask, b, l, input_ids.device())?;
-        self.forward_prepared(input_ids, &inputs)
+        self.forward(input_ids, Some(host_ids), host_mask)
     }
 
     /// The attention bias, the attended rows and the RoPE tables for a batch of `batch` rows of
@@ -548,13 +536,13 @@ impl TextDecoderModel {
     /// `None` = all tokens), created on `device`. Padding may be on either side: positions stay
     /// absolute (`0..seq_len`, pads included), as transformers computes them when it is given no
     /// `position_ids`.
-    pub fn prepare(
+    fn prepare(
         &self,
         host_mask: Option<&[i64]>,
         batch: usize,
         seq_len: usize,
         device: &Device,
-    ) -> Result<TextDecoderInputs> {
+    ) -> Result<DecoderInputs> {
         if let Some(mask) = host_mask {
             if mask.len() != batch * seq_len {
                 return Err(self.error(format!(
@@ -573,7 +561,7 @@ impl TextDecoderModel {
         let attended: Vec<f32> = attended.iter().map(|&a| if a { 1.0 } else { 0.0 }).collect();
         let (cos, sin) = rope_tables(seq_len, self.config.head_dim, self.config.rope_theta);
         let hd = self.config.head_dim;
-        Ok(TextDecoderInputs {
+        Ok(DecoderInputs {
             attention_bias: Tensor::from_f32(&bias, dtype, [batch, 1, seq_len, seq_len], device)?,
             attended: Tensor::from_f32(&attended, dtype, [batch, 1, seq_len, 1], device)?,
             cos: Tensor::from_slice(&cos, [seq_len, hd], device)?,
@@ -581,43 +569,11 @@ impl TextDecoderModel {
         })
     }
 
-    /// The forward on device data only (it runs unchanged inside a compiled function): `inputs`
-    /// is [`Self::prepare`] for `input_ids`' shape. Ids are not range-checked here (the device
-    /// gather clamps them); [`Self::forward_with_host_inputs`] checks them.
-    pub fn forward_prepared(&self, input_ids: &Tensor, inputs: &TextDecoderInputs) -> Result<TextDecoderOutput> {
-        check_input_ids(&self.component, input_ids)?;
-        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        let hd = self.config.head_dim;
-        let dtype = self.dtype();
-        let expected = [
-            ("attention_bias", &inputs.attention_bias, vec![b, 1, l, l], dtype),
-            ("attended", &inputs.attended, vec![b, 1, l, 1], dtype),
-            ("cos", &inputs.cos, vec![l, hd], DType::F32),
-            ("sin", &inputs.sin, vec![l, hd], DType::F32),
-        ];
-        for (name, t, dims, dt) in expected {
-            if t.dims() != dims.as_slice() || t.dtype() != dt {
-                return Err(self.error(format!(
-                    "{name} must be {dims:?} {dt} for input_ids {} (see TextDecoderModel::prepare), got {} {}",
-                    input_ids.shape(),
-                    t.shape(),
-                    t.dtype()
-                )));
-            }
-        }
-        let args = Args::new()
-            .with("input_ids", input_ids)
-            .with("attention_bias", &inputs.attention_bias)
-            .with("attended", &inputs.attended)
-            .with("rope.cos", &inputs.cos)
-            .with("rope.sin", &inputs.sin);
-        self.compiled.whole("", self, args, |m, a| m.forward_graph(a))
-    }
-
-    /// The forward's ops, each layer run through the list (streamed, or compiled on its own in
+    /// The forward's ops on device data only (`inputs` is [`Self::prepare`] for `input_ids`'
+    /// shape), each layer run through the list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
-    fn forward_graph(&self, a: &Args) -> Result<TextDecoderOutput> {
-        let mut hidden_states = self.embed_tokens.forward(a.get("input_ids")?)?; // [b, l, d]
+    fn forward_graph(&self, input_ids: &Tensor, inputs: &DecoderInputs) -> Result<TextDecoderOutput> {
+        let mut hidden_states = self.embed_tokens.forward(input_ids)?; // [b, l, d]
         let mut kept: Vec<Option<Tensor>> = vec![None; self.outputs.len()];
         let mut keep = |index: usize, h: &Tensor| {
             for (slot, &want) in kept.iter_mut().zip(&self.outputs) {
@@ -628,21 +584,10 @@ impl TextDecoderModel {
         };
         keep(0, &hidden_states);
         for i in 0..self.layers.len() {
-            let args = Args::new()
-                .with("hidden_states", &hidden_states)
-                .with("attention_bias", a.get("attention_bias")?)
-                .with("attended", a.get("attended")?)
-                .with("rope.cos", a.get("rope.cos")?)
-                .with("rope.sin", a.get("rope.sin")?);
-            hidden_states = self.layers.run(&self.compiled, i, args, |layer, a| {
-                let inputs = DecoderInputs {
-                    attention_bias: a.get("attention_bias")?,
-                    attended: a.get("attended")?,
-                    cos: a.get("rope.cos")?,
-                    sin: a.get("rope.sin")?,
-                };
-                layer.forward(a.get("hidden_states")?, &inputs)
-            })?;
+            let args = (hidden_states, inputs.clone());
+            hidden_states = self
+                .layers
+                .run(&self.compiled, i, args, |layer, (h, inputs)| layer.forward(h, inputs))?;
             // transformers replaces the last entry by the final-normed output.
             if i + 1 < self.config.num_hidden_layers {
                 keep(i + 1, &hidden_states);
