@@ -5,14 +5,15 @@
 //! Layout inside attention is heads-first `[batch, heads, seq, head_dim]`, text tokens first.
 
 use kiln_io::FluxTransformer2DConfig;
-use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear, Module, Result,
-    RmsNorm, RopeTables, TpPlan, TpStyle, Weights,
+    impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
+    RopeTables, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
-use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp};
+use crate::mmdit::{
+    gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp, QkvProjection, IMAGE_QKV, TEXT_QKV,
+};
 
 /// `CombinedTimestep(Guidance)TextProjEmbeddings`.
 #[derive(Clone, Debug)]
@@ -50,60 +51,9 @@ impl_module!(TimeTextEmbed {
     text_embedder: "text_embedder",
 });
 
-/// Query/key/value projections of one stream, with per-head RMSNorm on q and k.
-#[derive(Clone, Debug)]
-struct QkvProjection {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    norm_q: RmsNorm,
-    norm_k: RmsNorm,
-    /// The weight names of q, k, v, norm_q, norm_k (the image and text streams differ).
-    names: [&'static str; 5],
-}
-
-impl Module for QkvProjection {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        let [q, k, v, nq, nk] = self.names;
-        visit_child(q, &self.q, f);
-        visit_child(k, &self.k, f);
-        visit_child(v, &self.v, f);
-        visit_child(nq, &self.norm_q, f);
-        visit_child(nk, &self.norm_k, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        let [q, k, v, nq, nk] = self.names;
-        map_child(q, &mut self.q, f)?;
-        map_child(k, &mut self.k, f)?;
-        map_child(v, &mut self.v, f)?;
-        map_child(nq, &mut self.norm_q, f)?;
-        map_child(nk, &mut self.norm_k, f)
-    }
-}
-
-impl QkvProjection {
-    fn load(w: &Weights, names: [&'static str; 5], dim: usize, head_dim: usize) -> Result<Self> {
-        Ok(QkvProjection {
-            q: Linear::load(&w.pp(names[0]), dim, dim, true)?,
-            k: Linear::load(&w.pp(names[1]), dim, dim, true)?,
-            v: Linear::load(&w.pp(names[2]), dim, dim, true)?,
-            norm_q: RmsNorm::load(&w.pp(names[3]), head_dim, 1e-6)?,
-            norm_k: RmsNorm::load(&w.pp(names[4]), head_dim, 1e-6)?,
-            names,
-        })
-    }
-
-    /// `[B, S, D]` → q, k, v each `[B, H, S, head_dim]`: H is the heads this device holds (all of
-    /// them on one device; 1/N of them on each device of a tensor-parallel mesh).
-    fn forward(&self, x: &Tensor) -> Result<[Tensor; 3]> {
-        let (b, s) = (x.dims()[0], x.dims()[1]);
-        let head_dim = self.norm_q.weight.dims()[0] as isize;
-        let split = |t: Tensor| -> Result<Tensor> { Ok(t.reshape_infer(&[b as isize, s as isize, -1, head_dim])?) };
-        let q = self.norm_q.forward(&split(self.q.forward(x)?)?)?.transpose(1, 2)?;
-        let k = self.norm_k.forward(&split(self.k.forward(x)?)?)?.transpose(1, 2)?;
-        let v = split(self.v.forward(x)?)?.transpose(1, 2)?;
-        Ok([q, k, v])
-    }
+/// Loads the qk-norm (torch `nn.RMSNorm` over `head_dim`) of a [`QkvProjection`].
+fn qk_norm(head_dim: usize) -> impl Fn(&Weights) -> Result<Option<RmsNorm>> {
+    move |w| Ok(Some(RmsNorm::load(w, head_dim, 1e-6)?))
 }
 
 /// Rotary embedding then attention; returns `[B, S, H·head_dim]`.
@@ -119,8 +69,8 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Te
 struct FluxTransformerBlock {
     norm1: Linear,
     norm1_context: Linear,
-    image: QkvProjection,
-    text: QkvProjection,
+    image: QkvProjection<RmsNorm>,
+    text: QkvProjection<RmsNorm>,
     to_out: Linear,
     to_add_out: Linear,
     ff: FeedForward,
@@ -133,13 +83,8 @@ impl FluxTransformerBlock {
         Ok(FluxTransformerBlock {
             norm1: Linear::load(&w.pp("norm1.linear"), dim, 6 * dim, true)?,
             norm1_context: Linear::load(&w.pp("norm1_context.linear"), dim, 6 * dim, true)?,
-            image: QkvProjection::load(&attn, ["to_q", "to_k", "to_v", "norm_q", "norm_k"], dim, head_dim)?,
-            text: QkvProjection::load(
-                &attn,
-                ["add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k"],
-                dim,
-                head_dim,
-            )?,
+            image: QkvProjection::load(&attn, IMAGE_QKV, (dim, head_dim), true, qk_norm(head_dim))?,
+            text: QkvProjection::load(&attn, TEXT_QKV, (dim, head_dim), true, qk_norm(head_dim))?,
             to_out: Linear::load(&attn.pp("to_out.0"), dim, dim, true)?,
             to_add_out: Linear::load(&attn.pp("to_add_out"), dim, dim, true)?,
             ff: FeedForward::load(&w.pp("ff"), dim)?,
@@ -196,7 +141,7 @@ impl_module!(FluxTransformerBlock {
 #[derive(Clone, Debug)]
 struct FluxSingleTransformerBlock {
     norm: Linear,
-    qkv: QkvProjection,
+    qkv: QkvProjection<RmsNorm>,
     proj_mlp: Linear,
     proj_out: Linear,
 }
@@ -206,12 +151,7 @@ impl FluxSingleTransformerBlock {
         let mlp = 4 * dim;
         Ok(FluxSingleTransformerBlock {
             norm: Linear::load(&w.pp("norm.linear"), dim, 3 * dim, true)?,
-            qkv: QkvProjection::load(
-                &w.pp("attn"),
-                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
-                dim,
-                head_dim,
-            )?,
+            qkv: QkvProjection::load(&w.pp("attn"), IMAGE_QKV, (dim, head_dim), true, qk_norm(head_dim))?,
             proj_mlp: Linear::load(&w.pp("proj_mlp"), dim, mlp, true)?,
             proj_out: Linear::load(&w.pp("proj_out"), dim + mlp, dim, true)?,
         })

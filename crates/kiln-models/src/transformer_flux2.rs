@@ -10,7 +10,8 @@
 //! 4-axis RoPE (θ from the config, 2000) over int64 `(t, h, w, l)` ids; no pooled text input.
 //!
 //! Tensor-parallel readiness: attention head counts are derived from the width of each projected
-//! activation (`heads = width / head_dim`), never from `num_attention_heads`, and the fused
+//! activation (`heads = width / head_dim`, `mmdit::split_heads`), never from
+//! `num_attention_heads`, and the fused
 //! single-block projection is split in proportion (`3·inner : 2·mlp_hidden`), so that weights
 //! holding a contiguous 1/N of every sub-block's rows run unchanged.
 //!
@@ -23,33 +24,12 @@ use kiln_nn::{
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
-use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, Mlp};
+use crate::mmdit::{
+    gated_residual, modulate, sinusoid, split_heads, timestep_frequencies, Mlp, QkvProjection, IMAGE_QKV, TEXT_QKV,
+};
 
 fn input_error(op: &'static str, message: String) -> Error {
     Error::Tensor(kiln_tensor::Error::Invalid { op, message })
-}
-
-/// `[B, S, W]` → `[B, heads, S, head_dim]` with `heads = W / head_dim` (the local head count when
-/// the projection holds a shard of the heads).
-fn split_heads(x: &Tensor, head_dim: usize, norm: Option<&RmsNorm>) -> Result<Tensor> {
-    let &[b, s, width] = x.dims() else {
-        return Err(input_error(
-            "Flux2 attention",
-            format!("needs a [batch, seq, width] projection, got {}", x.shape()),
-        ));
-    };
-    if head_dim == 0 || !width.is_multiple_of(head_dim) {
-        return Err(input_error(
-            "Flux2 attention",
-            format!("a projection of width {width} does not split into heads of {head_dim}"),
-        ));
-    }
-    let x = x.reshape([b, s, width / head_dim, head_dim])?;
-    let x = match norm {
-        Some(norm) => norm.forward(&x)?,
-        None => x,
-    };
-    Ok(x.transpose(1, 2)?)
 }
 
 /// Rotary embedding then attention; returns `[B, S, H·head_dim]`.
@@ -99,35 +79,18 @@ fn mod_params(m: &Tensor, sets: usize) -> Result<Vec<Tensor>> {
 /// `Flux2TransformerBlock`: the double-stream block (joint attention over [text, image]).
 #[derive(Clone, Debug)]
 struct Flux2TransformerBlock {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
-    norm_q: RmsNorm,
-    norm_k: RmsNorm,
-    add_q_proj: Linear,
-    add_k_proj: Linear,
-    add_v_proj: Linear,
-    norm_added_q: RmsNorm,
-    norm_added_k: RmsNorm,
+    image: QkvProjection<RmsNorm>,
+    text: QkvProjection<RmsNorm>,
     to_out: Linear,
     to_add_out: Linear,
     ff: Flux2FeedForward,
     ff_context: Flux2FeedForward,
-    head_dim: usize,
     eps: f64,
 }
 
 impl_module!(Flux2TransformerBlock {
-    to_q: "attn.to_q",
-    to_k: "attn.to_k",
-    to_v: "attn.to_v",
-    norm_q: "attn.norm_q",
-    norm_k: "attn.norm_k",
-    add_q_proj: "attn.add_q_proj",
-    add_k_proj: "attn.add_k_proj",
-    add_v_proj: "attn.add_v_proj",
-    norm_added_q: "attn.norm_added_q",
-    norm_added_k: "attn.norm_added_k",
+    image: "attn",
+    text: "attn",
     to_out: "attn.to_out.0",
     to_add_out: "attn.to_add_out",
     ff: "ff",
@@ -139,23 +102,14 @@ impl Flux2TransformerBlock {
         let (dim, head_dim, eps) = (c.inner_dim(), c.attention_head_dim, c.eps);
         let attn = w.pp("attn");
         let linear = |name: &str| Linear::load(&attn.pp(name), dim, dim, false);
-        let norm = |name: &str| RmsNorm::load(&attn.pp(name), head_dim, eps);
+        let qk_norm = |w: &Weights| Ok(Some(RmsNorm::load(w, head_dim, eps)?));
         Ok(Flux2TransformerBlock {
-            to_q: linear("to_q")?,
-            to_k: linear("to_k")?,
-            to_v: linear("to_v")?,
-            norm_q: norm("norm_q")?,
-            norm_k: norm("norm_k")?,
-            add_q_proj: linear("add_q_proj")?,
-            add_k_proj: linear("add_k_proj")?,
-            add_v_proj: linear("add_v_proj")?,
-            norm_added_q: norm("norm_added_q")?,
-            norm_added_k: norm("norm_added_k")?,
+            image: QkvProjection::load(&attn, IMAGE_QKV, (dim, head_dim), false, qk_norm)?,
+            text: QkvProjection::load(&attn, TEXT_QKV, (dim, head_dim), false, qk_norm)?,
             to_out: linear("to_out.0")?,
             to_add_out: linear("to_add_out")?,
             ff: Flux2FeedForward::load(&w.pp("ff"), dim, c.mlp_hidden_dim())?,
             ff_context: Flux2FeedForward::load(&w.pp("ff_context"), dim, c.mlp_hidden_dim())?,
-            head_dim,
             eps,
         })
     }
@@ -171,19 +125,14 @@ impl Flux2TransformerBlock {
         rope: &RopeTables,
     ) -> Result<(Tensor, Tensor)> {
         let ln = LayerNorm::plain(self.eps);
-        let hd = self.head_dim;
         // (shift, scale, gate) for attention, then for the MLP.
         let m = mod_params(mod_img, 2)?;
         let c = mod_params(mod_txt, 2)?;
         let nx = modulate(&ln.forward(x)?, &m[0], &m[1])?;
         let nc = modulate(&ln.forward(ctx)?, &c[0], &c[1])?;
 
-        let q = split_heads(&self.to_q.forward(&nx)?, hd, Some(&self.norm_q))?;
-        let k = split_heads(&self.to_k.forward(&nx)?, hd, Some(&self.norm_k))?;
-        let v = split_heads(&self.to_v.forward(&nx)?, hd, None)?;
-        let cq = split_heads(&self.add_q_proj.forward(&nc)?, hd, Some(&self.norm_added_q))?;
-        let ck = split_heads(&self.add_k_proj.forward(&nc)?, hd, Some(&self.norm_added_k))?;
-        let cv = split_heads(&self.add_v_proj.forward(&nc)?, hd, None)?;
+        let [q, k, v] = self.image.forward(&nx)?;
+        let [cq, ck, cv] = self.text.forward(&nc)?;
         let q = Tensor::cat(&[&cq, &q], 2)?;
         let k = Tensor::cat(&[&ck, &k], 2)?;
         let v = Tensor::cat(&[&cv, &v], 2)?;
@@ -267,7 +216,7 @@ impl Flux2SingleTransformerBlock {
         let qkv = parts[0].chunk(3, 2)?;
         let q = split_heads(&qkv[0], self.head_dim, Some(&self.norm_q))?;
         let k = split_heads(&qkv[1], self.head_dim, Some(&self.norm_k))?;
-        let v = split_heads(&qkv[2], self.head_dim, None)?;
+        let v = split_heads(&qkv[2], self.head_dim, None::<&RmsNorm>)?;
         let a = attention(&q, &k, &v, rope)?;
         let mlp = swiglu(&parts[1])?;
         let joined = Tensor::cat(&[&a, &mlp], 2)?;

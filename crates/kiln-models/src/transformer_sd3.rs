@@ -10,14 +10,16 @@
 //! Layout inside attention is heads-first `[batch, heads, seq, head_dim]`.
 
 use kiln_io::SD3Transformer2DConfig;
-use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Module, Result, TpPlan,
-    TpStyle, Weights,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Result, TpPlan, TpStyle,
+    Weights,
 };
 use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
-use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp};
+use crate::mmdit::{
+    gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, HeadNorm, Mlp, QkvProjection, IMAGE_QKV,
+    TEXT_QKV,
+};
 
 /// The eps of every LayerNorm and qk RMSNorm of the model.
 const EPS: f64 = 1e-6;
@@ -118,80 +120,22 @@ impl RmsNorm {
     }
 }
 
-/// Query/key/value projections of one stream (all with bias), with the optional per-head qk-norm.
-#[derive(Clone, Debug)]
-struct QkvProjection {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    norm_q: Option<RmsNorm>,
-    norm_k: Option<RmsNorm>,
-    /// The weight names of q, k, v, norm_q, norm_k (the image and text streams differ).
-    names: [&'static str; 5],
-}
-
-const IMAGE_QKV: [&str; 5] = ["to_q", "to_k", "to_v", "norm_q", "norm_k"];
-const TEXT_QKV: [&str; 5] = ["add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k"];
-
-impl Module for QkvProjection {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        let [q, k, v, nq, nk] = self.names;
-        visit_child(q, &self.q, f);
-        visit_child(k, &self.k, f);
-        visit_child(v, &self.v, f);
-        visit_child(nq, &self.norm_q, f);
-        visit_child(nk, &self.norm_k, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        let [q, k, v, nq, nk] = self.names;
-        map_child(q, &mut self.q, f)?;
-        map_child(k, &mut self.k, f)?;
-        map_child(v, &mut self.v, f)?;
-        map_child(nq, &mut self.norm_q, f)?;
-        map_child(nk, &mut self.norm_k, f)
+/// diffusers' processor normalizes the heads after moving them forward.
+impl HeadNorm for RmsNorm {
+    fn heads_first(&self, x: Tensor) -> Result<Tensor> {
+        self.forward(&x.transpose(1, 2)?)
     }
 }
 
-impl QkvProjection {
-    fn load(w: &Weights, names: [&'static str; 5], dim: usize, head_dim: usize, qk_norm: bool) -> Result<Self> {
-        let norm = |name: &str| -> Result<Option<RmsNorm>> {
-            Ok(if qk_norm {
-                Some(RmsNorm {
-                    weight: w.pp(name).get("weight", [head_dim])?,
-                })
-            } else {
-                None
-            })
-        };
-        Ok(QkvProjection {
-            q: Linear::load(&w.pp(names[0]), dim, dim, true)?,
-            k: Linear::load(&w.pp(names[1]), dim, dim, true)?,
-            v: Linear::load(&w.pp(names[2]), dim, dim, true)?,
-            norm_q: norm(names[3])?,
-            norm_k: norm(names[4])?,
-            names,
+/// Loads the optional qk-norm (diffusers' `RMSNorm` over `head_dim`) of a [`QkvProjection`].
+fn qk_norm_loader(head_dim: usize, qk_norm: bool) -> impl Fn(&Weights) -> Result<Option<RmsNorm>> {
+    move |w| {
+        Ok(match qk_norm {
+            true => Some(RmsNorm {
+                weight: w.get("weight", [head_dim])?,
+            }),
+            false => None,
         })
-    }
-
-    /// `[B, S, D]` → q, k, v each `[B, H, S, head_dim]`.
-    fn forward(&self, x: &Tensor, heads: usize) -> Result<[Tensor; 3]> {
-        let (b, s) = (x.dims()[0], x.dims()[1]);
-        // On a tensor-parallel mesh each device holds 1/N of the heads (the plan splits q, k, v).
-        let heads = heads / x.device().mesh_size();
-        let split = |t: Tensor| -> Result<Tensor> {
-            Ok(t.reshape_infer(&[b as isize, s as isize, heads as isize, -1])?
-                .transpose(1, 2)?)
-        };
-        let norm = |n: &Option<RmsNorm>, t: Tensor| -> Result<Tensor> {
-            match n {
-                Some(n) => n.forward(&t),
-                None => Ok(t),
-            }
-        };
-        let q = norm(&self.norm_q, split(self.q.forward(x)?)?)?;
-        let k = norm(&self.norm_k, split(self.k.forward(x)?)?)?;
-        let v = split(self.v.forward(x)?)?;
-        Ok([q, k, v])
     }
 }
 
@@ -204,7 +148,7 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 /// `attn2` of a dual-attention block: self-attention over the image tokens only.
 #[derive(Clone, Debug)]
 struct SelfAttention {
-    qkv: QkvProjection,
+    qkv: QkvProjection<RmsNorm>,
     to_out: Linear,
 }
 
@@ -214,8 +158,8 @@ impl_module!(SelfAttention {
 });
 
 impl SelfAttention {
-    fn forward(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
-        let [q, k, v] = self.qkv.forward(x, heads)?;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let [q, k, v] = self.qkv.forward(x)?;
         self.to_out.forward(&attention(&q, &k, &v)?)
     }
 }
@@ -228,14 +172,13 @@ impl SelfAttention {
 struct JointTransformerBlock {
     norm1: Linear,
     norm1_context: Linear,
-    image: QkvProjection,
-    text: QkvProjection,
+    image: QkvProjection<RmsNorm>,
+    text: QkvProjection<RmsNorm>,
     to_out: Linear,
     to_add_out: Option<Linear>,
     attn2: Option<SelfAttention>,
     ff: FeedForward,
     ff_context: Option<FeedForward>,
-    heads: usize,
 }
 
 impl_module!(JointTransformerBlock {
@@ -253,7 +196,6 @@ impl_module!(JointTransformerBlock {
 /// What one block needs to know besides its weights.
 struct BlockSpec {
     dim: usize,
-    heads: usize,
     head_dim: usize,
     qk_norm: bool,
     dual: bool,
@@ -264,7 +206,6 @@ impl JointTransformerBlock {
     fn load(w: &Weights, spec: &BlockSpec) -> Result<Self> {
         let &BlockSpec {
             dim,
-            heads,
             head_dim,
             qk_norm,
             dual,
@@ -274,7 +215,7 @@ impl JointTransformerBlock {
         let attn2 = if dual {
             let a = w.pp("attn2");
             Some(SelfAttention {
-                qkv: QkvProjection::load(&a, IMAGE_QKV, dim, head_dim, qk_norm)?,
+                qkv: QkvProjection::load(&a, IMAGE_QKV, (dim, head_dim), true, qk_norm_loader(head_dim, qk_norm))?,
                 to_out: Linear::load(&a.pp("to_out.0"), dim, dim, true)?,
             })
         } else {
@@ -292,14 +233,25 @@ impl JointTransformerBlock {
         Ok(JointTransformerBlock {
             norm1: Linear::load(&w.pp("norm1.linear"), dim, if dual { 9 } else { 6 } * dim, true)?,
             norm1_context: Linear::load(&w.pp("norm1_context.linear"), dim, context_chunks * dim, true)?,
-            image: QkvProjection::load(&attn, IMAGE_QKV, dim, head_dim, qk_norm)?,
-            text: QkvProjection::load(&attn, TEXT_QKV, dim, head_dim, qk_norm)?,
+            image: QkvProjection::load(
+                &attn,
+                IMAGE_QKV,
+                (dim, head_dim),
+                true,
+                qk_norm_loader(head_dim, qk_norm),
+            )?,
+            text: QkvProjection::load(
+                &attn,
+                TEXT_QKV,
+                (dim, head_dim),
+                true,
+                qk_norm_loader(head_dim, qk_norm),
+            )?,
             to_out: Linear::load(&attn.pp("to_out.0"), dim, dim, true)?,
             to_add_out,
             attn2,
             ff: FeedForward::load(&w.pp("ff"), dim)?,
             ff_context,
-            heads,
         })
     }
 
@@ -339,8 +291,8 @@ impl JointTransformerBlock {
         };
 
         // Joint attention over [image, text].
-        let [q, k, v] = self.image.forward(&nx, self.heads)?;
-        let [cq, ck, cv] = self.text.forward(&nc, self.heads)?;
+        let [q, k, v] = self.image.forward(&nx)?;
+        let [cq, ck, cv] = self.text.forward(&nc)?;
         let q = Tensor::cat(&[&q, &cq], 2)?;
         let k = Tensor::cat(&[&k, &ck], 2)?;
         let v = Tensor::cat(&[&v, &cv], 2)?;
@@ -351,7 +303,7 @@ impl JointTransformerBlock {
         let mut x = gated_residual(x, &m[2], &self.to_out.forward(o_x)?)?;
         if let Some(attn2) = &self.attn2 {
             let nx2 = modulate(&norm_x, &m[6], &m[7])?;
-            x = gated_residual(&x, &m[8], &attn2.forward(&nx2, self.heads)?)?;
+            x = gated_residual(&x, &m[8], &attn2.forward(&nx2)?)?;
         }
         let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
         let x = gated_residual(&x, &m[5], &self.ff.forward(&ff_in)?)?;
@@ -475,7 +427,6 @@ impl SD3Transformer2DModel {
             .map(|i| {
                 let spec = BlockSpec {
                     dim,
-                    heads: config.num_attention_heads,
                     head_dim: config.attention_head_dim,
                     qk_norm: config.qk_norm.is_some(),
                     dual: config.is_dual_attention_layer(i),
