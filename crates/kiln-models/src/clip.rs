@@ -5,7 +5,7 @@
 //!
 //! Pre-LayerNorm transformer with causal self-attention and no padding mask. Weight names are
 //! transformers' (`text_model.encoder.layers.{i}.self_attn.q_proj`, ...); files with or without the
-//! `text_model.` prefix load, and [`Module::visit`] names every weight as its file does.
+//! `text_model.` prefix load, and [`kiln_nn::Module::visit`] names every weight as its file does.
 //!
 //! The pooled row of each prompt (its EOS position) is found on the host, from the token ids the
 //! caller already has or read back ([`ClipTextModel::forward`]); the forward's ops take it as an
@@ -14,10 +14,9 @@
 use std::borrow::Cow;
 
 use kiln_io::{Activation, ClipTextConfig};
-use kiln_nn::module::{join_name, map_child, visit_child};
+use kiln_nn::module::Named;
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Module, Result,
-    Weights,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Result, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Tensor};
 
@@ -140,20 +139,20 @@ struct ClipAttention {
 }
 
 impl_module!(ClipAttention {
-    q_proj: "q_proj",
-    k_proj: "k_proj",
-    v_proj: "v_proj",
-    out_proj: "out_proj",
+    q_proj,
+    k_proj,
+    v_proj,
+    out_proj,
 });
 
 impl ClipAttention {
     fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
         let d = config.hidden_size;
         Ok(ClipAttention {
-            q_proj: Linear::load(&w.pp("q_proj"), d, d, true)?,
-            k_proj: Linear::load(&w.pp("k_proj"), d, d, true)?,
-            v_proj: Linear::load(&w.pp("v_proj"), d, d, true)?,
-            out_proj: Linear::load(&w.pp("out_proj"), d, d, true)?,
+            q_proj: Linear::load(&w.pp(Self::q_proj), d, d, true)?,
+            k_proj: Linear::load(&w.pp(Self::k_proj), d, d, true)?,
+            v_proj: Linear::load(&w.pp(Self::v_proj), d, d, true)?,
+            out_proj: Linear::load(&w.pp(Self::out_proj), d, d, true)?,
             num_heads: config.num_attention_heads,
             head_dim: config.head_dim(),
         })
@@ -181,13 +180,13 @@ struct ClipMlp {
     act: Activation,
 }
 
-impl_module!(ClipMlp { fc1: "fc1", fc2: "fc2" });
+impl_module!(ClipMlp { fc1, fc2 });
 
 impl ClipMlp {
     fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
         Ok(ClipMlp {
-            fc1: Linear::load(&w.pp("fc1"), config.hidden_size, config.intermediate_size, true)?,
-            fc2: Linear::load(&w.pp("fc2"), config.intermediate_size, config.hidden_size, true)?,
+            fc1: Linear::load(&w.pp(Self::fc1), config.hidden_size, config.intermediate_size, true)?,
+            fc2: Linear::load(&w.pp(Self::fc2), config.intermediate_size, config.hidden_size, true)?,
             act: config.hidden_act,
         })
     }
@@ -207,20 +206,20 @@ struct ClipEncoderLayer {
 }
 
 impl_module!(ClipEncoderLayer {
-    layer_norm1: "layer_norm1",
-    self_attn: "self_attn",
-    layer_norm2: "layer_norm2",
-    mlp: "mlp",
+    layer_norm1,
+    self_attn,
+    layer_norm2,
+    mlp,
 });
 
 impl ClipEncoderLayer {
     fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
         let (d, eps) = (config.hidden_size, config.layer_norm_eps);
         Ok(ClipEncoderLayer {
-            layer_norm1: LayerNorm::load(&w.pp("layer_norm1"), d, eps)?,
-            self_attn: ClipAttention::load(&w.pp("self_attn"), config)?,
-            layer_norm2: LayerNorm::load(&w.pp("layer_norm2"), d, eps)?,
-            mlp: ClipMlp::load(&w.pp("mlp"), config)?,
+            layer_norm1: LayerNorm::load(&w.pp(Self::layer_norm1), d, eps)?,
+            self_attn: ClipAttention::load(&w.pp(Self::self_attn), config)?,
+            layer_norm2: LayerNorm::load(&w.pp(Self::layer_norm2), d, eps)?,
+            mlp: ClipMlp::load(&w.pp(Self::mlp), config)?,
         })
     }
 
@@ -250,42 +249,59 @@ pub struct ClipTextOutput {
     pub hidden_states: Vec<Tensor>,
 }
 
+/// transformers' `CLIPTextTransformer`: the embeddings, the encoder layers and the final norm.
+#[derive(Clone, Debug)]
+struct ClipTextTransformer {
+    token_embedding: Embedding,
+    position_embedding: Embedding,
+    layers: Blocks<ClipEncoderLayer>,
+    final_layer_norm: LayerNorm,
+}
+
+// Nothing else is kept: positions are `0..L` and the legacy `embeddings.position_ids` buffer is
+// not loaded.
+impl_module!(ClipTextTransformer {
+    token_embedding: "embeddings.token_embedding",
+    position_embedding: "embeddings.position_embedding",
+    layers: "encoder.layers",
+    final_layer_norm,
+});
+
+impl ClipTextTransformer {
+    fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
+        let d = config.hidden_size;
+        // A buffer that old checkpoints saved; positions are always 0..L.
+        w.mark_used("embeddings.position_ids");
+        Ok(ClipTextTransformer {
+            token_embedding: Embedding::load(&w.pp(Self::token_embedding), config.vocab_size, d)?,
+            position_embedding: Embedding::load(&w.pp(Self::position_embedding), config.max_position_embeddings, d)?,
+            layers: Blocks::load(w, Self::layers, config.num_hidden_layers, |_, w| {
+                ClipEncoderLayer::load(w, config)
+            })?,
+            final_layer_norm: LayerNorm::load(&w.pp(Self::final_layer_norm), d, config.layer_norm_eps)?,
+        })
+    }
+}
+
+/// Where transformers 4 files keep the text tower (transformers 5 files keep it unprefixed).
+const TEXT_MODEL: &str = "text_model";
+
 /// `CLIPTextModel`, and `CLIPTextModelWithProjection` when `text_projection` is loaded.
 #[derive(Clone, Debug)]
 pub struct ClipTextModel {
     config: ClipTextConfig,
     component: String,
-    /// `text_model`, or empty for files that store the text tower unprefixed (transformers 5).
-    prefix: &'static str,
-    token_embedding: Embedding,
-    position_embedding: Embedding,
-    layers: Blocks<ClipEncoderLayer>,
-    final_layer_norm: LayerNorm,
+    /// Named [`TEXT_MODEL`], or unprefixed, as the file has it.
+    text_model: Named<ClipTextTransformer>,
     text_projection: Option<Linear>,
     compiled: Compiled,
 }
 
-/// Every weight under its name in the checkpoint the model was loaded from (with or without the
-/// `text_model.` prefix, as that file has it). Nothing else is kept: positions are `0..L` and the
-/// legacy `embeddings.position_ids` buffer is not loaded.
-impl Module for ClipTextModel {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        let name = |n: &str| join_name(self.prefix, n);
-        visit_child(&name("embeddings.token_embedding"), &self.token_embedding, f);
-        visit_child(&name("embeddings.position_embedding"), &self.position_embedding, f);
-        visit_child(&name("encoder.layers"), &self.layers, f);
-        visit_child(&name("final_layer_norm"), &self.final_layer_norm, f);
-        visit_child("text_projection", &self.text_projection, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        let name = |n: &str| join_name(self.prefix, n);
-        map_child(&name("embeddings.token_embedding"), &mut self.token_embedding, f)?;
-        map_child(&name("embeddings.position_embedding"), &mut self.position_embedding, f)?;
-        map_child(&name("encoder.layers"), &mut self.layers, f)?;
-        map_child(&name("final_layer_norm"), &mut self.final_layer_norm, f)?;
-        map_child("text_projection", &mut self.text_projection, f)
-    }
-}
+// Every weight under its name in the checkpoint the model was loaded from.
+impl_module!(ClipTextModel {
+    text_model: "",
+    text_projection,
+});
 
 impl_model!(
     /// Compiled: the whole forward as `{component}` (`{component}.with_hidden_states` when it
@@ -310,27 +326,20 @@ impl ClipTextModel {
                 ),
             });
         }
-        let d = config.hidden_size;
-        let prefix = if weights.contains("text_model.embeddings.token_embedding.weight") {
-            "text_model"
-        } else {
-            ""
+        let token_embedding = format!("{}.weight", ClipTextTransformer::token_embedding);
+        let prefix = match weights.pp(TEXT_MODEL).contains(&token_embedding) {
+            true => TEXT_MODEL,
+            false => "",
         };
-        let w = if prefix.is_empty() {
-            weights.clone()
-        } else {
-            weights.pp(prefix)
-        };
-        // A buffer that old checkpoints saved; positions are always 0..L.
-        w.mark_used("embeddings.position_ids");
-        let layers = (0..config.num_hidden_layers)
-            .map(|i| ClipEncoderLayer::load(&w.pp(format!("encoder.layers.{i}")), config))
-            .collect::<Result<_>>()?;
-        let layers = Blocks::new("encoder.layers", layers);
         let with_projection = config.architectures.iter().any(|a| a == "CLIPTextModelWithProjection");
-        let projection = weights.pp("text_projection");
+        let projection = weights.pp(Self::text_projection);
         let text_projection = if with_projection || projection.contains("weight") {
-            Some(Linear::load(&projection, d, config.projection_dim, false)?)
+            Some(Linear::load(
+                &projection,
+                config.hidden_size,
+                config.projection_dim,
+                false,
+            )?)
         } else {
             None
         };
@@ -338,15 +347,7 @@ impl ClipTextModel {
             config: config.clone(),
             compiled: Compiled::new(&component),
             component,
-            prefix,
-            token_embedding: Embedding::load(&w.pp("embeddings.token_embedding"), config.vocab_size, d)?,
-            position_embedding: Embedding::load(
-                &w.pp("embeddings.position_embedding"),
-                config.max_position_embeddings,
-                d,
-            )?,
-            layers,
-            final_layer_norm: LayerNorm::load(&w.pp("final_layer_norm"), d, config.layer_norm_eps)?,
+            text_model: Named::load(weights, prefix, |w| ClipTextTransformer::load(w, config))?,
             text_projection,
         })
     }
@@ -431,21 +432,22 @@ impl ClipTextModel {
         output_hidden_states: bool,
     ) -> Result<ClipTextOutput> {
         let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        let positions = self.position_embedding.weight.narrow(0, 0, l)?; // [l, d]
-        let mut hidden_states = self.token_embedding.forward(input_ids)?.add(&positions)?; // [b, l, d]
+        let text_model = &*self.text_model;
+        let positions = text_model.position_embedding.weight.narrow(0, 0, l)?; // [l, d]
+        let mut hidden_states = text_model.token_embedding.forward(input_ids)?.add(&positions)?; // [b, l, d]
         let mut all_hidden_states = Vec::new();
-        for i in 0..self.layers.len() {
+        for i in 0..text_model.layers.len() {
             if output_hidden_states {
                 all_hidden_states.push(hidden_states.clone());
             }
-            hidden_states = self
+            hidden_states = text_model
                 .layers
                 .run(&self.compiled, i, hidden_states, |layer, h| layer.forward(h))?;
         }
         if output_hidden_states {
             all_hidden_states.push(hidden_states.clone());
         }
-        let last_hidden_state = self.final_layer_norm.forward(&hidden_states)?;
+        let last_hidden_state = text_model.final_layer_norm.forward(&hidden_states)?;
 
         let d = self.config.hidden_size;
         let pooler_output = last_hidden_state.reshape([b * l, d])?.index_select(0, pooled_rows)?; // [b, d]

@@ -59,8 +59,8 @@ impl Mlp {
     /// With or without biases (FLUX.2's embedders have none).
     pub(crate) fn load_with_bias(w: &Weights, input: usize, dim: usize, bias: bool) -> Result<Self> {
         Ok(Mlp {
-            linear_1: Linear::load(&w.pp("linear_1"), input, dim, bias)?,
-            linear_2: Linear::load(&w.pp("linear_2"), dim, dim, bias)?,
+            linear_1: Linear::load(&w.pp(Self::linear_1), input, dim, bias)?,
+            linear_2: Linear::load(&w.pp(Self::linear_2), dim, dim, bias)?,
         })
     }
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -68,10 +68,7 @@ impl Mlp {
     }
 }
 
-impl_module!(Mlp {
-    linear_1: "linear_1",
-    linear_2: "linear_2"
-});
+impl_module!(Mlp { linear_1, linear_2 });
 
 /// `FeedForward(dim, dim_out=dim, activation_fn="gelu-tanh")`: `net.2(gelu_tanh(net.0.proj(x)))`.
 #[derive(Clone, Debug)]
@@ -83,8 +80,8 @@ pub(crate) struct FeedForward {
 impl FeedForward {
     pub(crate) fn load(w: &Weights, dim: usize) -> Result<Self> {
         Ok(FeedForward {
-            proj_in: Linear::load(&w.pp("net.0.proj"), dim, 4 * dim, true)?,
-            proj_out: Linear::load(&w.pp("net.2"), 4 * dim, dim, true)?,
+            proj_in: Linear::load(&w.pp(Self::proj_in), dim, 4 * dim, true)?,
+            proj_out: Linear::load(&w.pp(Self::proj_out), 4 * dim, dim, true)?,
         })
     }
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {

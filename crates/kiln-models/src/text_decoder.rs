@@ -29,10 +29,9 @@
 //! ([`kiln_nn::Model::compile`]).
 
 use kiln_io::Activation;
-use kiln_nn::module::{join_name, map_child, visit_child};
+use kiln_nn::module::{join_name, Named};
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, Blocks, Compiled, Embedding, Error, Linear, Module, Result, TpPlan, TpStyle,
-    Weights,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Embedding, Error, Linear, Result, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
@@ -51,12 +50,12 @@ struct DecoderRmsNorm {
     eps: f64,
 }
 
-impl_module!(DecoderRmsNorm { weight: "weight" });
+impl_module!(DecoderRmsNorm { weight });
 
 impl DecoderRmsNorm {
     fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
         Ok(DecoderRmsNorm {
-            weight: w.get("weight", [dim])?,
+            weight: w.get(Self::weight, [dim])?,
             eps,
         })
     }
@@ -86,31 +85,31 @@ struct DecoderAttention {
 }
 
 impl_module!(DecoderAttention {
-    q_proj: "q_proj",
-    k_proj: "k_proj",
-    v_proj: "v_proj",
-    o_proj: "o_proj",
-    q_norm: "q_norm",
-    k_norm: "k_norm",
+    q_proj,
+    k_proj,
+    v_proj,
+    o_proj,
+    q_norm,
+    k_norm,
 });
 
 impl DecoderAttention {
     fn load(w: &Weights, config: &TextDecoderArch) -> Result<Self> {
         let (d, hd, bias) = (config.hidden_size, config.head_dim, config.attention_bias);
         let (q, kv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
-        let head_norm = |name: &str| -> Result<Option<DecoderRmsNorm>> {
+        let head_norm = |name| -> Result<Option<DecoderRmsNorm>> {
             match config.qk_norm {
                 true => Ok(Some(DecoderRmsNorm::load(&w.pp(name), hd, config.rms_norm_eps)?)),
                 false => Ok(None),
             }
         };
         Ok(DecoderAttention {
-            q_proj: Linear::load(&w.pp("q_proj"), d, q, bias)?,
-            k_proj: Linear::load(&w.pp("k_proj"), d, kv, bias)?,
-            v_proj: Linear::load(&w.pp("v_proj"), d, kv, bias)?,
-            o_proj: Linear::load(&w.pp("o_proj"), q, d, bias)?,
-            q_norm: head_norm("q_norm")?,
-            k_norm: head_norm("k_norm")?,
+            q_proj: Linear::load(&w.pp(Self::q_proj), d, q, bias)?,
+            k_proj: Linear::load(&w.pp(Self::k_proj), d, kv, bias)?,
+            v_proj: Linear::load(&w.pp(Self::v_proj), d, kv, bias)?,
+            o_proj: Linear::load(&w.pp(Self::o_proj), q, d, bias)?,
+            q_norm: head_norm(Self::q_norm)?,
+            k_norm: head_norm(Self::k_norm)?,
             num_heads: config.num_attention_heads,
             num_kv_heads: config.num_key_value_heads,
             head_dim: hd,
@@ -172,18 +171,18 @@ struct DecoderMlp {
 }
 
 impl_module!(DecoderMlp {
-    gate_proj: "gate_proj",
-    up_proj: "up_proj",
-    down_proj: "down_proj",
+    gate_proj,
+    up_proj,
+    down_proj,
 });
 
 impl DecoderMlp {
     fn load(w: &Weights, config: &TextDecoderArch) -> Result<Self> {
         let (d, ff) = (config.hidden_size, config.intermediate_size);
         Ok(DecoderMlp {
-            gate_proj: Linear::load(&w.pp("gate_proj"), d, ff, false)?,
-            up_proj: Linear::load(&w.pp("up_proj"), d, ff, false)?,
-            down_proj: Linear::load(&w.pp("down_proj"), ff, d, false)?,
+            gate_proj: Linear::load(&w.pp(Self::gate_proj), d, ff, false)?,
+            up_proj: Linear::load(&w.pp(Self::up_proj), d, ff, false)?,
+            down_proj: Linear::load(&w.pp(Self::down_proj), ff, d, false)?,
             act: config.hidden_act,
         })
     }
@@ -204,20 +203,20 @@ struct DecoderLayer {
 }
 
 impl_module!(DecoderLayer {
-    input_layernorm: "input_layernorm",
-    self_attn: "self_attn",
-    post_attention_layernorm: "post_attention_layernorm",
-    mlp: "mlp",
+    input_layernorm,
+    self_attn,
+    post_attention_layernorm,
+    mlp,
 });
 
 impl DecoderLayer {
     fn load(w: &Weights, config: &TextDecoderArch) -> Result<Self> {
         let (d, eps) = (config.hidden_size, config.rms_norm_eps);
         Ok(DecoderLayer {
-            input_layernorm: DecoderRmsNorm::load(&w.pp("input_layernorm"), d, eps)?,
-            self_attn: DecoderAttention::load(&w.pp("self_attn"), config)?,
-            post_attention_layernorm: DecoderRmsNorm::load(&w.pp("post_attention_layernorm"), d, eps)?,
-            mlp: DecoderMlp::load(&w.pp("mlp"), config)?,
+            input_layernorm: DecoderRmsNorm::load(&w.pp(Self::input_layernorm), d, eps)?,
+            self_attn: DecoderAttention::load(&w.pp(Self::self_attn), config)?,
+            post_attention_layernorm: DecoderRmsNorm::load(&w.pp(Self::post_attention_layernorm), d, eps)?,
+            mlp: DecoderMlp::load(&w.pp(Self::mlp), config)?,
         })
     }
 
@@ -316,41 +315,55 @@ impl TextDecoderConfig for TextDecoderArch {
     }
 }
 
+/// transformers' `MistralModel` / `Qwen3Model` as far as it is read: the token embedding, the
+/// decoder layers up to the last hidden state asked for, the final norm when it is asked for.
+#[derive(Clone, Debug)]
+struct LanguageModel {
+    embed_tokens: Embedding,
+    /// Layers `0..max(outputs)` (capped at `num_hidden_layers`).
+    layers: Blocks<DecoderLayer>,
+    /// The final norm, loaded only when index `num_hidden_layers` is asked for.
+    norm: Option<DecoderRmsNorm>,
+}
+
+// The layers past the last one read, the final norm (unless read), `lm_head` (and Mistral3's
+// vision tower and projector) are not part of the model.
+impl_module!(LanguageModel {
+    embed_tokens,
+    layers,
+    norm
+});
+
+impl LanguageModel {
+    /// Up to hidden state `last` (at most `num_hidden_layers`).
+    fn load(w: &Weights, config: &TextDecoderArch, last: usize) -> Result<Self> {
+        let (d, n) = (config.hidden_size, config.num_hidden_layers);
+        Ok(LanguageModel {
+            embed_tokens: Embedding::load(&w.pp(Self::embed_tokens), config.vocab_size, d)?,
+            layers: Blocks::load(w, Self::layers, last.min(n), |_, w| DecoderLayer::load(w, config))?,
+            norm: match last == n {
+                true => Some(DecoderRmsNorm::load(&w.pp(Self::norm), d, config.rms_norm_eps)?),
+                false => None,
+            },
+        })
+    }
+}
+
 /// The language model of `Mistral3ForConditionalGeneration` / `MistralModel` or of
 /// `Qwen3ForCausalLM` / `Qwen3Model`, loaded up to the last hidden state it is asked for.
 #[derive(Clone, Debug)]
 pub struct TextDecoderModel {
     config: TextDecoderArch,
     component: String,
-    /// Where the language model sits in the checkpoint (one of [`PREFIXES`]).
-    prefix: &'static str,
     /// The `hidden_states` indices the forward returns, in the order asked for.
     outputs: Vec<usize>,
-    embed_tokens: Embedding,
-    /// Layers `0..max(outputs)` (capped at `num_hidden_layers`).
-    layers: Blocks<DecoderLayer>,
-    /// The final norm, loaded only when index `num_hidden_layers` is asked for.
-    norm: Option<DecoderRmsNorm>,
+    /// Under one of [`PREFIXES`], where the checkpoint has it.
+    language_model: Named<LanguageModel>,
     compiled: Compiled,
 }
 
-/// Every loaded weight under its checkpoint name. The layers past the last one read, the final
-/// norm (unless read), `lm_head` (and Mistral3's vision tower and projector) are not part of the
-/// model.
-impl Module for TextDecoderModel {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        let name = |n: &str| join_name(self.prefix, n);
-        visit_child(&name("embed_tokens"), &self.embed_tokens, f);
-        visit_child(&name("layers"), &self.layers, f);
-        visit_child(&name("norm"), &self.norm, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        let name = |n: &str| join_name(self.prefix, n);
-        map_child(&name("embed_tokens"), &mut self.embed_tokens, f)?;
-        map_child(&name("layers"), &mut self.layers, f)?;
-        map_child(&name("norm"), &mut self.norm, f)
-    }
-}
+// Every loaded weight under its checkpoint name.
+impl_module!(TextDecoderModel { language_model: "" });
 
 impl_model!(
     /// Compiled: the whole forward as `{component}`, or one decoder layer as `{component}.layers`,
@@ -358,7 +371,7 @@ impl_model!(
     /// by op. Sequential offload streams `layers`.
     TextDecoderModel {
         compiled: compiled,
-        blocks: [layers],
+        blocks: [language_model.layers],
     }
 );
 
@@ -433,45 +446,24 @@ impl TextDecoderModel {
                  embeddings, {n} the final-normed output)"
             )));
         }
-        let Some(prefix) = PREFIXES
-            .into_iter()
-            .find(|p| weights.contains(&join_name(p, "embed_tokens.weight")))
-        else {
+        let embed_tokens = format!("{}.weight", LanguageModel::embed_tokens);
+        let Some(prefix) = PREFIXES.into_iter().find(|p| weights.pp(p).contains(&embed_tokens)) else {
             return Err(Error::MissingWeight {
                 component,
-                name: "model.language_model.embed_tokens.weight".to_string(),
+                name: join_name(PREFIXES[0], &embed_tokens),
                 file: weights.checkpoint().source().to_path_buf(),
             });
         };
         weights.check_divides("num_key_value_heads", kv_heads)?;
-        let w = if prefix.is_empty() {
-            weights.clone()
-        } else {
-            weights.pp(prefix)
-        };
-        let w = w.with_plan(&Self::tp_plan())?;
-        let embed_tokens = Embedding::load(&w.pp("embed_tokens"), config.vocab_size, config.hidden_size)?;
-        let layers = (0..last.min(n))
-            .map(|i| DecoderLayer::load(&w.pp(format!("layers.{i}")), config))
-            .collect::<Result<_>>()?;
-        let norm = if last == n {
-            Some(DecoderRmsNorm::load(
-                &w.pp("norm"),
-                config.hidden_size,
-                config.rms_norm_eps,
-            )?)
-        } else {
-            None
-        };
+        let language_model = Named::load(weights, prefix, |w| {
+            LanguageModel::load(&w.with_plan(&Self::tp_plan())?, config, last)
+        })?;
         Ok(TextDecoderModel {
             config: config.clone(),
             compiled: Compiled::new(&component),
             component,
-            prefix,
             outputs: hidden_states.to_vec(),
-            embed_tokens,
-            layers: Blocks::new("layers", layers),
-            norm,
+            language_model,
         })
     }
 
@@ -487,12 +479,12 @@ impl TextDecoderModel {
 
     /// How many decoder layers were loaded (and run).
     pub fn num_loaded_layers(&self) -> usize {
-        self.layers.len()
+        self.language_model.layers.len()
     }
 
     /// The model dtype (the embedding's).
     pub fn dtype(&self) -> DType {
-        self.embed_tokens.weight.dtype()
+        self.language_model.embed_tokens.weight.dtype()
     }
 
     /// Encodes token ids `[B, L]` (integer) with `attention_mask` `[B, L]` (row-major on the host,
@@ -573,7 +565,8 @@ impl TextDecoderModel {
     /// shape), each layer run through the list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(&self, input_ids: &Tensor, inputs: &DecoderInputs) -> Result<TextDecoderOutput> {
-        let mut hidden_states = self.embed_tokens.forward(input_ids)?; // [b, l, d]
+        let model = &*self.language_model;
+        let mut hidden_states = model.embed_tokens.forward(input_ids)?; // [b, l, d]
         let mut kept: Vec<Option<Tensor>> = vec![None; self.outputs.len()];
         let mut keep = |index: usize, h: &Tensor| {
             for (slot, &want) in kept.iter_mut().zip(&self.outputs) {
@@ -583,9 +576,9 @@ impl TextDecoderModel {
             }
         };
         keep(0, &hidden_states);
-        for i in 0..self.layers.len() {
+        for i in 0..model.layers.len() {
             let args = (hidden_states, inputs.clone());
-            hidden_states = self
+            hidden_states = model
                 .layers
                 .run(&self.compiled, i, args, |layer, (h, inputs)| layer.forward(h, inputs))?;
             // transformers replaces the last entry by the final-normed output.
@@ -593,7 +586,7 @@ impl TextDecoderModel {
                 keep(i + 1, &hidden_states);
             }
         }
-        if let Some(norm) = &self.norm {
+        if let Some(norm) = &model.norm {
             keep(self.config.num_hidden_layers, &norm.forward(&hidden_states)?);
         }
         let hidden_states = kept

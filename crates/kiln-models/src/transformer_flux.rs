@@ -25,6 +25,19 @@ struct TimeTextEmbed {
 }
 
 impl TimeTextEmbed {
+    fn load(w: &Weights, config: &FluxTransformer2DConfig, dim: usize) -> Result<Self> {
+        Ok(TimeTextEmbed {
+            frequencies: Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?,
+            timestep_embedder: Mlp::load(&w.pp(Self::timestep_embedder), 256, dim)?,
+            guidance_embedder: if config.guidance_embeds {
+                Some(Mlp::load(&w.pp(Self::guidance_embedder), 256, dim)?)
+            } else {
+                None
+            },
+            text_embedder: Mlp::load(&w.pp(Self::text_embedder), config.pooled_projection_dim, dim)?,
+        })
+    }
+
     /// The sinusoidal projection of `t` (`[B]` f32): `[cos(t·f), sin(t·f)]`, f32.
     fn time_proj(&self, t: &Tensor) -> Result<Tensor> {
         sinusoid(t, &self.frequencies)
@@ -46,9 +59,9 @@ impl TimeTextEmbed {
 // that it moves and is passed like every weight.
 impl_module!(TimeTextEmbed {
     frequencies: "time_proj.frequencies",
-    timestep_embedder: "timestep_embedder",
-    guidance_embedder: "guidance_embedder",
-    text_embedder: "text_embedder",
+    timestep_embedder,
+    guidance_embedder,
+    text_embedder,
 });
 
 /// Loads the qk-norm (torch `nn.RMSNorm` over `head_dim`) of a [`QkvProjection`].
@@ -79,16 +92,16 @@ struct FluxTransformerBlock {
 
 impl FluxTransformerBlock {
     fn load(w: &Weights, dim: usize, head_dim: usize) -> Result<Self> {
-        let attn = w.pp("attn");
+        let qkv = |name, names| QkvProjection::load(&w.pp(name), names, (dim, head_dim), true, qk_norm(head_dim));
         Ok(FluxTransformerBlock {
-            norm1: Linear::load(&w.pp("norm1.linear"), dim, 6 * dim, true)?,
-            norm1_context: Linear::load(&w.pp("norm1_context.linear"), dim, 6 * dim, true)?,
-            image: QkvProjection::load(&attn, IMAGE_QKV, (dim, head_dim), true, qk_norm(head_dim))?,
-            text: QkvProjection::load(&attn, TEXT_QKV, (dim, head_dim), true, qk_norm(head_dim))?,
-            to_out: Linear::load(&attn.pp("to_out.0"), dim, dim, true)?,
-            to_add_out: Linear::load(&attn.pp("to_add_out"), dim, dim, true)?,
-            ff: FeedForward::load(&w.pp("ff"), dim)?,
-            ff_context: FeedForward::load(&w.pp("ff_context"), dim)?,
+            norm1: Linear::load(&w.pp(Self::norm1), dim, 6 * dim, true)?,
+            norm1_context: Linear::load(&w.pp(Self::norm1_context), dim, 6 * dim, true)?,
+            image: qkv(Self::image, IMAGE_QKV)?,
+            text: qkv(Self::text, TEXT_QKV)?,
+            to_out: Linear::load(&w.pp(Self::to_out), dim, dim, true)?,
+            to_add_out: Linear::load(&w.pp(Self::to_add_out), dim, dim, true)?,
+            ff: FeedForward::load(&w.pp(Self::ff), dim)?,
+            ff_context: FeedForward::load(&w.pp(Self::ff_context), dim)?,
         })
     }
 
@@ -133,8 +146,8 @@ impl_module!(FluxTransformerBlock {
     text: "attn",
     to_out: "attn.to_out.0",
     to_add_out: "attn.to_add_out",
-    ff: "ff",
-    ff_context: "ff_context",
+    ff,
+    ff_context,
 });
 
 /// `FluxSingleTransformerBlock`: parallel attention + MLP on the joint sequence.
@@ -150,10 +163,10 @@ impl FluxSingleTransformerBlock {
     fn load(w: &Weights, dim: usize, head_dim: usize) -> Result<Self> {
         let mlp = 4 * dim;
         Ok(FluxSingleTransformerBlock {
-            norm: Linear::load(&w.pp("norm.linear"), dim, 3 * dim, true)?,
-            qkv: QkvProjection::load(&w.pp("attn"), IMAGE_QKV, (dim, head_dim), true, qk_norm(head_dim))?,
-            proj_mlp: Linear::load(&w.pp("proj_mlp"), dim, mlp, true)?,
-            proj_out: Linear::load(&w.pp("proj_out"), dim + mlp, dim, true)?,
+            norm: Linear::load(&w.pp(Self::norm), dim, 3 * dim, true)?,
+            qkv: QkvProjection::load(&w.pp(Self::qkv), IMAGE_QKV, (dim, head_dim), true, qk_norm(head_dim))?,
+            proj_mlp: Linear::load(&w.pp(Self::proj_mlp), dim, mlp, true)?,
+            proj_out: Linear::load(&w.pp(Self::proj_out), dim + mlp, dim, true)?,
         })
     }
 
@@ -176,8 +189,8 @@ impl FluxSingleTransformerBlock {
 impl_module!(FluxSingleTransformerBlock {
     norm: "norm.linear",
     qkv: "attn",
-    proj_mlp: "proj_mlp",
-    proj_out: "proj_out",
+    proj_mlp,
+    proj_out,
 });
 
 /// The inputs of one transformer call, as `FluxPipeline` passes them.
@@ -233,13 +246,13 @@ pub struct FluxTransformer2DModel {
 }
 
 impl_module!(FluxTransformer2DModel {
-    x_embedder: "x_embedder",
-    context_embedder: "context_embedder",
-    time_text_embed: "time_text_embed",
-    transformer_blocks: "transformer_blocks",
-    single_transformer_blocks: "single_transformer_blocks",
+    x_embedder,
+    context_embedder,
+    time_text_embed,
+    transformer_blocks,
+    single_transformer_blocks,
     norm_out: "norm_out.linear",
-    proj_out: "proj_out",
+    proj_out,
 });
 
 impl_model!(
@@ -296,45 +309,33 @@ impl FluxTransformer2DModel {
             )));
         }
         // A mis-set head count shows first as every weight's width: name the config keys instead.
-        if let Some(rows) = w.checkpoint().info("x_embedder.weight").map(|i| i.shape.dims()[0]) {
+        let x_embedder = format!("{}.weight", Self::x_embedder);
+        if let Some(rows) = w.checkpoint().info(&x_embedder).map(|i| i.shape.dims()[0]) {
             if rows != dim {
                 return Err(config_error(format!(
                     "num_attention_heads {heads} × attention_head_dim {head_dim} = {dim}, but the checkpoint's \
-                     x_embedder.weight has {rows} output features: config.json does not match the weights"
+                     {x_embedder} has {rows} output features: config.json does not match the weights"
                 )));
             }
         }
         w.check_divides("num_attention_heads", heads)?;
         let w = &w.with_plan(&Self::tp_plan())?;
-        let tte = w.pp("time_text_embed");
-        let frequencies = Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?;
-        let time_text_embed = TimeTextEmbed {
-            frequencies,
-            timestep_embedder: Mlp::load(&tte.pp("timestep_embedder"), 256, dim)?,
-            guidance_embedder: if config.guidance_embeds {
-                Some(Mlp::load(&tte.pp("guidance_embedder"), 256, dim)?)
-            } else {
-                None
-            },
-            text_embedder: Mlp::load(&tte.pp("text_embedder"), config.pooled_projection_dim, dim)?,
-        };
-        let transformer_blocks = (0..config.num_layers)
-            .map(|i| FluxTransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), dim, head_dim))
-            .collect::<Result<_>>()?;
-        let single_transformer_blocks = (0..config.num_single_layers)
-            .map(|i| FluxSingleTransformerBlock::load(&w.pp(format!("single_transformer_blocks.{i}")), dim, head_dim))
-            .collect::<Result<_>>()?;
-        let transformer_blocks = Blocks::new("transformer_blocks", transformer_blocks);
-        let single_transformer_blocks = Blocks::new("single_transformer_blocks", single_transformer_blocks);
         Ok(FluxTransformer2DModel {
             config: config.clone(),
-            x_embedder: Linear::load(&w.pp("x_embedder"), config.in_channels, dim, true)?,
-            context_embedder: Linear::load(&w.pp("context_embedder"), config.joint_attention_dim, dim, true)?,
-            time_text_embed,
-            transformer_blocks,
-            single_transformer_blocks,
-            norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, true)?,
-            proj_out: Linear::load(&w.pp("proj_out"), dim, config.out_channels(), true)?,
+            x_embedder: Linear::load(&w.pp(Self::x_embedder), config.in_channels, dim, true)?,
+            context_embedder: Linear::load(&w.pp(Self::context_embedder), config.joint_attention_dim, dim, true)?,
+            time_text_embed: TimeTextEmbed::load(&w.pp(Self::time_text_embed), config, dim)?,
+            transformer_blocks: Blocks::load(w, Self::transformer_blocks, config.num_layers, |_, w| {
+                FluxTransformerBlock::load(w, dim, head_dim)
+            })?,
+            single_transformer_blocks: Blocks::load(
+                w,
+                Self::single_transformer_blocks,
+                config.num_single_layers,
+                |_, w| FluxSingleTransformerBlock::load(w, dim, head_dim),
+            )?,
+            norm_out: Linear::load(&w.pp(Self::norm_out), dim, 2 * dim, true)?,
+            proj_out: Linear::load(&w.pp(Self::proj_out), dim, config.out_channels(), true)?,
             compiled: Compiled::new("transformer"),
         })
     }

@@ -53,16 +53,13 @@ struct Flux2FeedForward {
     linear_out: Linear,
 }
 
-impl_module!(Flux2FeedForward {
-    linear_in: "linear_in",
-    linear_out: "linear_out",
-});
+impl_module!(Flux2FeedForward { linear_in, linear_out });
 
 impl Flux2FeedForward {
     fn load(w: &Weights, dim: usize, hidden: usize) -> Result<Self> {
         Ok(Flux2FeedForward {
-            linear_in: Linear::load(&w.pp("linear_in"), dim, 2 * hidden, false)?,
-            linear_out: Linear::load(&w.pp("linear_out"), hidden, dim, false)?,
+            linear_in: Linear::load(&w.pp(Self::linear_in), dim, 2 * hidden, false)?,
+            linear_out: Linear::load(&w.pp(Self::linear_out), hidden, dim, false)?,
         })
     }
 
@@ -93,23 +90,23 @@ impl_module!(Flux2TransformerBlock {
     text: "attn",
     to_out: "attn.to_out.0",
     to_add_out: "attn.to_add_out",
-    ff: "ff",
-    ff_context: "ff_context",
+    ff,
+    ff_context,
 });
 
 impl Flux2TransformerBlock {
     fn load(w: &Weights, c: &Flux2TransformerConfig) -> Result<Self> {
         let (dim, head_dim, eps) = (c.inner_dim(), c.attention_head_dim, c.eps);
-        let attn = w.pp("attn");
-        let linear = |name: &str| Linear::load(&attn.pp(name), dim, dim, false);
+        let linear = |name| Linear::load(&w.pp(name), dim, dim, false);
         let qk_norm = |w: &Weights| Ok(Some(RmsNorm::load(w, head_dim, eps)?));
+        let qkv = |name, names| QkvProjection::load(&w.pp(name), names, (dim, head_dim), false, qk_norm);
         Ok(Flux2TransformerBlock {
-            image: QkvProjection::load(&attn, IMAGE_QKV, (dim, head_dim), false, qk_norm)?,
-            text: QkvProjection::load(&attn, TEXT_QKV, (dim, head_dim), false, qk_norm)?,
-            to_out: linear("to_out.0")?,
-            to_add_out: linear("to_add_out")?,
-            ff: Flux2FeedForward::load(&w.pp("ff"), dim, c.mlp_hidden_dim())?,
-            ff_context: Flux2FeedForward::load(&w.pp("ff_context"), dim, c.mlp_hidden_dim())?,
+            image: qkv(Self::image, IMAGE_QKV)?,
+            text: qkv(Self::text, TEXT_QKV)?,
+            to_out: linear(Self::to_out)?,
+            to_add_out: linear(Self::to_add_out)?,
+            ff: Flux2FeedForward::load(&w.pp(Self::ff), dim, c.mlp_hidden_dim())?,
+            ff_context: Flux2FeedForward::load(&w.pp(Self::ff_context), dim, c.mlp_hidden_dim())?,
             eps,
         })
     }
@@ -180,12 +177,11 @@ impl_module!(Flux2SingleTransformerBlock {
 impl Flux2SingleTransformerBlock {
     fn load(w: &Weights, c: &Flux2TransformerConfig) -> Result<Self> {
         let (dim, head_dim, eps, mlp) = (c.inner_dim(), c.attention_head_dim, c.eps, c.mlp_hidden_dim());
-        let attn = w.pp("attn");
         Ok(Flux2SingleTransformerBlock {
-            to_qkv_mlp_proj: Linear::load(&attn.pp("to_qkv_mlp_proj"), dim, 3 * dim + 2 * mlp, false)?,
-            norm_q: RmsNorm::load(&attn.pp("norm_q"), head_dim, eps)?,
-            norm_k: RmsNorm::load(&attn.pp("norm_k"), head_dim, eps)?,
-            to_out: Linear::load(&attn.pp("to_out"), dim + mlp, dim, false)?,
+            to_qkv_mlp_proj: Linear::load(&w.pp(Self::to_qkv_mlp_proj), dim, 3 * dim + 2 * mlp, false)?,
+            norm_q: RmsNorm::load(&w.pp(Self::norm_q), head_dim, eps)?,
+            norm_k: RmsNorm::load(&w.pp(Self::norm_k), head_dim, eps)?,
+            to_out: Linear::load(&w.pp(Self::to_out), dim + mlp, dim, false)?,
             head_dim,
             eps,
             qkv_share: (3 * dim, 3 * dim + 2 * mlp),
@@ -241,11 +237,30 @@ struct TimeGuidanceEmbed {
 // that it moves and is passed like every weight.
 impl_module!(TimeGuidanceEmbed {
     frequencies: "time_proj.frequencies",
-    timestep_embedder: "timestep_embedder",
-    guidance_embedder: "guidance_embedder",
+    timestep_embedder,
+    guidance_embedder,
 });
 
 impl TimeGuidanceEmbed {
+    /// The embedders of `channels`-wide sinusoids (`guidance_embedder` when `guidance`).
+    fn load(w: &Weights, channels: usize, dim: usize, guidance: bool) -> Result<Self> {
+        let half = channels / 2;
+        Ok(TimeGuidanceEmbed {
+            frequencies: Tensor::from_slice(&timestep_frequencies(half), [half], w.device())?,
+            timestep_embedder: Mlp::load_with_bias(&w.pp(Self::timestep_embedder), channels, dim, false)?,
+            guidance_embedder: if guidance {
+                Some(Mlp::load_with_bias(
+                    &w.pp(Self::guidance_embedder),
+                    channels,
+                    dim,
+                    false,
+                )?)
+            } else {
+                None
+            },
+        })
+    }
+
     /// `t`, `g`: `[B]` f32 (already ×1000); the result is in `dtype`.
     fn forward(&self, t: &Tensor, g: Option<&Tensor>, dtype: DType) -> Result<Tensor> {
         let proj = sinusoid(t, &self.frequencies)?.to_dtype(dtype)?;
@@ -311,16 +326,16 @@ pub struct Flux2Transformer2DModel {
 }
 
 impl_module!(Flux2Transformer2DModel {
-    time_guidance_embed: "time_guidance_embed",
+    time_guidance_embed,
     double_stream_modulation_img: "double_stream_modulation_img.linear",
     double_stream_modulation_txt: "double_stream_modulation_txt.linear",
     single_stream_modulation: "single_stream_modulation.linear",
-    x_embedder: "x_embedder",
-    context_embedder: "context_embedder",
-    transformer_blocks: "transformer_blocks",
-    single_transformer_blocks: "single_transformer_blocks",
+    x_embedder,
+    context_embedder,
+    transformer_blocks,
+    single_transformer_blocks,
     norm_out: "norm_out.linear",
-    proj_out: "proj_out",
+    proj_out,
 });
 
 impl_model!(
@@ -405,47 +420,43 @@ impl Flux2Transformer2DModel {
             )));
         }
         // A mis-set head count shows first as every weight's width: name the config keys instead.
-        if let Some(rows) = w.checkpoint().info("x_embedder.weight").map(|i| i.shape.dims()[0]) {
+        let x_embedder = format!("{}.weight", Self::x_embedder);
+        if let Some(rows) = w.checkpoint().info(&x_embedder).map(|i| i.shape.dims()[0]) {
             if rows != dim {
                 return Err(config_error(format!(
                     "num_attention_heads {heads} × attention_head_dim {head_dim} = {dim}, but the checkpoint's \
-                     x_embedder.weight has {rows} output features: config.json does not match the weights"
+                     {x_embedder} has {rows} output features: config.json does not match the weights"
                 )));
             }
         }
         w.check_divides("num_attention_heads", heads)?;
         let w = &w.with_plan(&Self::tp_plan(config))?;
-        let tge = w.pp("time_guidance_embed");
-        let half = channels / 2;
-        let time_guidance_embed = TimeGuidanceEmbed {
-            frequencies: Tensor::from_slice(&timestep_frequencies(half), [half], w.device())?,
-            timestep_embedder: Mlp::load_with_bias(&tge.pp("timestep_embedder"), channels, dim, false)?,
-            guidance_embedder: if config.guidance_embeds {
-                Some(Mlp::load_with_bias(&tge.pp("guidance_embedder"), channels, dim, false)?)
-            } else {
-                None
-            },
-        };
-        let modulation = |name: &str, sets: usize| Linear::load(&w.pp(name).pp("linear"), dim, 3 * sets * dim, false);
-        let transformer_blocks = (0..config.num_layers)
-            .map(|i| Flux2TransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), config))
-            .collect::<Result<_>>()?;
-        let single_transformer_blocks = (0..config.num_single_layers)
-            .map(|i| Flux2SingleTransformerBlock::load(&w.pp(format!("single_transformer_blocks.{i}")), config))
-            .collect::<Result<_>>()?;
+        let modulation = |name, sets: usize| Linear::load(&w.pp(name), dim, 3 * sets * dim, false);
         let out = config.patch_size * config.patch_size * config.out_channels();
         Ok(Flux2Transformer2DModel {
             config: config.clone(),
-            time_guidance_embed,
-            double_stream_modulation_img: modulation("double_stream_modulation_img", 2)?,
-            double_stream_modulation_txt: modulation("double_stream_modulation_txt", 2)?,
-            single_stream_modulation: modulation("single_stream_modulation", 1)?,
-            x_embedder: Linear::load(&w.pp("x_embedder"), config.in_channels, dim, false)?,
-            context_embedder: Linear::load(&w.pp("context_embedder"), config.joint_attention_dim, dim, false)?,
-            transformer_blocks: Blocks::new("transformer_blocks", transformer_blocks),
-            single_transformer_blocks: Blocks::new("single_transformer_blocks", single_transformer_blocks),
-            norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, false)?,
-            proj_out: Linear::load(&w.pp("proj_out"), dim, out, false)?,
+            time_guidance_embed: TimeGuidanceEmbed::load(
+                &w.pp(Self::time_guidance_embed),
+                channels,
+                dim,
+                config.guidance_embeds,
+            )?,
+            double_stream_modulation_img: modulation(Self::double_stream_modulation_img, 2)?,
+            double_stream_modulation_txt: modulation(Self::double_stream_modulation_txt, 2)?,
+            single_stream_modulation: modulation(Self::single_stream_modulation, 1)?,
+            x_embedder: Linear::load(&w.pp(Self::x_embedder), config.in_channels, dim, false)?,
+            context_embedder: Linear::load(&w.pp(Self::context_embedder), config.joint_attention_dim, dim, false)?,
+            transformer_blocks: Blocks::load(w, Self::transformer_blocks, config.num_layers, |_, w| {
+                Flux2TransformerBlock::load(w, config)
+            })?,
+            single_transformer_blocks: Blocks::load(
+                w,
+                Self::single_transformer_blocks,
+                config.num_single_layers,
+                |_, w| Flux2SingleTransformerBlock::load(w, config),
+            )?,
+            norm_out: Linear::load(&w.pp(Self::norm_out), dim, 2 * dim, false)?,
+            proj_out: Linear::load(&w.pp(Self::proj_out), dim, out, false)?,
             compiled: Compiled::new("transformer"),
         })
     }

@@ -41,10 +41,7 @@ struct PatchEmbed {
     max_size: usize,
 }
 
-impl_module!(PatchEmbed {
-    proj: "proj",
-    pos_embed: "pos_embed",
-});
+impl_module!(PatchEmbed { proj, pos_embed });
 
 impl PatchEmbed {
     fn load(w: &Weights, config: &SD3Transformer2DConfig) -> Result<Self> {
@@ -54,8 +51,8 @@ impl PatchEmbed {
             ..Conv2dParams::default()
         };
         Ok(PatchEmbed {
-            proj: Conv2d::load(&w.pp("proj"), config.in_channels, dim, p, params, true)?,
-            pos_embed: w.get("pos_embed", [1, m * m, dim])?,
+            proj: Conv2d::load(&w.pp(Self::proj), config.in_channels, dim, p, params, true)?,
+            pos_embed: w.get(Self::pos_embed, [1, m * m, dim])?,
             patch_size: p,
             max_size: m,
         })
@@ -90,11 +87,19 @@ struct TimeTextEmbed {
 // that it moves and is passed like every weight (a compiled denoising step reads no constants).
 impl_module!(TimeTextEmbed {
     frequencies: "time_proj.frequencies",
-    timestep_embedder: "timestep_embedder",
-    text_embedder: "text_embedder",
+    timestep_embedder,
+    text_embedder,
 });
 
 impl TimeTextEmbed {
+    fn load(w: &Weights, pooled_projection_dim: usize, dim: usize) -> Result<Self> {
+        Ok(TimeTextEmbed {
+            frequencies: Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?,
+            timestep_embedder: Mlp::load(&w.pp(Self::timestep_embedder), 256, dim)?,
+            text_embedder: Mlp::load(&w.pp(Self::text_embedder), pooled_projection_dim, dim)?,
+        })
+    }
+
     fn forward(&self, timestep: &Tensor, pooled: &Tensor) -> Result<Tensor> {
         // `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` on `timestep.float()`,
         // then cast to the pooled projections' dtype.
@@ -112,7 +117,7 @@ struct RmsNorm {
     weight: Tensor,
 }
 
-impl_module!(RmsNorm { weight: "weight" });
+impl_module!(RmsNorm { weight });
 
 impl RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -132,7 +137,7 @@ fn qk_norm_loader(head_dim: usize, qk_norm: bool) -> impl Fn(&Weights) -> Result
     move |w| {
         Ok(match qk_norm {
             true => Some(RmsNorm {
-                weight: w.get("weight", [head_dim])?,
+                weight: w.get(RmsNorm::weight, [head_dim])?,
             }),
             false => None,
         })
@@ -158,6 +163,13 @@ impl_module!(SelfAttention {
 });
 
 impl SelfAttention {
+    fn load(w: &Weights, dim: usize, qkv: impl FnOnce(&Weights) -> Result<QkvProjection<RmsNorm>>) -> Result<Self> {
+        Ok(SelfAttention {
+            qkv: qkv(&w.pp(Self::qkv))?,
+            to_out: Linear::load(&w.pp(Self::to_out), dim, dim, true)?,
+        })
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [q, k, v] = self.qkv.forward(x)?;
         self.to_out.forward(&attention(&q, &k, &v)?)
@@ -188,9 +200,9 @@ impl_module!(JointTransformerBlock {
     text: "attn",
     to_out: "attn.to_out.0",
     to_add_out: "attn.to_add_out",
-    attn2: "attn2",
-    ff: "ff",
-    ff_context: "ff_context",
+    attn2,
+    ff,
+    ff_context,
 });
 
 /// What one block needs to know besides its weights.
@@ -211,13 +223,11 @@ impl JointTransformerBlock {
             dual,
             context_pre_only,
         } = spec;
-        let attn = w.pp("attn");
+        let qkv = |w: &Weights, names| {
+            QkvProjection::load(w, names, (dim, head_dim), true, qk_norm_loader(head_dim, qk_norm))
+        };
         let attn2 = if dual {
-            let a = w.pp("attn2");
-            Some(SelfAttention {
-                qkv: QkvProjection::load(&a, IMAGE_QKV, (dim, head_dim), true, qk_norm_loader(head_dim, qk_norm))?,
-                to_out: Linear::load(&a.pp("to_out.0"), dim, dim, true)?,
-            })
+            Some(SelfAttention::load(&w.pp(Self::attn2), dim, |w| qkv(w, IMAGE_QKV))?)
         } else {
             None
         };
@@ -226,31 +236,19 @@ impl JointTransformerBlock {
         } else {
             (
                 6,
-                Some(Linear::load(&attn.pp("to_add_out"), dim, dim, true)?),
-                Some(FeedForward::load(&w.pp("ff_context"), dim)?),
+                Some(Linear::load(&w.pp(Self::to_add_out), dim, dim, true)?),
+                Some(FeedForward::load(&w.pp(Self::ff_context), dim)?),
             )
         };
         Ok(JointTransformerBlock {
-            norm1: Linear::load(&w.pp("norm1.linear"), dim, if dual { 9 } else { 6 } * dim, true)?,
-            norm1_context: Linear::load(&w.pp("norm1_context.linear"), dim, context_chunks * dim, true)?,
-            image: QkvProjection::load(
-                &attn,
-                IMAGE_QKV,
-                (dim, head_dim),
-                true,
-                qk_norm_loader(head_dim, qk_norm),
-            )?,
-            text: QkvProjection::load(
-                &attn,
-                TEXT_QKV,
-                (dim, head_dim),
-                true,
-                qk_norm_loader(head_dim, qk_norm),
-            )?,
-            to_out: Linear::load(&attn.pp("to_out.0"), dim, dim, true)?,
+            norm1: Linear::load(&w.pp(Self::norm1), dim, if dual { 9 } else { 6 } * dim, true)?,
+            norm1_context: Linear::load(&w.pp(Self::norm1_context), dim, context_chunks * dim, true)?,
+            image: qkv(&w.pp(Self::image), IMAGE_QKV)?,
+            text: qkv(&w.pp(Self::text), TEXT_QKV)?,
+            to_out: Linear::load(&w.pp(Self::to_out), dim, dim, true)?,
             to_add_out,
             attn2,
-            ff: FeedForward::load(&w.pp("ff"), dim)?,
+            ff: FeedForward::load(&w.pp(Self::ff), dim)?,
             ff_context,
         })
     }
@@ -367,12 +365,12 @@ pub struct SD3Transformer2DModel {
 }
 
 impl_module!(SD3Transformer2DModel {
-    pos_embed: "pos_embed",
-    time_text_embed: "time_text_embed",
-    context_embedder: "context_embedder",
-    transformer_blocks: "transformer_blocks",
+    pos_embed,
+    time_text_embed,
+    context_embedder,
+    transformer_blocks,
     norm_out: "norm_out.linear",
-    proj_out: "proj_out",
+    proj_out,
 });
 
 impl_model!(
@@ -417,40 +415,30 @@ impl SD3Transformer2DModel {
         w.check_divides("num_attention_heads", config.num_attention_heads)?;
         let w = &w.with_plan(&Self::tp_plan(config))?;
         let dim = config.inner_dim();
-        let tte = w.pp("time_text_embed");
-        let time_text_embed = TimeTextEmbed {
-            frequencies: Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?,
-            timestep_embedder: Mlp::load(&tte.pp("timestep_embedder"), 256, dim)?,
-            text_embedder: Mlp::load(&tte.pp("text_embedder"), config.pooled_projection_dim, dim)?,
+        let spec = |i| BlockSpec {
+            dim,
+            head_dim: config.attention_head_dim,
+            qk_norm: config.qk_norm.is_some(),
+            dual: config.is_dual_attention_layer(i),
+            context_pre_only: i + 1 == config.num_layers,
         };
-        let transformer_blocks = (0..config.num_layers)
-            .map(|i| {
-                let spec = BlockSpec {
-                    dim,
-                    head_dim: config.attention_head_dim,
-                    qk_norm: config.qk_norm.is_some(),
-                    dual: config.is_dual_attention_layer(i),
-                    context_pre_only: i + 1 == config.num_layers,
-                };
-                JointTransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), &spec)
-            })
-            .collect::<Result<_>>()?;
-        let transformer_blocks =
-            Blocks::new("transformer_blocks", transformer_blocks).with_kinds(JointTransformerBlock::kind);
+        let transformer_blocks = Blocks::load(w, Self::transformer_blocks, config.num_layers, |i, w| {
+            JointTransformerBlock::load(w, &spec(i))
+        })?;
         let patch_out = config.patch_size * config.patch_size * config.out_channels();
         Ok(SD3Transformer2DModel {
             config: config.clone(),
-            pos_embed: PatchEmbed::load(&w.pp("pos_embed"), config)?,
-            time_text_embed,
+            pos_embed: PatchEmbed::load(&w.pp(Self::pos_embed), config)?,
+            time_text_embed: TimeTextEmbed::load(&w.pp(Self::time_text_embed), config.pooled_projection_dim, dim)?,
             context_embedder: Linear::load(
-                &w.pp("context_embedder"),
+                &w.pp(Self::context_embedder),
                 config.joint_attention_dim,
                 config.caption_projection_dim,
                 true,
             )?,
-            transformer_blocks,
-            norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, true)?,
-            proj_out: Linear::load(&w.pp("proj_out"), dim, patch_out, true)?,
+            transformer_blocks: transformer_blocks.with_kinds(JointTransformerBlock::kind),
+            norm_out: Linear::load(&w.pp(Self::norm_out), dim, 2 * dim, true)?,
+            proj_out: Linear::load(&w.pp(Self::proj_out), dim, patch_out, true)?,
             compiled: Compiled::new("transformer"),
         })
     }

@@ -11,6 +11,7 @@ use crate::error::Result;
 use crate::module::{join_name, weights_of, with_weights, Module};
 use crate::stream::BlockStream;
 use crate::tensors::{Flat, Tensors};
+use crate::weights::Weights;
 
 /// A list of repeated blocks (an `nn.ModuleList` such as `transformer_blocks`), walked as
 /// `0.…`, `1.…` like a `Vec`, run one block at a time ([`Blocks::run`]) op by op or as one
@@ -28,6 +29,19 @@ pub struct Blocks<M> {
 }
 
 impl<M> Blocks<M> {
+    /// The list `name` of `count` blocks, block `i` loaded by `load(i, weights)` from the weights
+    /// under `name.i` (its name in the model's walk, see [`crate::impl_module!`]).
+    pub fn load(
+        w: &Weights,
+        name: &'static str,
+        count: usize,
+        mut load: impl FnMut(usize, &Weights) -> Result<M>,
+    ) -> Result<Self> {
+        let list = w.pp(name);
+        let blocks = (0..count).map(|i| load(i, &list.pp(i))).collect::<Result<_>>()?;
+        Ok(Blocks::new(name, blocks))
+    }
+
     /// The list `name` (see [`Self::run`]) of `blocks`, all of one type.
     pub fn new(name: &'static str, blocks: Vec<M>) -> Self {
         Blocks {

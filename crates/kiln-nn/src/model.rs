@@ -42,12 +42,12 @@ pub trait Model: Module {
 }
 
 /// Implements [`Model`] for a struct from its [`Compiled`] field and its lists of streamed
-/// [`crate::Blocks`] (in forward order, none by default):
+/// [`crate::Blocks`] (fields, or fields of fields, in forward order, none by default):
 /// `impl_model!(Transformer { compiled: compiled, blocks: [transformer_blocks] });`.
 /// Attributes (doc comments) before the type go on the impl.
 #[macro_export]
 macro_rules! impl_model {
-    ($(#[$meta:meta])* $ty:ty { compiled: $compiled:ident $(, blocks: [$($list:ident),* $(,)?])? $(,)? }) => {
+    ($(#[$meta:meta])* $ty:ty { compiled: $compiled:ident $(, blocks: [$($($list:ident).+),* $(,)?])? $(,)? }) => {
         $(#[$meta])*
         impl $crate::Model for $ty {
             fn compiled(&self) -> &$crate::Compiled {
@@ -58,7 +58,7 @@ macro_rules! impl_model {
             }
             $(
                 fn block_lists(&mut self, f: &mut dyn FnMut(&mut dyn $crate::BlockList)) {
-                    $( f(&mut self.$list); )*
+                    $( f(&mut self.$($list).+); )*
                 }
             )?
         }
