@@ -198,11 +198,13 @@ tuple_tensors!(A, B, C, D, E, F);
 
 /// Implements [`Tensors`] for a struct whose fields are all [`Tensors`], flattened in the order
 /// listed (the program's parameter or result order), which must name every field once:
-/// `impl_tensors!(BlockInputs { hidden_states, temb, rope });`.
+/// `impl_tensors!(BlockInputs { hidden_states, temb, rope });`. A struct generic over some of its
+/// fields' types lists those type parameters first:
+/// `impl_tensors!([C] Step<C> { constants, latents });`.
 #[macro_export]
 macro_rules! impl_tensors {
-    ($ty:ty { $($field:ident),* $(,)? }) => {
-        impl $crate::Tensors for $ty {
+    ([$($param:ident),*] $ty:ty { $($field:ident),* $(,)? }) => {
+        impl<$($param: $crate::Tensors),*> $crate::Tensors for $ty {
             fn flatten(&self, flat: &mut $crate::tensors::Flat) {
                 $( $crate::Tensors::flatten(&self.$field, flat); )*
             }
@@ -214,4 +216,78 @@ macro_rules! impl_tensors {
             }
         }
     };
+    ($ty:ty { $($field:ident),* $(,)? }) => {
+        $crate::impl_tensors!([] $ty { $($field),* });
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RopeTables;
+    use kiln_tensor::Device;
+
+    /// A step's inputs: what the pipeline passes every step, then the step's own tensors.
+    struct Step<C> {
+        constants: C,
+        latents: Tensor,
+    }
+    crate::impl_tensors!([C] Step<C> { constants, latents });
+
+    struct Constants {
+        embeds: Tensor,
+        guidance: Option<Tensor>,
+        negative: Option<(Tensor, Tensor)>,
+        rope: RopeTables,
+        layers: Vec<Tensor>,
+    }
+    crate::impl_tensors!(Constants {
+        embeds,
+        guidance,
+        negative,
+        rope,
+        layers
+    });
+
+    /// Tensors flatten in field order, options and lists leave their count in the layout, and the
+    /// value comes back from the two; tensors or a layout of another value are an error.
+    #[test]
+    fn values_flatten_in_field_order_and_come_back() {
+        let d = Device::cpu().expect("the CPU PJRT plugin must be installed");
+        let t = |v: f32| Tensor::from_slice(&[v], [1], &d).unwrap();
+        let value = |t: &Tensor| t.to_f32_vec().unwrap()[0];
+        let step = Step {
+            constants: Constants {
+                embeds: t(1.0),
+                guidance: None,
+                negative: Some((t(2.0), t(3.0))),
+                rope: RopeTables {
+                    cos: t(4.0),
+                    sin: t(5.0),
+                },
+                layers: vec![t(6.0), t(7.0)],
+            },
+            latents: t(8.0),
+        };
+        let flat = Flat::of(&step);
+        assert_eq!(
+            flat.tensors.iter().map(value).collect::<Vec<_>>(),
+            [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+        );
+        let back: Step<Constants> = unflatten(&flat.layout, flat.tensors.clone()).unwrap();
+        assert!(back.constants.guidance.is_none());
+        assert_eq!(
+            back.constants.negative.as_ref().map(|(a, b)| (value(a), value(b))),
+            Some((2.0, 3.0))
+        );
+        assert_eq!(back.constants.layers.len(), 2);
+        assert_eq!(value(&back.latents), 8.0);
+
+        let err = unflatten::<Step<Constants>>(&flat.layout, flat.tensors[1..].to_vec())
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("do not match its type"), "{err}");
+        let err = unflatten::<Tensor>(&flat.layout, vec![t(0.0)]).err().unwrap();
+        assert!(err.to_string().contains("more tensors or layout"), "{err}");
+    }
 }
