@@ -15,12 +15,11 @@
 //! (`[N, H, W, C]`), the layout XLA:CPU's convolutions run fastest (`kiln-tensor`'s
 //! `conv_layout` bench).
 //!
-//! [`Module::visit`] names every weight as the checkpoint does; [`kiln_nn::Model::compile`] runs
+//! [`kiln_nn::Module::visit`] names every weight as the checkpoint does; [`kiln_nn::Model::compile`] runs
 //! the decoder as compiled programs.
 
 use kiln_io::{Activation, AutoencoderKLConfig};
-use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::{impl_model, impl_module, Args, Compiled, Conv2d, Error, GroupNorm, Linear, Module, Result, Weights};
+use kiln_nn::{impl_model, impl_module, Compiled, Conv2d, Error, GroupNorm, Linear, Result, Weights};
 use kiln_rng::Generators;
 use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
@@ -99,11 +98,11 @@ struct ResnetBlock2D {
 }
 
 impl_module!(ResnetBlock2D {
-    norm1: "norm1",
-    conv1: "conv1",
-    norm2: "norm2",
-    conv2: "conv2",
-    conv_shortcut: "conv_shortcut",
+    norm1,
+    conv1,
+    norm2,
+    conv2,
+    conv_shortcut,
 });
 
 impl ResnetBlock2D {
@@ -115,13 +114,13 @@ impl ResnetBlock2D {
         nonlinearity: Nonlinearity,
     ) -> Result<Self> {
         Ok(ResnetBlock2D {
-            norm1: GroupNorm::load(&w.pp("norm1"), groups, in_channels, NORM_EPS)?,
-            conv1: Conv2d::load(&w.pp("conv1"), in_channels, out_channels, 3, CONV_3X3_SAME, true)?,
-            norm2: GroupNorm::load(&w.pp("norm2"), groups, out_channels, NORM_EPS)?,
-            conv2: Conv2d::load(&w.pp("conv2"), out_channels, out_channels, 3, CONV_3X3_SAME, true)?,
+            norm1: GroupNorm::load(&w.pp(Self::norm1), groups, in_channels, NORM_EPS)?,
+            conv1: Conv2d::load(&w.pp(Self::conv1), in_channels, out_channels, 3, CONV_3X3_SAME, true)?,
+            norm2: GroupNorm::load(&w.pp(Self::norm2), groups, out_channels, NORM_EPS)?,
+            conv2: Conv2d::load(&w.pp(Self::conv2), out_channels, out_channels, 3, CONV_3X3_SAME, true)?,
             conv_shortcut: if in_channels != out_channels {
                 Some(Conv2d::load(
-                    &w.pp("conv_shortcut"),
+                    &w.pp(Self::conv_shortcut),
                     in_channels,
                     out_channels,
                     1,
@@ -154,9 +153,7 @@ impl ResnetBlock2D {
 fn run_resnet(resnet: &ResnetBlock2D, x: &Tensor, compiled: Option<&Compiled>) -> Result<Tensor> {
     match compiled {
         None => resnet.forward(x),
-        Some(compiled) => compiled.block("decoder.resnets", resnet, Args::new().with("x", x), |r, a| {
-            r.forward(a.get("x")?)
-        }),
+        Some(compiled) => compiled.block("decoder.resnets", resnet, x.clone(), |r, x| r.forward(x)),
     }
 }
 
@@ -172,22 +169,22 @@ struct SpatialSelfAttention {
 }
 
 impl_module!(SpatialSelfAttention {
-    group_norm: "group_norm",
-    to_q: "to_q",
-    to_k: "to_k",
-    to_v: "to_v",
+    group_norm,
+    to_q,
+    to_k,
+    to_v,
     to_out: "to_out.0",
 });
 
 impl SpatialSelfAttention {
     fn load(w: &Weights, channels: usize, groups: usize) -> Result<Self> {
-        let linear = |name: &str| Linear::load(&w.pp(name), channels, channels, true);
+        let linear = |name| Linear::load(&w.pp(name), channels, channels, true);
         Ok(SpatialSelfAttention {
-            group_norm: GroupNorm::load(&w.pp("group_norm"), groups, channels, NORM_EPS)?,
-            to_q: linear("to_q")?,
-            to_k: linear("to_k")?,
-            to_v: linear("to_v")?,
-            to_out: linear("to_out.0")?,
+            group_norm: GroupNorm::load(&w.pp(Self::group_norm), groups, channels, NORM_EPS)?,
+            to_q: linear(Self::to_q)?,
+            to_k: linear(Self::to_k)?,
+            to_v: linear(Self::to_v)?,
+            to_out: linear(Self::to_out)?,
         })
     }
 
@@ -233,23 +230,17 @@ impl SpatialSelfAttention {
 /// `UNetMidBlock2D` with one layer: ResNet, optional attention, ResNet.
 #[derive(Clone, Debug)]
 struct UNetMidBlock2D {
-    resnets: [ResnetBlock2D; 2],
+    resnet_0: ResnetBlock2D,
     attention: Option<SpatialSelfAttention>,
+    resnet_1: ResnetBlock2D,
 }
 
-/// `resnets.0`, `attentions.0` (when present), `resnets.1`: the order the forward uses them.
-impl Module for UNetMidBlock2D {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        visit_child("resnets.0", &self.resnets[0], f);
-        visit_child("attentions.0", &self.attention, f);
-        visit_child("resnets.1", &self.resnets[1], f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        map_child("resnets.0", &mut self.resnets[0], f)?;
-        map_child("attentions.0", &mut self.attention, f)?;
-        map_child("resnets.1", &mut self.resnets[1], f)
-    }
-}
+// The order the forward uses them.
+impl_module!(UNetMidBlock2D {
+    resnet_0: "resnets.0",
+    attention: "attentions.0",
+    resnet_1: "resnets.1",
+});
 
 impl UNetMidBlock2D {
     fn load(
@@ -259,36 +250,26 @@ impl UNetMidBlock2D {
         add_attention: bool,
         nonlinearity: Nonlinearity,
     ) -> Result<Self> {
-        let resnet = |i: usize| ResnetBlock2D::load(&w.pp("resnets").pp(i), channels, channels, groups, nonlinearity);
-        let first = resnet(0)?;
-        let attention = if add_attention {
-            Some(SpatialSelfAttention::load(&w.pp("attentions").pp(0), channels, groups)?)
-        } else {
-            None
-        };
+        let resnet = |name| ResnetBlock2D::load(&w.pp(name), channels, channels, groups, nonlinearity);
         Ok(UNetMidBlock2D {
-            resnets: [first, resnet(1)?],
-            attention,
+            resnet_0: resnet(Self::resnet_0)?,
+            attention: if add_attention {
+                Some(SpatialSelfAttention::load(&w.pp(Self::attention), channels, groups)?)
+            } else {
+                None
+            },
+            resnet_1: resnet(Self::resnet_1)?,
         })
     }
 
     /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
     fn forward(&self, x: &Tensor, resnet: Option<&Compiled>) -> Result<Tensor> {
-        let mut x = run_resnet(&self.resnets[0], x, resnet)?;
+        let mut x = run_resnet(&self.resnet_0, x, resnet)?;
         if let Some(attention) = &self.attention {
             x = attention.forward(&x)?;
         }
-        run_resnet(&self.resnets[1], &x, resnet)
+        run_resnet(&self.resnet_1, &x, resnet)
     }
-}
-
-/// How a block changes the resolution after its ResNets.
-#[derive(Clone, Debug)]
-enum Resample {
-    /// `Downsample2D`: pad right and bottom by one zero, 3×3 conv with stride 2 and no padding.
-    Down(Conv2d),
-    /// `Upsample2D`: nearest ×2 and a 3×3 conv.
-    Up(Conv2d),
 }
 
 /// `DownEncoderBlock2D` / `UpDecoderBlock2D`: ResNets, then (except in the last block) a
@@ -296,28 +277,18 @@ enum Resample {
 #[derive(Clone, Debug)]
 struct ResnetStack {
     resnets: Vec<ResnetBlock2D>,
-    resample: Option<Resample>,
+    /// `Downsample2D` (encoder): pad right and bottom by one zero, 3×3 conv with stride 2 and no
+    /// padding.
+    downsampler: Option<Conv2d>,
+    /// `Upsample2D` (decoder): nearest ×2 and a 3×3 conv.
+    upsampler: Option<Conv2d>,
 }
 
-/// `resnets.{i}`, then `downsamplers.0.conv` or `upsamplers.0.conv`.
-impl Module for ResnetStack {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        visit_child("resnets", &self.resnets, f);
-        match &self.resample {
-            Some(Resample::Down(conv)) => visit_child("downsamplers.0.conv", conv, f),
-            Some(Resample::Up(conv)) => visit_child("upsamplers.0.conv", conv, f),
-            None => {}
-        }
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        map_child("resnets", &mut self.resnets, f)?;
-        match &mut self.resample {
-            Some(Resample::Down(conv)) => map_child("downsamplers.0.conv", conv, f),
-            Some(Resample::Up(conv)) => map_child("upsamplers.0.conv", conv, f),
-            None => Ok(()),
-        }
-    }
-}
+impl_module!(ResnetStack {
+    resnets,
+    downsampler: "downsamplers.0.conv",
+    upsampler: "upsamplers.0.conv",
+});
 
 impl ResnetStack {
     /// `num_resnets` ResNets from `c_in` to `c_out` channels; `down` picks the resampler kind,
@@ -333,26 +304,36 @@ impl ResnetStack {
         let resnets = (0..num_resnets)
             .map(|r| {
                 let c = if r == 0 { c_in } else { c_out };
-                ResnetBlock2D::load(&w.pp("resnets").pp(r), c, c_out, plan.groups, plan.nonlinearity)
+                ResnetBlock2D::load(&w.pp(Self::resnets).pp(r), c, c_out, plan.groups, plan.nonlinearity)
             })
             .collect::<Result<Vec<_>>>()?;
-        let resample = match (is_final_block, down) {
-            (true, _) => None,
+        let (mut downsampler, mut upsampler) = (None, None);
+        match (is_final_block, down) {
+            (true, _) => {}
             (false, true) => {
                 let params = Conv2dParams {
                     stride: 2,
                     padding: 0,
                     ..Conv2dParams::default()
                 };
-                let wd = w.pp("downsamplers").pp(0).pp("conv");
-                Some(Resample::Down(Conv2d::load(&wd, c_out, c_out, 3, params, true)?))
+                downsampler = Some(Conv2d::load(&w.pp(Self::downsampler), c_out, c_out, 3, params, true)?);
             }
             (false, false) => {
-                let wu = w.pp("upsamplers").pp(0).pp("conv");
-                Some(Resample::Up(Conv2d::load(&wu, c_out, c_out, 3, CONV_3X3_SAME, true)?))
+                upsampler = Some(Conv2d::load(
+                    &w.pp(Self::upsampler),
+                    c_out,
+                    c_out,
+                    3,
+                    CONV_3X3_SAME,
+                    true,
+                )?);
             }
-        };
-        Ok(ResnetStack { resnets, resample })
+        }
+        Ok(ResnetStack {
+            resnets,
+            downsampler,
+            upsampler,
+        })
     }
 
     /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
@@ -361,14 +342,14 @@ impl ResnetStack {
         for r in &self.resnets {
             x = run_resnet(r, &x, resnet)?;
         }
-        Ok(match &self.resample {
+        if let Some(conv) = &self.downsampler {
             // diffusers' Downsample2D with padding=0 pads (0, 1, 0, 1) itself.
-            Some(Resample::Down(conv)) => {
-                conv.forward_channels_last(&x.pad(&[(0, 0), (0, 1), (0, 1), (0, 0)], 0.0)?)?
-            }
-            Some(Resample::Up(conv)) => conv.forward_channels_last(&x.upsample_nearest2d_channels_last(2)?)?,
-            None => x,
-        })
+            x = conv.forward_channels_last(&x.pad(&[(0, 0), (0, 1), (0, 1), (0, 0)], 0.0)?)?;
+        }
+        if let Some(conv) = &self.upsampler {
+            x = conv.forward_channels_last(&x.upsample_nearest2d_channels_last(2)?)?;
+        }
+        Ok(x)
     }
 }
 
@@ -394,11 +375,11 @@ struct Encoder {
 }
 
 impl_module!(Encoder {
-    conv_in: "conv_in",
-    down_blocks: "down_blocks",
-    mid_block: "mid_block",
-    conv_norm_out: "conv_norm_out",
-    conv_out: "conv_out",
+    conv_in,
+    down_blocks,
+    mid_block,
+    conv_norm_out,
+    conv_out,
 });
 
 impl Encoder {
@@ -408,7 +389,7 @@ impl Encoder {
         let mut block_in = first;
         for (i, &block_out) in plan.blocks.iter().enumerate() {
             let is_final_block = i + 1 == plan.blocks.len();
-            let wb = w.pp("down_blocks").pp(i);
+            let wb = w.pp(Self::down_blocks).pp(i);
             let channels = (block_in, block_out);
             down_blocks.push(ResnetStack::load(
                 &wb,
@@ -421,17 +402,17 @@ impl Encoder {
             block_in = block_out;
         }
         Ok(Encoder {
-            conv_in: Conv2d::load(&w.pp("conv_in"), in_channels, first, 3, CONV_3X3_SAME, true)?,
+            conv_in: Conv2d::load(&w.pp(Self::conv_in), in_channels, first, 3, CONV_3X3_SAME, true)?,
             down_blocks,
             mid_block: UNetMidBlock2D::load(
-                &w.pp("mid_block"),
+                &w.pp(Self::mid_block),
                 last,
                 plan.groups,
                 plan.add_attention,
                 plan.nonlinearity,
             )?,
-            conv_norm_out: GroupNorm::load(&w.pp("conv_norm_out"), plan.groups, last, NORM_EPS)?,
-            conv_out: Conv2d::load(&w.pp("conv_out"), last, 2 * latent_channels, 3, CONV_3X3_SAME, true)?,
+            conv_norm_out: GroupNorm::load(&w.pp(Self::conv_norm_out), plan.groups, last, NORM_EPS)?,
+            conv_out: Conv2d::load(&w.pp(Self::conv_out), last, 2 * latent_channels, 3, CONV_3X3_SAME, true)?,
         })
     }
 
@@ -459,11 +440,11 @@ struct Decoder {
 }
 
 impl_module!(Decoder {
-    conv_in: "conv_in",
-    mid_block: "mid_block",
-    up_blocks: "up_blocks",
-    conv_norm_out: "conv_norm_out",
-    conv_out: "conv_out",
+    conv_in,
+    mid_block,
+    up_blocks,
+    conv_norm_out,
+    conv_out,
 });
 
 impl Decoder {
@@ -473,7 +454,7 @@ impl Decoder {
         let mut block_in = last;
         for (i, &block_out) in plan.blocks.iter().rev().enumerate() {
             let is_final_block = i + 1 == plan.blocks.len();
-            let wb = w.pp("up_blocks").pp(i);
+            let wb = w.pp(Self::up_blocks).pp(i);
             let channels = (block_in, block_out);
             up_blocks.push(ResnetStack::load(
                 &wb,
@@ -486,17 +467,17 @@ impl Decoder {
             block_in = block_out;
         }
         Ok(Decoder {
-            conv_in: Conv2d::load(&w.pp("conv_in"), latent_channels, last, 3, CONV_3X3_SAME, true)?,
+            conv_in: Conv2d::load(&w.pp(Self::conv_in), latent_channels, last, 3, CONV_3X3_SAME, true)?,
             mid_block: UNetMidBlock2D::load(
-                &w.pp("mid_block"),
+                &w.pp(Self::mid_block),
                 last,
                 plan.groups,
                 plan.add_attention,
                 plan.nonlinearity,
             )?,
             up_blocks,
-            conv_norm_out: GroupNorm::load(&w.pp("conv_norm_out"), plan.groups, first, NORM_EPS)?,
-            conv_out: Conv2d::load(&w.pp("conv_out"), first, out_channels, 3, CONV_3X3_SAME, true)?,
+            conv_norm_out: GroupNorm::load(&w.pp(Self::conv_norm_out), plan.groups, first, NORM_EPS)?,
+            conv_out: Conv2d::load(&w.pp(Self::conv_out), first, out_channels, 3, CONV_3X3_SAME, true)?,
         })
     }
 
@@ -521,11 +502,29 @@ struct DecodePath {
 }
 
 impl_module!(DecodePath {
-    post_quant_conv: "post_quant_conv",
-    decoder: "decoder",
+    post_quant_conv,
+    decoder,
 });
 
 impl DecodePath {
+    fn load(w: &Weights, plan: &Plan, config: &AutoencoderKLConfig) -> Result<Self> {
+        let latent = config.latent_channels;
+        Ok(DecodePath {
+            post_quant_conv: match config.use_post_quant_conv {
+                true => Some(Conv2d::load(
+                    &w.pp(Self::post_quant_conv),
+                    latent,
+                    latent,
+                    1,
+                    Conv2dParams::default(),
+                    true,
+                )?),
+                false => None,
+            },
+            decoder: Decoder::load(&w.pp(Self::decoder), plan, latent, config.out_channels)?,
+        })
+    }
+
     /// `z` NCHW → image NCHW.
     fn forward(&self, z: &Tensor, resnet: Option<&Compiled>) -> Result<Tensor> {
         let z = z.permute(&CHANNELS_LAST)?;
@@ -587,16 +586,16 @@ pub struct AutoencoderKL {
     encoder: Encoder,
     quant_conv: Option<Conv2d>,
     /// `post_quant_conv` and `decoder`.
-    decode: DecodePath,
+    decode_path: DecodePath,
     compiled: Compiled,
 }
 
 // Every weight under its checkpoint name: `encoder.*`, `quant_conv.*`, `post_quant_conv.*`,
 // `decoder.*` (the mid-block attention's only when the config adds it). Nothing else is kept.
 impl_module!(AutoencoderKL {
-    encoder: "encoder",
-    quant_conv: "quant_conv",
-    decode: "",
+    encoder,
+    quant_conv,
+    decode_path: "",
 });
 
 impl_model!(
@@ -629,36 +628,22 @@ impl AutoencoderKL {
             nonlinearity,
         };
         let latent = config.latent_channels;
-        let encoder = Encoder::load(&weights.pp("encoder"), &plan, config.in_channels, latent)?;
-        let decoder = Decoder::load(&weights.pp("decoder"), &plan, latent, config.out_channels)?;
-        let quant_conv = if config.use_quant_conv {
-            let w = weights.pp("quant_conv");
-            Some(Conv2d::load(
-                &w,
-                2 * latent,
-                2 * latent,
-                1,
-                Conv2dParams::default(),
-                true,
-            )?)
-        } else {
-            None
-        };
-        let post_quant_conv = if config.use_post_quant_conv {
-            let w = weights.pp("post_quant_conv");
-            Some(Conv2d::load(&w, latent, latent, 1, Conv2dParams::default(), true)?)
-        } else {
-            None
-        };
         Ok(AutoencoderKL {
             config: config.clone(),
             dtype: weights.dtype(),
-            encoder,
-            quant_conv,
-            decode: DecodePath {
-                post_quant_conv,
-                decoder,
+            encoder: Encoder::load(&weights.pp(Self::encoder), &plan, config.in_channels, latent)?,
+            quant_conv: match config.use_quant_conv {
+                true => Some(Conv2d::load(
+                    &weights.pp(Self::quant_conv),
+                    2 * latent,
+                    2 * latent,
+                    1,
+                    Conv2dParams::default(),
+                    true,
+                )?),
+                false => None,
             },
+            decode_path: DecodePath::load(&weights.pp(Self::decode_path), &plan, config)?,
             compiled: Compiled::new("vae"),
         })
     }
@@ -683,8 +668,8 @@ impl AutoencoderKL {
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.check_input("AutoencoderKL::decode", "latent", z, self.config.latent_channels)?;
         let compiled = &self.compiled;
-        compiled.whole("decode", &self.decode, Args::new().with("z", z), |d, a| {
-            d.forward(a.get("z")?, Some(compiled))
+        compiled.whole("decode", &self.decode_path, z.clone(), |d, z| {
+            d.forward(z, Some(compiled))
         })
     }
 

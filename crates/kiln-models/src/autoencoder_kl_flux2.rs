@@ -158,18 +158,14 @@ impl AutoencoderKLFlux2 {
                 config.batch_norm_eps
             )));
         }
-        let vae = AutoencoderKL::load(&config.autoencoder_kl(), weights)?;
         let channels = config.bn_channels();
-        let bn = weights.pp("bn");
-        let bn_running_mean = bn.get("running_mean", [channels])?;
-        let bn_running_var = bn.get("running_var", [channels])?;
         // An int64 counter used only in training.
-        bn.mark_used("num_batches_tracked");
+        weights.mark_used("bn.num_batches_tracked");
         Ok(AutoencoderKLFlux2 {
             config: config.clone(),
-            vae,
-            bn_running_mean,
-            bn_running_var,
+            vae: AutoencoderKL::load(&config.autoencoder_kl(), &weights.pp(Self::vae))?,
+            bn_running_mean: weights.get(Self::bn_running_mean, [channels])?,
+            bn_running_var: weights.get(Self::bn_running_var, [channels])?,
         })
     }
 

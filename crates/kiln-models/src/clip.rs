@@ -5,18 +5,18 @@
 //!
 //! Pre-LayerNorm transformer with causal self-attention and no padding mask. Weight names are
 //! transformers' (`text_model.encoder.layers.{i}.self_attn.q_proj`, ...); files with or without the
-//! `text_model.` prefix load, and [`Module::visit`] names every weight as its file does.
+//! `text_model.` prefix load, and [`kiln_nn::Module::visit`] names every weight as its file does.
 //!
-//! The forward reads nothing back from the device: the pooled row of each prompt (its EOS
-//! position) is found on the host from the token ids the caller already has
-//! ([`ClipTextModel::forward_with_host_ids`]), so the same code runs op by op or compiled
-//! ([`kiln_nn::Model::compile`]).
+//! The pooled row of each prompt (its EOS position) is found on the host, from the token ids the
+//! caller already has or read back ([`ClipTextModel::forward`]); the forward's ops take it as an
+//! input, so the same code runs op by op or compiled ([`kiln_nn::Model::compile`]).
+
+use std::borrow::Cow;
 
 use kiln_io::{Activation, ClipTextConfig};
-use kiln_nn::module::{join_name, map_child, visit_child};
+use kiln_nn::module::Named;
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Module, Outputs, Result,
-    Weights,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Embedding, Error, LayerNorm, Linear, Result, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Tensor};
 
@@ -57,9 +57,19 @@ pub(crate) fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
     })
 }
 
-/// Checks that `input_ids` is a non-empty `[B, L]` tensor of integer ids (from its shape and
-/// dtype only, so it also holds for a traced value).
-pub(crate) fn check_input_ids(component: &str, input_ids: &Tensor) -> Result<()> {
+/// The values of `input_ids` (a non-empty `[B, L]` tensor of integer ids) on the host: `host_ids`
+/// when the caller has them (as the tokenizer returned them), else read back from the device;
+/// each is checked to be in `0..vocab_size` (the device gather would clamp an id outside the
+/// table instead of failing). A traced `input_ids` is refused: `method` prepares its inputs on
+/// the host, which a compiled function would freeze into its program as they were on the first
+/// call.
+pub(crate) fn host_token_ids<'a>(
+    component: &str,
+    method: &str,
+    input_ids: &Tensor,
+    host_ids: Option<&'a [i64]>,
+    vocab_size: usize,
+) -> Result<Cow<'a, [i64]>> {
     if input_ids.rank() != 2 || !matches!(input_ids.dtype(), DType::I64 | DType::I32 | DType::U32) {
         return Err(config_error(
             component,
@@ -76,24 +86,30 @@ pub(crate) fn check_input_ids(component: &str, input_ids: &Tensor) -> Result<()>
             format!("input_ids {} is empty", input_ids.shape()),
         ));
     }
-    Ok(())
-}
-
-/// Checks the host copy `host_ids` of `input_ids`: one id per element, each in `0..vocab_size`
-/// (the device gather would clamp an id outside the table instead of failing).
-pub(crate) fn check_host_ids(component: &str, input_ids: &Tensor, host_ids: &[i64], vocab_size: usize) -> Result<()> {
-    check_input_ids(component, input_ids)?;
-    if host_ids.len() != input_ids.numel() {
+    if input_ids.is_traced() {
+        return Err(config_error(
+            component,
+            format!(
+                "{method} needs concrete input_ids (it prepares inputs on the host); call it outside compiled \
+                 functions (Model::compile compiles its own forward)"
+            ),
+        ));
+    }
+    let ids = match host_ids {
+        Some(ids) => Cow::Borrowed(ids),
+        None => Cow::Owned(input_ids.to_dtype(DType::I64)?.to_vec::<i64>()?),
+    };
+    if ids.len() != input_ids.numel() {
         return Err(config_error(
             component,
             format!(
                 "{} host token ids given for input_ids of shape {}",
-                host_ids.len(),
+                ids.len(),
                 input_ids.shape()
             ),
         ));
     }
-    if let Some(&id) = host_ids.iter().find(|&&id| id < 0 || id as u64 >= vocab_size as u64) {
+    if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= vocab_size as u64) {
         return Err(config_error(
             component,
             format!(
@@ -101,26 +117,7 @@ pub(crate) fn check_host_ids(component: &str, input_ids: &Tensor, host_ids: &[i6
             ),
         ));
     }
-    Ok(())
-}
-
-/// Reads integer ids `[B, L]` to the host, checking the rank and dtype (`forward_with_host_ids`,
-/// which every caller hands them to, checks the range).
-pub(crate) fn read_input_ids(component: &str, input_ids: &Tensor) -> Result<Vec<i64>> {
-    check_input_ids(component, input_ids)?;
-    Ok(input_ids.to_dtype(DType::I64)?.to_vec::<i64>()?)
-}
-
-/// The error host-side wrappers return when handed a traced value: they would freeze the host
-/// facts of the first call into the program.
-pub(crate) fn traced_input_error(component: &str, wrapper: &str, traceable: &str) -> Error {
-    config_error(
-        component,
-        format!(
-            "{wrapper} needs concrete input_ids (it prepares inputs on the host); inside a compiled function call \
-             {traceable} with inputs prepared outside it"
-        ),
-    )
+    Ok(ids)
 }
 
 fn config_error(component: &str, message: String) -> Error {
@@ -142,20 +139,20 @@ struct ClipAttention {
 }
 
 impl_module!(ClipAttention {
-    q_proj: "q_proj",
-    k_proj: "k_proj",
-    v_proj: "v_proj",
-    out_proj: "out_proj",
+    q_proj,
+    k_proj,
+    v_proj,
+    out_proj,
 });
 
 impl ClipAttention {
     fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
         let d = config.hidden_size;
         Ok(ClipAttention {
-            q_proj: Linear::load(&w.pp("q_proj"), d, d, true)?,
-            k_proj: Linear::load(&w.pp("k_proj"), d, d, true)?,
-            v_proj: Linear::load(&w.pp("v_proj"), d, d, true)?,
-            out_proj: Linear::load(&w.pp("out_proj"), d, d, true)?,
+            q_proj: Linear::load(&w.pp(Self::q_proj), d, d, true)?,
+            k_proj: Linear::load(&w.pp(Self::k_proj), d, d, true)?,
+            v_proj: Linear::load(&w.pp(Self::v_proj), d, d, true)?,
+            out_proj: Linear::load(&w.pp(Self::out_proj), d, d, true)?,
             num_heads: config.num_attention_heads,
             head_dim: config.head_dim(),
         })
@@ -183,13 +180,13 @@ struct ClipMlp {
     act: Activation,
 }
 
-impl_module!(ClipMlp { fc1: "fc1", fc2: "fc2" });
+impl_module!(ClipMlp { fc1, fc2 });
 
 impl ClipMlp {
     fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
         Ok(ClipMlp {
-            fc1: Linear::load(&w.pp("fc1"), config.hidden_size, config.intermediate_size, true)?,
-            fc2: Linear::load(&w.pp("fc2"), config.intermediate_size, config.hidden_size, true)?,
+            fc1: Linear::load(&w.pp(Self::fc1), config.hidden_size, config.intermediate_size, true)?,
+            fc2: Linear::load(&w.pp(Self::fc2), config.intermediate_size, config.hidden_size, true)?,
             act: config.hidden_act,
         })
     }
@@ -209,20 +206,20 @@ struct ClipEncoderLayer {
 }
 
 impl_module!(ClipEncoderLayer {
-    layer_norm1: "layer_norm1",
-    self_attn: "self_attn",
-    layer_norm2: "layer_norm2",
-    mlp: "mlp",
+    layer_norm1,
+    self_attn,
+    layer_norm2,
+    mlp,
 });
 
 impl ClipEncoderLayer {
     fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
         let (d, eps) = (config.hidden_size, config.layer_norm_eps);
         Ok(ClipEncoderLayer {
-            layer_norm1: LayerNorm::load(&w.pp("layer_norm1"), d, eps)?,
-            self_attn: ClipAttention::load(&w.pp("self_attn"), config)?,
-            layer_norm2: LayerNorm::load(&w.pp("layer_norm2"), d, eps)?,
-            mlp: ClipMlp::load(&w.pp("mlp"), config)?,
+            layer_norm1: LayerNorm::load(&w.pp(Self::layer_norm1), d, eps)?,
+            self_attn: ClipAttention::load(&w.pp(Self::self_attn), config)?,
+            layer_norm2: LayerNorm::load(&w.pp(Self::layer_norm2), d, eps)?,
+            mlp: ClipMlp::load(&w.pp(Self::mlp), config)?,
         })
     }
 
@@ -252,42 +249,59 @@ pub struct ClipTextOutput {
     pub hidden_states: Vec<Tensor>,
 }
 
+/// transformers' `CLIPTextTransformer`: the embeddings, the encoder layers and the final norm.
+#[derive(Clone, Debug)]
+struct ClipTextTransformer {
+    token_embedding: Embedding,
+    position_embedding: Embedding,
+    layers: Blocks<ClipEncoderLayer>,
+    final_layer_norm: LayerNorm,
+}
+
+// Nothing else is kept: positions are `0..L` and the legacy `embeddings.position_ids` buffer is
+// not loaded.
+impl_module!(ClipTextTransformer {
+    token_embedding: "embeddings.token_embedding",
+    position_embedding: "embeddings.position_embedding",
+    layers: "encoder.layers",
+    final_layer_norm,
+});
+
+impl ClipTextTransformer {
+    fn load(w: &Weights, config: &ClipTextConfig) -> Result<Self> {
+        let d = config.hidden_size;
+        // A buffer that old checkpoints saved; positions are always 0..L.
+        w.mark_used("embeddings.position_ids");
+        Ok(ClipTextTransformer {
+            token_embedding: Embedding::load(&w.pp(Self::token_embedding), config.vocab_size, d)?,
+            position_embedding: Embedding::load(&w.pp(Self::position_embedding), config.max_position_embeddings, d)?,
+            layers: Blocks::load(w, Self::layers, config.num_hidden_layers, |_, w| {
+                ClipEncoderLayer::load(w, config)
+            })?,
+            final_layer_norm: LayerNorm::load(&w.pp(Self::final_layer_norm), d, config.layer_norm_eps)?,
+        })
+    }
+}
+
+/// Where transformers 4 files keep the text tower (transformers 5 files keep it unprefixed).
+const TEXT_MODEL: &str = "text_model";
+
 /// `CLIPTextModel`, and `CLIPTextModelWithProjection` when `text_projection` is loaded.
 #[derive(Clone, Debug)]
 pub struct ClipTextModel {
     config: ClipTextConfig,
     component: String,
-    /// `text_model`, or empty for files that store the text tower unprefixed (transformers 5).
-    prefix: &'static str,
-    token_embedding: Embedding,
-    position_embedding: Embedding,
-    layers: Blocks<ClipEncoderLayer>,
-    final_layer_norm: LayerNorm,
+    /// Named [`TEXT_MODEL`], or unprefixed, as the file has it.
+    text_model: Named<ClipTextTransformer>,
     text_projection: Option<Linear>,
     compiled: Compiled,
 }
 
-/// Every weight under its name in the checkpoint the model was loaded from (with or without the
-/// `text_model.` prefix, as that file has it). Nothing else is kept: positions are `0..L` and the
-/// legacy `embeddings.position_ids` buffer is not loaded.
-impl Module for ClipTextModel {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        let name = |n: &str| join_name(self.prefix, n);
-        visit_child(&name("embeddings.token_embedding"), &self.token_embedding, f);
-        visit_child(&name("embeddings.position_embedding"), &self.position_embedding, f);
-        visit_child(&name("encoder.layers"), &self.layers, f);
-        visit_child(&name("final_layer_norm"), &self.final_layer_norm, f);
-        visit_child("text_projection", &self.text_projection, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        let name = |n: &str| join_name(self.prefix, n);
-        map_child(&name("embeddings.token_embedding"), &mut self.token_embedding, f)?;
-        map_child(&name("embeddings.position_embedding"), &mut self.position_embedding, f)?;
-        map_child(&name("encoder.layers"), &mut self.layers, f)?;
-        map_child(&name("final_layer_norm"), &mut self.final_layer_norm, f)?;
-        map_child("text_projection", &mut self.text_projection, f)
-    }
-}
+// Every weight under its name in the checkpoint the model was loaded from.
+impl_module!(ClipTextModel {
+    text_model: "",
+    text_projection,
+});
 
 impl_model!(
     /// Compiled: the whole forward as `{component}` (`{component}.with_hidden_states` when it
@@ -312,27 +326,20 @@ impl ClipTextModel {
                 ),
             });
         }
-        let d = config.hidden_size;
-        let prefix = if weights.contains("text_model.embeddings.token_embedding.weight") {
-            "text_model"
-        } else {
-            ""
+        let token_embedding = format!("{}.weight", ClipTextTransformer::token_embedding);
+        let prefix = match weights.pp(TEXT_MODEL).contains(&token_embedding) {
+            true => TEXT_MODEL,
+            false => "",
         };
-        let w = if prefix.is_empty() {
-            weights.clone()
-        } else {
-            weights.pp(prefix)
-        };
-        // A buffer that old checkpoints saved; positions are always 0..L.
-        w.mark_used("embeddings.position_ids");
-        let layers = (0..config.num_hidden_layers)
-            .map(|i| ClipEncoderLayer::load(&w.pp(format!("encoder.layers.{i}")), config))
-            .collect::<Result<_>>()?;
-        let layers = Blocks::new("encoder.layers", layers);
         let with_projection = config.architectures.iter().any(|a| a == "CLIPTextModelWithProjection");
-        let projection = weights.pp("text_projection");
+        let projection = weights.pp(Self::text_projection);
         let text_projection = if with_projection || projection.contains("weight") {
-            Some(Linear::load(&projection, d, config.projection_dim, false)?)
+            Some(Linear::load(
+                &projection,
+                config.hidden_size,
+                config.projection_dim,
+                false,
+            )?)
         } else {
             None
         };
@@ -340,15 +347,7 @@ impl ClipTextModel {
             config: config.clone(),
             compiled: Compiled::new(&component),
             component,
-            prefix,
-            token_embedding: Embedding::load(&w.pp("embeddings.token_embedding"), config.vocab_size, d)?,
-            position_embedding: Embedding::load(
-                &w.pp("embeddings.position_embedding"),
-                config.max_position_embeddings,
-                d,
-            )?,
-            layers,
-            final_layer_norm: LayerNorm::load(&w.pp("final_layer_norm"), d, config.layer_norm_eps)?,
+            text_model: Named::load(weights, prefix, |w| ClipTextTransformer::load(w, config))?,
             text_projection,
         })
     }
@@ -363,76 +362,52 @@ impl ClipTextModel {
     }
 
     /// Encodes token ids `[B, L]` (integer, `L ≤ max_position_embeddings`), with no attention mask.
-    /// Reads the ids back to the host to find the pooled positions; a caller that has the ids on
-    /// the host already calls [`Self::forward_with_host_ids`] instead.
-    pub fn forward(&self, input_ids: &Tensor, output_hidden_states: bool) -> Result<ClipTextOutput> {
-        let ids = read_input_ids(&self.component, input_ids)?;
-        self.forward_with_host_ids(input_ids, &ids, output_hidden_states)
+    /// `host_ids` are the values of `input_ids` on the host (row-major, `B·L` of them, as the
+    /// tokenizer returned them), read back from the device when `None`; they are checked against
+    /// the vocabulary and give each prompt's pooled row. With `output_hidden_states` the output
+    /// holds every layer's hidden states.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        host_ids: Option<&[i64]>,
+        output_hidden_states: bool,
+    ) -> Result<ClipTextOutput> {
+        let vocab_size = self.config.vocab_size;
+        let host_ids = host_token_ids(
+            &self.component,
+            "ClipTextModel::forward",
+            input_ids,
+            host_ids,
+            vocab_size,
+        )?;
+        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
+        self.check_seq_len(l)?;
+        let rows = Tensor::from_slice(&self.pooled_rows(&host_ids, l), [b], input_ids.device())?;
+        let program = if output_hidden_states { "with_hidden_states" } else { "" };
+        self.compiled
+            .whole(program, self, (input_ids.clone(), rows), |m, (input_ids, rows)| {
+                m.forward_graph(input_ids, rows, output_hidden_states)
+            })
     }
 
-    /// [`Self::forward`] for a caller that has the token ids on the host too: `host_ids` are the
-    /// values of `input_ids` (row-major, `B·L` of them, as the tokenizer returned them). They are
-    /// checked against the vocabulary and give the pooled rows; nothing is read from the device.
+    /// [`Self::forward`] with the ids on the host.
     pub fn forward_with_host_ids(
         &self,
         input_ids: &Tensor,
         host_ids: &[i64],
         output_hidden_states: bool,
     ) -> Result<ClipTextOutput> {
-        check_host_ids(&self.component, input_ids, host_ids, self.config.vocab_size)?;
-        if input_ids.is_traced() {
-            return Err(traced_input_error(
-                &self.component,
-                "ClipTextModel::forward_with_host_ids",
-                "ClipTextModel::forward_with_pooled_rows",
-            ));
-        }
-        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        self.check_seq_len(l)?;
-        let rows = Tensor::from_slice(&self.pooled_rows(host_ids, l), [b], input_ids.device())?;
-        self.forward_with_pooled_rows(input_ids, &rows, output_hidden_states)
+        self.forward(input_ids, Some(host_ids), output_hidden_states)
     }
 
     /// The row of the flattened `[B·L, hidden]` `last_hidden_state` that is each prompt's pooled
-    /// output (`b·L + ` [`pooled_position`] of row b), for [`Self::forward_with_pooled_rows`].
-    /// `host_ids` holds `B` rows of `seq_len` ids.
+    /// output (`b·L + ` [`pooled_position`] of row b). `host_ids` holds `B` rows of `seq_len` ids.
     pub fn pooled_rows(&self, host_ids: &[i64], seq_len: usize) -> Vec<i64> {
         host_ids
             .chunks_exact(seq_len.max(1))
             .enumerate()
             .map(|(row, row_ids)| (row * seq_len + pooled_position(row_ids, self.config.eos_token_id)) as i64)
             .collect()
-    }
-
-    /// The forward on device data only (it runs unchanged inside a compiled function):
-    /// `pooled_rows` `[B]` (integer) holds [`Self::pooled_rows`]. Ids are not range-checked here
-    /// (the device gather clamps them); [`Self::forward_with_host_ids`] checks them.
-    pub fn forward_with_pooled_rows(
-        &self,
-        input_ids: &Tensor,
-        pooled_rows: &Tensor,
-        output_hidden_states: bool,
-    ) -> Result<ClipTextOutput> {
-        check_input_ids(&self.component, input_ids)?;
-        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        self.check_seq_len(l)?;
-        if pooled_rows.dims() != [b] || !matches!(pooled_rows.dtype(), DType::I64 | DType::I32 | DType::U32) {
-            return Err(config_error(
-                &self.component,
-                format!(
-                    "pooled_rows must be {b} integer row indices (one per prompt), got {} {}",
-                    pooled_rows.shape(),
-                    pooled_rows.dtype()
-                ),
-            ));
-        }
-        let program = if output_hidden_states { "with_hidden_states" } else { "" };
-        let args = Args::new()
-            .with("input_ids", input_ids)
-            .with("pooled_rows", pooled_rows);
-        self.compiled.whole(program, self, args, |m, a| {
-            m.forward_graph(a.get("input_ids")?, a.get("pooled_rows")?, output_hidden_states)
-        })
     }
 
     fn check_seq_len(&self, l: usize) -> Result<()> {
@@ -448,8 +423,8 @@ impl ClipTextModel {
         Ok(())
     }
 
-    /// The forward's ops, each layer run through the list (compiled on its own in
-    /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
+    /// The forward's ops on device data only (`pooled_rows` `[B]` is [`Self::pooled_rows`]), each
+    /// layer run through the list (compiled on its own in [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(
         &self,
         input_ids: &Tensor,
@@ -457,22 +432,22 @@ impl ClipTextModel {
         output_hidden_states: bool,
     ) -> Result<ClipTextOutput> {
         let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        let positions = self.position_embedding.weight.narrow(0, 0, l)?; // [l, d]
-        let mut hidden_states = self.token_embedding.forward(input_ids)?.add(&positions)?; // [b, l, d]
+        let text_model = &*self.text_model;
+        let positions = text_model.position_embedding.weight.narrow(0, 0, l)?; // [l, d]
+        let mut hidden_states = text_model.token_embedding.forward(input_ids)?.add(&positions)?; // [b, l, d]
         let mut all_hidden_states = Vec::new();
-        for i in 0..self.layers.len() {
+        for i in 0..text_model.layers.len() {
             if output_hidden_states {
                 all_hidden_states.push(hidden_states.clone());
             }
-            let args = Args::new().with("hidden_states", &hidden_states);
-            hidden_states = self.layers.run(&self.compiled, i, args, |layer, a| {
-                layer.forward(a.get("hidden_states")?)
-            })?;
+            hidden_states = text_model
+                .layers
+                .run(&self.compiled, i, hidden_states, |layer, h| layer.forward(h))?;
         }
         if output_hidden_states {
             all_hidden_states.push(hidden_states.clone());
         }
-        let last_hidden_state = self.final_layer_norm.forward(&hidden_states)?;
+        let last_hidden_state = text_model.final_layer_norm.forward(&hidden_states)?;
 
         let d = self.config.hidden_size;
         let pooler_output = last_hidden_state.reshape([b * l, d])?.index_select(0, pooled_rows)?; // [b, d]
@@ -489,34 +464,13 @@ impl ClipTextModel {
     }
 }
 
-/// The results of the whole forward: `last_hidden_state`, `pooler_output`, `text_embeds` (with a
-/// projection), then `hidden_states.{i}`.
-impl Outputs for ClipTextOutput {
-    fn into_args(self) -> Args {
-        let mut args = Args::new()
-            .with("last_hidden_state", &self.last_hidden_state)
-            .with("pooler_output", &self.pooler_output)
-            .with_opt("text_embeds", self.text_embeds.as_ref());
-        args.insert_list("hidden_states", self.hidden_states);
-        args
-    }
-    fn from_args(mut args: Args) -> Result<Self> {
-        let last_hidden_state = args.take("last_hidden_state")?;
-        let pooler_output = args.take("pooler_output")?;
-        let text_embeds = args
-            .opt("text_embeds")
-            .is_some()
-            .then(|| args.take("text_embeds"))
-            .transpose()?;
-        let hidden_states = args.take_list("hidden_states");
-        Ok(ClipTextOutput {
-            last_hidden_state,
-            pooler_output,
-            text_embeds,
-            hidden_states,
-        })
-    }
-}
+// The results of the whole forward, in this order.
+impl_tensors!(ClipTextOutput {
+    last_hidden_state,
+    pooler_output,
+    text_embeds,
+    hidden_states
+});
 
 /// The position whose hidden state is the pooled output.
 /// transformers quirk: configs with the legacy `eos_token_id == 2` pool at the first position of

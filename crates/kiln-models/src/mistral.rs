@@ -18,7 +18,7 @@
 
 use kiln_io::MistralTextConfig;
 
-use crate::text_decoder::{TextDecoderArch, TextDecoderConfig, TextDecoderInputs, TextDecoderModel, TextDecoderOutput};
+use crate::text_decoder::{TextDecoderArch, TextDecoderConfig, TextDecoderModel, TextDecoderOutput};
 
 /// The hidden states FLUX.2 reads (`text_encoder_out_layers` of `Flux2Pipeline`): the outputs of
 /// decoder layers 10, 20 and 30.
@@ -26,8 +26,6 @@ pub const FLUX2_HIDDEN_STATES: [usize; 3] = [10, 20, 30];
 
 /// The Mistral language model (the shared decoder, loaded from a [`MistralTextConfig`]).
 pub type MistralTextModel = TextDecoderModel;
-/// [`TextDecoderInputs`] of a Mistral model.
-pub type MistralInputs = TextDecoderInputs;
 /// [`TextDecoderOutput`] of a Mistral model.
 pub type MistralTextOutput = TextDecoderOutput;
 

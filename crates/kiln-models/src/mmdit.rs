@@ -1,9 +1,11 @@
 //! Pieces the diffusers MMDiT transformers share (FLUX.1's `FluxTransformer2DModel`, SD3's
 //! `SD3Transformer2DModel`, FLUX.2's `Flux2Transformer2DModel`): the sinusoidal timestep projection and its MLP
-//! (`diffusers/models/embeddings.py`), the gelu-tanh `FeedForward` (`attention.py`) and the
-//! adaptive-norm modulation (`normalization.py`).
+//! (`diffusers/models/embeddings.py`), the gelu-tanh `FeedForward` (`attention.py`), the
+//! adaptive-norm modulation (`normalization.py`) and the query/key/value projections of an
+//! attention stream with their qk-norm (`attention_processor.py`, `transformer_flux*.py`).
 
-use kiln_nn::{impl_module, Linear, Result, Weights};
+use kiln_nn::module::{map_child, visit_child};
+use kiln_nn::{impl_module, Error, Linear, Module, Result, RmsNorm, Weights};
 use kiln_tensor::Tensor;
 
 /// Where torch's f32 `exp` (MKL's vectorized exp on x86) does not round `get_timestep_embedding`'s
@@ -57,8 +59,8 @@ impl Mlp {
     /// With or without biases (FLUX.2's embedders have none).
     pub(crate) fn load_with_bias(w: &Weights, input: usize, dim: usize, bias: bool) -> Result<Self> {
         Ok(Mlp {
-            linear_1: Linear::load(&w.pp("linear_1"), input, dim, bias)?,
-            linear_2: Linear::load(&w.pp("linear_2"), dim, dim, bias)?,
+            linear_1: Linear::load(&w.pp(Self::linear_1), input, dim, bias)?,
+            linear_2: Linear::load(&w.pp(Self::linear_2), dim, dim, bias)?,
         })
     }
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -66,10 +68,7 @@ impl Mlp {
     }
 }
 
-impl_module!(Mlp {
-    linear_1: "linear_1",
-    linear_2: "linear_2"
-});
+impl_module!(Mlp { linear_1, linear_2 });
 
 /// `FeedForward(dim, dim_out=dim, activation_fn="gelu-tanh")`: `net.2(gelu_tanh(net.0.proj(x)))`.
 #[derive(Clone, Debug)]
@@ -81,8 +80,8 @@ pub(crate) struct FeedForward {
 impl FeedForward {
     pub(crate) fn load(w: &Weights, dim: usize) -> Result<Self> {
         Ok(FeedForward {
-            proj_in: Linear::load(&w.pp("net.0.proj"), dim, 4 * dim, true)?,
-            proj_out: Linear::load(&w.pp("net.2"), 4 * dim, dim, true)?,
+            proj_in: Linear::load(&w.pp(Self::proj_in), dim, 4 * dim, true)?,
+            proj_out: Linear::load(&w.pp(Self::proj_out), 4 * dim, dim, true)?,
         })
     }
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -104,4 +103,113 @@ pub(crate) fn modulate(x: &Tensor, shift: &Tensor, scale: &Tensor) -> Result<Ten
 /// `x + gate·y` with a `[B, D]` gate.
 pub(crate) fn gated_residual(x: &Tensor, gate: &Tensor, y: &Tensor) -> Result<Tensor> {
     Ok(x.add(&gate.unsqueeze(1)?.mul(y)?)?)
+}
+
+/// The weight names (under the attention) of the image stream's q, k, v, norm_q and norm_k.
+pub(crate) const IMAGE_QKV: [&str; 5] = ["to_q", "to_k", "to_v", "norm_q", "norm_k"];
+/// The weight names (under the attention) of the text stream's q, k, v, norm_q and norm_k.
+pub(crate) const TEXT_QKV: [&str; 5] = ["add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k"];
+
+/// A qk-norm over the head dimension, applied where the model's diffusers processor applies it:
+/// before the heads move forward (FLUX.1, FLUX.2) or after (SD3).
+pub(crate) trait HeadNorm: Module {
+    /// Normalizes `x` `[B, S, H, head_dim]` and moves the heads forward: `[B, H, S, head_dim]`.
+    fn heads_first(&self, x: Tensor) -> Result<Tensor>;
+}
+
+/// torch's `nn.RMSNorm` of FLUX.1 and FLUX.2, on the `[B, S, H, head_dim]` view.
+impl HeadNorm for RmsNorm {
+    fn heads_first(&self, x: Tensor) -> Result<Tensor> {
+        Ok(self.forward(&x)?.transpose(1, 2)?)
+    }
+}
+
+/// `x` `[B, S, W]` → `[B, H, S, head_dim]` with `H = W / head_dim` (the local head count when the
+/// projection holds a shard of the heads), qk-normalized by `norm` when there is one.
+pub(crate) fn split_heads<N: HeadNorm>(x: &Tensor, head_dim: usize, norm: Option<&N>) -> Result<Tensor> {
+    let input_error = |message: String| {
+        Error::Tensor(kiln_tensor::Error::Invalid {
+            op: "MMDiT attention",
+            message,
+        })
+    };
+    let &[b, s, width] = x.dims() else {
+        return Err(input_error(format!(
+            "needs a [batch, seq, width] projection, got {}",
+            x.shape()
+        )));
+    };
+    if head_dim == 0 || !width.is_multiple_of(head_dim) {
+        return Err(input_error(format!(
+            "a projection of width {width} does not split into heads of {head_dim}"
+        )));
+    }
+    let x = x.reshape([b, s, width / head_dim, head_dim])?;
+    match norm {
+        Some(norm) => norm.heads_first(x),
+        None => Ok(x.transpose(1, 2)?),
+    }
+}
+
+/// Query/key/value projections of one stream of an attention (`dim → dim`), with the per-head
+/// qk-norm `N` (optional: SD3 models without `qk_norm` have none).
+#[derive(Clone, Debug)]
+pub(crate) struct QkvProjection<N> {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    norm_q: Option<N>,
+    norm_k: Option<N>,
+    head_dim: usize,
+    /// The weight names of q, k, v, norm_q, norm_k ([`IMAGE_QKV`] or [`TEXT_QKV`]).
+    names: [&'static str; 5],
+}
+
+impl<N: Module> Module for QkvProjection<N> {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        let [q, k, v, nq, nk] = self.names;
+        visit_child(q, &self.q, f);
+        visit_child(k, &self.k, f);
+        visit_child(v, &self.v, f);
+        visit_child(nq, &self.norm_q, f);
+        visit_child(nk, &self.norm_k, f);
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        let [q, k, v, nq, nk] = self.names;
+        map_child(q, &mut self.q, f)?;
+        map_child(k, &mut self.k, f)?;
+        map_child(v, &mut self.v, f)?;
+        map_child(nq, &mut self.norm_q, f)?;
+        map_child(nk, &mut self.norm_k, f)
+    }
+}
+
+impl<N: HeadNorm> QkvProjection<N> {
+    /// The projections named `names` under `w` (the attention), with or without biases; `norm`
+    /// loads a qk-norm from its weights, or gives none.
+    pub(crate) fn load(
+        w: &Weights,
+        names: [&'static str; 5],
+        (dim, head_dim): (usize, usize),
+        bias: bool,
+        norm: impl Fn(&Weights) -> Result<Option<N>>,
+    ) -> Result<Self> {
+        Ok(QkvProjection {
+            q: Linear::load(&w.pp(names[0]), dim, dim, bias)?,
+            k: Linear::load(&w.pp(names[1]), dim, dim, bias)?,
+            v: Linear::load(&w.pp(names[2]), dim, dim, bias)?,
+            norm_q: norm(&w.pp(names[3]))?,
+            norm_k: norm(&w.pp(names[4]))?,
+            head_dim,
+            names,
+        })
+    }
+
+    /// `[B, S, D]` → q, k, v each `[B, H, S, head_dim]` (see [`split_heads`]).
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<[Tensor; 3]> {
+        let q = split_heads(&self.q.forward(x)?, self.head_dim, self.norm_q.as_ref())?;
+        let k = split_heads(&self.k.forward(x)?, self.head_dim, self.norm_k.as_ref())?;
+        let v = split_heads(&self.v.forward(x)?, self.head_dim, None::<&N>)?;
+        Ok([q, k, v])
+    }
 }

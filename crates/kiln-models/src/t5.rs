@@ -10,20 +10,19 @@
 //! `DenseReluDense.wo` stays f32 (`_keep_in_fp32_modules`), which makes the residual stream f32
 //! from the first feed-forward on, and fp16 hidden states are clamped to the finite range.
 //!
-//! The forward reads nothing back from the device and creates no tensor from host data: the
+//! The forward's ops read nothing back from the device and create no tensor from host data: the
 //! relative-position bucket of every (query, key) pair depends only on the sequence length and is
-//! computed on the host before the forward ([`T5EncoderModel::position_buckets`]), so the same
-//! code runs op by op or compiled ([`kiln_nn::Model::compile`]).
+//! computed on the host before them ([`T5EncoderModel::position_buckets`]), so the same code runs
+//! op by op or compiled ([`kiln_nn::Model::compile`]).
 
 use kiln_io::{Activation, T5Config};
-use kiln_nn::module::{map_child, visit_child};
+use kiln_nn::module::Named;
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, TpPlan,
-    TpStyle, Weights,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Embedding, Error, Linear, Result, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, Tensor};
 
-use crate::clip::{activation, check_host_ids, check_input_ids, read_input_ids, traced_input_error};
+use crate::clip::{activation, host_token_ids};
 
 /// `T5LayerNorm`: `weight * x / sqrt(mean(x²) + eps)`, no mean subtraction and no bias.
 #[derive(Clone, Debug)]
@@ -32,12 +31,12 @@ struct T5LayerNorm {
     eps: f64,
 }
 
-impl_module!(T5LayerNorm { weight: "weight" });
+impl_module!(T5LayerNorm { weight });
 
 impl T5LayerNorm {
     fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
         Ok(T5LayerNorm {
-            weight: w.get("weight", [dim])?,
+            weight: w.get(Self::weight, [dim])?,
             eps,
         })
     }
@@ -62,22 +61,17 @@ struct T5Attention {
     d_kv: usize,
 }
 
-impl_module!(T5Attention {
-    q: "q",
-    k: "k",
-    v: "v",
-    o: "o",
-});
+impl_module!(T5Attention { q, k, v, o });
 
 impl T5Attention {
     fn load(w: &Weights, config: &T5Config) -> Result<Self> {
         let inner = config.num_heads * config.d_kv;
         let d = config.d_model;
         Ok(T5Attention {
-            q: Linear::load(&w.pp("q"), d, inner, false)?,
-            k: Linear::load(&w.pp("k"), d, inner, false)?,
-            v: Linear::load(&w.pp("v"), d, inner, false)?,
-            o: Linear::load(&w.pp("o"), inner, d, false)?,
+            q: Linear::load(&w.pp(Self::q), d, inner, false)?,
+            k: Linear::load(&w.pp(Self::k), d, inner, false)?,
+            v: Linear::load(&w.pp(Self::v), d, inner, false)?,
+            o: Linear::load(&w.pp(Self::o), inner, d, false)?,
             d_kv: config.d_kv,
         })
     }
@@ -105,58 +99,30 @@ impl T5Attention {
 #[derive(Clone, Debug)]
 struct T5DenseReluDense {
     /// `wi_0` when gated, else `wi`.
-    wi: Linear,
+    wi: Named<Linear>,
     /// `wi_1`, the linear (ungated) half.
     wi_1: Option<Linear>,
     wo: Linear,
     act: Activation,
 }
 
-/// `wi_0`, `wi_1`, `wo` when gated; `wi`, `wo` otherwise.
-impl Module for T5DenseReluDense {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        visit_child(self.wi_name(), &self.wi, f);
-        visit_child("wi_1", &self.wi_1, f);
-        visit_child("wo", &self.wo, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        map_child(self.wi_name(), &mut self.wi, f)?;
-        map_child("wi_1", &mut self.wi_1, f)?;
-        map_child("wo", &mut self.wo, f)
-    }
-}
+impl_module!(T5DenseReluDense { wi: "", wi_1, wo });
 
 impl T5DenseReluDense {
-    fn wi_name(&self) -> &'static str {
-        if self.wi_1.is_some() {
-            "wi_0"
-        } else {
-            "wi"
-        }
-    }
-
     fn load(w: &Weights, config: &T5Config) -> Result<Self> {
         let (d, ff) = (config.d_model, config.d_ff);
+        let wi_in = |w: &Weights| Linear::load(w, d, ff, false);
         let (wi, wi_1) = if config.is_gated_act() {
-            (
-                Linear::load(&w.pp("wi_0"), d, ff, false)?,
-                Some(Linear::load(&w.pp("wi_1"), d, ff, false)?),
-            )
+            (Named::load(w, "wi_0", wi_in)?, Some(wi_in(&w.pp(Self::wi_1))?))
         } else {
-            (Linear::load(&w.pp("wi"), d, ff, false)?, None)
+            (Named::load(w, "wi", wi_in)?, None)
         };
         // transformers `_keep_in_fp32_modules = ["wo"]`: kept in f32 when loading in fp16.
         let wo_dtype = if w.dtype() == DType::F16 { DType::F32 } else { w.dtype() };
-        let wo_weights = w.pp("wo");
-        let wo = Linear {
-            weight: wo_weights.get_as("weight", [d, ff], wo_dtype)?,
-            bias: None,
-            all_reduce: wo_weights.parallel_style().is_some_and(|s| s.reduces()),
-        };
         Ok(T5DenseReluDense {
             wi,
             wi_1,
-            wo,
+            wo: Linear::load_as(&w.pp(Self::wo), ff, d, false, wo_dtype)?,
             act: config.dense_act_fn(),
         })
     }
@@ -191,10 +157,10 @@ impl T5Block {
     fn load(w: &Weights, config: &T5Config) -> Result<Self> {
         let (d, eps) = (config.d_model, config.layer_norm_epsilon);
         Ok(T5Block {
-            attention_norm: T5LayerNorm::load(&w.pp("layer.0.layer_norm"), d, eps)?,
-            self_attention: T5Attention::load(&w.pp("layer.0.SelfAttention"), config)?,
-            ff_norm: T5LayerNorm::load(&w.pp("layer.1.layer_norm"), d, eps)?,
-            dense_relu_dense: T5DenseReluDense::load(&w.pp("layer.1.DenseReluDense"), config)?,
+            attention_norm: T5LayerNorm::load(&w.pp(Self::attention_norm), d, eps)?,
+            self_attention: T5Attention::load(&w.pp(Self::self_attention), config)?,
+            ff_norm: T5LayerNorm::load(&w.pp(Self::ff_norm), d, eps)?,
+            dense_relu_dense: T5DenseReluDense::load(&w.pp(Self::dense_relu_dense), config)?,
         })
     }
 
@@ -264,10 +230,8 @@ pub struct T5EncoderOutput {
 pub struct T5EncoderModel {
     config: T5Config,
     component: String,
-    /// Where the checkpoint keeps the token embedding: `shared` or its tied alias
-    /// `encoder.embed_tokens`.
-    embedding_name: &'static str,
-    shared: Embedding,
+    /// The token embedding, under the one of its [`TIED_EMBEDDING`] names the checkpoint has.
+    shared: Named<Embedding>,
     /// `encoder.block.0.layer.0.SelfAttention.relative_attention_bias` `[num_buckets, n_heads]`.
     relative_attention_bias: Embedding,
     block: Blocks<T5Block>,
@@ -275,23 +239,14 @@ pub struct T5EncoderModel {
     compiled: Compiled,
 }
 
-/// Every weight under its name in the checkpoint the model was loaded from (the token embedding
-/// under the one of its two tied names that was read). Nothing else is kept: the bucket table
-/// is built per call from the sequence length.
-impl Module for T5EncoderModel {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        visit_child(self.embedding_name, &self.shared, f);
-        visit_child(RELATIVE_ATTENTION_BIAS, &self.relative_attention_bias, f);
-        visit_child("encoder.block", &self.block, f);
-        visit_child("encoder.final_layer_norm", &self.final_layer_norm, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        map_child(self.embedding_name, &mut self.shared, f)?;
-        map_child(RELATIVE_ATTENTION_BIAS, &mut self.relative_attention_bias, f)?;
-        map_child("encoder.block", &mut self.block, f)?;
-        map_child("encoder.final_layer_norm", &mut self.final_layer_norm, f)
-    }
-}
+// Every weight under its name in the checkpoint the model was loaded from. Nothing else is kept:
+// the bucket table is built per call from the sequence length.
+impl_module!(T5EncoderModel {
+    shared: "",
+    relative_attention_bias: RELATIVE_ATTENTION_BIAS,
+    block: "encoder.block",
+    final_layer_norm: "encoder.final_layer_norm",
+});
 
 impl_model!(
     /// Compiled: the whole forward as `{component}` (`{component}.with_hidden_states` when it
@@ -306,25 +261,17 @@ impl_model!(
     }
 );
 
-/// The results of the whole forward: `last_hidden_state`, then `hidden_states.{i}`.
-impl Outputs for T5EncoderOutput {
-    fn into_args(self) -> Args {
-        let mut args = Args::new().with("last_hidden_state", &self.last_hidden_state);
-        args.insert_list("hidden_states", self.hidden_states);
-        args
-    }
-    fn from_args(mut args: Args) -> Result<Self> {
-        let last_hidden_state = args.take("last_hidden_state")?;
-        let hidden_states = args.take_list("hidden_states");
-        Ok(T5EncoderOutput {
-            last_hidden_state,
-            hidden_states,
-        })
-    }
-}
+// The results of the whole forward, in this order.
+impl_tensors!(T5EncoderOutput {
+    last_hidden_state,
+    hidden_states
+});
 
 /// Block 0's bucket table, which every block uses.
 const RELATIVE_ATTENTION_BIAS: &str = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias";
+
+/// The token embedding's names: `shared` and its tied alias.
+const TIED_EMBEDDING: [&str; 2] = ["shared", "encoder.embed_tokens"];
 
 impl T5EncoderModel {
     /// transformers' T5 plan: attention heads (q, k, v colwise, o rowwise) and feed-forward
@@ -377,33 +324,26 @@ impl T5EncoderModel {
         weights.check_divides("num_heads", config.num_heads)?;
         let weights = &weights.with_plan(&Self::tp_plan(config))?;
         let (vocab, d) = (config.vocab_size, config.d_model);
-        let embedding_name = if weights.contains("shared.weight") || !weights.contains("encoder.embed_tokens.weight") {
+        let [shared, alias] = TIED_EMBEDDING.map(|name| format!("{name}.weight"));
+        let embedding = if weights.contains(&shared) || !weights.contains(&alias) {
             // The tied alias, when a checkpoint stores it too, is the same matrix.
-            weights.mark_used("encoder.embed_tokens.weight");
-            "shared"
+            weights.mark_used(&alias);
+            TIED_EMBEDDING[0]
         } else {
-            "encoder.embed_tokens"
+            TIED_EMBEDDING[1]
         };
-        let shared = Embedding::load(&weights.pp(embedding_name), vocab, d)?;
-        let encoder = weights.pp("encoder");
-        let relative_attention_bias = Embedding::load(
-            &weights.pp(RELATIVE_ATTENTION_BIAS),
-            config.relative_attention_num_buckets,
-            config.num_heads,
-        )?;
-        let block = (0..config.num_layers)
-            .map(|i| T5Block::load(&encoder.pp(format!("block.{i}")), config))
-            .collect::<Result<_>>()?;
-        let block = Blocks::new("encoder.block", block);
         Ok(T5EncoderModel {
             config: config.clone(),
             compiled: Compiled::new(&component),
             component,
-            embedding_name,
-            shared,
-            relative_attention_bias,
-            block,
-            final_layer_norm: T5LayerNorm::load(&encoder.pp("final_layer_norm"), d, config.layer_norm_epsilon)?,
+            shared: Named::load(weights, embedding, |w| Embedding::load(w, vocab, d))?,
+            relative_attention_bias: Embedding::load(
+                &weights.pp(Self::relative_attention_bias),
+                config.relative_attention_num_buckets,
+                config.num_heads,
+            )?,
+            block: Blocks::load(weights, Self::block, config.num_layers, |_, w| T5Block::load(w, config))?,
+            final_layer_norm: T5LayerNorm::load(&weights.pp(Self::final_layer_norm), d, config.layer_norm_epsilon)?,
         })
     }
 
@@ -413,8 +353,7 @@ impl T5EncoderModel {
 
     /// The bucket indices `[L, L]` (i64, `[query, key]`) of the relative-position bias for
     /// sequence length `seq_len`, created on `device`: they depend on the length only, so the
-    /// caller creates them once, outside any compiled function (see
-    /// [`Self::forward_with_position_buckets`]).
+    /// forward creates them on the host and passes them to its ops.
     pub fn position_buckets(&self, seq_len: usize, device: &Device) -> Result<Tensor> {
         let (buckets, max_distance) = (
             self.config.relative_attention_num_buckets,
@@ -443,68 +382,46 @@ impl T5EncoderModel {
     }
 
     /// Encodes token ids `[B, L]` (integer), with no attention mask: padding tokens are attended
-    /// to, as the FLUX and SD3 pipelines call it. Reads the ids back to the host to check them
-    /// against the vocabulary; a caller that has them on the host already calls
-    /// [`Self::forward_with_host_ids`] instead.
-    pub fn forward(&self, input_ids: &Tensor, output_hidden_states: bool) -> Result<T5EncoderOutput> {
-        let ids = read_input_ids(&self.component, input_ids)?;
-        self.forward_with_host_ids(input_ids, &ids, output_hidden_states)
+    /// to, as the FLUX and SD3 pipelines call it. `host_ids` are the values of `input_ids` on the
+    /// host (row-major, `B·L` of them), read back from the device when `None`; they are checked
+    /// against the vocabulary. With `output_hidden_states` the output holds every block's input.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        host_ids: Option<&[i64]>,
+        output_hidden_states: bool,
+    ) -> Result<T5EncoderOutput> {
+        let vocab_size = self.config.vocab_size;
+        host_token_ids(
+            &self.component,
+            "T5EncoderModel::forward",
+            input_ids,
+            host_ids,
+            vocab_size,
+        )?;
+        let buckets = self.position_buckets(input_ids.dims()[1], input_ids.device())?;
+        let program = if output_hidden_states { "with_hidden_states" } else { "" };
+        self.compiled.whole(
+            program,
+            self,
+            (input_ids.clone(), buckets),
+            |m, (input_ids, buckets)| m.forward_graph(input_ids, buckets, output_hidden_states),
+        )
     }
 
-    /// [`Self::forward`] for a caller that has the token ids on the host too: `host_ids` are the
-    /// values of `input_ids` (row-major, `B·L` of them), checked against the vocabulary; nothing is
-    /// read from the device.
+    /// [`Self::forward`] with the ids on the host.
     pub fn forward_with_host_ids(
         &self,
         input_ids: &Tensor,
         host_ids: &[i64],
         output_hidden_states: bool,
     ) -> Result<T5EncoderOutput> {
-        check_host_ids(&self.component, input_ids, host_ids, self.config.vocab_size)?;
-        if input_ids.is_traced() {
-            return Err(traced_input_error(
-                &self.component,
-                "T5EncoderModel::forward_with_host_ids",
-                "T5EncoderModel::forward_with_position_buckets",
-            ));
-        }
-        let buckets = self.position_buckets(input_ids.dims()[1], input_ids.device())?;
-        self.forward_with_position_buckets(input_ids, &buckets, output_hidden_states)
+        self.forward(input_ids, Some(host_ids), output_hidden_states)
     }
 
-    /// The forward on device data only (it runs unchanged inside a compiled function):
-    /// `position_buckets` `[L, L]` is [`Self::position_buckets`] for `input_ids`' length. Ids
-    /// are not range-checked here (the device gather clamps them); [`Self::forward_with_host_ids`]
-    /// checks them.
-    pub fn forward_with_position_buckets(
-        &self,
-        input_ids: &Tensor,
-        position_buckets: &Tensor,
-        output_hidden_states: bool,
-    ) -> Result<T5EncoderOutput> {
-        check_input_ids(&self.component, input_ids)?;
-        let l = input_ids.dims()[1];
-        if position_buckets.dims() != [l, l] || !matches!(position_buckets.dtype(), DType::I64 | DType::I32) {
-            return Err(Error::Config {
-                component: self.component.clone(),
-                message: format!(
-                    "position_buckets must be the [{l}, {l}] integer bucket table of the input length, got {} {}",
-                    position_buckets.shape(),
-                    position_buckets.dtype()
-                ),
-            });
-        }
-        let program = if output_hidden_states { "with_hidden_states" } else { "" };
-        let args = Args::new()
-            .with("input_ids", input_ids)
-            .with("position_buckets", position_buckets);
-        self.compiled.whole(program, self, args, |m, a| {
-            m.forward_graph(a.get("input_ids")?, a.get("position_buckets")?, output_hidden_states)
-        })
-    }
-
-    /// The forward's ops, each block run through the list (streamed, or compiled on its own in
-    /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
+    /// The forward's ops on device data only (`position_buckets` `[L, L]` is
+    /// [`Self::position_buckets`]), each block run through the list (streamed, or compiled on its
+    /// own in [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(
         &self,
         input_ids: &Tensor,
@@ -518,12 +435,10 @@ impl T5EncoderModel {
             if output_hidden_states {
                 all_hidden_states.push(hidden_states.clone());
             }
-            let args = Args::new()
-                .with("hidden_states", &hidden_states)
-                .with("position_bias", &position_bias);
-            hidden_states = self.block.run(&self.compiled, i, args, |block, a| {
-                block.forward(a.get("hidden_states")?, a.get("position_bias")?)
-            })?;
+            let args = (hidden_states, position_bias.clone());
+            hidden_states = self
+                .block
+                .run(&self.compiled, i, args, |block, (h, bias)| block.forward(h, bias))?;
         }
         let last_hidden_state = self.final_layer_norm.forward(&hidden_states)?;
         if output_hidden_states {

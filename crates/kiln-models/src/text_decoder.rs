@@ -23,20 +23,19 @@
 //! multiplies by the weight in that dtype; the RoPE tables are computed in f32 and rounded to the
 //! model dtype, and `q·cos + rotate_half(q)·sin` rounds after every op in 16-bit.
 //!
-//! The forward reads nothing back from the device and creates no tensor from host data: the
+//! The forward's ops read nothing back from the device and create no tensor from host data: the
 //! attention bias and the RoPE tables depend on the attention mask and the length only and are
-//! built on the host before the forward ([`TextDecoderModel::prepare`]), so the same code runs
-//! op by op or compiled ([`kiln_nn::Model::compile`]).
+//! built on the host before them, so the same code runs op by op or compiled
+//! ([`kiln_nn::Model::compile`]).
 
 use kiln_io::Activation;
-use kiln_nn::module::{join_name, map_child, visit_child};
+use kiln_nn::module::{join_name, Named};
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Embedding, Error, Linear, Module, Outputs, Result, TpPlan,
-    TpStyle, Weights,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Embedding, Error, Linear, Result, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
-use crate::clip::{activation, check_host_ids, check_input_ids, read_input_ids, traced_input_error};
+use crate::clip::{activation, host_token_ids};
 
 /// Where the language model's weights sit in the files that hold one, tried in order:
 /// transformers 5's `Mistral3ForConditionalGeneration`, the legacy LLaVA-style layout older
@@ -51,12 +50,12 @@ struct DecoderRmsNorm {
     eps: f64,
 }
 
-impl_module!(DecoderRmsNorm { weight: "weight" });
+impl_module!(DecoderRmsNorm { weight });
 
 impl DecoderRmsNorm {
     fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
         Ok(DecoderRmsNorm {
-            weight: w.get("weight", [dim])?,
+            weight: w.get(Self::weight, [dim])?,
             eps,
         })
     }
@@ -86,31 +85,31 @@ struct DecoderAttention {
 }
 
 impl_module!(DecoderAttention {
-    q_proj: "q_proj",
-    k_proj: "k_proj",
-    v_proj: "v_proj",
-    o_proj: "o_proj",
-    q_norm: "q_norm",
-    k_norm: "k_norm",
+    q_proj,
+    k_proj,
+    v_proj,
+    o_proj,
+    q_norm,
+    k_norm,
 });
 
 impl DecoderAttention {
     fn load(w: &Weights, config: &TextDecoderArch) -> Result<Self> {
         let (d, hd, bias) = (config.hidden_size, config.head_dim, config.attention_bias);
         let (q, kv) = (config.num_attention_heads * hd, config.num_key_value_heads * hd);
-        let head_norm = |name: &str| -> Result<Option<DecoderRmsNorm>> {
+        let head_norm = |name| -> Result<Option<DecoderRmsNorm>> {
             match config.qk_norm {
                 true => Ok(Some(DecoderRmsNorm::load(&w.pp(name), hd, config.rms_norm_eps)?)),
                 false => Ok(None),
             }
         };
         Ok(DecoderAttention {
-            q_proj: Linear::load(&w.pp("q_proj"), d, q, bias)?,
-            k_proj: Linear::load(&w.pp("k_proj"), d, kv, bias)?,
-            v_proj: Linear::load(&w.pp("v_proj"), d, kv, bias)?,
-            o_proj: Linear::load(&w.pp("o_proj"), q, d, bias)?,
-            q_norm: head_norm("q_norm")?,
-            k_norm: head_norm("k_norm")?,
+            q_proj: Linear::load(&w.pp(Self::q_proj), d, q, bias)?,
+            k_proj: Linear::load(&w.pp(Self::k_proj), d, kv, bias)?,
+            v_proj: Linear::load(&w.pp(Self::v_proj), d, kv, bias)?,
+            o_proj: Linear::load(&w.pp(Self::o_proj), q, d, bias)?,
+            q_norm: head_norm(Self::q_norm)?,
+            k_norm: head_norm(Self::k_norm)?,
             num_heads: config.num_attention_heads,
             num_kv_heads: config.num_key_value_heads,
             head_dim: hd,
@@ -118,7 +117,7 @@ impl DecoderAttention {
     }
 
     /// `[B, L, D]` → `[B, L, D]`; see [`DecoderInputs`] for the rest.
-    fn forward(&self, x: &Tensor, inputs: &DecoderInputs<'_>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, inputs: &DecoderInputs) -> Result<Tensor> {
         let (b, l) = (x.dims()[0], x.dims()[1]);
         // On a tensor-parallel mesh each device holds 1/N of the query and of the KV heads.
         let devices = x.device().mesh_size();
@@ -135,15 +134,15 @@ impl DecoderAttention {
         let q = heads(self.q_proj.forward(x)?, num_heads, &self.q_norm)?; // [b, h, l, hd]
         let k = heads(self.k_proj.forward(x)?, num_kv_heads, &self.k_norm)?; // [b, kv, l, hd]
         let v = heads(self.v_proj.forward(x)?, num_kv_heads, &None)?;
-        let q = apply_rope(&q, inputs.cos, inputs.sin)?;
-        let k = apply_rope(&k, inputs.cos, inputs.sin)?;
+        let q = apply_rope(&q, &inputs.cos, &inputs.sin)?;
+        let k = apply_rope(&k, &inputs.cos, &inputs.sin)?;
         // transformers `repeat_kv`: kv head j serves query heads j·n .. j·n + n − 1.
         let n_rep = self.num_heads / self.num_kv_heads;
         let (k, v) = (k.repeat_interleave(n_rep, 1)?, v.repeat_interleave(n_rep, 1)?);
         let mask = AttentionMask::Additive(inputs.attention_bias.clone());
         let attn = Tensor::scaled_dot_product_attention(&q, &k, &v, &mask, None)?;
         // Rows that see no key: zero, as torch's SDPA returns for fully masked rows.
-        let attn = attn.mul(inputs.attended)?;
+        let attn = attn.mul(&inputs.attended)?;
         let attn = attn.transpose(1, 2)?.reshape([b, l, num_heads * self.head_dim])?;
         self.o_proj.forward(&attn)
     }
@@ -172,18 +171,18 @@ struct DecoderMlp {
 }
 
 impl_module!(DecoderMlp {
-    gate_proj: "gate_proj",
-    up_proj: "up_proj",
-    down_proj: "down_proj",
+    gate_proj,
+    up_proj,
+    down_proj,
 });
 
 impl DecoderMlp {
     fn load(w: &Weights, config: &TextDecoderArch) -> Result<Self> {
         let (d, ff) = (config.hidden_size, config.intermediate_size);
         Ok(DecoderMlp {
-            gate_proj: Linear::load(&w.pp("gate_proj"), d, ff, false)?,
-            up_proj: Linear::load(&w.pp("up_proj"), d, ff, false)?,
-            down_proj: Linear::load(&w.pp("down_proj"), ff, d, false)?,
+            gate_proj: Linear::load(&w.pp(Self::gate_proj), d, ff, false)?,
+            up_proj: Linear::load(&w.pp(Self::up_proj), d, ff, false)?,
+            down_proj: Linear::load(&w.pp(Self::down_proj), ff, d, false)?,
             act: config.hidden_act,
         })
     }
@@ -192,18 +191,6 @@ impl DecoderMlp {
         let gate = activation(&self.gate_proj.forward(x)?, self.act)?;
         self.down_proj.forward(&gate.mul(&self.up_proj.forward(x)?)?)
     }
-}
-
-/// What every decoder layer takes besides the hidden states (all built before the forward).
-struct DecoderInputs<'a> {
-    /// `[B, 1, L, L]` in the model dtype: 0 where the key is visible, the dtype's lowest value
-    /// where it is not.
-    attention_bias: &'a Tensor,
-    /// `[B, 1, L, 1]` in the model dtype: 1 where the query row sees a key, 0 where it sees none.
-    attended: &'a Tensor,
-    /// `[L, head_dim]` f32.
-    cos: &'a Tensor,
-    sin: &'a Tensor,
 }
 
 /// `MistralDecoderLayer` / `Qwen3DecoderLayer`.
@@ -216,24 +203,24 @@ struct DecoderLayer {
 }
 
 impl_module!(DecoderLayer {
-    input_layernorm: "input_layernorm",
-    self_attn: "self_attn",
-    post_attention_layernorm: "post_attention_layernorm",
-    mlp: "mlp",
+    input_layernorm,
+    self_attn,
+    post_attention_layernorm,
+    mlp,
 });
 
 impl DecoderLayer {
     fn load(w: &Weights, config: &TextDecoderArch) -> Result<Self> {
         let (d, eps) = (config.hidden_size, config.rms_norm_eps);
         Ok(DecoderLayer {
-            input_layernorm: DecoderRmsNorm::load(&w.pp("input_layernorm"), d, eps)?,
-            self_attn: DecoderAttention::load(&w.pp("self_attn"), config)?,
-            post_attention_layernorm: DecoderRmsNorm::load(&w.pp("post_attention_layernorm"), d, eps)?,
-            mlp: DecoderMlp::load(&w.pp("mlp"), config)?,
+            input_layernorm: DecoderRmsNorm::load(&w.pp(Self::input_layernorm), d, eps)?,
+            self_attn: DecoderAttention::load(&w.pp(Self::self_attn), config)?,
+            post_attention_layernorm: DecoderRmsNorm::load(&w.pp(Self::post_attention_layernorm), d, eps)?,
+            mlp: DecoderMlp::load(&w.pp(Self::mlp), config)?,
         })
     }
 
-    fn forward(&self, hidden_states: &Tensor, inputs: &DecoderInputs<'_>) -> Result<Tensor> {
+    fn forward(&self, hidden_states: &Tensor, inputs: &DecoderInputs) -> Result<Tensor> {
         let attn = self
             .self_attn
             .forward(&self.input_layernorm.forward(hidden_states)?, inputs)?;
@@ -245,19 +232,26 @@ impl DecoderLayer {
     }
 }
 
-/// The inputs of [`TextDecoderModel::forward_prepared`] besides the ids, built on the host from
-/// the attention mask and the length ([`TextDecoderModel::prepare`]).
+/// What every decoder layer takes besides the hidden states, built on the host from the
+/// attention mask and the length before the forward's ops ([`TextDecoderModel::prepare`]).
 #[derive(Clone, Debug)]
-pub struct TextDecoderInputs {
+struct DecoderInputs {
     /// `[B, 1, L, L]` in the model dtype: 0 where query `i` sees key `k` (`k ≤ i`, `mask[k] = 1`,
     /// and within the sliding window if the config has one), the dtype's lowest value elsewhere.
-    pub attention_bias: Tensor,
+    attention_bias: Tensor,
     /// `[B, 1, L, 1]` in the model dtype: 1 where the query row sees at least one key, else 0.
-    pub attended: Tensor,
+    attended: Tensor,
     /// RoPE tables `[L, head_dim]` (f32) for the absolute positions `0..L`.
-    pub cos: Tensor,
-    pub sin: Tensor,
+    cos: Tensor,
+    sin: Tensor,
 }
+
+impl_tensors!(DecoderInputs {
+    attention_bias,
+    attended,
+    cos,
+    sin
+});
 
 /// What [`TextDecoderModel::forward`] returns.
 #[derive(Clone, Debug)]
@@ -277,19 +271,8 @@ impl TextDecoderOutput {
     }
 }
 
-/// The results of the whole forward: `hidden_states.{i}`.
-impl Outputs for TextDecoderOutput {
-    fn into_args(self) -> Args {
-        let mut args = Args::new();
-        args.insert_list("hidden_states", self.hidden_states);
-        args
-    }
-    fn from_args(mut args: Args) -> Result<Self> {
-        Ok(TextDecoderOutput {
-            hidden_states: args.take_list("hidden_states"),
-        })
-    }
-}
+// The results of the whole forward.
+impl_tensors!(TextDecoderOutput { hidden_states });
 
 /// What the decoder's code needs of a text encoder's config: the numbers of transformers'
 /// `MistralConfig` / `Qwen3Config` and what tells the two families apart. Made from a config by
@@ -332,41 +315,55 @@ impl TextDecoderConfig for TextDecoderArch {
     }
 }
 
+/// transformers' `MistralModel` / `Qwen3Model` as far as it is read: the token embedding, the
+/// decoder layers up to the last hidden state asked for, the final norm when it is asked for.
+#[derive(Clone, Debug)]
+struct LanguageModel {
+    embed_tokens: Embedding,
+    /// Layers `0..max(outputs)` (capped at `num_hidden_layers`).
+    layers: Blocks<DecoderLayer>,
+    /// The final norm, loaded only when index `num_hidden_layers` is asked for.
+    norm: Option<DecoderRmsNorm>,
+}
+
+// The layers past the last one read, the final norm (unless read), `lm_head` (and Mistral3's
+// vision tower and projector) are not part of the model.
+impl_module!(LanguageModel {
+    embed_tokens,
+    layers,
+    norm
+});
+
+impl LanguageModel {
+    /// Up to hidden state `last` (at most `num_hidden_layers`).
+    fn load(w: &Weights, config: &TextDecoderArch, last: usize) -> Result<Self> {
+        let (d, n) = (config.hidden_size, config.num_hidden_layers);
+        Ok(LanguageModel {
+            embed_tokens: Embedding::load(&w.pp(Self::embed_tokens), config.vocab_size, d)?,
+            layers: Blocks::load(w, Self::layers, last.min(n), |_, w| DecoderLayer::load(w, config))?,
+            norm: match last == n {
+                true => Some(DecoderRmsNorm::load(&w.pp(Self::norm), d, config.rms_norm_eps)?),
+                false => None,
+            },
+        })
+    }
+}
+
 /// The language model of `Mistral3ForConditionalGeneration` / `MistralModel` or of
 /// `Qwen3ForCausalLM` / `Qwen3Model`, loaded up to the last hidden state it is asked for.
 #[derive(Clone, Debug)]
 pub struct TextDecoderModel {
     config: TextDecoderArch,
     component: String,
-    /// Where the language model sits in the checkpoint (one of [`PREFIXES`]).
-    prefix: &'static str,
     /// The `hidden_states` indices the forward returns, in the order asked for.
     outputs: Vec<usize>,
-    embed_tokens: Embedding,
-    /// Layers `0..max(outputs)` (capped at `num_hidden_layers`).
-    layers: Blocks<DecoderLayer>,
-    /// The final norm, loaded only when index `num_hidden_layers` is asked for.
-    norm: Option<DecoderRmsNorm>,
+    /// Under one of [`PREFIXES`], where the checkpoint has it.
+    language_model: Named<LanguageModel>,
     compiled: Compiled,
 }
 
-/// Every loaded weight under its checkpoint name. The layers past the last one read, the final
-/// norm (unless read), `lm_head` (and Mistral3's vision tower and projector) are not part of the
-/// model.
-impl Module for TextDecoderModel {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        let name = |n: &str| join_name(self.prefix, n);
-        visit_child(&name("embed_tokens"), &self.embed_tokens, f);
-        visit_child(&name("layers"), &self.layers, f);
-        visit_child(&name("norm"), &self.norm, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        let name = |n: &str| join_name(self.prefix, n);
-        map_child(&name("embed_tokens"), &mut self.embed_tokens, f)?;
-        map_child(&name("layers"), &mut self.layers, f)?;
-        map_child(&name("norm"), &mut self.norm, f)
-    }
-}
+// Every loaded weight under its checkpoint name.
+impl_module!(TextDecoderModel { language_model: "" });
 
 impl_model!(
     /// Compiled: the whole forward as `{component}`, or one decoder layer as `{component}.layers`,
@@ -374,7 +371,7 @@ impl_model!(
     /// by op. Sequential offload streams `layers`.
     TextDecoderModel {
         compiled: compiled,
-        blocks: [layers],
+        blocks: [language_model.layers],
     }
 );
 
@@ -449,45 +446,24 @@ impl TextDecoderModel {
                  embeddings, {n} the final-normed output)"
             )));
         }
-        let Some(prefix) = PREFIXES
-            .into_iter()
-            .find(|p| weights.contains(&join_name(p, "embed_tokens.weight")))
-        else {
+        let embed_tokens = format!("{}.weight", LanguageModel::embed_tokens);
+        let Some(prefix) = PREFIXES.into_iter().find(|p| weights.pp(p).contains(&embed_tokens)) else {
             return Err(Error::MissingWeight {
                 component,
-                name: "model.language_model.embed_tokens.weight".to_string(),
+                name: join_name(PREFIXES[0], &embed_tokens),
                 file: weights.checkpoint().source().to_path_buf(),
             });
         };
         weights.check_divides("num_key_value_heads", kv_heads)?;
-        let w = if prefix.is_empty() {
-            weights.clone()
-        } else {
-            weights.pp(prefix)
-        };
-        let w = w.with_plan(&Self::tp_plan())?;
-        let embed_tokens = Embedding::load(&w.pp("embed_tokens"), config.vocab_size, config.hidden_size)?;
-        let layers = (0..last.min(n))
-            .map(|i| DecoderLayer::load(&w.pp(format!("layers.{i}")), config))
-            .collect::<Result<_>>()?;
-        let norm = if last == n {
-            Some(DecoderRmsNorm::load(
-                &w.pp("norm"),
-                config.hidden_size,
-                config.rms_norm_eps,
-            )?)
-        } else {
-            None
-        };
+        let language_model = Named::load(weights, prefix, |w| {
+            LanguageModel::load(&w.with_plan(&Self::tp_plan())?, config, last)
+        })?;
         Ok(TextDecoderModel {
             config: config.clone(),
             compiled: Compiled::new(&component),
             component,
-            prefix,
             outputs: hidden_states.to_vec(),
-            embed_tokens,
-            layers: Blocks::new("layers", layers),
-            norm,
+            language_model,
         })
     }
 
@@ -503,55 +479,48 @@ impl TextDecoderModel {
 
     /// How many decoder layers were loaded (and run).
     pub fn num_loaded_layers(&self) -> usize {
-        self.layers.len()
+        self.language_model.layers.len()
     }
 
     /// The model dtype (the embedding's).
     pub fn dtype(&self) -> DType {
-        self.embed_tokens.weight.dtype()
+        self.language_model.embed_tokens.weight.dtype()
     }
 
-    /// Encodes token ids `[B, L]` (integer) with `attention_mask` `[B, L]` (1 on tokens, 0 on
-    /// padding; `None` means all ones). Reads both back to the host to check the ids and build
-    /// the mask; a caller that has them on the host calls [`Self::forward_with_host_inputs`].
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<TextDecoderOutput> {
-        let ids = read_input_ids(&self.component, input_ids)?;
-        let mask = match attention_mask {
-            Some(mask) => {
-                if mask.dims() != input_ids.dims() {
-                    return Err(self.error(format!(
-                        "attention_mask {} must have the shape of input_ids {}",
-                        mask.shape(),
-                        input_ids.shape()
-                    )));
-                }
-                Some(read_input_ids(&self.component, mask)?)
-            }
-            None => None,
-        };
-        self.forward_with_host_inputs(input_ids, &ids, mask.as_deref())
+    /// Encodes token ids `[B, L]` (integer) with `attention_mask` `[B, L]` (row-major on the host,
+    /// 1 on tokens, 0 on padding; `None` means all ones). `host_ids` are the values of
+    /// `input_ids` on the host (row-major, as the tokenizer returned them), read back from the
+    /// device when `None`; they are checked against the vocabulary.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        host_ids: Option<&[i64]>,
+        attention_mask: Option<&[i64]>,
+    ) -> Result<TextDecoderOutput> {
+        let vocab_size = self.config.vocab_size;
+        host_token_ids(
+            &self.component,
+            "TextDecoderModel::forward",
+            input_ids,
+            host_ids,
+            vocab_size,
+        )?;
+        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
+        let inputs = self.prepare(attention_mask, b, l, input_ids.device())?;
+        self.compiled
+            .whole("", self, (input_ids.clone(), inputs), |m, (input_ids, inputs)| {
+                m.forward_graph(input_ids, inputs)
+            })
     }
 
-    /// [`Self::forward`] for a caller that has the ids (and the mask) on the host too, row-major
-    /// `B·L` values each, as the tokenizer returned them. The ids are checked against the
-    /// vocabulary; nothing is read from the device.
+    /// [`Self::forward`] with the ids on the host.
     pub fn forward_with_host_inputs(
         &self,
         input_ids: &Tensor,
         host_ids: &[i64],
         host_mask: Option<&[i64]>,
     ) -> Result<TextDecoderOutput> {
-        check_host_ids(&self.component, input_ids, host_ids, self.config.vocab_size)?;
-        if input_ids.is_traced() {
-            return Err(traced_input_error(
-                &self.component,
-                "TextDecoderModel::forward_with_host_inputs",
-                "TextDecoderModel::forward_prepared",
-            ));
-        }
-        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        let inputs = self.prepare(host_mask, b, l, input_ids.device())?;
-        self.forward_prepared(input_ids, &inputs)
+        self.forward(input_ids, Some(host_ids), host_mask)
     }
 
     /// The attention bias, the attended rows and the RoPE tables for a batch of `batch` rows of
@@ -559,13 +528,13 @@ impl TextDecoderModel {
     /// `None` = all tokens), created on `device`. Padding may be on either side: positions stay
     /// absolute (`0..seq_len`, pads included), as transformers computes them when it is given no
     /// `position_ids`.
-    pub fn prepare(
+    fn prepare(
         &self,
         host_mask: Option<&[i64]>,
         batch: usize,
         seq_len: usize,
         device: &Device,
-    ) -> Result<TextDecoderInputs> {
+    ) -> Result<DecoderInputs> {
         if let Some(mask) = host_mask {
             if mask.len() != batch * seq_len {
                 return Err(self.error(format!(
@@ -584,7 +553,7 @@ impl TextDecoderModel {
         let attended: Vec<f32> = attended.iter().map(|&a| if a { 1.0 } else { 0.0 }).collect();
         let (cos, sin) = rope_tables(seq_len, self.config.head_dim, self.config.rope_theta);
         let hd = self.config.head_dim;
-        Ok(TextDecoderInputs {
+        Ok(DecoderInputs {
             attention_bias: Tensor::from_f32(&bias, dtype, [batch, 1, seq_len, seq_len], device)?,
             attended: Tensor::from_f32(&attended, dtype, [batch, 1, seq_len, 1], device)?,
             cos: Tensor::from_slice(&cos, [seq_len, hd], device)?,
@@ -592,43 +561,12 @@ impl TextDecoderModel {
         })
     }
 
-    /// The forward on device data only (it runs unchanged inside a compiled function): `inputs`
-    /// is [`Self::prepare`] for `input_ids`' shape. Ids are not range-checked here (the device
-    /// gather clamps them); [`Self::forward_with_host_inputs`] checks them.
-    pub fn forward_prepared(&self, input_ids: &Tensor, inputs: &TextDecoderInputs) -> Result<TextDecoderOutput> {
-        check_input_ids(&self.component, input_ids)?;
-        let (b, l) = (input_ids.dims()[0], input_ids.dims()[1]);
-        let hd = self.config.head_dim;
-        let dtype = self.dtype();
-        let expected = [
-            ("attention_bias", &inputs.attention_bias, vec![b, 1, l, l], dtype),
-            ("attended", &inputs.attended, vec![b, 1, l, 1], dtype),
-            ("cos", &inputs.cos, vec![l, hd], DType::F32),
-            ("sin", &inputs.sin, vec![l, hd], DType::F32),
-        ];
-        for (name, t, dims, dt) in expected {
-            if t.dims() != dims.as_slice() || t.dtype() != dt {
-                return Err(self.error(format!(
-                    "{name} must be {dims:?} {dt} for input_ids {} (see TextDecoderModel::prepare), got {} {}",
-                    input_ids.shape(),
-                    t.shape(),
-                    t.dtype()
-                )));
-            }
-        }
-        let args = Args::new()
-            .with("input_ids", input_ids)
-            .with("attention_bias", &inputs.attention_bias)
-            .with("attended", &inputs.attended)
-            .with("rope.cos", &inputs.cos)
-            .with("rope.sin", &inputs.sin);
-        self.compiled.whole("", self, args, |m, a| m.forward_graph(a))
-    }
-
-    /// The forward's ops, each layer run through the list (streamed, or compiled on its own in
+    /// The forward's ops on device data only (`inputs` is [`Self::prepare`] for `input_ids`'
+    /// shape), each layer run through the list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
-    fn forward_graph(&self, a: &Args) -> Result<TextDecoderOutput> {
-        let mut hidden_states = self.embed_tokens.forward(a.get("input_ids")?)?; // [b, l, d]
+    fn forward_graph(&self, input_ids: &Tensor, inputs: &DecoderInputs) -> Result<TextDecoderOutput> {
+        let model = &*self.language_model;
+        let mut hidden_states = model.embed_tokens.forward(input_ids)?; // [b, l, d]
         let mut kept: Vec<Option<Tensor>> = vec![None; self.outputs.len()];
         let mut keep = |index: usize, h: &Tensor| {
             for (slot, &want) in kept.iter_mut().zip(&self.outputs) {
@@ -638,28 +576,17 @@ impl TextDecoderModel {
             }
         };
         keep(0, &hidden_states);
-        for i in 0..self.layers.len() {
-            let args = Args::new()
-                .with("hidden_states", &hidden_states)
-                .with("attention_bias", a.get("attention_bias")?)
-                .with("attended", a.get("attended")?)
-                .with("rope.cos", a.get("rope.cos")?)
-                .with("rope.sin", a.get("rope.sin")?);
-            hidden_states = self.layers.run(&self.compiled, i, args, |layer, a| {
-                let inputs = DecoderInputs {
-                    attention_bias: a.get("attention_bias")?,
-                    attended: a.get("attended")?,
-                    cos: a.get("rope.cos")?,
-                    sin: a.get("rope.sin")?,
-                };
-                layer.forward(a.get("hidden_states")?, &inputs)
-            })?;
+        for i in 0..model.layers.len() {
+            let args = (hidden_states, inputs.clone());
+            hidden_states = model
+                .layers
+                .run(&self.compiled, i, args, |layer, (h, inputs)| layer.forward(h, inputs))?;
             // transformers replaces the last entry by the final-normed output.
             if i + 1 < self.config.num_hidden_layers {
                 keep(i + 1, &hidden_states);
             }
         }
-        if let Some(norm) = &self.norm {
+        if let Some(norm) = &model.norm {
             keep(self.config.num_hidden_layers, &norm.forward(&hidden_states)?);
         }
         let hidden_states = kept

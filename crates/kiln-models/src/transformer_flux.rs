@@ -5,14 +5,15 @@
 //! Layout inside attention is heads-first `[batch, heads, seq, head_dim]`, text tokens first.
 
 use kiln_io::FluxTransformer2DConfig;
-use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, rope_tables, Args, Blocks, Compiled, Error, LayerNorm, Linear, Module, Result, RmsNorm,
+    impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
     RopeTables, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
-use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp};
+use crate::mmdit::{
+    gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp, QkvProjection, IMAGE_QKV, TEXT_QKV,
+};
 
 /// `CombinedTimestep(Guidance)TextProjEmbeddings`.
 #[derive(Clone, Debug)]
@@ -24,6 +25,19 @@ struct TimeTextEmbed {
 }
 
 impl TimeTextEmbed {
+    fn load(w: &Weights, config: &FluxTransformer2DConfig, dim: usize) -> Result<Self> {
+        Ok(TimeTextEmbed {
+            frequencies: Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?,
+            timestep_embedder: Mlp::load(&w.pp(Self::timestep_embedder), 256, dim)?,
+            guidance_embedder: if config.guidance_embeds {
+                Some(Mlp::load(&w.pp(Self::guidance_embedder), 256, dim)?)
+            } else {
+                None
+            },
+            text_embedder: Mlp::load(&w.pp(Self::text_embedder), config.pooled_projection_dim, dim)?,
+        })
+    }
+
     /// The sinusoidal projection of `t` (`[B]` f32): `[cos(t·f), sin(t·f)]`, f32.
     fn time_proj(&self, t: &Tensor) -> Result<Tensor> {
         sinusoid(t, &self.frequencies)
@@ -45,65 +59,14 @@ impl TimeTextEmbed {
 // that it moves and is passed like every weight.
 impl_module!(TimeTextEmbed {
     frequencies: "time_proj.frequencies",
-    timestep_embedder: "timestep_embedder",
-    guidance_embedder: "guidance_embedder",
-    text_embedder: "text_embedder",
+    timestep_embedder,
+    guidance_embedder,
+    text_embedder,
 });
 
-/// Query/key/value projections of one stream, with per-head RMSNorm on q and k.
-#[derive(Clone, Debug)]
-struct QkvProjection {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    norm_q: RmsNorm,
-    norm_k: RmsNorm,
-    /// The weight names of q, k, v, norm_q, norm_k (the image and text streams differ).
-    names: [&'static str; 5],
-}
-
-impl Module for QkvProjection {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        let [q, k, v, nq, nk] = self.names;
-        visit_child(q, &self.q, f);
-        visit_child(k, &self.k, f);
-        visit_child(v, &self.v, f);
-        visit_child(nq, &self.norm_q, f);
-        visit_child(nk, &self.norm_k, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        let [q, k, v, nq, nk] = self.names;
-        map_child(q, &mut self.q, f)?;
-        map_child(k, &mut self.k, f)?;
-        map_child(v, &mut self.v, f)?;
-        map_child(nq, &mut self.norm_q, f)?;
-        map_child(nk, &mut self.norm_k, f)
-    }
-}
-
-impl QkvProjection {
-    fn load(w: &Weights, names: [&'static str; 5], dim: usize, head_dim: usize) -> Result<Self> {
-        Ok(QkvProjection {
-            q: Linear::load(&w.pp(names[0]), dim, dim, true)?,
-            k: Linear::load(&w.pp(names[1]), dim, dim, true)?,
-            v: Linear::load(&w.pp(names[2]), dim, dim, true)?,
-            norm_q: RmsNorm::load(&w.pp(names[3]), head_dim, 1e-6)?,
-            norm_k: RmsNorm::load(&w.pp(names[4]), head_dim, 1e-6)?,
-            names,
-        })
-    }
-
-    /// `[B, S, D]` → q, k, v each `[B, H, S, head_dim]`: H is the heads this device holds (all of
-    /// them on one device; 1/N of them on each device of a tensor-parallel mesh).
-    fn forward(&self, x: &Tensor) -> Result<[Tensor; 3]> {
-        let (b, s) = (x.dims()[0], x.dims()[1]);
-        let head_dim = self.norm_q.weight.dims()[0] as isize;
-        let split = |t: Tensor| -> Result<Tensor> { Ok(t.reshape_infer(&[b as isize, s as isize, -1, head_dim])?) };
-        let q = self.norm_q.forward(&split(self.q.forward(x)?)?)?.transpose(1, 2)?;
-        let k = self.norm_k.forward(&split(self.k.forward(x)?)?)?.transpose(1, 2)?;
-        let v = split(self.v.forward(x)?)?.transpose(1, 2)?;
-        Ok([q, k, v])
-    }
+/// Loads the qk-norm (torch `nn.RMSNorm` over `head_dim`) of a [`QkvProjection`].
+fn qk_norm(head_dim: usize) -> impl Fn(&Weights) -> Result<Option<RmsNorm>> {
+    move |w| Ok(Some(RmsNorm::load(w, head_dim, 1e-6)?))
 }
 
 /// Rotary embedding then attention; returns `[B, S, H·head_dim]`.
@@ -119,8 +82,8 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Te
 struct FluxTransformerBlock {
     norm1: Linear,
     norm1_context: Linear,
-    image: QkvProjection,
-    text: QkvProjection,
+    image: QkvProjection<RmsNorm>,
+    text: QkvProjection<RmsNorm>,
     to_out: Linear,
     to_add_out: Linear,
     ff: FeedForward,
@@ -129,21 +92,16 @@ struct FluxTransformerBlock {
 
 impl FluxTransformerBlock {
     fn load(w: &Weights, dim: usize, head_dim: usize) -> Result<Self> {
-        let attn = w.pp("attn");
+        let qkv = |name, names| QkvProjection::load(&w.pp(name), names, (dim, head_dim), true, qk_norm(head_dim));
         Ok(FluxTransformerBlock {
-            norm1: Linear::load(&w.pp("norm1.linear"), dim, 6 * dim, true)?,
-            norm1_context: Linear::load(&w.pp("norm1_context.linear"), dim, 6 * dim, true)?,
-            image: QkvProjection::load(&attn, ["to_q", "to_k", "to_v", "norm_q", "norm_k"], dim, head_dim)?,
-            text: QkvProjection::load(
-                &attn,
-                ["add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k"],
-                dim,
-                head_dim,
-            )?,
-            to_out: Linear::load(&attn.pp("to_out.0"), dim, dim, true)?,
-            to_add_out: Linear::load(&attn.pp("to_add_out"), dim, dim, true)?,
-            ff: FeedForward::load(&w.pp("ff"), dim)?,
-            ff_context: FeedForward::load(&w.pp("ff_context"), dim)?,
+            norm1: Linear::load(&w.pp(Self::norm1), dim, 6 * dim, true)?,
+            norm1_context: Linear::load(&w.pp(Self::norm1_context), dim, 6 * dim, true)?,
+            image: qkv(Self::image, IMAGE_QKV)?,
+            text: qkv(Self::text, TEXT_QKV)?,
+            to_out: Linear::load(&w.pp(Self::to_out), dim, dim, true)?,
+            to_add_out: Linear::load(&w.pp(Self::to_add_out), dim, dim, true)?,
+            ff: FeedForward::load(&w.pp(Self::ff), dim)?,
+            ff_context: FeedForward::load(&w.pp(Self::ff_context), dim)?,
         })
     }
 
@@ -188,15 +146,15 @@ impl_module!(FluxTransformerBlock {
     text: "attn",
     to_out: "attn.to_out.0",
     to_add_out: "attn.to_add_out",
-    ff: "ff",
-    ff_context: "ff_context",
+    ff,
+    ff_context,
 });
 
 /// `FluxSingleTransformerBlock`: parallel attention + MLP on the joint sequence.
 #[derive(Clone, Debug)]
 struct FluxSingleTransformerBlock {
     norm: Linear,
-    qkv: QkvProjection,
+    qkv: QkvProjection<RmsNorm>,
     proj_mlp: Linear,
     proj_out: Linear,
 }
@@ -205,15 +163,10 @@ impl FluxSingleTransformerBlock {
     fn load(w: &Weights, dim: usize, head_dim: usize) -> Result<Self> {
         let mlp = 4 * dim;
         Ok(FluxSingleTransformerBlock {
-            norm: Linear::load(&w.pp("norm.linear"), dim, 3 * dim, true)?,
-            qkv: QkvProjection::load(
-                &w.pp("attn"),
-                ["to_q", "to_k", "to_v", "norm_q", "norm_k"],
-                dim,
-                head_dim,
-            )?,
-            proj_mlp: Linear::load(&w.pp("proj_mlp"), dim, mlp, true)?,
-            proj_out: Linear::load(&w.pp("proj_out"), dim + mlp, dim, true)?,
+            norm: Linear::load(&w.pp(Self::norm), dim, 3 * dim, true)?,
+            qkv: QkvProjection::load(&w.pp(Self::qkv), IMAGE_QKV, (dim, head_dim), true, qk_norm(head_dim))?,
+            proj_mlp: Linear::load(&w.pp(Self::proj_mlp), dim, mlp, true)?,
+            proj_out: Linear::load(&w.pp(Self::proj_out), dim + mlp, dim, true)?,
         })
     }
 
@@ -236,8 +189,8 @@ impl FluxSingleTransformerBlock {
 impl_module!(FluxSingleTransformerBlock {
     norm: "norm.linear",
     qkv: "attn",
-    proj_mlp: "proj_mlp",
-    proj_out: "proj_out",
+    proj_mlp,
+    proj_out,
 });
 
 /// The inputs of one transformer call, as `FluxPipeline` passes them.
@@ -257,6 +210,27 @@ pub struct FluxTransformerInputs<'a> {
     pub rope: &'a RopeTables,
 }
 
+/// The tensors of one call as the whole forward takes them (a compiled forward's parameters, in
+/// this order); `guidance` only when the model embeds it.
+#[derive(Clone, Debug)]
+struct CallInputs {
+    hidden_states: Tensor,
+    encoder_hidden_states: Tensor,
+    pooled_projections: Tensor,
+    timestep: Tensor,
+    rope: RopeTables,
+    guidance: Option<Tensor>,
+}
+
+impl_tensors!(CallInputs {
+    hidden_states,
+    encoder_hidden_states,
+    pooled_projections,
+    timestep,
+    rope,
+    guidance,
+});
+
 /// diffusers `FluxTransformer2DModel`.
 #[derive(Clone, Debug)]
 pub struct FluxTransformer2DModel {
@@ -272,13 +246,13 @@ pub struct FluxTransformer2DModel {
 }
 
 impl_module!(FluxTransformer2DModel {
-    x_embedder: "x_embedder",
-    context_embedder: "context_embedder",
-    time_text_embed: "time_text_embed",
-    transformer_blocks: "transformer_blocks",
-    single_transformer_blocks: "single_transformer_blocks",
+    x_embedder,
+    context_embedder,
+    time_text_embed,
+    transformer_blocks,
+    single_transformer_blocks,
     norm_out: "norm_out.linear",
-    proj_out: "proj_out",
+    proj_out,
 });
 
 impl_model!(
@@ -335,45 +309,33 @@ impl FluxTransformer2DModel {
             )));
         }
         // A mis-set head count shows first as every weight's width: name the config keys instead.
-        if let Some(rows) = w.checkpoint().info("x_embedder.weight").map(|i| i.shape.dims()[0]) {
+        let x_embedder = format!("{}.weight", Self::x_embedder);
+        if let Some(rows) = w.checkpoint().info(&x_embedder).map(|i| i.shape.dims()[0]) {
             if rows != dim {
                 return Err(config_error(format!(
                     "num_attention_heads {heads} × attention_head_dim {head_dim} = {dim}, but the checkpoint's \
-                     x_embedder.weight has {rows} output features: config.json does not match the weights"
+                     {x_embedder} has {rows} output features: config.json does not match the weights"
                 )));
             }
         }
         w.check_divides("num_attention_heads", heads)?;
         let w = &w.with_plan(&Self::tp_plan())?;
-        let tte = w.pp("time_text_embed");
-        let frequencies = Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?;
-        let time_text_embed = TimeTextEmbed {
-            frequencies,
-            timestep_embedder: Mlp::load(&tte.pp("timestep_embedder"), 256, dim)?,
-            guidance_embedder: if config.guidance_embeds {
-                Some(Mlp::load(&tte.pp("guidance_embedder"), 256, dim)?)
-            } else {
-                None
-            },
-            text_embedder: Mlp::load(&tte.pp("text_embedder"), config.pooled_projection_dim, dim)?,
-        };
-        let transformer_blocks = (0..config.num_layers)
-            .map(|i| FluxTransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), dim, head_dim))
-            .collect::<Result<_>>()?;
-        let single_transformer_blocks = (0..config.num_single_layers)
-            .map(|i| FluxSingleTransformerBlock::load(&w.pp(format!("single_transformer_blocks.{i}")), dim, head_dim))
-            .collect::<Result<_>>()?;
-        let transformer_blocks = Blocks::new("transformer_blocks", transformer_blocks);
-        let single_transformer_blocks = Blocks::new("single_transformer_blocks", single_transformer_blocks);
         Ok(FluxTransformer2DModel {
             config: config.clone(),
-            x_embedder: Linear::load(&w.pp("x_embedder"), config.in_channels, dim, true)?,
-            context_embedder: Linear::load(&w.pp("context_embedder"), config.joint_attention_dim, dim, true)?,
-            time_text_embed,
-            transformer_blocks,
-            single_transformer_blocks,
-            norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, true)?,
-            proj_out: Linear::load(&w.pp("proj_out"), dim, config.out_channels(), true)?,
+            x_embedder: Linear::load(&w.pp(Self::x_embedder), config.in_channels, dim, true)?,
+            context_embedder: Linear::load(&w.pp(Self::context_embedder), config.joint_attention_dim, dim, true)?,
+            time_text_embed: TimeTextEmbed::load(&w.pp(Self::time_text_embed), config, dim)?,
+            transformer_blocks: Blocks::load(w, Self::transformer_blocks, config.num_layers, |_, w| {
+                FluxTransformerBlock::load(w, dim, head_dim)
+            })?,
+            single_transformer_blocks: Blocks::load(
+                w,
+                Self::single_transformer_blocks,
+                config.num_single_layers,
+                |_, w| FluxSingleTransformerBlock::load(w, dim, head_dim),
+            )?,
+            norm_out: Linear::load(&w.pp(Self::norm_out), dim, 2 * dim, true)?,
+            proj_out: Linear::load(&w.pp(Self::proj_out), dim, config.out_channels(), true)?,
             compiled: Compiled::new("transformer"),
         })
     }
@@ -397,82 +359,59 @@ impl FluxTransformer2DModel {
                 message: "this model has guidance_embeds=true and needs a guidance value".into(),
             });
         }
-        let args = Args::new()
-            .with("hidden_states", inputs.hidden_states)
-            .with("encoder_hidden_states", inputs.encoder_hidden_states)
-            .with("pooled_projections", inputs.pooled_projections)
-            .with("timestep", inputs.timestep)
-            .with_rope(inputs.rope)
-            .with_opt("guidance", inputs.guidance.filter(|_| self.config.guidance_embeds));
-        self.compiled.whole("", self, args, |m, a| {
-            m.forward_graph(&FluxTransformerInputs {
-                hidden_states: a.get("hidden_states")?,
-                encoder_hidden_states: a.get("encoder_hidden_states")?,
-                pooled_projections: a.get("pooled_projections")?,
-                timestep: a.get("timestep")?,
-                guidance: a.opt("guidance"),
-                rope: &a.rope()?,
-            })
-        })
+        let inputs = CallInputs {
+            hidden_states: inputs.hidden_states.clone(),
+            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
+            pooled_projections: inputs.pooled_projections.clone(),
+            timestep: inputs.timestep.clone(),
+            rope: inputs.rope.clone(),
+            guidance: inputs.guidance.filter(|_| self.config.guidance_embeds).cloned(),
+        };
+        self.compiled
+            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
     }
 
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
-    fn forward_graph(&self, inputs: &FluxTransformerInputs<'_>) -> Result<Tensor> {
-        let x = inputs.hidden_states;
+    fn forward_graph(&self, inputs: &CallInputs) -> Result<Tensor> {
+        let x = &inputs.hidden_states;
         let dtype = x.dtype();
-        let guidance = if self.config.guidance_embeds {
-            inputs.guidance
-        } else {
-            None
-        };
         // diffusers: `timestep.to(dtype) * 1000` and `guidance.to(dtype) * 1000` in the model dtype.
         let t = inputs
             .timestep
             .to_dtype(dtype)?
             .mul_scalar_f32(1000.0)?
             .to_dtype(DType::F32)?;
-        let g = guidance
+        let g = inputs
+            .guidance
+            .as_ref()
             .map(|g| -> Result<Tensor> { Ok(g.to_dtype(dtype)?.mul_scalar_f32(1000.0)?.to_dtype(DType::F32)?) })
             .transpose()?;
         let temb = self
             .time_text_embed
-            .forward(&t, g.as_ref(), inputs.pooled_projections)?;
+            .forward(&t, g.as_ref(), &inputs.pooled_projections)?;
         let temb_silu = temb.silu()?;
-        let rope = inputs.rope;
+        let rope = &inputs.rope;
 
         let mut x = self.x_embedder.forward(x)?;
-        let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?;
+        let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?;
         for i in 0..self.transformer_blocks.len() {
-            let args = Args::new()
-                .with("hidden_states", &x)
-                .with("encoder_hidden_states", &ctx)
-                .with("temb", &temb_silu)
-                .with_rope(rope);
-            let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
-                let (ctx, x) = block.forward(
-                    a.get("hidden_states")?,
-                    a.get("encoder_hidden_states")?,
-                    a.get("temb")?,
-                    &a.rope()?,
-                )?;
-                Ok(Args::new()
-                    .with("encoder_hidden_states", &ctx)
-                    .with("hidden_states", &x))
-            })?;
-            (ctx, x) = (out.take("encoder_hidden_states")?, out.take("hidden_states")?);
+            let args = (x, ctx, temb_silu.clone(), rope.clone());
+            let out = self
+                .transformer_blocks
+                .run(&self.compiled, i, args, |block, (x, ctx, temb, rope)| {
+                    block.forward(x, ctx, temb, rope)
+                })?;
+            (ctx, x) = out;
         }
         let text_len = ctx.dims()[1];
         let mut h = Tensor::cat(&[&ctx, &x], 1)?;
         for i in 0..self.single_transformer_blocks.len() {
-            let args = Args::new()
-                .with("hidden_states", &h)
-                .with("temb", &temb_silu)
-                .with_rope(rope);
+            let args = (h, temb_silu.clone(), rope.clone());
             h = self
                 .single_transformer_blocks
-                .run(&self.compiled, i, args, |block, a| {
-                    block.forward(a.get("hidden_states")?, a.get("temb")?, &a.rope()?)
+                .run(&self.compiled, i, args, |block, (h, temb, rope)| {
+                    block.forward(h, temb, rope)
                 })?;
         }
         let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;

@@ -10,7 +10,8 @@
 //! 4-axis RoPE (θ from the config, 2000) over int64 `(t, h, w, l)` ids; no pooled text input.
 //!
 //! Tensor-parallel readiness: attention head counts are derived from the width of each projected
-//! activation (`heads = width / head_dim`), never from `num_attention_heads`, and the fused
+//! activation (`heads = width / head_dim`, `mmdit::split_heads`), never from
+//! `num_attention_heads`, and the fused
 //! single-block projection is split in proportion (`3·inner : 2·mlp_hidden`), so that weights
 //! holding a contiguous 1/N of every sub-block's rows run unchanged.
 //!
@@ -18,38 +19,17 @@
 
 use kiln_io::Flux2TransformerConfig;
 use kiln_nn::{
-    impl_model, impl_module, rope_tables, Args, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
+    impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
     RopeTables, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
-use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, Mlp};
+use crate::mmdit::{
+    gated_residual, modulate, sinusoid, split_heads, timestep_frequencies, Mlp, QkvProjection, IMAGE_QKV, TEXT_QKV,
+};
 
 fn input_error(op: &'static str, message: String) -> Error {
     Error::Tensor(kiln_tensor::Error::Invalid { op, message })
-}
-
-/// `[B, S, W]` → `[B, heads, S, head_dim]` with `heads = W / head_dim` (the local head count when
-/// the projection holds a shard of the heads).
-fn split_heads(x: &Tensor, head_dim: usize, norm: Option<&RmsNorm>) -> Result<Tensor> {
-    let &[b, s, width] = x.dims() else {
-        return Err(input_error(
-            "Flux2 attention",
-            format!("needs a [batch, seq, width] projection, got {}", x.shape()),
-        ));
-    };
-    if head_dim == 0 || !width.is_multiple_of(head_dim) {
-        return Err(input_error(
-            "Flux2 attention",
-            format!("a projection of width {width} does not split into heads of {head_dim}"),
-        ));
-    }
-    let x = x.reshape([b, s, width / head_dim, head_dim])?;
-    let x = match norm {
-        Some(norm) => norm.forward(&x)?,
-        None => x,
-    };
-    Ok(x.transpose(1, 2)?)
 }
 
 /// Rotary embedding then attention; returns `[B, S, H·head_dim]`.
@@ -73,16 +53,13 @@ struct Flux2FeedForward {
     linear_out: Linear,
 }
 
-impl_module!(Flux2FeedForward {
-    linear_in: "linear_in",
-    linear_out: "linear_out",
-});
+impl_module!(Flux2FeedForward { linear_in, linear_out });
 
 impl Flux2FeedForward {
     fn load(w: &Weights, dim: usize, hidden: usize) -> Result<Self> {
         Ok(Flux2FeedForward {
-            linear_in: Linear::load(&w.pp("linear_in"), dim, 2 * hidden, false)?,
-            linear_out: Linear::load(&w.pp("linear_out"), hidden, dim, false)?,
+            linear_in: Linear::load(&w.pp(Self::linear_in), dim, 2 * hidden, false)?,
+            linear_out: Linear::load(&w.pp(Self::linear_out), hidden, dim, false)?,
         })
     }
 
@@ -99,63 +76,37 @@ fn mod_params(m: &Tensor, sets: usize) -> Result<Vec<Tensor>> {
 /// `Flux2TransformerBlock`: the double-stream block (joint attention over [text, image]).
 #[derive(Clone, Debug)]
 struct Flux2TransformerBlock {
-    to_q: Linear,
-    to_k: Linear,
-    to_v: Linear,
-    norm_q: RmsNorm,
-    norm_k: RmsNorm,
-    add_q_proj: Linear,
-    add_k_proj: Linear,
-    add_v_proj: Linear,
-    norm_added_q: RmsNorm,
-    norm_added_k: RmsNorm,
+    image: QkvProjection<RmsNorm>,
+    text: QkvProjection<RmsNorm>,
     to_out: Linear,
     to_add_out: Linear,
     ff: Flux2FeedForward,
     ff_context: Flux2FeedForward,
-    head_dim: usize,
     eps: f64,
 }
 
 impl_module!(Flux2TransformerBlock {
-    to_q: "attn.to_q",
-    to_k: "attn.to_k",
-    to_v: "attn.to_v",
-    norm_q: "attn.norm_q",
-    norm_k: "attn.norm_k",
-    add_q_proj: "attn.add_q_proj",
-    add_k_proj: "attn.add_k_proj",
-    add_v_proj: "attn.add_v_proj",
-    norm_added_q: "attn.norm_added_q",
-    norm_added_k: "attn.norm_added_k",
+    image: "attn",
+    text: "attn",
     to_out: "attn.to_out.0",
     to_add_out: "attn.to_add_out",
-    ff: "ff",
-    ff_context: "ff_context",
+    ff,
+    ff_context,
 });
 
 impl Flux2TransformerBlock {
     fn load(w: &Weights, c: &Flux2TransformerConfig) -> Result<Self> {
         let (dim, head_dim, eps) = (c.inner_dim(), c.attention_head_dim, c.eps);
-        let attn = w.pp("attn");
-        let linear = |name: &str| Linear::load(&attn.pp(name), dim, dim, false);
-        let norm = |name: &str| RmsNorm::load(&attn.pp(name), head_dim, eps);
+        let linear = |name| Linear::load(&w.pp(name), dim, dim, false);
+        let qk_norm = |w: &Weights| Ok(Some(RmsNorm::load(w, head_dim, eps)?));
+        let qkv = |name, names| QkvProjection::load(&w.pp(name), names, (dim, head_dim), false, qk_norm);
         Ok(Flux2TransformerBlock {
-            to_q: linear("to_q")?,
-            to_k: linear("to_k")?,
-            to_v: linear("to_v")?,
-            norm_q: norm("norm_q")?,
-            norm_k: norm("norm_k")?,
-            add_q_proj: linear("add_q_proj")?,
-            add_k_proj: linear("add_k_proj")?,
-            add_v_proj: linear("add_v_proj")?,
-            norm_added_q: norm("norm_added_q")?,
-            norm_added_k: norm("norm_added_k")?,
-            to_out: linear("to_out.0")?,
-            to_add_out: linear("to_add_out")?,
-            ff: Flux2FeedForward::load(&w.pp("ff"), dim, c.mlp_hidden_dim())?,
-            ff_context: Flux2FeedForward::load(&w.pp("ff_context"), dim, c.mlp_hidden_dim())?,
-            head_dim,
+            image: qkv(Self::image, IMAGE_QKV)?,
+            text: qkv(Self::text, TEXT_QKV)?,
+            to_out: linear(Self::to_out)?,
+            to_add_out: linear(Self::to_add_out)?,
+            ff: Flux2FeedForward::load(&w.pp(Self::ff), dim, c.mlp_hidden_dim())?,
+            ff_context: Flux2FeedForward::load(&w.pp(Self::ff_context), dim, c.mlp_hidden_dim())?,
             eps,
         })
     }
@@ -171,19 +122,14 @@ impl Flux2TransformerBlock {
         rope: &RopeTables,
     ) -> Result<(Tensor, Tensor)> {
         let ln = LayerNorm::plain(self.eps);
-        let hd = self.head_dim;
         // (shift, scale, gate) for attention, then for the MLP.
         let m = mod_params(mod_img, 2)?;
         let c = mod_params(mod_txt, 2)?;
         let nx = modulate(&ln.forward(x)?, &m[0], &m[1])?;
         let nc = modulate(&ln.forward(ctx)?, &c[0], &c[1])?;
 
-        let q = split_heads(&self.to_q.forward(&nx)?, hd, Some(&self.norm_q))?;
-        let k = split_heads(&self.to_k.forward(&nx)?, hd, Some(&self.norm_k))?;
-        let v = split_heads(&self.to_v.forward(&nx)?, hd, None)?;
-        let cq = split_heads(&self.add_q_proj.forward(&nc)?, hd, Some(&self.norm_added_q))?;
-        let ck = split_heads(&self.add_k_proj.forward(&nc)?, hd, Some(&self.norm_added_k))?;
-        let cv = split_heads(&self.add_v_proj.forward(&nc)?, hd, None)?;
+        let [q, k, v] = self.image.forward(&nx)?;
+        let [cq, ck, cv] = self.text.forward(&nc)?;
         let q = Tensor::cat(&[&cq, &q], 2)?;
         let k = Tensor::cat(&[&ck, &k], 2)?;
         let v = Tensor::cat(&[&cv, &v], 2)?;
@@ -231,12 +177,11 @@ impl_module!(Flux2SingleTransformerBlock {
 impl Flux2SingleTransformerBlock {
     fn load(w: &Weights, c: &Flux2TransformerConfig) -> Result<Self> {
         let (dim, head_dim, eps, mlp) = (c.inner_dim(), c.attention_head_dim, c.eps, c.mlp_hidden_dim());
-        let attn = w.pp("attn");
         Ok(Flux2SingleTransformerBlock {
-            to_qkv_mlp_proj: Linear::load(&attn.pp("to_qkv_mlp_proj"), dim, 3 * dim + 2 * mlp, false)?,
-            norm_q: RmsNorm::load(&attn.pp("norm_q"), head_dim, eps)?,
-            norm_k: RmsNorm::load(&attn.pp("norm_k"), head_dim, eps)?,
-            to_out: Linear::load(&attn.pp("to_out"), dim + mlp, dim, false)?,
+            to_qkv_mlp_proj: Linear::load(&w.pp(Self::to_qkv_mlp_proj), dim, 3 * dim + 2 * mlp, false)?,
+            norm_q: RmsNorm::load(&w.pp(Self::norm_q), head_dim, eps)?,
+            norm_k: RmsNorm::load(&w.pp(Self::norm_k), head_dim, eps)?,
+            to_out: Linear::load(&w.pp(Self::to_out), dim + mlp, dim, false)?,
             head_dim,
             eps,
             qkv_share: (3 * dim, 3 * dim + 2 * mlp),
@@ -267,7 +212,7 @@ impl Flux2SingleTransformerBlock {
         let qkv = parts[0].chunk(3, 2)?;
         let q = split_heads(&qkv[0], self.head_dim, Some(&self.norm_q))?;
         let k = split_heads(&qkv[1], self.head_dim, Some(&self.norm_k))?;
-        let v = split_heads(&qkv[2], self.head_dim, None)?;
+        let v = split_heads(&qkv[2], self.head_dim, None::<&RmsNorm>)?;
         let a = attention(&q, &k, &v, rope)?;
         let mlp = swiglu(&parts[1])?;
         let joined = Tensor::cat(&[&a, &mlp], 2)?;
@@ -292,11 +237,30 @@ struct TimeGuidanceEmbed {
 // that it moves and is passed like every weight.
 impl_module!(TimeGuidanceEmbed {
     frequencies: "time_proj.frequencies",
-    timestep_embedder: "timestep_embedder",
-    guidance_embedder: "guidance_embedder",
+    timestep_embedder,
+    guidance_embedder,
 });
 
 impl TimeGuidanceEmbed {
+    /// The embedders of `channels`-wide sinusoids (`guidance_embedder` when `guidance`).
+    fn load(w: &Weights, channels: usize, dim: usize, guidance: bool) -> Result<Self> {
+        let half = channels / 2;
+        Ok(TimeGuidanceEmbed {
+            frequencies: Tensor::from_slice(&timestep_frequencies(half), [half], w.device())?,
+            timestep_embedder: Mlp::load_with_bias(&w.pp(Self::timestep_embedder), channels, dim, false)?,
+            guidance_embedder: if guidance {
+                Some(Mlp::load_with_bias(
+                    &w.pp(Self::guidance_embedder),
+                    channels,
+                    dim,
+                    false,
+                )?)
+            } else {
+                None
+            },
+        })
+    }
+
     /// `t`, `g`: `[B]` f32 (already ×1000); the result is in `dtype`.
     fn forward(&self, t: &Tensor, g: Option<&Tensor>, dtype: DType) -> Result<Tensor> {
         let proj = sinusoid(t, &self.frequencies)?.to_dtype(dtype)?;
@@ -325,6 +289,25 @@ pub struct Flux2TransformerInputs<'a> {
     pub rope: &'a RopeTables,
 }
 
+/// The tensors of one call as the whole forward takes them (a compiled forward's parameters, in
+/// this order); `guidance` only when the model embeds it.
+#[derive(Clone, Debug)]
+struct CallInputs {
+    hidden_states: Tensor,
+    encoder_hidden_states: Tensor,
+    timestep: Tensor,
+    rope: RopeTables,
+    guidance: Option<Tensor>,
+}
+
+impl_tensors!(CallInputs {
+    hidden_states,
+    encoder_hidden_states,
+    timestep,
+    rope,
+    guidance,
+});
+
 /// diffusers `Flux2Transformer2DModel`.
 #[derive(Clone, Debug)]
 pub struct Flux2Transformer2DModel {
@@ -343,16 +326,16 @@ pub struct Flux2Transformer2DModel {
 }
 
 impl_module!(Flux2Transformer2DModel {
-    time_guidance_embed: "time_guidance_embed",
+    time_guidance_embed,
     double_stream_modulation_img: "double_stream_modulation_img.linear",
     double_stream_modulation_txt: "double_stream_modulation_txt.linear",
     single_stream_modulation: "single_stream_modulation.linear",
-    x_embedder: "x_embedder",
-    context_embedder: "context_embedder",
-    transformer_blocks: "transformer_blocks",
-    single_transformer_blocks: "single_transformer_blocks",
+    x_embedder,
+    context_embedder,
+    transformer_blocks,
+    single_transformer_blocks,
     norm_out: "norm_out.linear",
-    proj_out: "proj_out",
+    proj_out,
 });
 
 impl_model!(
@@ -437,47 +420,43 @@ impl Flux2Transformer2DModel {
             )));
         }
         // A mis-set head count shows first as every weight's width: name the config keys instead.
-        if let Some(rows) = w.checkpoint().info("x_embedder.weight").map(|i| i.shape.dims()[0]) {
+        let x_embedder = format!("{}.weight", Self::x_embedder);
+        if let Some(rows) = w.checkpoint().info(&x_embedder).map(|i| i.shape.dims()[0]) {
             if rows != dim {
                 return Err(config_error(format!(
                     "num_attention_heads {heads} × attention_head_dim {head_dim} = {dim}, but the checkpoint's \
-                     x_embedder.weight has {rows} output features: config.json does not match the weights"
+                     {x_embedder} has {rows} output features: config.json does not match the weights"
                 )));
             }
         }
         w.check_divides("num_attention_heads", heads)?;
         let w = &w.with_plan(&Self::tp_plan(config))?;
-        let tge = w.pp("time_guidance_embed");
-        let half = channels / 2;
-        let time_guidance_embed = TimeGuidanceEmbed {
-            frequencies: Tensor::from_slice(&timestep_frequencies(half), [half], w.device())?,
-            timestep_embedder: Mlp::load_with_bias(&tge.pp("timestep_embedder"), channels, dim, false)?,
-            guidance_embedder: if config.guidance_embeds {
-                Some(Mlp::load_with_bias(&tge.pp("guidance_embedder"), channels, dim, false)?)
-            } else {
-                None
-            },
-        };
-        let modulation = |name: &str, sets: usize| Linear::load(&w.pp(name).pp("linear"), dim, 3 * sets * dim, false);
-        let transformer_blocks = (0..config.num_layers)
-            .map(|i| Flux2TransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), config))
-            .collect::<Result<_>>()?;
-        let single_transformer_blocks = (0..config.num_single_layers)
-            .map(|i| Flux2SingleTransformerBlock::load(&w.pp(format!("single_transformer_blocks.{i}")), config))
-            .collect::<Result<_>>()?;
+        let modulation = |name, sets: usize| Linear::load(&w.pp(name), dim, 3 * sets * dim, false);
         let out = config.patch_size * config.patch_size * config.out_channels();
         Ok(Flux2Transformer2DModel {
             config: config.clone(),
-            time_guidance_embed,
-            double_stream_modulation_img: modulation("double_stream_modulation_img", 2)?,
-            double_stream_modulation_txt: modulation("double_stream_modulation_txt", 2)?,
-            single_stream_modulation: modulation("single_stream_modulation", 1)?,
-            x_embedder: Linear::load(&w.pp("x_embedder"), config.in_channels, dim, false)?,
-            context_embedder: Linear::load(&w.pp("context_embedder"), config.joint_attention_dim, dim, false)?,
-            transformer_blocks: Blocks::new("transformer_blocks", transformer_blocks),
-            single_transformer_blocks: Blocks::new("single_transformer_blocks", single_transformer_blocks),
-            norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, false)?,
-            proj_out: Linear::load(&w.pp("proj_out"), dim, out, false)?,
+            time_guidance_embed: TimeGuidanceEmbed::load(
+                &w.pp(Self::time_guidance_embed),
+                channels,
+                dim,
+                config.guidance_embeds,
+            )?,
+            double_stream_modulation_img: modulation(Self::double_stream_modulation_img, 2)?,
+            double_stream_modulation_txt: modulation(Self::double_stream_modulation_txt, 2)?,
+            single_stream_modulation: modulation(Self::single_stream_modulation, 1)?,
+            x_embedder: Linear::load(&w.pp(Self::x_embedder), config.in_channels, dim, false)?,
+            context_embedder: Linear::load(&w.pp(Self::context_embedder), config.joint_attention_dim, dim, false)?,
+            transformer_blocks: Blocks::load(w, Self::transformer_blocks, config.num_layers, |_, w| {
+                Flux2TransformerBlock::load(w, config)
+            })?,
+            single_transformer_blocks: Blocks::load(
+                w,
+                Self::single_transformer_blocks,
+                config.num_single_layers,
+                |_, w| Flux2SingleTransformerBlock::load(w, config),
+            )?,
+            norm_out: Linear::load(&w.pp(Self::norm_out), dim, 2 * dim, false)?,
+            proj_out: Linear::load(&w.pp(Self::proj_out), dim, out, false)?,
             compiled: Compiled::new("transformer"),
         })
     }
@@ -536,76 +515,54 @@ impl Flux2Transformer2DModel {
                 message: "this model has guidance_embeds=true and needs a guidance value".into(),
             });
         }
-        let args = Args::new()
-            .with("hidden_states", inputs.hidden_states)
-            .with("encoder_hidden_states", inputs.encoder_hidden_states)
-            .with("timestep", inputs.timestep)
-            .with_rope(inputs.rope)
-            .with_opt("guidance", inputs.guidance.filter(|_| self.config.guidance_embeds));
-        self.compiled.whole("", self, args, |m, a| {
-            m.forward_graph(&Flux2TransformerInputs {
-                hidden_states: a.get("hidden_states")?,
-                encoder_hidden_states: a.get("encoder_hidden_states")?,
-                timestep: a.get("timestep")?,
-                guidance: a.opt("guidance"),
-                rope: &a.rope()?,
-            })
-        })
+        let inputs = CallInputs {
+            hidden_states: inputs.hidden_states.clone(),
+            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
+            timestep: inputs.timestep.clone(),
+            rope: inputs.rope.clone(),
+            guidance: inputs.guidance.filter(|_| self.config.guidance_embeds).cloned(),
+        };
+        self.compiled
+            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
     }
 
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
-    fn forward_graph(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<Tensor> {
-        let x = inputs.hidden_states;
+    fn forward_graph(&self, inputs: &CallInputs) -> Result<Tensor> {
+        let x = &inputs.hidden_states;
         let dtype = x.dtype();
-        let guidance = inputs.guidance.filter(|_| self.config.guidance_embeds);
         // diffusers: `timestep.to(dtype) * 1000` and `guidance.to(dtype) * 1000` in the model dtype.
         let times_1000 =
             |v: &Tensor| -> Result<Tensor> { Ok(v.to_dtype(dtype)?.mul_scalar_f32(1000.0)?.to_dtype(DType::F32)?) };
-        let t = times_1000(inputs.timestep)?;
-        let g = guidance.map(times_1000).transpose()?;
+        let t = times_1000(&inputs.timestep)?;
+        let g = inputs.guidance.as_ref().map(times_1000).transpose()?;
         let temb = self.time_guidance_embed.forward(&t, g.as_ref(), dtype)?;
         let temb_silu = temb.silu()?;
         // One modulation per forward, shared by every block of a kind.
         let mod_img = self.double_stream_modulation_img.forward(&temb_silu)?;
         let mod_txt = self.double_stream_modulation_txt.forward(&temb_silu)?;
         let mod_single = self.single_stream_modulation.forward(&temb_silu)?;
-        let rope = inputs.rope;
+        let rope = &inputs.rope;
 
         let mut x = self.x_embedder.forward(x)?;
-        let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?;
+        let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?;
         for i in 0..self.transformer_blocks.len() {
-            let args = Args::new()
-                .with("hidden_states", &x)
-                .with("encoder_hidden_states", &ctx)
-                .with("mod_img", &mod_img)
-                .with("mod_txt", &mod_txt)
-                .with_rope(rope);
-            let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
-                let (ctx, x) = block.forward(
-                    a.get("hidden_states")?,
-                    a.get("encoder_hidden_states")?,
-                    a.get("mod_img")?,
-                    a.get("mod_txt")?,
-                    &a.rope()?,
-                )?;
-                Ok(Args::new()
-                    .with("encoder_hidden_states", &ctx)
-                    .with("hidden_states", &x))
-            })?;
-            (ctx, x) = (out.take("encoder_hidden_states")?, out.take("hidden_states")?);
+            let args = (x, ctx, mod_img.clone(), mod_txt.clone(), rope.clone());
+            let out =
+                self.transformer_blocks
+                    .run(&self.compiled, i, args, |block, (x, ctx, mod_img, mod_txt, rope)| {
+                        block.forward(x, ctx, mod_img, mod_txt, rope)
+                    })?;
+            (ctx, x) = out;
         }
         let text_len = ctx.dims()[1];
         let mut h = Tensor::cat(&[&ctx, &x], 1)?;
         for i in 0..self.single_transformer_blocks.len() {
-            let args = Args::new()
-                .with("hidden_states", &h)
-                .with("mod", &mod_single)
-                .with_rope(rope);
+            let args = (h, mod_single.clone(), rope.clone());
             h = self
                 .single_transformer_blocks
-                .run(&self.compiled, i, args, |block, a| {
-                    block.forward(a.get("hidden_states")?, a.get("mod")?, &a.rope()?)
+                .run(&self.compiled, i, args, |block, (h, modulation, rope)| {
+                    block.forward(h, modulation, rope)
                 })?;
         }
         let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;

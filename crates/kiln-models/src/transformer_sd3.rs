@@ -10,14 +10,16 @@
 //! Layout inside attention is heads-first `[batch, heads, seq, head_dim]`.
 
 use kiln_io::SD3Transformer2DConfig;
-use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Module, Result, TpPlan, TpStyle,
+    impl_model, impl_module, impl_tensors, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Result, TpPlan, TpStyle,
     Weights,
 };
 use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
-use crate::mmdit::{gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp};
+use crate::mmdit::{
+    gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, HeadNorm, Mlp, QkvProjection, IMAGE_QKV,
+    TEXT_QKV,
+};
 
 /// The eps of every LayerNorm and qk RMSNorm of the model.
 const EPS: f64 = 1e-6;
@@ -39,10 +41,7 @@ struct PatchEmbed {
     max_size: usize,
 }
 
-impl_module!(PatchEmbed {
-    proj: "proj",
-    pos_embed: "pos_embed",
-});
+impl_module!(PatchEmbed { proj, pos_embed });
 
 impl PatchEmbed {
     fn load(w: &Weights, config: &SD3Transformer2DConfig) -> Result<Self> {
@@ -52,8 +51,8 @@ impl PatchEmbed {
             ..Conv2dParams::default()
         };
         Ok(PatchEmbed {
-            proj: Conv2d::load(&w.pp("proj"), config.in_channels, dim, p, params, true)?,
-            pos_embed: w.get("pos_embed", [1, m * m, dim])?,
+            proj: Conv2d::load(&w.pp(Self::proj), config.in_channels, dim, p, params, true)?,
+            pos_embed: w.get(Self::pos_embed, [1, m * m, dim])?,
             patch_size: p,
             max_size: m,
         })
@@ -88,11 +87,19 @@ struct TimeTextEmbed {
 // that it moves and is passed like every weight (a compiled denoising step reads no constants).
 impl_module!(TimeTextEmbed {
     frequencies: "time_proj.frequencies",
-    timestep_embedder: "timestep_embedder",
-    text_embedder: "text_embedder",
+    timestep_embedder,
+    text_embedder,
 });
 
 impl TimeTextEmbed {
+    fn load(w: &Weights, pooled_projection_dim: usize, dim: usize) -> Result<Self> {
+        Ok(TimeTextEmbed {
+            frequencies: Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?,
+            timestep_embedder: Mlp::load(&w.pp(Self::timestep_embedder), 256, dim)?,
+            text_embedder: Mlp::load(&w.pp(Self::text_embedder), pooled_projection_dim, dim)?,
+        })
+    }
+
     fn forward(&self, timestep: &Tensor, pooled: &Tensor) -> Result<Tensor> {
         // `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` on `timestep.float()`,
         // then cast to the pooled projections' dtype.
@@ -110,7 +117,7 @@ struct RmsNorm {
     weight: Tensor,
 }
 
-impl_module!(RmsNorm { weight: "weight" });
+impl_module!(RmsNorm { weight });
 
 impl RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -118,80 +125,22 @@ impl RmsNorm {
     }
 }
 
-/// Query/key/value projections of one stream (all with bias), with the optional per-head qk-norm.
-#[derive(Clone, Debug)]
-struct QkvProjection {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    norm_q: Option<RmsNorm>,
-    norm_k: Option<RmsNorm>,
-    /// The weight names of q, k, v, norm_q, norm_k (the image and text streams differ).
-    names: [&'static str; 5],
-}
-
-const IMAGE_QKV: [&str; 5] = ["to_q", "to_k", "to_v", "norm_q", "norm_k"];
-const TEXT_QKV: [&str; 5] = ["add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k"];
-
-impl Module for QkvProjection {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        let [q, k, v, nq, nk] = self.names;
-        visit_child(q, &self.q, f);
-        visit_child(k, &self.k, f);
-        visit_child(v, &self.v, f);
-        visit_child(nq, &self.norm_q, f);
-        visit_child(nk, &self.norm_k, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        let [q, k, v, nq, nk] = self.names;
-        map_child(q, &mut self.q, f)?;
-        map_child(k, &mut self.k, f)?;
-        map_child(v, &mut self.v, f)?;
-        map_child(nq, &mut self.norm_q, f)?;
-        map_child(nk, &mut self.norm_k, f)
+/// diffusers' processor normalizes the heads after moving them forward.
+impl HeadNorm for RmsNorm {
+    fn heads_first(&self, x: Tensor) -> Result<Tensor> {
+        self.forward(&x.transpose(1, 2)?)
     }
 }
 
-impl QkvProjection {
-    fn load(w: &Weights, names: [&'static str; 5], dim: usize, head_dim: usize, qk_norm: bool) -> Result<Self> {
-        let norm = |name: &str| -> Result<Option<RmsNorm>> {
-            Ok(if qk_norm {
-                Some(RmsNorm {
-                    weight: w.pp(name).get("weight", [head_dim])?,
-                })
-            } else {
-                None
-            })
-        };
-        Ok(QkvProjection {
-            q: Linear::load(&w.pp(names[0]), dim, dim, true)?,
-            k: Linear::load(&w.pp(names[1]), dim, dim, true)?,
-            v: Linear::load(&w.pp(names[2]), dim, dim, true)?,
-            norm_q: norm(names[3])?,
-            norm_k: norm(names[4])?,
-            names,
+/// Loads the optional qk-norm (diffusers' `RMSNorm` over `head_dim`) of a [`QkvProjection`].
+fn qk_norm_loader(head_dim: usize, qk_norm: bool) -> impl Fn(&Weights) -> Result<Option<RmsNorm>> {
+    move |w| {
+        Ok(match qk_norm {
+            true => Some(RmsNorm {
+                weight: w.get(RmsNorm::weight, [head_dim])?,
+            }),
+            false => None,
         })
-    }
-
-    /// `[B, S, D]` → q, k, v each `[B, H, S, head_dim]`.
-    fn forward(&self, x: &Tensor, heads: usize) -> Result<[Tensor; 3]> {
-        let (b, s) = (x.dims()[0], x.dims()[1]);
-        // On a tensor-parallel mesh each device holds 1/N of the heads (the plan splits q, k, v).
-        let heads = heads / x.device().mesh_size();
-        let split = |t: Tensor| -> Result<Tensor> {
-            Ok(t.reshape_infer(&[b as isize, s as isize, heads as isize, -1])?
-                .transpose(1, 2)?)
-        };
-        let norm = |n: &Option<RmsNorm>, t: Tensor| -> Result<Tensor> {
-            match n {
-                Some(n) => n.forward(&t),
-                None => Ok(t),
-            }
-        };
-        let q = norm(&self.norm_q, split(self.q.forward(x)?)?)?;
-        let k = norm(&self.norm_k, split(self.k.forward(x)?)?)?;
-        let v = split(self.v.forward(x)?)?;
-        Ok([q, k, v])
     }
 }
 
@@ -204,7 +153,7 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 /// `attn2` of a dual-attention block: self-attention over the image tokens only.
 #[derive(Clone, Debug)]
 struct SelfAttention {
-    qkv: QkvProjection,
+    qkv: QkvProjection<RmsNorm>,
     to_out: Linear,
 }
 
@@ -214,8 +163,15 @@ impl_module!(SelfAttention {
 });
 
 impl SelfAttention {
-    fn forward(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
-        let [q, k, v] = self.qkv.forward(x, heads)?;
+    fn load(w: &Weights, dim: usize, qkv: impl FnOnce(&Weights) -> Result<QkvProjection<RmsNorm>>) -> Result<Self> {
+        Ok(SelfAttention {
+            qkv: qkv(&w.pp(Self::qkv))?,
+            to_out: Linear::load(&w.pp(Self::to_out), dim, dim, true)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let [q, k, v] = self.qkv.forward(x)?;
         self.to_out.forward(&attention(&q, &k, &v)?)
     }
 }
@@ -228,14 +184,13 @@ impl SelfAttention {
 struct JointTransformerBlock {
     norm1: Linear,
     norm1_context: Linear,
-    image: QkvProjection,
-    text: QkvProjection,
+    image: QkvProjection<RmsNorm>,
+    text: QkvProjection<RmsNorm>,
     to_out: Linear,
     to_add_out: Option<Linear>,
     attn2: Option<SelfAttention>,
     ff: FeedForward,
     ff_context: Option<FeedForward>,
-    heads: usize,
 }
 
 impl_module!(JointTransformerBlock {
@@ -245,15 +200,14 @@ impl_module!(JointTransformerBlock {
     text: "attn",
     to_out: "attn.to_out.0",
     to_add_out: "attn.to_add_out",
-    attn2: "attn2",
-    ff: "ff",
-    ff_context: "ff_context",
+    attn2,
+    ff,
+    ff_context,
 });
 
 /// What one block needs to know besides its weights.
 struct BlockSpec {
     dim: usize,
-    heads: usize,
     head_dim: usize,
     qk_norm: bool,
     dual: bool,
@@ -264,19 +218,16 @@ impl JointTransformerBlock {
     fn load(w: &Weights, spec: &BlockSpec) -> Result<Self> {
         let &BlockSpec {
             dim,
-            heads,
             head_dim,
             qk_norm,
             dual,
             context_pre_only,
         } = spec;
-        let attn = w.pp("attn");
+        let qkv = |w: &Weights, names| {
+            QkvProjection::load(w, names, (dim, head_dim), true, qk_norm_loader(head_dim, qk_norm))
+        };
         let attn2 = if dual {
-            let a = w.pp("attn2");
-            Some(SelfAttention {
-                qkv: QkvProjection::load(&a, IMAGE_QKV, dim, head_dim, qk_norm)?,
-                to_out: Linear::load(&a.pp("to_out.0"), dim, dim, true)?,
-            })
+            Some(SelfAttention::load(&w.pp(Self::attn2), dim, |w| qkv(w, IMAGE_QKV))?)
         } else {
             None
         };
@@ -285,21 +236,20 @@ impl JointTransformerBlock {
         } else {
             (
                 6,
-                Some(Linear::load(&attn.pp("to_add_out"), dim, dim, true)?),
-                Some(FeedForward::load(&w.pp("ff_context"), dim)?),
+                Some(Linear::load(&w.pp(Self::to_add_out), dim, dim, true)?),
+                Some(FeedForward::load(&w.pp(Self::ff_context), dim)?),
             )
         };
         Ok(JointTransformerBlock {
-            norm1: Linear::load(&w.pp("norm1.linear"), dim, if dual { 9 } else { 6 } * dim, true)?,
-            norm1_context: Linear::load(&w.pp("norm1_context.linear"), dim, context_chunks * dim, true)?,
-            image: QkvProjection::load(&attn, IMAGE_QKV, dim, head_dim, qk_norm)?,
-            text: QkvProjection::load(&attn, TEXT_QKV, dim, head_dim, qk_norm)?,
-            to_out: Linear::load(&attn.pp("to_out.0"), dim, dim, true)?,
+            norm1: Linear::load(&w.pp(Self::norm1), dim, if dual { 9 } else { 6 } * dim, true)?,
+            norm1_context: Linear::load(&w.pp(Self::norm1_context), dim, context_chunks * dim, true)?,
+            image: qkv(&w.pp(Self::image), IMAGE_QKV)?,
+            text: qkv(&w.pp(Self::text), TEXT_QKV)?,
+            to_out: Linear::load(&w.pp(Self::to_out), dim, dim, true)?,
             to_add_out,
             attn2,
-            ff: FeedForward::load(&w.pp("ff"), dim)?,
+            ff: FeedForward::load(&w.pp(Self::ff), dim)?,
             ff_context,
-            heads,
         })
     }
 
@@ -339,8 +289,8 @@ impl JointTransformerBlock {
         };
 
         // Joint attention over [image, text].
-        let [q, k, v] = self.image.forward(&nx, self.heads)?;
-        let [cq, ck, cv] = self.text.forward(&nc, self.heads)?;
+        let [q, k, v] = self.image.forward(&nx)?;
+        let [cq, ck, cv] = self.text.forward(&nc)?;
         let q = Tensor::cat(&[&q, &cq], 2)?;
         let k = Tensor::cat(&[&k, &ck], 2)?;
         let v = Tensor::cat(&[&v, &cv], 2)?;
@@ -351,7 +301,7 @@ impl JointTransformerBlock {
         let mut x = gated_residual(x, &m[2], &self.to_out.forward(o_x)?)?;
         if let Some(attn2) = &self.attn2 {
             let nx2 = modulate(&norm_x, &m[6], &m[7])?;
-            x = gated_residual(&x, &m[8], &attn2.forward(&nx2, self.heads)?)?;
+            x = gated_residual(&x, &m[8], &attn2.forward(&nx2)?)?;
         }
         let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
         let x = gated_residual(&x, &m[5], &self.ff.forward(&ff_in)?)?;
@@ -384,6 +334,23 @@ pub struct SD3TransformerInputs<'a> {
     pub skip_layers: &'a [usize],
 }
 
+/// The tensors of one call as the whole forward takes them (a compiled forward's parameters, in
+/// this order).
+#[derive(Clone, Debug)]
+struct CallInputs {
+    hidden_states: Tensor,
+    timestep: Tensor,
+    encoder_hidden_states: Tensor,
+    pooled_projections: Tensor,
+}
+
+impl_tensors!(CallInputs {
+    hidden_states,
+    timestep,
+    encoder_hidden_states,
+    pooled_projections,
+});
+
 /// diffusers `SD3Transformer2DModel`.
 #[derive(Clone, Debug)]
 pub struct SD3Transformer2DModel {
@@ -398,12 +365,12 @@ pub struct SD3Transformer2DModel {
 }
 
 impl_module!(SD3Transformer2DModel {
-    pos_embed: "pos_embed",
-    time_text_embed: "time_text_embed",
-    context_embedder: "context_embedder",
-    transformer_blocks: "transformer_blocks",
+    pos_embed,
+    time_text_embed,
+    context_embedder,
+    transformer_blocks,
     norm_out: "norm_out.linear",
-    proj_out: "proj_out",
+    proj_out,
 });
 
 impl_model!(
@@ -448,41 +415,30 @@ impl SD3Transformer2DModel {
         w.check_divides("num_attention_heads", config.num_attention_heads)?;
         let w = &w.with_plan(&Self::tp_plan(config))?;
         let dim = config.inner_dim();
-        let tte = w.pp("time_text_embed");
-        let time_text_embed = TimeTextEmbed {
-            frequencies: Tensor::from_slice(&timestep_frequencies(128), [128], w.device())?,
-            timestep_embedder: Mlp::load(&tte.pp("timestep_embedder"), 256, dim)?,
-            text_embedder: Mlp::load(&tte.pp("text_embedder"), config.pooled_projection_dim, dim)?,
+        let spec = |i| BlockSpec {
+            dim,
+            head_dim: config.attention_head_dim,
+            qk_norm: config.qk_norm.is_some(),
+            dual: config.is_dual_attention_layer(i),
+            context_pre_only: i + 1 == config.num_layers,
         };
-        let transformer_blocks = (0..config.num_layers)
-            .map(|i| {
-                let spec = BlockSpec {
-                    dim,
-                    heads: config.num_attention_heads,
-                    head_dim: config.attention_head_dim,
-                    qk_norm: config.qk_norm.is_some(),
-                    dual: config.is_dual_attention_layer(i),
-                    context_pre_only: i + 1 == config.num_layers,
-                };
-                JointTransformerBlock::load(&w.pp(format!("transformer_blocks.{i}")), &spec)
-            })
-            .collect::<Result<_>>()?;
-        let transformer_blocks =
-            Blocks::new("transformer_blocks", transformer_blocks).with_kinds(JointTransformerBlock::kind);
+        let transformer_blocks = Blocks::load(w, Self::transformer_blocks, config.num_layers, |i, w| {
+            JointTransformerBlock::load(w, &spec(i))
+        })?;
         let patch_out = config.patch_size * config.patch_size * config.out_channels();
         Ok(SD3Transformer2DModel {
             config: config.clone(),
-            pos_embed: PatchEmbed::load(&w.pp("pos_embed"), config)?,
-            time_text_embed,
+            pos_embed: PatchEmbed::load(&w.pp(Self::pos_embed), config)?,
+            time_text_embed: TimeTextEmbed::load(&w.pp(Self::time_text_embed), config.pooled_projection_dim, dim)?,
             context_embedder: Linear::load(
-                &w.pp("context_embedder"),
+                &w.pp(Self::context_embedder),
                 config.joint_attention_dim,
                 config.caption_projection_dim,
                 true,
             )?,
-            transformer_blocks,
-            norm_out: Linear::load(&w.pp("norm_out.linear"), dim, 2 * dim, true)?,
-            proj_out: Linear::load(&w.pp("proj_out"), dim, patch_out, true)?,
+            transformer_blocks: transformer_blocks.with_kinds(JointTransformerBlock::kind),
+            norm_out: Linear::load(&w.pp(Self::norm_out), dim, 2 * dim, true)?,
+            proj_out: Linear::load(&w.pp(Self::proj_out), dim, patch_out, true)?,
             compiled: Compiled::new("transformer"),
         })
     }
@@ -510,58 +466,46 @@ impl SD3Transformer2DModel {
             let list: Vec<String> = skip.iter().map(usize::to_string).collect();
             format!("skip_layers_{}", list.join("_"))
         };
-        let args = Args::new()
-            .with("hidden_states", inputs.hidden_states)
-            .with("timestep", inputs.timestep)
-            .with("encoder_hidden_states", inputs.encoder_hidden_states)
-            .with("pooled_projections", inputs.pooled_projections);
-        self.compiled.whole(&program, self, args, |m, a| {
-            let traced = SD3TransformerInputs {
-                hidden_states: a.get("hidden_states")?,
-                timestep: a.get("timestep")?,
-                encoder_hidden_states: a.get("encoder_hidden_states")?,
-                pooled_projections: a.get("pooled_projections")?,
-                skip_layers: &skip,
-            };
-            m.forward_graph(&traced, &skip)
-        })
+        let inputs = CallInputs {
+            hidden_states: inputs.hidden_states.clone(),
+            timestep: inputs.timestep.clone(),
+            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
+            pooled_projections: inputs.pooled_projections.clone(),
+        };
+        self.compiled
+            .whole(&program, self, inputs, |m, inputs| m.forward_graph(inputs, &skip))
     }
 
     /// The forward's ops, each block run through the list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]). `skip` is sorted, without duplicates and in
     /// range.
-    fn forward_graph(&self, inputs: &SD3TransformerInputs<'_>, skip: &[usize]) -> Result<Tensor> {
+    fn forward_graph(&self, inputs: &CallInputs, skip: &[usize]) -> Result<Tensor> {
         let [b, _, height, width] = inputs.hidden_states.dims()[..] else {
             unreachable!("check_inputs requires a rank-4 hidden_states")
         };
         let p = self.config.patch_size;
         let (h, w) = (height / p, width / p);
 
-        let mut x = self.pos_embed.forward(inputs.hidden_states)?; // [B, h·w, D]
+        let mut x = self.pos_embed.forward(&inputs.hidden_states)?; // [B, h·w, D]
         let temb = self
             .time_text_embed
-            .forward(inputs.timestep, inputs.pooled_projections)?;
+            .forward(&inputs.timestep, &inputs.pooled_projections)?;
         let temb_silu = temb.silu()?;
-        let mut ctx = self.context_embedder.forward(inputs.encoder_hidden_states)?; // [B, L, D]
+        let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?; // [B, L, D]
         for i in 0..self.transformer_blocks.len() {
             if skip.binary_search(&i).is_ok() {
                 continue;
             }
-            let args = Args::new()
-                .with("hidden_states", &x)
-                .with("encoder_hidden_states", &ctx)
-                .with("temb", &temb_silu);
-            let mut out = self.transformer_blocks.run(&self.compiled, i, args, |block, a| {
-                let (ctx, x) =
-                    block.forward(a.get("hidden_states")?, a.get("encoder_hidden_states")?, a.get("temb")?)?;
-                Ok(Args::new()
-                    .with_opt("encoder_hidden_states", ctx.as_ref())
-                    .with("hidden_states", &x))
-            })?;
-            x = out.take("hidden_states")?;
+            let args = (x, ctx.clone(), temb_silu.clone());
+            let (new_ctx, new_x) = self
+                .transformer_blocks
+                .run(&self.compiled, i, args, |block, (x, ctx, temb)| {
+                    block.forward(x, ctx, temb)
+                })?;
+            x = new_x;
             // After a context_pre_only block (the last) the text stream is no longer used.
-            if let Some(new_ctx) = out.opt("encoder_hidden_states") {
-                ctx = new_ctx.clone();
+            if let Some(new_ctx) = new_ctx {
+                ctx = new_ctx;
             }
         }
 

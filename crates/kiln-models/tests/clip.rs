@@ -55,7 +55,7 @@ fn matches_transformers_module_goldens_with_every_hidden_state() {
     assert!(!model.has_projection());
 
     let ids = g["clip.input_ids"].to_tensor(&device());
-    let out = model.forward(&ids, true).unwrap();
+    let out = model.forward(&ids, None, true).unwrap();
     check(
         "clip.last_hidden_state",
         &out.last_hidden_state,
@@ -70,7 +70,7 @@ fn matches_transformers_module_goldens_with_every_hidden_state() {
         check(&name, h, &g[&name]);
     }
 
-    let without = model.forward(&ids, false).unwrap();
+    let without = model.forward(&ids, None, false).unwrap();
     assert!(without.hidden_states.is_empty());
 }
 
@@ -97,7 +97,7 @@ fn pooled_output_matches_every_flux1_case() {
             let Some(ids) = g.get(&format!("{prefix}.input_ids")) else {
                 continue;
             };
-            let out = model.forward(&ids.to_tensor(&d), false).unwrap();
+            let out = model.forward(&ids.to_tensor(&d), None, false).unwrap();
             let case_name = case.strip_prefix(oracle().join("cases")).unwrap().display().to_string();
             let name = format!("{case_name}: {prefix}");
             check(
@@ -172,7 +172,7 @@ fn eos_token_id_selects_the_pooling_rule() {
         assert_eq!(pooled_position(ids, 2), legacy_positions[row]);
     }
     for (model, positions) in [(&eos, eos_positions), (&legacy, legacy_positions)] {
-        let out = model.forward(&ids_tensor, false).unwrap();
+        let out = model.forward(&ids_tensor, None, false).unwrap();
         let want = rows_at(&out.last_hidden_state, &positions);
         assert_eq!(
             out.pooler_output.to_f32_vec().unwrap(),
@@ -249,8 +249,8 @@ fn loads_unprefixed_names_and_the_projection_head() {
     assert!(model.has_projection());
 
     let ids = goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["clip.input_ids"].to_tensor(&device());
-    let want = reference.forward(&ids, true).unwrap();
-    let got = model.forward(&ids, true).unwrap();
+    let want = reference.forward(&ids, None, true).unwrap();
+    let got = model.forward(&ids, None, true).unwrap();
     let pooled = got.pooler_output.to_f32_vec().unwrap();
     assert_eq!(pooled, want.pooler_output.to_f32_vec().unwrap());
     assert_eq!(got.hidden_states.len(), want.hidden_states.len());
@@ -332,26 +332,26 @@ fn rejects_bad_input_ids() {
     let (model, _) = load_dir(&dir, &config, DType::F32).unwrap();
     let d = device();
     let out_of_vocab = Tensor::from_slice(&[49406i64, 49408, 49407], [1, 3], &d).unwrap();
-    let err = model.forward(&out_of_vocab, false).unwrap_err();
+    let err = model.forward(&out_of_vocab, None, false).unwrap_err();
     assert!(err.to_string().contains("49408"), "{err}");
     let negative = Tensor::from_slice(&[-1i64, 3], [1, 2], &d).unwrap();
-    assert!(model.forward(&negative, false).is_err());
+    assert!(model.forward(&negative, None, false).is_err());
     let too_long = Tensor::zeros([1, config.max_position_embeddings + 1], DType::I64, &d).unwrap();
-    let err = model.forward(&too_long, false).unwrap_err();
+    let err = model.forward(&too_long, None, false).unwrap_err();
     assert!(err.to_string().contains("max_position_embeddings"), "{err}");
     let floats = Tensor::zeros([1, 4], DType::F32, &d).unwrap();
-    assert!(model.forward(&floats, false).is_err());
+    assert!(model.forward(&floats, None, false).is_err());
     let flat = Tensor::zeros([4], DType::I64, &d).unwrap();
-    assert!(model.forward(&flat, false).is_err());
+    assert!(model.forward(&flat, None, false).is_err());
 
     // i32 ids work like i64 ones.
     let ids = [49406i64, 320, 1125, 49407];
     let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
     let a = model
-        .forward(&Tensor::from_slice(&ids, [1, 4], &d).unwrap(), false)
+        .forward(&Tensor::from_slice(&ids, [1, 4], &d).unwrap(), None, false)
         .unwrap();
     let b = model
-        .forward(&Tensor::from_slice(&ids32, [1, 4], &d).unwrap(), false)
+        .forward(&Tensor::from_slice(&ids32, [1, 4], &d).unwrap(), None, false)
         .unwrap();
     assert_eq!(
         a.pooler_output.to_f32_vec().unwrap(),
@@ -409,11 +409,11 @@ fn module_map_reaches_the_weights_the_forward_reads() {
     let dir = text_encoder_dir("pipelines/flux1_dev");
     let (model, _) = load_dir(&dir, &config_of(&dir), DType::F32).unwrap();
     let ids = goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["clip.input_ids"].to_tensor(&device());
-    let want = model.forward(&ids, true).unwrap();
+    let want = model.forward(&ids, None, true).unwrap();
 
     let mut copy = model.clone();
     common::copy_weights(&mut copy);
-    let got = copy.forward(&ids, true).unwrap();
+    let got = copy.forward(&ids, None, true).unwrap();
     common::assert_identical("last_hidden_state", &got.last_hidden_state, &want.last_hidden_state);
     common::assert_identical("pooler_output", &got.pooler_output, &want.pooler_output);
     for (k, (a, b)) in got.hidden_states.iter().zip(&want.hidden_states).enumerate() {
@@ -425,7 +425,7 @@ fn module_map_reaches_the_weights_the_forward_reads() {
     for name in &names {
         let mut changed = model.clone();
         common::perturb(&mut changed, name);
-        let out = changed.forward(&ids, false).unwrap();
+        let out = changed.forward(&ids, None, false).unwrap();
         assert!(
             common::differs(&out.last_hidden_state, &want.last_hidden_state),
             "changing {name} does not change the output"
@@ -442,7 +442,7 @@ fn forward_with_host_ids_matches_forward() {
     let (model, _) = load_dir(&dir, &config, DType::F32).unwrap();
     let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["clip.input_ids"];
     let (ids, host) = (golden.to_tensor(&device()), golden.i64());
-    let want = model.forward(&ids, true).unwrap();
+    let want = model.forward(&ids, None, true).unwrap();
     let got = model.forward_with_host_ids(&ids, &host, true).unwrap();
     common::assert_identical("last_hidden_state", &got.last_hidden_state, &want.last_hidden_state);
     common::assert_identical("pooler_output", &got.pooler_output, &want.pooler_output);
@@ -511,7 +511,7 @@ fn compiled_forward_matches_eager() {
             common::assert_identical(&tag, &again.last_hidden_state, &got.last_hidden_state);
         }
         // `forward` (ids read back) takes the same compiled path.
-        let via_forward = model.forward(&ids, false).unwrap();
+        let via_forward = model.forward(&ids, None, false).unwrap();
         common::assert_identical(
             &format!("clip {mode} forward"),
             &via_forward.pooler_output,

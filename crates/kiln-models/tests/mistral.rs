@@ -104,9 +104,9 @@ fn matches_transformers_module_goldens_at_every_stored_hidden_state() {
         "unused weights: {unused:?}"
     );
     let ids = g["mistral.input_ids"].to_tensor(&device());
-    let mask = g["mistral.attention_mask"].to_tensor(&device());
+    let mask = g["mistral.attention_mask"].i64();
     assert_eq!(g["mistral.attention_mask"].i64()[24 + 16..24 + 18], [1, 0]);
-    let out = model.forward(&ids, Some(&mask)).unwrap();
+    let out = model.forward(&ids, None, Some(&mask)).unwrap();
     assert_eq!(out.hidden_states.len(), STORED.len());
     let mut worst = 0f32;
     for (k, h) in STORED.iter().zip(&out.hidden_states) {
@@ -163,10 +163,10 @@ fn loads_only_the_layers_it_reads() {
 
     let g = module_goldens();
     let ids = g["mistral.input_ids"].to_tensor(&device());
-    let mask = g["mistral.attention_mask"].to_tensor(&device());
-    let out = model.forward(&ids, Some(&mask)).unwrap();
+    let mask = g["mistral.attention_mask"].i64();
+    let out = model.forward(&ids, None, Some(&mask)).unwrap();
     let (full, _) = load(&STORED);
-    let whole = full.forward(&ids, Some(&mask)).unwrap();
+    let whole = full.forward(&ids, None, Some(&mask)).unwrap();
     for (i, k) in FLUX2_HIDDEN_STATES.iter().enumerate() {
         let name = format!("mistral.hidden_states.{k}");
         check_golden(&name, &out.hidden_states[i], &g[&name], 0.0);
@@ -343,10 +343,10 @@ fn loads_the_transformers_5_layout() {
     let (reference, _) = load(&FLUX2_HIDDEN_STATES);
     let g = module_goldens();
     let ids = g["mistral.input_ids"].to_tensor(&device());
-    let mask = g["mistral.attention_mask"].to_tensor(&device());
+    let mask = g["mistral.attention_mask"].i64();
     let (a, b) = (
-        model.forward(&ids, Some(&mask)).unwrap(),
-        reference.forward(&ids, Some(&mask)).unwrap(),
+        model.forward(&ids, None, Some(&mask)).unwrap(),
+        reference.forward(&ids, None, Some(&mask)).unwrap(),
     );
     for (x, y) in a.hidden_states.iter().zip(&b.hidden_states) {
         common::assert_identical("transformers 5 layout", x, y);
@@ -372,11 +372,11 @@ fn module_walk_reaches_every_loaded_weight() {
 
     let g = module_goldens();
     let ids = g["mistral.input_ids"].to_tensor(&device());
-    let mask = g["mistral.attention_mask"].to_tensor(&device());
-    let want = model.forward(&ids, Some(&mask)).unwrap();
+    let mask = g["mistral.attention_mask"].i64();
+    let want = model.forward(&ids, None, Some(&mask)).unwrap();
     let mut copy = model.clone();
     common::copy_weights(&mut copy);
-    let got = copy.forward(&ids, Some(&mask)).unwrap();
+    let got = copy.forward(&ids, None, Some(&mask)).unwrap();
     for (a, b) in got.hidden_states.iter().zip(&want.hidden_states) {
         common::assert_identical("copied weights", a, b);
     }
@@ -391,7 +391,7 @@ fn module_walk_reaches_every_loaded_weight() {
     for name in &probe {
         let mut changed = model.clone();
         common::perturb(&mut changed, name);
-        let out = changed.forward(&ids, Some(&mask)).unwrap();
+        let out = changed.forward(&ids, None, Some(&mask)).unwrap();
         assert!(
             common::differs(&out.hidden_states[2], &want.hidden_states[2]),
             "changing {name} does not change hidden state 30"
@@ -467,7 +467,8 @@ fn bf16_stays_close_to_the_f32_goldens() {
     let out = model
         .forward(
             &g["mistral.input_ids"].to_tensor(&d),
-            Some(&g["mistral.attention_mask"].to_tensor(&d)),
+            None,
+            Some(&g["mistral.attention_mask"].i64()),
         )
         .unwrap();
     for (k, h) in STORED.iter().zip(&out.hidden_states) {
@@ -490,15 +491,11 @@ fn bad_inputs_and_configs_are_clear_errors() {
     assert!(err.to_string().contains("0 and 1"), "{err}");
     let err = model.forward_with_host_inputs(&t, &ids, Some(&[1, 1])).unwrap_err();
     assert!(err.to_string().contains("2 attention mask values"), "{err}");
-    let wrong_mask = Tensor::from_slice(&[1i64, 1, 1], [1, 3], &d).unwrap();
-    let err = model.forward(&t, Some(&wrong_mask)).unwrap_err();
-    assert!(err.to_string().contains("attention_mask [1, 3]"), "{err}");
+    let err = model.forward(&t, None, Some(&[1, 1, 1])).unwrap_err();
+    assert!(err.to_string().contains("3 attention mask values"), "{err}");
     let out_of_vocab = vec![1, 3000, 7, 9];
     let err = model.forward_with_host_inputs(&t, &out_of_vocab, None).unwrap_err();
     assert!(err.to_string().contains("3000"), "{err}");
-    let inputs = model.prepare(None, 1, 5, &d).unwrap();
-    let err = model.forward_prepared(&t, &inputs).unwrap_err();
-    assert!(err.to_string().contains("attention_bias must be [1, 1, 4, 4]"), "{err}");
 
     let dir = text_encoder_dir();
     let ckpt = || {

@@ -59,7 +59,7 @@ fn clip_l_and_clip_g_with_projection_match_transformers() {
         common::check_walk(key, &mut model, w.checkpoint(), &[]);
 
         let ids = g[&format!("{key}.input_ids")].to_tensor(&device());
-        let out = model.forward(&ids, true).unwrap();
+        let out = model.forward(&ids, None, true).unwrap();
         check(
             &format!("{key}.last_hidden_state"),
             &out.last_hidden_state,
@@ -101,7 +101,7 @@ fn t5_matches_transformers() {
     common::check_walk("t5", &mut model, w.checkpoint(), &[]);
 
     let ids = g["t5.input_ids"].to_tensor(&device());
-    let out = model.forward(&ids, true).unwrap();
+    let out = model.forward(&ids, None, true).unwrap();
     check(
         "t5.last_hidden_state",
         &out.last_hidden_state,

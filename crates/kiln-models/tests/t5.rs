@@ -59,7 +59,7 @@ fn matches_transformers_module_goldens_with_every_hidden_state() {
     assert!(w.report().unused.is_empty(), "unused weights: {:?}", w.report().unused);
 
     let ids = &g["t5.input_ids"];
-    let out = model.forward(&ids.to_tensor(&device()), true).unwrap();
+    let out = model.forward(&ids.to_tensor(&device()), None, true).unwrap();
     check(
         "t5.last_hidden_state",
         &out.last_hidden_state,
@@ -74,7 +74,7 @@ fn matches_transformers_module_goldens_with_every_hidden_state() {
         check(&name, h, &g[&name], 0.0);
     }
     assert!(model
-        .forward(&ids.to_tensor(&device()), false)
+        .forward(&ids.to_tensor(&device()), None, false)
         .unwrap()
         .hidden_states
         .is_empty());
@@ -122,7 +122,7 @@ fn last_hidden_state_matches_every_flux1_case() {
             let Some(ids) = g.get(&format!("{prefix}.input_ids")) else {
                 continue;
             };
-            let out = model.forward(&ids.to_tensor(&d), false).unwrap();
+            let out = model.forward(&ids.to_tensor(&d), None, false).unwrap();
             let name = format!("{case_name}: {prefix}.last_hidden_state");
             check(
                 &name,
@@ -143,7 +143,9 @@ fn fp16_runs_with_f32_wo_and_stays_close_to_f32() {
     let g = goldens(&oracle().join("modules/flux1/text_encoders.safetensors"));
     let dir = t5_dir("pipelines/flux1_dev");
     let (model, _) = load_dir(&dir, &config_of(&dir), DType::F16).unwrap();
-    let out = model.forward(&g["t5.input_ids"].to_tensor(&device()), true).unwrap();
+    let out = model
+        .forward(&g["t5.input_ids"].to_tensor(&device()), None, true)
+        .unwrap();
     assert_eq!(out.last_hidden_state.dtype(), DType::F16);
     assert_eq!(out.hidden_states[0].dtype(), DType::F16);
     // After block 0's feed-forward the residual stream is f32, as in transformers.
@@ -196,7 +198,7 @@ fn loads_the_embedding_under_either_tied_name() {
             "{tag}: unused weights: {:?}",
             w.report().unused
         );
-        let out = model.forward(&ids, false).unwrap();
+        let out = model.forward(&ids, None, false).unwrap();
         check(
             &format!("{tag}: t5.last_hidden_state"),
             &out.last_hidden_state,
@@ -250,7 +252,7 @@ fn accepts_padding_rows_and_rejects_ids_outside_the_vocabulary() {
     let last = config.vocab_size as i64 - 1;
     let padding_rows = [last - 27, last, 1];
     let ids = Tensor::from_slice(&padding_rows, [1, 3], &device()).unwrap();
-    let embeddings = model.forward(&ids, true).unwrap().hidden_states[0]
+    let embeddings = model.forward(&ids, None, true).unwrap().hidden_states[0]
         .to_f32_vec()
         .unwrap();
     let ckpt = Checkpoint::open_component(&dir, "model").unwrap();
@@ -264,7 +266,7 @@ fn accepts_padding_rows_and_rejects_ids_outside_the_vocabulary() {
     assert_eq!(embeddings, want);
 
     let ids = Tensor::from_slice(&[5i64, config.vocab_size as i64, 1], [1, 3], &device()).unwrap();
-    let err = model.forward(&ids, false).unwrap_err();
+    let err = model.forward(&ids, None, false).unwrap_err();
     assert!(err.to_string().contains(&config.vocab_size.to_string()), "{err}");
 }
 
@@ -357,11 +359,11 @@ fn module_map_reaches_the_weights_the_forward_reads() {
     let dir = t5_dir("pipelines/flux1_dev");
     let (model, _) = load_dir(&dir, &config_of(&dir), DType::F32).unwrap();
     let ids = goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["t5.input_ids"].to_tensor(&device());
-    let want = model.forward(&ids, true).unwrap();
+    let want = model.forward(&ids, None, true).unwrap();
 
     let mut copy = model.clone();
     common::copy_weights(&mut copy);
-    let got = copy.forward(&ids, true).unwrap();
+    let got = copy.forward(&ids, None, true).unwrap();
     common::assert_identical("last_hidden_state", &got.last_hidden_state, &want.last_hidden_state);
     for (k, (a, b)) in got.hidden_states.iter().zip(&want.hidden_states).enumerate() {
         common::assert_identical(&format!("hidden_states.{k}"), a, b);
@@ -372,7 +374,7 @@ fn module_map_reaches_the_weights_the_forward_reads() {
     for name in &names {
         let mut changed = model.clone();
         common::perturb(&mut changed, name);
-        let out = changed.forward(&ids, false).unwrap();
+        let out = changed.forward(&ids, None, false).unwrap();
         assert!(
             common::differs(&out.last_hidden_state, &want.last_hidden_state),
             "changing {name} does not change the output"
@@ -389,7 +391,7 @@ fn forward_with_host_ids_matches_forward() {
     let (model, _) = load_dir(&dir, &config, DType::F32).unwrap();
     let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["t5.input_ids"];
     let (ids, host) = (golden.to_tensor(&device()), golden.i64());
-    let want = model.forward(&ids, true).unwrap();
+    let want = model.forward(&ids, None, true).unwrap();
     let got = model.forward_with_host_ids(&ids, &host, true).unwrap();
     common::assert_identical("last_hidden_state", &got.last_hidden_state, &want.last_hidden_state);
     assert_eq!(got.hidden_states.len(), want.hidden_states.len());
@@ -409,8 +411,6 @@ fn forward_with_host_ids_matches_forward() {
     out_of_vocab[1] = -1;
     assert!(model.forward_with_host_ids(&ids, &out_of_vocab, false).is_err());
     assert!(model.forward_with_host_ids(&ids, &host[..2], false).is_err());
-    let wrong = model.position_buckets(ids.dims()[1] + 1, &device()).unwrap();
-    assert!(model.forward_with_position_buckets(&ids, &wrong, false).is_err());
 }
 
 /// Full and per-block compilation give the eager outputs (f32: within 1e-5 of max |x|), a second

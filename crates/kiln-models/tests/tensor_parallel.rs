@@ -183,7 +183,7 @@ fn t5_encoder_on_two_and_four_devices_matches_transformers_eager_and_compiled() 
         let ids = g["t5.input_ids"].to_tensor(&m);
         for mode in [CompileMode::None, CompileMode::Full, CompileMode::RepeatedBlocks] {
             model.compile(mode);
-            let out = model.forward(&ids, true).unwrap();
+            let out = model.forward(&ids, None, true).unwrap();
             check_members(
                 &format!("t5 {mode} last_hidden_state"),
                 &out.last_hidden_state,
@@ -273,7 +273,7 @@ fn clip_is_replicated_and_matches_on_a_mesh() {
         "text_encoder",
     );
     let model = ClipTextModel::load(&config, &w).unwrap();
-    let out = model.forward(&g["clip.input_ids"].to_tensor(&m), false).unwrap();
+    let out = model.forward(&g["clip.input_ids"].to_tensor(&m), None, false).unwrap();
     check_members(
         "clip pooler_output",
         &out.pooler_output,

@@ -1,6 +1,6 @@
 //! Leaf layers, each loaded from its diffusers/transformers weight names.
 
-use kiln_tensor::{Conv2dParams, Tensor};
+use kiln_tensor::{Conv2dParams, DType, Tensor};
 
 use crate::error::Result;
 use crate::weights::Weights;
@@ -16,10 +16,15 @@ pub struct Linear {
 
 impl Linear {
     pub fn load(w: &Weights, in_features: usize, out_features: usize, bias: bool) -> Result<Self> {
+        Self::load_as(w, in_features, out_features, bias, w.dtype())
+    }
+
+    /// [`Self::load`] in `dtype` instead of the model's (transformers' `_keep_in_fp32_modules`).
+    pub fn load_as(w: &Weights, in_features: usize, out_features: usize, bias: bool, dtype: DType) -> Result<Self> {
         Ok(Linear {
-            weight: w.get("weight", [out_features, in_features])?,
+            weight: w.get_as(Self::weight, [out_features, in_features], dtype)?,
             bias: if bias {
-                Some(w.get("bias", [out_features])?)
+                Some(w.get_as(Self::bias, [out_features], dtype)?)
             } else {
                 None
             },
@@ -62,9 +67,9 @@ impl Conv2d {
     ) -> Result<Self> {
         let groups = params.groups.max(1);
         Ok(Conv2d {
-            weight: w.get("weight", [out_channels, in_channels / groups, kernel, kernel])?,
+            weight: w.get(Self::weight, [out_channels, in_channels / groups, kernel, kernel])?,
             bias: if bias {
-                Some(w.get("bias", [out_channels])?)
+                Some(w.get(Self::bias, [out_channels])?)
             } else {
                 None
             },
@@ -91,8 +96,8 @@ pub struct LayerNorm {
 impl LayerNorm {
     pub fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
         Ok(LayerNorm {
-            weight: Some(w.get("weight", [dim])?),
-            bias: Some(w.get("bias", [dim])?),
+            weight: Some(w.get(Self::weight, [dim])?),
+            bias: Some(w.get(Self::bias, [dim])?),
             eps,
         })
     }
@@ -119,7 +124,7 @@ pub struct RmsNorm {
 impl RmsNorm {
     pub fn load(w: &Weights, dim: usize, eps: f64) -> Result<Self> {
         Ok(RmsNorm {
-            weight: w.get("weight", [dim])?,
+            weight: w.get(Self::weight, [dim])?,
             eps,
         })
     }
@@ -140,8 +145,8 @@ pub struct GroupNorm {
 impl GroupNorm {
     pub fn load(w: &Weights, groups: usize, channels: usize, eps: f64) -> Result<Self> {
         Ok(GroupNorm {
-            weight: w.get("weight", [channels])?,
-            bias: w.get("bias", [channels])?,
+            weight: w.get(Self::weight, [channels])?,
+            bias: w.get(Self::bias, [channels])?,
             groups,
             eps,
         })
@@ -168,7 +173,7 @@ pub struct Embedding {
 impl Embedding {
     pub fn load(w: &Weights, num: usize, dim: usize) -> Result<Self> {
         Ok(Embedding {
-            weight: w.get("weight", [num, dim])?,
+            weight: w.get(Self::weight, [num, dim])?,
         })
     }
     /// `ids` of any shape (integer) → `[..ids.shape, dim]`.
@@ -182,21 +187,9 @@ impl Embedding {
     }
 }
 
-crate::impl_module!(Linear {
-    weight: "weight",
-    bias: "bias"
-});
-crate::impl_module!(Conv2d {
-    weight: "weight",
-    bias: "bias"
-});
-crate::impl_module!(LayerNorm {
-    weight: "weight",
-    bias: "bias"
-});
-crate::impl_module!(RmsNorm { weight: "weight" });
-crate::impl_module!(GroupNorm {
-    weight: "weight",
-    bias: "bias"
-});
-crate::impl_module!(Embedding { weight: "weight" });
+crate::impl_module!(Linear { weight, bias });
+crate::impl_module!(Conv2d { weight, bias });
+crate::impl_module!(LayerNorm { weight, bias });
+crate::impl_module!(RmsNorm { weight });
+crate::impl_module!(GroupNorm { weight, bias });
+crate::impl_module!(Embedding { weight });

@@ -5,23 +5,33 @@
 //! and uploads them to the device in the requested dtype.
 #![forbid(unsafe_code)]
 
+mod args;
+mod blocks;
+mod compiled;
 mod error;
 mod layers;
 mod model;
 pub mod module;
 pub mod offload;
+mod offload_log;
 pub mod parallel;
 pub mod prefetch;
 mod rope;
 pub mod run;
+mod stream;
+pub mod tensors;
 mod weights;
 
+pub use args::Args;
+pub use blocks::{BlockList, Blocks};
+pub use compiled::Compiled;
 pub use error::{Error, Result};
 pub use layers::{Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm};
-pub use model::{Args, Compiled, Model, Outputs};
+pub use model::Model;
 pub use module::{CompileMode, Module};
-pub use offload::{Blocks, OffloadEvent, OffloadLog};
+pub use offload_log::{OffloadEvent, OffloadLog};
 pub use parallel::{TpPlan, TpStyle};
 pub use rope::{rope_tables, RopeTables};
 pub use run::{OffloadMode, RunConfig};
+pub use tensors::Tensors;
 pub use weights::{Weights, WeightsReport};

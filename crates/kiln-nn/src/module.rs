@@ -3,7 +3,8 @@
 
 use kiln_tensor::Tensor;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::weights::Weights;
 
 /// A model or layer that owns weights.
 pub trait Module {
@@ -76,25 +77,108 @@ impl<M: Module> Module for Vec<M> {
     }
 }
 
-/// Implements [`Module`] for a struct by walking the listed fields, each under a name:
-/// `impl_module!(Linear { weight: "weight", bias: "bias" });`. A field's type must be a
-/// [`Module`] (a `Tensor`, a layer, an `Option` or a `Vec` of them).
+/// Implements [`Module`] for a struct by walking the listed fields, in order, each under its
+/// weight name: the field's own name, or the name given after it. A field's type must be a
+/// [`Module`] (a `Tensor`, a layer, an `Option` or a `Vec` of them, a [`Named`]).
+///
+/// Each field's name is also an associated constant of the struct named like the field
+/// (`Self::norm1`), so that the loader reads the weights where the walk names them:
+///
+/// ```
+/// use kiln_nn::{impl_module, Linear, Result, Weights};
+///
+/// #[derive(Clone, Debug)]
+/// struct Block {
+///     norm1: Linear,
+///     ff: Linear,
+/// }
+///
+/// impl_module!(Block { norm1: "norm1.linear", ff });
+///
+/// impl Block {
+///     fn load(w: &Weights, dim: usize) -> Result<Self> {
+///         Ok(Block {
+///             norm1: Linear::load(&w.pp(Self::norm1), dim, 6 * dim, true)?,
+///             ff: Linear::load(&w.pp(Self::ff), dim, dim, true)?,
+///         })
+///     }
+/// }
+///
+/// assert_eq!((Block::norm1, Block::ff), ("norm1.linear", "ff"));
+/// ```
 #[macro_export]
 macro_rules! impl_module {
-    ($ty:ty { $($field:ident : $name:expr),* $(,)? }) => {
+    (@name $field:ident) => {
+        stringify!($field)
+    };
+    (@name $field:ident, $name:expr) => {
+        $name
+    };
+    ($ty:ty { $($field:ident $(: $name:expr)?),* $(,)? }) => {
         impl $crate::Module for $ty {
             fn visit(&self, f: &mut dyn FnMut(&str, &kiln_tensor::Tensor)) {
-                $( $crate::module::visit_child($name, &self.$field, f); )*
+                $( $crate::module::visit_child(Self::$field, &self.$field, f); )*
             }
             fn map(
                 &mut self,
                 f: &mut dyn FnMut(&str, &kiln_tensor::Tensor) -> $crate::Result<kiln_tensor::Tensor>,
             ) -> $crate::Result<()> {
-                $( $crate::module::map_child($name, &mut self.$field, f)?; )*
+                $( $crate::module::map_child(Self::$field, &mut self.$field, f)?; )*
                 Ok(())
             }
         }
+
+        /// The weight name of each field.
+        #[allow(dead_code, non_upper_case_globals)]
+        impl $ty {
+            $( const $field: &'static str = $crate::impl_module!(@name $field $(, $name)?); )*
+        }
     };
+}
+
+/// A module walked under a name chosen when it is loaded, for a part that checkpoints name in
+/// more than one way (a prefix some files have, one of two tied names, a gated or a plain
+/// projection). List it in [`impl_module!`] under `""`; it derefs to the module.
+#[derive(Clone, Debug)]
+pub struct Named<M> {
+    name: &'static str,
+    module: M,
+}
+
+impl<M> Named<M> {
+    /// `load(w.pp(name))`, walked as `name`.
+    pub fn load(w: &Weights, name: &'static str, load: impl FnOnce(&Weights) -> Result<M>) -> Result<Self> {
+        Ok(Named {
+            name,
+            module: load(&w.pp(name))?,
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+impl<M> std::ops::Deref for Named<M> {
+    type Target = M;
+    fn deref(&self) -> &M {
+        &self.module
+    }
+}
+
+impl<M> std::ops::DerefMut for Named<M> {
+    fn deref_mut(&mut self) -> &mut M {
+        &mut self.module
+    }
+}
+
+impl<M: Module> Module for Named<M> {
+    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
+        visit_child(self.name, &self.module, f)
+    }
+    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
+        map_child(self.name, &mut self.module, f)
+    }
 }
 
 /// Every weight of `module`, in walk order.
@@ -102,6 +186,28 @@ pub fn weights_of(module: &dyn Module) -> Vec<Tensor> {
     let mut out = Vec::new();
     module.visit(&mut |_, t| out.push(t.clone()));
     out
+}
+
+/// A copy of `module` whose weights are `weights`, in [`Module::visit`] order.
+pub fn with_weights<M: Module + Clone>(module: &M, weights: Vec<Tensor>) -> Result<M> {
+    let expected = weights.len();
+    let mut given = weights.into_iter();
+    let mut copy = module.clone();
+    let mut walked = 0;
+    copy.map(&mut |name, _| {
+        walked += 1;
+        given.next().ok_or_else(|| Error::Config {
+            component: "offload".into(),
+            message: format!("{expected} weights were given for a module that has more (first missing: `{name}`)"),
+        })
+    })?;
+    if walked != expected {
+        return Err(Error::Config {
+            component: "offload".into(),
+            message: format!("{expected} weights were given for a module that has {walked}"),
+        });
+    }
+    Ok(copy)
 }
 
 /// How a model runs: op by op, or as compiled programs (diffusers' `torch.compile` of the whole

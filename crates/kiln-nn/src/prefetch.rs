@@ -12,7 +12,7 @@
 use kiln_tensor::Tensor;
 
 use crate::error::Result;
-use crate::offload::OffloadLog;
+use crate::offload_log::OffloadLog;
 
 /// Weights on their way to the device (transfers are issued, not awaited).
 pub struct Placed {

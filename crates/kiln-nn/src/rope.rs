@@ -11,6 +11,8 @@ pub struct RopeTables {
     pub sin: Tensor,
 }
 
+crate::impl_tensors!(RopeTables { cos, sin });
+
 /// Multi-axis rotary tables: for each axis `a` of width `d_a`, frequencies
 /// `ω_k = 1 / θ^(2k/d_a)` (f64), angles `p·ω_k` with `p = ids[n][a]`; each cos/sin is repeated for
 /// the two elements of its pair (interleaved layout); axes are concatenated. `ids` is row-major

@@ -164,12 +164,13 @@ impl Weights {
         self.shared.peak_staged.load(Ordering::Relaxed)
     }
 
-    /// The weights under `prefix.segment`.
+    /// The weights under `prefix.segment` (these weights for an empty segment).
     pub fn pp(&self, segment: impl std::fmt::Display) -> Weights {
-        let prefix = if self.prefix.is_empty() {
-            segment.to_string()
-        } else {
-            format!("{}.{segment}", self.prefix)
+        let segment = segment.to_string();
+        let prefix = match (self.prefix.is_empty(), segment.is_empty()) {
+            (true, _) => segment,
+            (_, true) => self.prefix.clone(),
+            _ => format!("{}.{segment}", self.prefix),
         };
         Weights {
             shared: self.shared.clone(),

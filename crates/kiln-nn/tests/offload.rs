@@ -4,9 +4,7 @@
 //! each block's transfer is issued before the previous block's computation is awaited.
 
 use kiln_nn::offload::{move_weights, onload, stop_streaming, stream_blocks, with_weights};
-use kiln_nn::{
-    impl_model, impl_module, Args, Blocks, CompileMode, Compiled, Linear, Model as _, OffloadEvent, OffloadLog,
-};
+use kiln_nn::{impl_model, impl_module, Blocks, CompileMode, Compiled, Linear, Model as _, OffloadEvent, OffloadLog};
 use kiln_tensor::{reset_thread_peak_device_memory, thread_device_memory, DType, Device, MemoryKind, Tensor};
 
 const WIDTH: usize = 256;
@@ -62,13 +60,10 @@ fn model(d: &Device, compiled: &Compiled, mode: CompileMode) -> Model {
 
 impl Model {
     fn forward(&self, x: &Tensor) -> kiln_nn::Result<Tensor> {
-        self.compiled.whole("", self, Args::new().with("x", x), |m, a| {
-            let mut h = m.embed.forward(a.get("x")?)?;
+        self.compiled.whole("", self, x.clone(), |m, x| {
+            let mut h = m.embed.forward(x)?;
             for i in 0..m.blocks.len() {
-                let args = Args::new().with("hidden_states", &h);
-                h = m.blocks.run(&m.compiled, i, args, |b, a| {
-                    Ok(b.proj.forward(a.get("hidden_states")?)?.tanh()?)
-                })?;
+                h = m.blocks.run(&m.compiled, i, h, |b, h| Ok(b.proj.forward(h)?.tanh()?))?;
             }
             m.head.forward(&h)
         })
