@@ -147,7 +147,7 @@ impl CallBudget {
                     "the device has {} MiB free, by its memory or KILN_DEVICE_MEMORY_LIMIT",
                     free >> 20
                 ),
-                advice: "make fewer or smaller images per call, or try --offload model",
+                advice: "make fewer or smaller images per call, or try OffloadMode::Model",
             }),
             _ => Ok(()),
         }

@@ -108,7 +108,7 @@ impl OffloadPlan {
                     has: budget,
                     detail: format!(
                         "without offload all weights stay on the device (the largest, {}, takes {}); use \
-                         --offload model (enable_model_cpu_offload) to keep one component at a time there",
+                         OffloadMode::Model (enable_model_cpu_offload) to keep one component at a time there",
                         largest.map_or("?", |c| c.name),
                         bytes(largest.map_or(0, |c| c.weight_bytes))
                     ),
@@ -122,16 +122,16 @@ impl OffloadPlan {
             }
             let detail = match (self.mode, c.block_bytes.is_empty()) {
                 (OffloadMode::Model, _) => {
-                    "with model offload a whole component is on the device while it runs; use --offload sequential \
+                    "with model offload a whole component is on the device while it runs; use OffloadMode::Sequential \
                      (enable_sequential_cpu_offload) to stream the transformer and T5 block by block"
                         .to_string()
                 }
                 (_, true) => "it has no repeated blocks to stream and moves whole; use a larger device or a smaller \
-                              --dtype"
+                              dtype (DType::BF16)"
                     .to_string(),
                 _ => format!(
                     "sequential offload needs its weights outside the blocks ({}) and two blocks (the largest is {}) \
-                     at once; use a larger device or a smaller --dtype",
+                     at once; use a larger device or a smaller dtype (DType::BF16)",
                     bytes(c.resident_bytes()),
                     bytes(c.block_bytes.iter().copied().max().unwrap_or(0))
                 ),
@@ -340,9 +340,9 @@ impl Offloader {
             return e;
         }
         let hint = match mode {
-            OffloadMode::None => "try --offload model (enable_model_cpu_offload) or --offload sequential",
-            OffloadMode::Model => "try --offload sequential (enable_sequential_cpu_offload)",
-            OffloadMode::Sequential => "try a smaller size or batch, or --dtype bf16",
+            OffloadMode::None => "try OffloadMode::Model (enable_model_cpu_offload) or OffloadMode::Sequential",
+            OffloadMode::Model => "try OffloadMode::Sequential (enable_sequential_cpu_offload)",
+            OffloadMode::Sequential => "try a smaller size or batch, or a smaller dtype (DType::BF16)",
         };
         PipelineError::OutOfMemory {
             component,
@@ -432,7 +432,7 @@ mod tests {
                 && none.contains("the weights need 1.86 KiB (1900 bytes) on the device at once")
                 && none.contains("it has 1.85 KiB (1899 bytes) free")
                 && none.contains("the largest, transformer")
-                && none.contains("--offload model"),
+                && none.contains("use OffloadMode::Model (enable_model_cpu_offload)"),
             "{none}"
         );
         let model = err(OffloadMode::Model, 950);
@@ -440,7 +440,7 @@ mod tests {
             model.starts_with(
                 "transformer does not fit on cuda:0: the weights need 1000 bytes on the device at once and it has 950 \
                  bytes free"
-            ) && model.contains("--offload sequential"),
+            ) && model.contains("use OffloadMode::Sequential (enable_sequential_cpu_offload)"),
             "{model}"
         );
         let seq = err(OffloadMode::Sequential, 850);
