@@ -23,7 +23,7 @@ use kiln_nn::prefetch::{Mover, Order, Placed, Prefetcher};
 use kiln_nn::{Model, Module, OffloadLog};
 use kiln_tensor::{Device, MemoryKind, Tensor};
 
-use crate::error::{PipelineError, Result};
+use crate::error::{bytes, PipelineError, Result};
 
 pub use kiln_nn::OffloadMode;
 
@@ -214,25 +214,6 @@ pub(crate) fn weights_memory(mode: OffloadMode, device: &Device) -> Result<Memor
                 "offload keeps weights in a host memory space (pinned_host or unpinned_host), and {device} has neither"
             ))
         }),
-    }
-}
-
-/// `1.50 GiB (1610612736 bytes)`.
-pub(crate) fn bytes(n: u64) -> String {
-    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
-    let mut value = n as f64;
-    let mut unit = "bytes";
-    for u in UNITS {
-        if value < 1024.0 {
-            break;
-        }
-        value /= 1024.0;
-        unit = u;
-    }
-    if unit == "bytes" {
-        format!("{n} bytes")
-    } else {
-        format!("{value:.2} {unit} ({n} bytes)")
     }
 }
 
