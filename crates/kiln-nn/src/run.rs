@@ -71,7 +71,7 @@ impl RunConfig {
         (device.is_mesh() && offload == OffloadMode::Sequential).then(|| {
             format!(
                 "sequential offload is not supported with tensor parallelism ({device}, {} devices): \
-                 use --offload model or none, or --tp 1",
+                 use OffloadMode::Model or OffloadMode::None, or no tensor parallelism (a mesh size of 1)",
                 device.mesh_size()
             )
         })

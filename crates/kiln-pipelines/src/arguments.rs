@@ -62,20 +62,10 @@ pub struct ArgSpec {
 }
 
 impl ArgSpec {
-    /// The command-line flag: `true_cfg_scale` → `--true-cfg-scale`.
-    pub fn flag(&self) -> String {
-        flag(self.name)
-    }
-
     /// The help text on one line.
     pub fn help(&self) -> String {
         self.help.split_whitespace().collect::<Vec<_>>().join(" ")
     }
-}
-
-/// The flag of argument `name`: `true_cfg_scale` → `--true-cfg-scale`.
-pub fn flag(name: &str) -> String {
-    format!("--{}", name.replace('_', "-"))
 }
 
 /// The row of argument `name`.
@@ -84,8 +74,8 @@ pub fn spec(name: &str) -> Option<&'static ArgSpec> {
 }
 
 /// A bad argument value. The message names arguments as `{name}`, so that each front end shows
-/// them its way ([`ArgError::render`]): backticks in the library, flags on the command line,
-/// fields in the server.
+/// them its way ([`ArgError::render`]): backticks in the library and the server, flags on the
+/// command line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ArgError {
     /// The argument at fault.
@@ -117,11 +107,6 @@ impl ArgError {
             }
         }
         out
-    }
-
-    /// The message with the arguments named as command-line flags.
-    pub fn with_flags(&self) -> String {
-        self.render(&flag)
     }
 
     /// An argument past its budget ([`OverBudget`]); `sigmas`: the steps are the sigmas' count.
@@ -847,26 +832,23 @@ mod tests {
         let e = call.check().unwrap_err();
         assert_eq!(e.argument, "guidance_scale");
         assert_eq!(e.to_string(), "`guidance_scale` must be a finite number, got NaN");
-        assert_eq!(e.with_flags(), "--guidance-scale must be a finite number, got NaN");
+        let upper = |e: &ArgError| e.render(&|name| name.to_uppercase());
+        assert_eq!(upper(&e), "GUIDANCE_SCALE must be a finite number, got NaN");
         let call = GenerateCall {
             sigmas: Some(vec![1.0, 0.5]),
             num_inference_steps: Some(3),
             ..GenerateCall::prompt("a")
         };
         assert_eq!(
-            call.check().unwrap_err().with_flags(),
-            "--num-inference-steps 3 does not match the 2 --sigmas; leave it out (the sigmas set the number of steps)"
+            upper(&call.check().unwrap_err()),
+            "NUM_INFERENCE_STEPS 3 does not match the 2 SIGMAS; leave it out (the sigmas set the number of steps)"
         );
         let call = GenerateCall {
             prompt: vec!["a".into(), "b".into()],
             negative_prompt: Some(vec!["x".into(), "y".into(), "z".into()]),
             ..Default::default()
         };
-        assert!(call
-            .check()
-            .unwrap_err()
-            .with_flags()
-            .starts_with("--negative-prompt is given 3 times for 2 prompt(s)"));
+        assert!(upper(&call.check().unwrap_err()).starts_with("NEGATIVE_PROMPT is given 3 times for 2 prompt(s)"));
         let e = GenerateCall::prompt("a\0b").check().unwrap_err();
         assert_eq!(
             e.to_string(),
@@ -876,11 +858,7 @@ mod tests {
             sigmas: Some(vec![0.5; 10_001]),
             ..GenerateCall::prompt("a")
         };
-        assert!(call
-            .check()
-            .unwrap_err()
-            .with_flags()
-            .starts_with("--sigmas (their count) 10001 is more than kiln allows"));
+        assert!(upper(&call.check().unwrap_err()).starts_with("SIGMAS (their count) 10001 is more than kiln allows"));
     }
 
     #[test]

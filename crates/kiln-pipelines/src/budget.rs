@@ -147,7 +147,7 @@ impl CallBudget {
                     "the device has {} MiB free, by its memory or KILN_DEVICE_MEMORY_LIMIT",
                     free >> 20
                 ),
-                advice: "make fewer or smaller images per call, or try --offload model",
+                advice: "make fewer or smaller images per call, or try OffloadMode::Model",
             }),
             _ => Ok(()),
         }
@@ -226,8 +226,8 @@ mod tests {
             ..ok()
         });
         assert!(
-            big.message("--height")
-                .starts_with("--height 8192 (with a width of 8192: 67108864 pixels) is more than kiln allows"),
+            big.message("HEIGHT")
+                .starts_with("HEIGHT 8192 (with a width of 8192: 67108864 pixels) is more than kiln allows"),
             "{big}"
         );
     }

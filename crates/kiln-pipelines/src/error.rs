@@ -35,7 +35,7 @@ pub enum PipelineError {
     #[error("interrupted by the step callback at step {step}")]
     Interrupted { step: usize },
     /// The device cannot hold what the offload mode needs of it at once (checked before any work).
-    #[error("{component} does not fit on {device}: the weights need {} on the device at once and it has {} free; {detail}", crate::offload::bytes(*.needs), crate::offload::bytes(*.has))]
+    #[error("{component} does not fit on {device}: the weights need {} on the device at once and it has {} free; {detail}", bytes(*.needs), bytes(*.has))]
     DeviceTooSmall {
         component: String,
         device: String,
@@ -48,7 +48,7 @@ pub enum PipelineError {
     OutOfMemory {
         component: &'static str,
         device: String,
-        mode: crate::OffloadMode,
+        mode: kiln_nn::OffloadMode,
         hint: &'static str,
         #[source]
         source: Box<PipelineError>,
@@ -70,4 +70,23 @@ pub type Result<T, E = PipelineError> = std::result::Result<T, E>;
 
 pub(crate) fn invalid(message: impl Into<String>) -> PipelineError {
     PipelineError::InvalidArgument(message.into())
+}
+
+/// A byte count in a message: `1.50 GiB (1610612736 bytes)`.
+pub(crate) fn bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    let mut value = n as f64;
+    let mut unit = "bytes";
+    for u in UNITS {
+        if value < 1024.0 {
+            break;
+        }
+        value /= 1024.0;
+        unit = u;
+    }
+    if unit == "bytes" {
+        format!("{n} bytes")
+    } else {
+        format!("{value:.2} {unit} ({n} bytes)")
+    }
 }

@@ -23,7 +23,7 @@ use kiln_nn::prefetch::{Mover, Order, Placed, Prefetcher};
 use kiln_nn::{Model, Module, OffloadLog};
 use kiln_tensor::{Device, MemoryKind, Tensor};
 
-use crate::error::{PipelineError, Result};
+use crate::error::{bytes, PipelineError, Result};
 
 pub use kiln_nn::OffloadMode;
 
@@ -108,7 +108,7 @@ impl OffloadPlan {
                     has: budget,
                     detail: format!(
                         "without offload all weights stay on the device (the largest, {}, takes {}); use \
-                         --offload model (enable_model_cpu_offload) to keep one component at a time there",
+                         OffloadMode::Model (enable_model_cpu_offload) to keep one component at a time there",
                         largest.map_or("?", |c| c.name),
                         bytes(largest.map_or(0, |c| c.weight_bytes))
                     ),
@@ -122,16 +122,16 @@ impl OffloadPlan {
             }
             let detail = match (self.mode, c.block_bytes.is_empty()) {
                 (OffloadMode::Model, _) => {
-                    "with model offload a whole component is on the device while it runs; use --offload sequential \
+                    "with model offload a whole component is on the device while it runs; use OffloadMode::Sequential \
                      (enable_sequential_cpu_offload) to stream the transformer and T5 block by block"
                         .to_string()
                 }
                 (_, true) => "it has no repeated blocks to stream and moves whole; use a larger device or a smaller \
-                              --dtype"
+                              dtype (DType::BF16)"
                     .to_string(),
                 _ => format!(
                     "sequential offload needs its weights outside the blocks ({}) and two blocks (the largest is {}) \
-                     at once; use a larger device or a smaller --dtype",
+                     at once; use a larger device or a smaller dtype (DType::BF16)",
                     bytes(c.resident_bytes()),
                     bytes(c.block_bytes.iter().copied().max().unwrap_or(0))
                 ),
@@ -214,25 +214,6 @@ pub(crate) fn weights_memory(mode: OffloadMode, device: &Device) -> Result<Memor
                 "offload keeps weights in a host memory space (pinned_host or unpinned_host), and {device} has neither"
             ))
         }),
-    }
-}
-
-/// `1.50 GiB (1610612736 bytes)`.
-pub(crate) fn bytes(n: u64) -> String {
-    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
-    let mut value = n as f64;
-    let mut unit = "bytes";
-    for u in UNITS {
-        if value < 1024.0 {
-            break;
-        }
-        value /= 1024.0;
-        unit = u;
-    }
-    if unit == "bytes" {
-        format!("{n} bytes")
-    } else {
-        format!("{value:.2} {unit} ({n} bytes)")
     }
 }
 
@@ -362,9 +343,9 @@ impl Offloader {
             return e;
         }
         let hint = match mode {
-            OffloadMode::None => "try --offload model (enable_model_cpu_offload) or --offload sequential",
-            OffloadMode::Model => "try --offload sequential (enable_sequential_cpu_offload)",
-            OffloadMode::Sequential => "try a smaller size or batch, or --dtype bf16",
+            OffloadMode::None => "try OffloadMode::Model (enable_model_cpu_offload) or OffloadMode::Sequential",
+            OffloadMode::Model => "try OffloadMode::Sequential (enable_sequential_cpu_offload)",
+            OffloadMode::Sequential => "try a smaller size or batch, or a smaller dtype (DType::BF16)",
         };
         PipelineError::OutOfMemory {
             component,
@@ -454,7 +435,7 @@ mod tests {
                 && none.contains("the weights need 1.86 KiB (1900 bytes) on the device at once")
                 && none.contains("it has 1.85 KiB (1899 bytes) free")
                 && none.contains("the largest, transformer")
-                && none.contains("--offload model"),
+                && none.contains("use OffloadMode::Model (enable_model_cpu_offload)"),
             "{none}"
         );
         let model = err(OffloadMode::Model, 950);
@@ -462,7 +443,7 @@ mod tests {
             model.starts_with(
                 "transformer does not fit on cuda:0: the weights need 1000 bytes on the device at once and it has 950 \
                  bytes free"
-            ) && model.contains("--offload sequential"),
+            ) && model.contains("use OffloadMode::Sequential (enable_sequential_cpu_offload)"),
             "{model}"
         );
         let seq = err(OffloadMode::Sequential, 850);

@@ -86,7 +86,7 @@ fn a_device_too_small_for_every_weight_is_an_error_before_anything_is_loaded() {
     // Before loading, the checkpoints' sizes stand for the weights (kiln adds a 512-byte table).
     assert_eq!(needs, total - 512, "{message}");
     assert!(
-        message.contains("does not fit on cpu:0") && message.contains("--offload model"),
+        message.contains("does not fit on cpu:0") && message.contains("OffloadMode::Model (enable_model_cpu_offload)"),
         "{message}"
     );
     assert_eq!(d.memory().live_bytes, before, "nothing was loaded");
@@ -101,7 +101,10 @@ fn model_offload_on_a_device_smaller_than_its_largest_component_names_it_and_sug
     let mut pipe = flux();
     let (component, needs, has, message) = too_small(pipe.enable_model_cpu_offload(&d).unwrap_err());
     assert_eq!((component.as_str(), needs, has), ("text_encoder", largest, largest - 1));
-    assert!(message.contains("--offload sequential"), "{message}");
+    assert!(
+        message.contains("OffloadMode::Sequential (enable_sequential_cpu_offload)"),
+        "{message}"
+    );
     // The oracle's CLIP has no blocks to stream: sequential offload cannot help either.
     let (component, _, _, message) = too_small(pipe.enable_sequential_cpu_offload(&d).unwrap_err());
     assert_eq!(component, "text_encoder");
@@ -148,7 +151,7 @@ fn running_out_of_memory_mid_run_names_the_component_and_suggests_the_next_mode(
         assert_eq!((*component, *mode), ("text_encoder", OffloadMode::Model));
         assert!(
             message.starts_with("text_encoder ran out of device memory on cpu:0 (offload model)")
-                && message.contains("try --offload sequential"),
+                && message.contains("try OffloadMode::Sequential (enable_sequential_cpu_offload)"),
             "{message}"
         );
         let source = std::error::Error::source(&err)

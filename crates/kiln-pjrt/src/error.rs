@@ -58,7 +58,7 @@ pub enum Error {
     },
     /// The device ran out of memory (a PJRT `RESOURCE_EXHAUSTED` error).
     #[error(
-        "{call}: out of device memory: {message}. Use a smaller size or batch, or a lower precision (--dtype bf16)"
+        "{call}: out of device memory: {message}. Use a smaller size or batch, or a lower precision (DType::BF16)"
     )]
     OutOfMemory { call: &'static str, message: String },
     #[error("cannot load PJRT plugin {path}: {reason}")]

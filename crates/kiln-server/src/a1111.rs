@@ -8,8 +8,8 @@ use axum::{Json, Router};
 use base64::Engine;
 use serde_json::{json, Map, Value};
 
-use crate::api::{images_of, Body, CancelOnDrop, Shared};
 use crate::error::ApiError;
+use crate::http::{images_of, Body, CancelOnDrop, Shared};
 use crate::jobs::Status;
 use crate::request::{seed_of, take, CallFields, JobRequest};
 use kiln_pipelines::ARGUMENTS;

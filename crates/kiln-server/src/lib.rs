@@ -11,6 +11,7 @@ mod a1111;
 mod api;
 pub mod backend;
 mod error;
+mod http;
 mod jobs;
 mod metrics;
 pub mod prompt_cache;

@@ -260,7 +260,7 @@ impl Device {
         if size == 0 {
             return Err(crate::Error::invalid(
                 "mesh",
-                "a mesh needs at least one device (--tp 1 or more)",
+                "a mesh needs at least one device (a mesh size of 1 or more)",
             ));
         }
         let location = SearchPaths::from_environment().find(spec.platform)?;
@@ -275,7 +275,7 @@ impl Device {
                 "mesh",
                 format!(
                     "{size} devices were asked for (from index {}) but the {} plugin has {available}; \
-                     ask for at most {} (--tp)",
+                     ask for at most {} (the mesh size)",
                     spec.index,
                     location.platform,
                     available.saturating_sub(spec.index)

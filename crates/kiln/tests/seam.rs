@@ -231,7 +231,10 @@ fn every_argument_of_the_table_is_a_flag_a_server_field_and_in_the_record() {
             .unwrap_or_else(|| panic!("{} has no flag", spec.name));
         assert_eq!(flag.get_long(), Some(spec.name.replace('_', "-").as_str()));
         assert_eq!(flag.get_help().map(|h| h.to_string()), Some(spec.help()));
-        argv.extend([spec.flag(), sample(spec.shape).0.to_string()]);
+        argv.extend([
+            format!("--{}", spec.name.replace('_', "-")),
+            sample(spec.shape).0.to_string(),
+        ]);
     }
     kiln::cli::run(argv).unwrap();
     let every: BTreeSet<&str> = ARGUMENTS.iter().map(|a| a.name).collect();

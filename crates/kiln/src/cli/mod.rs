@@ -105,8 +105,32 @@ pub fn main() -> ! {
     std::process::exit(0)
 }
 
+/// The terms kiln's library errors use for a setting (its Rust name) and the flag that sets it
+/// here: the library says `OffloadMode::Model`, the command line's user reads `--offload model`.
+const FLAGS: &[(&str, &str)] = &[
+    ("OffloadMode::None", "--offload none"),
+    ("OffloadMode::Model", "--offload model"),
+    ("OffloadMode::Sequential", "--offload sequential"),
+    ("DType::F32", "--dtype f32"),
+    ("DType::BF16", "--dtype bf16"),
+    ("DType::F16", "--dtype f16"),
+    ("CompileMode::None", "--compile none"),
+    ("CompileMode::RepeatedBlocks", "--compile blocks"),
+    ("CompileMode::Full", "--compile full"),
+    ("a mesh size of 1", "--tp 1"),
+    ("the mesh size", "--tp"),
+];
+
+/// `text` with each library term of [`FLAGS`] written as its flag.
+fn with_flags(text: &str) -> String {
+    FLAGS
+        .iter()
+        .fold(text.to_string(), |text, (term, flag)| text.replace(term, flag))
+}
+
 /// The error and its causes, each printed once: a layer whose message already ends with its
 /// cause's text (`cannot read x: No such file or directory (os error 2)`) does not get it again.
+/// Settings are named by their flags ([`FLAGS`]).
 pub fn message(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {
@@ -118,12 +142,12 @@ pub fn message(e: &anyhow::Error) -> String {
             out.push_str(&text);
         }
     }
-    out
+    with_flags(&out)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::message;
+    use super::{message, FLAGS};
 
     #[test]
     fn a_cause_already_in_the_message_is_printed_once() {
@@ -145,5 +169,22 @@ mod tests {
         assert_eq!(text, format!("loading m: cannot read x.json: {}", os()));
         let plain = anyhow::Error::new(os()).context("writing y.png");
         assert_eq!(message(&plain), format!("writing y.png: {}", os()));
+    }
+
+    #[test]
+    fn library_terms_are_printed_as_their_flags() {
+        let e = anyhow::anyhow!(
+            "transformer does not fit on cpu:0; use OffloadMode::Sequential (enable_sequential_cpu_offload), \
+             OffloadMode::Model or OffloadMode::None, a smaller dtype (DType::BF16), a mesh size of 1 or at most 2 \
+             (the mesh size)"
+        );
+        assert_eq!(
+            message(&e),
+            "transformer does not fit on cpu:0; use --offload sequential (enable_sequential_cpu_offload), \
+             --offload model or --offload none, a smaller dtype (--dtype bf16), --tp 1 or at most 2 (--tp)"
+        );
+        for (term, flag) in FLAGS {
+            assert_eq!(message(&anyhow::anyhow!("try {term}")), format!("try {flag}"));
+        }
     }
 }

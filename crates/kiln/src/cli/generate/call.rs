@@ -15,12 +15,12 @@ pub const OUTPUT: &str = "Output";
 
 /// The flag of argument `name`: `true_cfg_scale` → `--true-cfg-scale`.
 pub fn flag(name: &str) -> String {
-    kiln_pipelines::arguments::flag(name)
+    format!("--{}", name.replace('_', "-"))
 }
 
 /// An argument error as the command line shows it: arguments named by their flags.
 pub fn flagged(e: &ArgError) -> anyhow::Error {
-    anyhow::anyhow!("{}", e.with_flags())
+    anyhow::anyhow!("{}", e.render(&flag))
 }
 
 /// A count or a size (a whole number, 0 or more), for clap's value parsers.
@@ -78,7 +78,7 @@ impl FromArgMatches for CallArgs {
             };
             let values: Vec<String> = values.cloned().collect();
             call.set_items(spec.name, &values)
-                .map_err(|e| clap::Error::raw(clap::error::ErrorKind::ValueValidation, e.with_flags()))?;
+                .map_err(|e| clap::Error::raw(clap::error::ErrorKind::ValueValidation, e.render(&flag)))?;
         }
         Ok(CallArgs(call))
     }

@@ -41,7 +41,7 @@ pub fn read(png: &Path, args: &GenerateArgs, given: &Given) -> Result<FromPng> {
             merged.insert(key, value);
         }
     }
-    let call = CallArgs(GenerateCall::from_json(&merged).map_err(|e| anyhow!("{}", e.with_flags()))?);
+    let call = CallArgs(GenerateCall::from_json(&merged).map_err(|e| super::flagged(&e))?);
     let pick = |id: &str, flag: &str| -> String {
         match params.extras.get(id) {
             Some(stored) if !given.contains(id) => stored.clone(),

@@ -1,0 +1,157 @@
+//! What the route files ([`crate::api`], [`crate::a1111`]) share: the app state handlers take,
+//! the JSON body extractor, queuing a request, the images of a job and cancelling a job whose
+//! client went away.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+use crate::jobs::{Image, Job, Queue, Refused, Status};
+use crate::request::{random_seed, JobRequest};
+use crate::App;
+
+pub(crate) type Shared = Arc<App>;
+
+/// A JSON object body, its size bounded (`--max-body-bytes`); errors in kiln's error shape.
+pub(crate) struct Body(pub Map<String, Value>);
+
+impl<S: Send + Sync> FromRequest<S> for Body {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(request, state).await.map_err(|e| {
+            let status = e.status();
+            if status == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::new(
+                    status,
+                    "the request body is larger than this server takes (--max-body-bytes)",
+                )
+            } else {
+                ApiError::new(status, format!("cannot read the request body: {e}"))
+            }
+        })?;
+        match serde_json::from_slice::<Value>(&bytes) {
+            Ok(Value::Object(map)) => Ok(Body(map)),
+            Ok(_) => Err(ApiError::bad_request(None, "the request body must be a JSON object")),
+            Err(e) => Err(ApiError::bad_request(
+                None,
+                format!("the request body is not valid JSON: {e}"),
+            )),
+        }
+    }
+}
+
+impl App {
+    /// The model a request names (`field`), or the first one.
+    pub(crate) fn model_index(&self, name: Option<&str>, field: &str) -> Result<usize, ApiError> {
+        let Some(name) = name else { return Ok(0) };
+        self.models.iter().position(|m| m.name == name).ok_or_else(|| {
+            let names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+            ApiError::bad_request(
+                Some(field),
+                format!("`{field}` {name:?} is not a model this server runs; it runs {names:?}"),
+            )
+        })
+    }
+
+    /// Queues a checked request; a full queue is a 429 with `Retry-After`.
+    pub(crate) fn submit(&self, request: JobRequest) -> Result<Arc<Job>, ApiError> {
+        let job = Job::new(request);
+        match self.queue.push(job.clone()) {
+            Ok(()) => {
+                self.jobs.insert(job.clone());
+                Ok(job)
+            }
+            Err(Refused::Full) => {
+                self.metrics.rejected_full();
+                let (waiting, running) = self.queue.lengths();
+                let per_job = self.metrics.mean_job_seconds().unwrap_or(1.0);
+                let wait = ((waiting + running) as f64 * per_job / self.limits.max_batch as f64).ceil();
+                Err(ApiError {
+                    retry_after: Some((wait as u64).max(1)),
+                    ..ApiError::new(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        format!(
+                            "the queue is full ({waiting} jobs wait, --queue {}); try again later",
+                            self.limits.queue
+                        ),
+                    )
+                })
+            }
+            Err(Refused::Closed) => Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is shutting down",
+            )),
+        }
+    }
+
+    /// Seeds for `n` images from `seed` (image k gets seed + k), `n` checked first.
+    pub(crate) fn seeds(&self, n: usize, seed: Option<u64>, field: &str) -> Result<Vec<u64>, ApiError> {
+        if n == 0 || n > self.limits.max_images {
+            return Err(ApiError::bad_request(
+                Some(field),
+                format!(
+                    "`{field}` {n}: this server makes 1 to {} images per request (--max-images)",
+                    self.limits.max_images
+                ),
+            ));
+        }
+        let seed = seed.unwrap_or_else(random_seed);
+        Ok((0..n as u64).map(|k| seed.wrapping_add(k)).collect())
+    }
+}
+
+/// Cancels its job when dropped before [`CancelOnDrop::disarm`]: a client that goes away does
+/// not leave its job to run.
+pub(crate) struct CancelOnDrop(Option<(Arc<Queue>, Arc<Job>)>);
+
+impl CancelOnDrop {
+    pub(crate) fn new(app: &App, job: &Arc<Job>) -> CancelOnDrop {
+        CancelOnDrop(Some((app.queue.clone(), job.clone())))
+    }
+    pub(crate) fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some((queue, job)) = self.0.take() {
+            if !job.state().status.is_final() {
+                queue.cancel(&job);
+            }
+        }
+    }
+}
+
+/// Waits for the job to end; its images, or the error it ended with.
+pub(crate) async fn images_of(job: &Arc<Job>) -> Result<Vec<Arc<Image>>, ApiError> {
+    let mut changed = job.subscribe();
+    loop {
+        {
+            let state = job.state();
+            match state.status {
+                Status::Done => return Ok(state.images.clone()),
+                Status::Failed => {
+                    let (code, message) = state.error.clone().unwrap_or((500, "the job failed".into()));
+                    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                    return Err(ApiError::new(status, message));
+                }
+                Status::Cancelled => {
+                    return Err(ApiError::new(
+                        StatusCode::CONFLICT,
+                        "the job was cancelled (interrupted, or the server is shutting down) before it finished",
+                    ))
+                }
+                Status::Queued | Status::Running => {}
+            }
+        }
+        if changed.changed().await.is_err() {
+            return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the job was lost"));
+        }
+    }
+}
