@@ -18,6 +18,8 @@ fn tracked_copy(src: &Path, dst: &Path) -> usize {
     for p in &entries {
         match &p.how {
             How::Xz | How::XzShuffled => copy(&format!("{}.xz", p.path)),
+            // Made from a file of the same folder that is itself packed.
+            How::ClipVocab { .. } => {}
             How::Bf16 { from, .. } => {
                 for f in std::fs::read_dir(src.join(from)).unwrap() {
                     let name = f.unwrap().file_name().to_string_lossy().into_owned();
