@@ -12,7 +12,14 @@
 //!   byte 1, ...), which compresses better than the plain bytes;
 //! - `"bf16"`: a bfloat16 copy of a float32 component folder (`from`): the header is kept in the
 //!   index and every tensor is the float32 tensor of the same name in `from`, rounded to nearest
-//!   even (torch's `.to(torch.bfloat16)`).
+//!   even (torch's `.to(torch.bfloat16)`);
+//! - `"clip-vocab"`: CLIP's `vocab.json`, rebuilt from the `merges.txt` at `from`;
+//! - an `"xz-shuffled"` entry may list `derived` tensors (index format 2): each stored as its bytes
+//!   XOR what an expression predicts from the file's other tensors or from torch's generator
+//!   (`torch.randn` through `kiln-rng`), restored in order after un-shuffling. The packer proposes
+//!   the diffusers pipelines' own arithmetic for the end-to-end cases (each step's latents, the
+//!   packed noise, the uint8 image, ...) and first `torch.randn` draws for the noise and for each
+//!   oracle model's first weight, so most of those bytes are stored as zeros.
 //!
 //! Files repeated elsewhere in the repo (the tokenizers of `assets/tiny-flux`, configs two
 //! pipelines share) are relative symbolic links to the one copy, which readers follow; so the
@@ -21,6 +28,8 @@
 //! (`unpack`, for `scripts/gpu-check` on a machine without a toolchain); the two agree because both
 //! check every unpacked file against the size and sha256 in the index.
 #![forbid(unsafe_code)]
+
+mod derive;
 
 use std::collections::HashMap;
 use std::io;
@@ -32,6 +41,9 @@ use sha2::{Digest, Sha256};
 
 /// The index file inside the oracle folder.
 pub const INDEX: &str = "PACK.json";
+
+/// The index formats this build reads (2 added `derived` tensors and the `clip-vocab` kind).
+pub const FORMATS: [u64; 2] = [1, 2];
 
 /// This repo's `fixtures/oracle`.
 pub fn oracle_dir() -> PathBuf {
@@ -109,6 +121,9 @@ pub struct Packed {
     pub size: u64,
     pub sha256: String,
     pub how: How,
+    /// For `XzShuffled`: the tensors stored as their bytes XOR a prediction, restored in this
+    /// order (`[name, expression]`, see `tools/fixtures/oracle_pack.py`).
+    pub derived: Vec<(String, serde_json::Value)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,19 +136,26 @@ pub enum How {
         from: String,
         header: String,
     },
+    /// CLIP's `vocab.json`, made from the `merges.txt` at `from` (relative to the folder).
+    ClipVocab {
+        from: String,
+    },
 }
 
 fn invalid(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
 }
 
-/// The index of `oracle`, xz entries first (a derived file may read an unpacked one).
+/// The index of `oracle`, xz entries first (a file made from another reads it unpacked).
 pub fn index(oracle: &Path) -> io::Result<Vec<Packed>> {
     let path = oracle.join(INDEX);
     let text = std::fs::read(&path).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
     let v: serde_json::Value = serde_json::from_slice(&text).map_err(|e| invalid(format!("{INDEX}: {e}")))?;
-    if v["format"] != 1 {
-        return Err(invalid(format!("{INDEX}: format {} (this build reads 1)", v["format"])));
+    if !v["format"].as_u64().is_some_and(|f| FORMATS.contains(&f)) {
+        return Err(invalid(format!(
+            "{INDEX}: format {} (this build reads {FORMATS:?})",
+            v["format"]
+        )));
     }
     let files = v["files"]
         .as_object()
@@ -152,9 +174,25 @@ pub fn index(oracle: &Path) -> io::Result<Vec<Packed>> {
                 from: field("from")?,
                 header: field("header")?,
             },
+            "clip-vocab" => How::ClipVocab { from: field("from")? },
             other => return Err(invalid(format!("{INDEX}: {path}: unknown kind `{other}`"))),
         };
+        let derived = match e.get("derived") {
+            None => Vec::new(),
+            Some(d) => d
+                .as_array()
+                .ok_or_else(|| invalid(format!("{INDEX}: {path}: `derived` is not a list")))?
+                .iter()
+                .map(|pair| match pair.as_array().map(Vec::as_slice) {
+                    Some([serde_json::Value::String(name), expr]) => Ok((name.clone(), expr.clone())),
+                    _ => Err(invalid(format!(
+                        "{INDEX}: {path}: a `derived` entry is not [name, expression]"
+                    ))),
+                })
+                .collect::<io::Result<Vec<_>>>()?,
+        };
         out.push(Packed {
+            derived,
             path: path.clone(),
             size: e["size"]
                 .as_u64()
@@ -163,7 +201,12 @@ pub fn index(oracle: &Path) -> io::Result<Vec<Packed>> {
             how,
         });
     }
-    out.sort_by_key(|p| (matches!(p.how, How::Bf16 { .. }), p.path.clone()));
+    out.sort_by_key(|p| {
+        (
+            matches!(p.how, How::Bf16 { .. } | How::ClipVocab { .. }),
+            p.path.clone(),
+        )
+    });
     Ok(out)
 }
 
@@ -237,10 +280,17 @@ fn produce(oracle: &Path, p: &Packed) -> io::Result<Vec<u8>> {
                 .map_err(|e| invalid(format!("{}: {e}", src.display())))?;
             if p.how == How::XzShuffled {
                 out = unshuffle(&out)?;
+                derive::underive(&mut out, &p.derived).map_err(|e| invalid(format!("{}: {e}", p.path)))?;
             }
             Ok(out)
         }
         How::Bf16 { from, header } => derive_bf16(&oracle.join(from), header),
+        How::ClipVocab { from } => {
+            let src = oracle.join(from);
+            let merges =
+                std::fs::read(&src).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", src.display())))?;
+            derive::clip_vocab(&merges)
+        }
     }
 }
 
