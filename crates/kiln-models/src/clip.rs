@@ -352,6 +352,20 @@ impl ClipTextModel {
         })
     }
 
+    /// [`Self::load`] as `CLIPTextModelWithProjection` (SD3's two CLIPs): `text_projection.weight`
+    /// is required.
+    pub fn load_with_projection(config: &ClipTextConfig, weights: &Weights) -> Result<Self> {
+        let model = Self::load(config, weights)?;
+        if model.text_projection.is_none() {
+            return Err(Error::Config {
+                component: weights.component().to_string(),
+                message: "CLIPTextModelWithProjection needs `text_projection.weight`, which the checkpoint lacks"
+                    .into(),
+            });
+        }
+        Ok(model)
+    }
+
     pub fn config(&self) -> &ClipTextConfig {
         &self.config
     }

@@ -5,7 +5,6 @@
 //! and uploads them to the device in the requested dtype.
 #![forbid(unsafe_code)]
 
-mod args;
 mod blocks;
 mod compiled;
 mod error;
@@ -22,7 +21,6 @@ mod stream;
 pub mod tensors;
 mod weights;
 
-pub use args::Args;
 pub use blocks::{BlockList, Blocks};
 pub use compiled::Compiled;
 pub use error::{Error, Result};

@@ -27,8 +27,6 @@
 //! assert!(back.temb.is_none());
 //! ```
 
-use std::borrow::Cow;
-
 use kiln_tensor::Tensor;
 
 use crate::error::{Error, Result};
@@ -45,12 +43,11 @@ pub trait Tensors: Sized {
 }
 
 /// What a value's type leaves open, in flattening order: 0 or 1 per `Option`, the length of each
-/// list, and the names of named entries ([`crate::Args`]). Two values of one type and layout
-/// have the same number of tensors, each in the same place.
+/// list. Two values of one type and layout have the same number of tensors, each in the same
+/// place.
 #[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Layout {
     counts: Vec<usize>,
-    names: Vec<Cow<'static, str>>,
 }
 
 /// A flattened value: its tensors in order and its layout.
@@ -76,11 +73,6 @@ impl Flat {
     pub fn push_count(&mut self, count: usize) {
         self.layout.counts.push(count);
     }
-
-    /// Records the name of a named entry.
-    pub fn push_name(&mut self, name: Cow<'static, str>) {
-        self.layout.names.push(name);
-    }
 }
 
 /// Tensors and a layout being read back into a value (see [`Tensors::unflatten`] and
@@ -88,7 +80,6 @@ impl Flat {
 pub struct Unflatten<'a> {
     tensors: std::vec::IntoIter<Tensor>,
     counts: std::slice::Iter<'a, usize>,
-    names: std::slice::Iter<'a, Cow<'static, str>>,
 }
 
 impl Unflatten<'_> {
@@ -100,11 +91,6 @@ impl Unflatten<'_> {
     pub fn count(&mut self) -> Result<usize> {
         self.counts.next().copied().ok_or_else(|| mismatch("fewer counts"))
     }
-
-    /// What [`Flat::push_name`] recorded.
-    pub fn name(&mut self) -> Result<Cow<'static, str>> {
-        self.names.next().cloned().ok_or_else(|| mismatch("fewer names"))
-    }
 }
 
 /// The `T` made of `tensors` with `layout` (those of [`Flat::of`] a `T`); every tensor and every
@@ -113,13 +99,12 @@ pub fn unflatten<T: Tensors>(layout: &Layout, tensors: Vec<Tensor>) -> Result<T>
     let mut from = Unflatten {
         tensors: tensors.into_iter(),
         counts: layout.counts.iter(),
-        names: layout.names.iter(),
     };
     let value = T::unflatten(&mut from).map_err(|e| match e {
         Error::Config { message, .. } => mismatch(&format!("{message} for a {}", std::any::type_name::<T>())),
         other => other,
     })?;
-    if from.tensors.len() + from.counts.len() + from.names.len() > 0 {
+    if from.tensors.len() + from.counts.len() > 0 {
         return Err(mismatch(&format!(
             "more tensors or layout for a {}",
             std::any::type_name::<T>()

@@ -117,7 +117,12 @@ impl AnyPipeline {
         device: &Device,
     ) -> Result<kiln_tensor::Tensor> {
         let len = max_sequence_length.unwrap_or(self.defaults.max_sequence_length);
-        self.pipe.encode_prompt_text_encoder_only(prompt, len, device)
+        self.pipe.encode_prompt_text_encoder_only(prompt, len, device)?.ok_or_else(|| {
+            invalid(format!(
+                "encoding with the text encoder alone is implemented for some pipelines (FLUX.2 [dev] and [klein]), not for {}",
+                self.kind.class_name()
+            ))
+        })
     }
 
     pub fn kind(&self) -> PipelineKind {
@@ -167,7 +172,7 @@ impl AnyPipeline {
         if call.prompt.is_empty() {
             return Err(invalid("`prompt` is an empty list: give at least one prompt"));
         }
-        let embeddings = self.pipe.encode_prompt(call, &key.settings)?;
+        let embeddings = self.pipe.encode_prompt(call, &self.defaults)?;
         embeddings.download(key)
     }
 

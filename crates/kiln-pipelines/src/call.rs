@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use image::RgbImage;
-use kiln_nn::Args;
+use kiln_schedulers::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{DType, Device, Tensor};
 
 use crate::budget::CallBudget;
@@ -61,17 +61,10 @@ pub struct PipelineOutput {
     pub warnings: Vec<String>,
 }
 
-/// The end of a denoising step: the scheduler's Euler step of the step's `latents` by
-/// `noise_pred` over its `dt`, as the step's results `latents` and `noise_pred`.
-pub(crate) fn euler_step_outputs(inputs: &Args, noise_pred: Tensor) -> kiln_nn::Result<Args> {
-    let latents = euler_step(inputs.get("latents")?, &noise_pred, inputs.get("dt")?)?;
-    Ok(Args::new().with("latents", &latents).with("noise_pred", &noise_pred))
-}
-
 /// `FlowMatchEulerDiscreteScheduler.step`: `x + dt·v` with the sample upcast to f32 (`dt` an f32
 /// scalar). On CPU with a 16-bit model, torch rounds `dt` and `dt·v` to the model dtype before
 /// the f32 add.
-fn euler_step(x: &Tensor, v: &Tensor, dt: &Tensor) -> kiln_tensor::Result<Tensor> {
+pub(crate) fn euler_step(x: &Tensor, v: &Tensor, dt: &Tensor) -> kiln_tensor::Result<Tensor> {
     let dtype = x.dtype();
     let update = v.mul(&dt.to_dtype(v.dtype())?)?;
     if dtype == DType::F32 {
@@ -90,6 +83,55 @@ pub(crate) fn mul_scale(x: &Tensor, scale: &Tensor) -> kiln_tensor::Result<Tenso
         return x.mul(scale);
     }
     x.to_dtype(DType::F32)?.mul(scale)?.to_dtype(x.dtype())
+}
+
+/// Classifier-free guidance: `uncond + scale·(cond − uncond)` in the latent dtype.
+pub(crate) fn guided(uncond: &Tensor, cond: &Tensor, scale: &Tensor) -> kiln_tensor::Result<Tensor> {
+    uncond.add(&mul_scale(&cond.sub(uncond)?, scale)?)
+}
+
+/// The call's starting latents: `given` ones, which must have `shape` (`what` says what they are
+/// in the message: "be packed latents of shape"), on `device` in `dtype`; else `noise()`.
+pub(crate) fn starting_latents(
+    given: Option<Tensor>,
+    (shape, what): (&[usize], &str),
+    (device, dtype): (&Device, DType),
+    noise: impl FnOnce() -> Result<Tensor>,
+) -> Result<Tensor> {
+    match given {
+        Some(l) if l.dims() != shape => Err(invalid(format!("`latents` must {what} {shape:?}, got {}", l.shape()))),
+        Some(l) => Ok(l.to_device(device)?.to_dtype(dtype)?),
+        None => noise(),
+    }
+}
+
+/// The steps' own input in FLUX.1 and FLUX.2, for [`crate::pipeline::PipelineCore::denoise`]: the
+/// timestep of `n` rows ([`timestep_tensor`]), in a step of `variant`.
+pub(crate) fn timestep_steps<'d>(
+    variant: &'static str,
+    n: usize,
+    dtype: DType,
+    device: &'d Device,
+) -> impl FnMut(usize, f32) -> Result<(String, Tensor)> + 'd {
+    move |_, t| Ok((variant.to_string(), timestep_tensor(t, n, dtype, device)?))
+}
+
+/// The scheduler of a call (of `config`) set to `steps` steps — `sigmas` when given — shifted by
+/// `mu`, from step 0, and its timesteps; 0 steps: none (diffusers then decodes the noise itself).
+pub(crate) fn schedule(
+    config: &FlowMatchEulerDiscreteSchedulerConfig,
+    steps: usize,
+    sigmas: Option<&[f64]>,
+    mu: Option<f64>,
+) -> Result<(FlowMatchEulerDiscreteScheduler, Vec<f32>)> {
+    let mut scheduler = FlowMatchEulerDiscreteScheduler::new(config.clone())?;
+    if steps == 0 {
+        return Ok((scheduler, Vec::new()));
+    }
+    scheduler.set_timesteps(steps, sigmas, mu)?;
+    scheduler.set_begin_index(0);
+    let timesteps = scheduler.timesteps().to_vec();
+    Ok((scheduler, timesteps))
 }
 
 /// `value` as an f32 scalar tensor on `device` (a guidance scale passed to a step).
@@ -141,6 +183,14 @@ pub(crate) fn finish_call(
 /// The texts of `prompts`, as a tokenizer takes them.
 pub(crate) fn texts(prompts: &[String]) -> Vec<&str> {
     prompts.iter().map(String::as_str).collect()
+}
+
+/// An error naming the first of `values` (name, value) that is not a finite number.
+pub(crate) fn check_finite(values: &[(&str, f64)]) -> Result<()> {
+    match values.iter().find(|(_, v)| !v.is_finite()) {
+        Some((name, v)) => Err(invalid(format!("`{name}` must be a finite number, got {v}"))),
+        None => Ok(()),
+    }
 }
 
 /// `prompt_2`'s value as diffusers prints it in a message.
@@ -216,12 +266,7 @@ impl SharedChecks<'_> {
         if self.max_sequence_length == 0 {
             return Err(invalid("`max_sequence_length` must be at least 1"));
         }
-        if !self.guidance_scale.is_finite() {
-            return Err(invalid(format!(
-                "`guidance_scale` must be a finite number, got {}",
-                self.guidance_scale
-            )));
-        }
+        check_finite(&[("guidance_scale", self.guidance_scale)])?;
         if self.sigmas.is_some_and(<[f64]>::is_empty) {
             return Err(invalid("`sigmas` is empty: give at least one sigma"));
         }
@@ -436,6 +481,32 @@ macro_rules! pipeline_call {
                     0 => Err($crate::error::invalid("`prompt` is an empty list: give at least one prompt")),
                     n => Ok(n),
                 }
+            }
+
+            /// The denoising loop of this call (its progress and callback) over `timesteps` of
+            /// `scheduler`, from `latents` (see [`crate::pipeline::PipelineCore::denoise`]).
+            #[allow(dead_code)]
+            pub(crate) fn denoising<'s>(
+                &'s mut self,
+                scheduler: &'s kiln_schedulers::FlowMatchEulerDiscreteScheduler,
+                timesteps: &'s [f32],
+                latents: Tensor,
+            ) -> $crate::pipeline::Denoising<'s, 's, 'a> {
+                $crate::pipeline::Denoising {
+                    scheduler,
+                    timesteps,
+                    latents,
+                    progress: self.progress,
+                    callback: &mut self.callback,
+                    decodes: self.output_type == $crate::OutputType::Image,
+                }
+            }
+
+            /// The initial noise `shape` of this call's generator(s) (see
+            /// [`crate::loading::initial_noise`]).
+            #[allow(dead_code)]
+            fn noise(&self, shape: [usize; 4], dtype: kiln_tensor::DType, device: &kiln_tensor::Device) -> $crate::Result<Tensor> {
+                $crate::loading::initial_noise(shape, self.seed, self.seeds.as_deref(), dtype, device)
             }
 
             /// `(height, width)`, each 0 (not given) replaced by the pipeline's `default` size.

@@ -5,21 +5,21 @@ use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInputs};
-use kiln_nn::Args;
-use kiln_schedulers::{flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
+use kiln_nn::{impl_tensors, RopeTables};
+use kiln_schedulers::{flux_default_sigmas, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
 use std::time::Instant;
 
 use crate::arguments::GenerateCall;
 use crate::call::{
-    check_packed_size, check_same_shape, finish_call, mul_scale, pipeline_call, scalar, texts, timestep_tensor,
-    Encoded, OutputType, PipelineOutput,
+    check_packed_size, check_same_shape, finish_call, guided, pipeline_call, scalar, schedule, starting_latents, texts,
+    timestep_steps, Encoded, PipelineOutput,
 };
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
-use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, CallStart, Denoising, PipelineCore, PipelineParts};
+use crate::loading::{LoadOptions, ModelFolder};
+use crate::pipeline::{components, pipeline_parts, CallStart, PipelineCore, PipelineParts};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
 pipeline_call! {
@@ -106,14 +106,6 @@ impl FluxPipeline {
     /// the pipeline is placed.
     pub fn transformer_mut(&mut self) -> Option<&mut FluxTransformer2DModel> {
         self.core.components_mut().map(|m| &mut m.transformer)
-    }
-    /// `2^(len(block_out_channels) − 1)`.
-    pub fn vae_scale_factor(&self) -> usize {
-        1 << self.vae_config.block_out_channels.len().saturating_sub(1)
-    }
-    /// `default_sample_size · vae_scale_factor`: the size used when height/width are 0.
-    pub fn default_size(&self) -> usize {
-        128 * self.vae_scale_factor()
     }
     pub fn transformer_config(&self) -> &FluxTransformer2DConfig {
         &self.transformer_config
@@ -267,19 +259,11 @@ impl FluxPipeline {
         let h = 2 * (height / (vsf * 2));
         let w = 2 * (width / (vsf * 2));
         let seq = (h / 2) * (w / 2);
-        let latents = match args.latents.take() {
-            Some(l) if l.dims() != [total, seq, transformer_in] => {
-                return Err(invalid(format!(
-                    "`latents` must be packed latents of shape [{total}, {seq}, {transformer_in}], got {}",
-                    l.shape()
-                )))
-            }
-            Some(l) => l.to_device(device)?.to_dtype(dtype)?,
-            None => {
-                let shape = [total, transformer_in / 4, h, w];
-                pack_latents(&initial_noise(shape, args.seed, args.seeds.as_deref(), dtype, device)?)?
-            }
-        };
+        let given = args.latents.take();
+        let packed = [total, seq, transformer_in];
+        let latents = starting_latents(given, (&packed, "be packed latents of shape"), (device, dtype), || {
+            pack_latents(&args.noise([total, transformer_in / 4, h, w], dtype, device)?)
+        })?;
         let img_ids: Vec<f64> = (0..h / 2)
             .flat_map(|i| (0..w / 2).flat_map(move |j| [0.0, i as f64, j as f64]))
             .collect();
@@ -291,10 +275,7 @@ impl FluxPipeline {
             .clone()
             .unwrap_or_else(|| flux_default_sigmas(args.num_inference_steps));
         let mu = self.scheduler_config.calculate_shift(seq);
-        let mut scheduler = FlowMatchEulerDiscreteScheduler::new(self.scheduler_config.clone())?;
-        scheduler.set_timesteps(sigmas.len(), Some(&sigmas), Some(mu))?;
-        scheduler.set_begin_index(0);
-        let timesteps = scheduler.timesteps().to_vec();
+        let (scheduler, timesteps) = schedule(&self.scheduler_config, sigmas.len(), Some(&sigmas), Some(mu))?;
 
         // 6. Denoising loop: true CFG is `neg + true_cfg_scale·(pos − neg)`, in the latent dtype.
         let guidance = match self.transformer_config.guidance_embeds {
@@ -305,57 +286,44 @@ impl FluxPipeline {
             )?),
             false => None,
         };
-        // What every step reads besides its latents, timestep and dt (a compiled step's arguments).
-        let mut call_inputs = Args::new()
-            .with("embeds", &positive.embeds)
-            .with("pooled", &positive.pooled)
-            .with_opt("guidance", guidance.as_ref())
-            .with_rope(&rope);
-        if let Some(neg) = &negative {
-            call_inputs = call_inputs
-                .with("negative.embeds", &neg.embeds)
-                .with("negative.pooled", &neg.pooled)
-                .with("true_cfg_scale", &scalar(args.true_cfg_scale, device)?);
-        }
-        let variant = if negative.is_some() { "flux.true_cfg" } else { "flux" };
-        let denoising = Denoising {
-            scheduler: &scheduler,
-            timesteps: &timesteps,
-            latents,
-            progress: args.progress,
-            callback: &mut args.callback,
-            decodes: args.output_type == OutputType::Image,
-        };
-        let (latents, steps) = self.core.denoise(
-            ("transformer", &models.transformer),
-            denoising,
-            &call_inputs,
-            |_, t, inputs| {
-                inputs.insert("timestep", timestep_tensor(t, total, dtype, device)?);
-                Ok(variant.to_string())
+        let conditioning = Conditioning {
+            embeds: positive.embeds,
+            pooled: positive.pooled,
+            guidance,
+            rope,
+            true_cfg: match negative {
+                Some(neg) => Some((neg.embeds, neg.pooled, scalar(args.true_cfg_scale, device)?)),
+                None => None,
             },
-            |tr, a| {
-                let rope = a.rope()?;
-                let predict = |embeds: &str, pooled: &str| {
+        };
+        let variant = if conditioning.true_cfg.is_some() {
+            "flux.true_cfg"
+        } else {
+            "flux"
+        };
+        let denoising = args.denoising(&scheduler, &timesteps, latents);
+        let prepare = timestep_steps(variant, total, dtype, device);
+        let transformer = ("transformer", &models.transformer);
+        let (latents, steps) = self
+            .core
+            .denoise(transformer, denoising, &conditioning, prepare, |tr, s| {
+                let c = &s.constants;
+                let predict = |encoder_hidden_states, pooled_projections| {
                     tr.forward(&FluxTransformerInputs {
-                        hidden_states: a.get("latents")?,
-                        encoder_hidden_states: a.get(embeds)?,
-                        pooled_projections: a.get(pooled)?,
-                        timestep: a.get("timestep")?,
-                        guidance: a.opt("guidance"),
-                        rope: &rope,
+                        hidden_states: &s.latents,
+                        encoder_hidden_states,
+                        pooled_projections,
+                        timestep: &s.step,
+                        guidance: c.guidance.as_ref(),
+                        rope: &c.rope,
                     })
                 };
-                let pos = predict("embeds", "pooled")?;
-                match a.opt("true_cfg_scale") {
-                    None => Ok(pos),
-                    Some(scale) => {
-                        let neg = predict("negative.embeds", "negative.pooled")?;
-                        Ok(neg.add(&mul_scale(&pos.sub(&neg)?, scale)?)?)
-                    }
-                }
-            },
-        )?;
+                let pos = predict(&c.embeds, &c.pooled)?;
+                let Some((embeds, pooled, scale)) = &c.true_cfg else {
+                    return Ok(pos);
+                };
+                Ok(guided(&predict(embeds, pooled)?, &pos, scale)?)
+            })?;
 
         let times = (start, text_encoding, steps);
         finish_call(args.output_type, latents, (h * vsf, w * vsf), times, warnings, |l| {
@@ -393,11 +361,26 @@ impl FluxPipeline {
     }
 }
 
-impl Pipeline for FluxPipeline {
-    fn class(&self) -> &'static PipelineClass {
-        &CLASS
-    }
+/// What every FLUX.1 step reads besides its latents and timestep (a compiled step's arguments):
+/// the prompt's embeddings, the guidance, the rotary tables and, with true CFG, the negative
+/// embeddings and the scale.
+#[derive(Clone)]
+struct Conditioning {
+    embeds: Tensor,
+    pooled: Tensor,
+    guidance: Option<Tensor>,
+    rope: RopeTables,
+    true_cfg: Option<(Tensor, Tensor, Tensor)>,
+}
+impl_tensors!(Conditioning {
+    embeds,
+    pooled,
+    guidance,
+    rope,
+    true_cfg
+});
 
+impl Pipeline for FluxPipeline {
     fn generate(
         &mut self,
         call: GenerateCall<'_>,
@@ -424,7 +407,8 @@ impl Pipeline for FluxPipeline {
         }
     }
 
-    fn encode_prompt(&mut self, call: &GenerateCall<'_>, settings: &EncodingSettings) -> Result<Embeddings> {
+    fn encode_prompt(&mut self, call: &GenerateCall<'_>, defaults: &CallDefaults) -> Result<Embeddings> {
+        let settings = self.encoding_settings(call, defaults, call.negative_prompt.is_some());
         let prompt = &call.prompt;
         let (negative, negative_2) = negative_texts(
             call.negative_prompt.as_ref(),
@@ -450,12 +434,14 @@ impl Pipeline for FluxPipeline {
         self.transformer_config.guidance_embeds
     }
 
+    /// `default_sample_size · vae_scale_factor`.
     fn default_size(&self) -> usize {
-        FluxPipeline::default_size(self)
+        128 * self.vae_scale_factor()
     }
 
+    /// `2^(len(block_out_channels) − 1)`.
     fn vae_scale_factor(&self) -> usize {
-        FluxPipeline::vae_scale_factor(self)
+        1 << self.vae_config.block_out_channels.len().saturating_sub(1)
     }
 }
 

@@ -79,10 +79,6 @@ impl Flux2Pipeline {
 }
 
 impl Pipeline for Flux2Pipeline {
-    fn class(&self) -> &'static PipelineClass {
-        &CLASS
-    }
-
     fn uses_guidance(&self, _: f64) -> bool {
         self.base.transformer_config.guidance_embeds
     }

@@ -11,7 +11,7 @@ use kiln_models::mistral::FLUX2_HIDDEN_STATES;
 use kiln_models::qwen3::FLUX2_KLEIN_HIDDEN_STATES;
 use kiln_models::text_decoder::{TextDecoderArch, TextDecoderConfig, TextDecoderModel};
 use kiln_models::transformer_flux2::{Flux2Transformer2DModel, Flux2TransformerInputs};
-use kiln_nn::Args;
+use kiln_nn::{impl_tensors, RopeTables};
 use kiln_schedulers::{
     compute_empirical_mu, flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
 };
@@ -19,11 +19,12 @@ use kiln_tensor::{Device, MemoryKind, Tensor};
 use kiln_tokenizers::{Encoded, MistralTokenizer, Qwen3Tokenizer};
 
 use crate::call::{
-    check_packed_size, finish_call, mul_scale, pipeline_call, scalar, timestep_tensor, OutputType, PipelineOutput,
+    check_packed_size, finish_call, guided, pipeline_call, scalar, schedule, starting_latents, timestep_steps,
+    PipelineOutput,
 };
 use crate::error::{invalid, Result};
-use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, CallStart, Denoising, PipelineCore};
+use crate::loading::{LoadOptions, ModelFolder};
+use crate::pipeline::{components, CallStart, PipelineCore};
 
 pipeline_call! {
     /// The arguments of a `Flux2Pipeline` call, with diffusers' defaults (50 steps, guidance 4.0,
@@ -135,6 +136,23 @@ pub(crate) struct Flux2Base {
     vae_config: AutoencoderKLFlux2Config,
     scheduler_config: FlowMatchEulerDiscreteSchedulerConfig,
 }
+
+/// What every FLUX.2 step reads besides its latents and timestep (a compiled step's arguments):
+/// the prompt's embeddings, [dev]'s embedded guidance, the rotary tables and, with [klein]'s CFG,
+/// the negative embeddings, their tables and the scale.
+#[derive(Clone)]
+struct Conditioning {
+    embeds: Tensor,
+    guidance: Option<Tensor>,
+    rope: RopeTables,
+    cfg: Option<(Tensor, RopeTables, Tensor)>,
+}
+impl_tensors!(Conditioning {
+    embeds,
+    guidance,
+    rope,
+    cfg
+});
 
 impl Flux2Base {
     /// Opens a FLUX.2 folder whose `model_index.json` names `class` and, unless null, a text
@@ -388,19 +406,10 @@ impl Flux2Base {
         // 4. Latents, drawn in the patchified shape, and the ids: text (0, 0, 0, l), image (0, h, w, 0).
         let (gh, gw) = (height / (vsf * 2), width / (vsf * 2));
         let seq = gh * gw;
-        let latents = match args.latents.take() {
-            Some(l) if l.dims() != [total, channels, gh, gw] => {
-                return Err(invalid(format!(
-                    "`latents` must be patchified latents of shape [{total}, {channels}, {gh}, {gw}], got {}",
-                    l.shape()
-                )))
-            }
-            Some(l) => pack_latents(&l.to_device(device)?.to_dtype(dtype)?)?,
-            None => {
-                let shape = [total, channels, gh, gw];
-                pack_latents(&initial_noise(shape, args.seed, args.seeds.as_deref(), dtype, device)?)?
-            }
-        };
+        let (given, shape) = (args.latents.take(), [total, channels, gh, gw]);
+        let what = "be patchified latents of shape";
+        let noise = || args.noise(shape, dtype, device);
+        let latents = pack_latents(&starting_latents(given, (&shape, what), (device, dtype), noise)?)?;
         let image_ids = latent_ids(gh, gw);
         let rope_for = |embeds: &Tensor| models.transformer.rope(&text_ids(embeds.dims()[1]), &image_ids, device);
         let rope = rope_for(&prompt_embeds)?;
@@ -419,58 +428,42 @@ impl Flux2Base {
             Some(g) => Some(Tensor::from_slice(&vec![g as f32; total], [total], device)?),
             None => None,
         };
-        let mut call_inputs = Args::new()
-            .with("embeds", &prompt_embeds)
-            .with_opt("guidance", guidance_values.as_ref())
-            .with_rope(&rope);
-        if let Some(neg) = &negative {
-            let neg_rope = negative_rope.as_ref().unwrap_or(&rope);
-            call_inputs = call_inputs
-                .with("negative.embeds", neg)
-                .with("negative.rope.cos", &neg_rope.cos)
-                .with("negative.rope.sin", &neg_rope.sin)
-                .with("cfg_scale", &scalar(scale, device)?);
-        }
-        let variant = if negative.is_some() { "flux2.cfg" } else { "flux2" };
-        let denoising = Denoising {
-            scheduler: &scheduler,
-            timesteps: &timesteps,
-            latents,
-            progress: args.progress,
-            callback: &mut args.callback,
-            decodes: args.output_type == OutputType::Image,
+        let conditioning = Conditioning {
+            embeds: prompt_embeds,
+            guidance: guidance_values,
+            rope: rope.clone(),
+            cfg: match negative {
+                Some(neg) => Some((neg, negative_rope.unwrap_or(rope), scalar(scale, device)?)),
+                None => None,
+            },
         };
-        let prepare = |_: usize, t: f32, inputs: &mut Args| -> Result<String> {
-            inputs.insert("timestep", timestep_tensor(t, total, dtype, device)?);
-            Ok(variant.to_string())
+        let variant = if conditioning.cfg.is_some() {
+            "flux2.cfg"
+        } else {
+            "flux2"
         };
-        let (latents, steps) = self.core.denoise(
-            ("transformer", &models.transformer),
-            denoising,
-            &call_inputs,
-            prepare,
-            |tr, a| {
-                let predict = |embeds: &str, rope: kiln_nn::RopeTables| {
+        let denoising = args.denoising(&scheduler, &timesteps, latents);
+        let prepare = timestep_steps(variant, total, dtype, device);
+        let transformer = ("transformer", &models.transformer);
+        let (latents, steps) = self
+            .core
+            .denoise(transformer, denoising, &conditioning, prepare, |tr, s| {
+                let c = &s.constants;
+                let predict = |encoder_hidden_states, rope| {
                     tr.forward(&Flux2TransformerInputs {
-                        hidden_states: a.get("latents")?,
-                        encoder_hidden_states: a.get(embeds)?,
-                        timestep: a.get("timestep")?,
-                        guidance: a.opt("guidance"),
-                        rope: &rope,
+                        hidden_states: &s.latents,
+                        encoder_hidden_states,
+                        timestep: &s.step,
+                        guidance: c.guidance.as_ref(),
+                        rope,
                     })
                 };
-                let cond = predict("embeds", a.rope()?)?;
-                let Some(scale) = a.opt("cfg_scale") else {
+                let cond = predict(&c.embeds, &c.rope)?;
+                let Some((embeds, rope, scale)) = &c.cfg else {
                     return Ok(cond);
                 };
-                let negative_rope = kiln_nn::RopeTables {
-                    cos: a.get("negative.rope.cos")?.clone(),
-                    sin: a.get("negative.rope.sin")?.clone(),
-                };
-                let neg = predict("negative.embeds", negative_rope)?;
-                Ok(neg.add(&mul_scale(&cond.sub(&neg)?, scale)?)?)
-            },
-        )?;
+                Ok(guided(&predict(embeds, rope)?, &cond, scale)?)
+            })?;
 
         let times = (start, text_encoding, steps);
         finish_call(
@@ -494,10 +487,7 @@ impl Flux2Base {
     ) -> Result<FlowMatchEulerDiscreteScheduler> {
         let sigmas = sigmas.map_or_else(|| flux_default_sigmas(num_inference_steps), <[f64]>::to_vec);
         let mu = compute_empirical_mu(image_seq_len, num_inference_steps);
-        let mut scheduler = FlowMatchEulerDiscreteScheduler::new(self.scheduler_config.clone())?;
-        scheduler.set_timesteps(sigmas.len(), Some(&sigmas), Some(mu))?;
-        scheduler.set_begin_index(0);
-        Ok(scheduler)
+        Ok(schedule(&self.scheduler_config, sigmas.len(), Some(&sigmas), Some(mu))?.0)
     }
 
     pub(crate) fn vae(&self) -> Option<&AutoencoderKLFlux2> {
@@ -653,14 +643,6 @@ macro_rules! flux2_shared_methods {
         pub fn has_text_encoder(&self) -> bool {
             self.base.has_text_encoder()
         }
-        /// `2^(len(block_out_channels) − 1)`.
-        pub fn vae_scale_factor(&self) -> usize {
-            self.base.vae_scale_factor()
-        }
-        /// `default_sample_size (128) · vae_scale_factor`: the size used when height/width are 0.
-        pub fn default_size(&self) -> usize {
-            self.base.default_size()
-        }
         pub fn transformer_config(&self) -> &kiln_io::Flux2TransformerConfig {
             &self.base.transformer_config
         }
@@ -761,8 +743,9 @@ macro_rules! flux2_pipeline_methods {
         fn encode_prompt(
             &mut self,
             call: &$crate::GenerateCall<'_>,
-            settings: &$crate::EncodingSettings,
+            defaults: &$crate::CallDefaults,
         ) -> $crate::Result<$crate::Embeddings> {
+            let settings = $crate::Pipeline::encoding_settings(self, call, defaults, false);
             $crate::pipeline::PipelineParts::ensure_loaded(self)?;
             let layers = self.base.out_layers(call.text_encoder_out_layers.as_deref());
             let msl = settings.max_sequence_length;
@@ -787,16 +770,21 @@ macro_rules! flux2_pipeline_methods {
             prompt: &str,
             max_sequence_length: usize,
             device: &kiln_tensor::Device,
-        ) -> $crate::Result<kiln_tensor::Tensor> {
+        ) -> $crate::Result<Option<kiln_tensor::Tensor>> {
             let layers = self.base.out_layers(None);
-            self.base
-                .encode_prompt_text_encoder_only(&[prompt.to_string()], max_sequence_length, &layers, device)
+            let prompt = [prompt.to_string()];
+            let embeds = self
+                .base
+                .encode_prompt_text_encoder_only(&prompt, max_sequence_length, &layers, device);
+            embeds.map(Some)
         }
 
+        /// `default_sample_size (128) · vae_scale_factor`.
         fn default_size(&self) -> usize {
             self.base.default_size()
         }
 
+        /// `2^(len(block_out_channels) − 1)`.
         fn vae_scale_factor(&self) -> usize {
             self.base.vae_scale_factor()
         }

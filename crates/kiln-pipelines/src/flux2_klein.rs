@@ -126,10 +126,6 @@ impl Flux2KleinPipeline {
 }
 
 impl Pipeline for Flux2KleinPipeline {
-    fn class(&self) -> &'static PipelineClass {
-        &CLASS
-    }
-
     fn uses_guidance(&self, scale: f64) -> bool {
         self.does_cfg(scale)
     }

@@ -43,5 +43,5 @@ pub use offload::{ComponentMemory, OffloadMode, OffloadPlan};
 pub use pipeline::{Components, DiffusionPipeline, PipelineCore, PipelineParts};
 pub use record::{RunOptions, RunRecord};
 pub use registry::register;
-pub use sd3::{StableDiffusion3Call, StableDiffusion3Embeddings, StableDiffusion3Pipeline};
+pub use sd3::{StableDiffusion3Call, StableDiffusion3Pipeline};
 pub use seam::{CallDefaults, Pipeline, PipelineClass, PipelineKind, COMMON_ARGUMENTS};

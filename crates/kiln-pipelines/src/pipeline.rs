@@ -8,11 +8,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kiln_io::Checkpoint;
-use kiln_nn::{Args, CompileMode, Compiled, Model, Module, OffloadLog, OffloadMode, RunConfig, Weights};
+use kiln_nn::tensors::Flat;
+use kiln_nn::{
+    impl_tensors, CompileMode, Compiled, Model, Module, OffloadLog, OffloadMode, RunConfig, Tensors, Weights,
+};
 use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 
-use crate::call::{euler_step_outputs, StepCallback, StepState};
+use crate::call::{euler_step, StepCallback, StepState};
 use crate::error::{invalid, PipelineError, Result};
 use crate::offload::{
     free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadPlan, Offloader, Placing,
@@ -86,31 +89,23 @@ enum Next {
     Same,
 }
 
-/// What a component's run gives back: with offload, its tensors are awaited before the
-/// component's weights leave the device (so that nothing still reads them).
-pub(crate) trait Results {
-    fn tensors(&self) -> Vec<Tensor>;
+/// A denoising step's inputs, a compiled step's arguments: what every step reads (`constants`:
+/// embeddings, guidance scales, ...), the latents, the scheduler's step size `dt` (an f32
+/// scalar), and the step's own inputs (`step`: its timestep, ...).
+pub(crate) struct StepInputs<C, S> {
+    pub constants: C,
+    pub latents: Tensor,
+    pub dt: Tensor,
+    pub step: S,
 }
+impl_tensors!([C, S] StepInputs<C, S> { constants, latents, dt, step });
 
-impl Results for Tensor {
-    fn tensors(&self) -> Vec<Tensor> {
-        vec![self.clone()]
-    }
+/// A denoising step's results: the scheduler's next latents and the guided prediction.
+struct StepOutputs {
+    latents: Tensor,
+    noise_pred: Tensor,
 }
-
-impl<A: Results, B: Results> Results for (A, B) {
-    fn tensors(&self) -> Vec<Tensor> {
-        let mut all = self.0.tensors();
-        all.extend(self.1.tensors());
-        all
-    }
-}
-
-impl Results for Args {
-    fn tensors(&self) -> Vec<Tensor> {
-        Args::tensors(self).cloned().collect()
-    }
-}
+impl_tensors!(StepOutputs { latents, noise_pred });
 
 /// The loop of a denoising call: the schedule, the starting latents, the progress and callback,
 /// and whether the latents are decoded afterwards.
@@ -168,10 +163,6 @@ impl<C: Components> PipelineCore<C> {
 
     pub(crate) fn dtype(&self) -> DType {
         self.dtype
-    }
-
-    pub(crate) fn root(&self) -> &Path {
-        &self.root
     }
 
     /// The weights of component `name` for loading into `memory` of `device`.
@@ -235,7 +226,7 @@ impl<C: Components> PipelineCore<C> {
     /// weights reach the device first (the previous component's results are awaited before its
     /// weights leave), and the transfer of the component after it in run order starts while `f`
     /// runs. Running out of device memory names the component.
-    pub(crate) fn run<M: Module + Clone, T: Results>(
+    pub(crate) fn run<M: Module + Clone, T: Tensors>(
         &self,
         name: &'static str,
         model: &M,
@@ -244,7 +235,7 @@ impl<C: Components> PipelineCore<C> {
         self.run_then(name, model, Next::InOrder, f)
     }
 
-    fn run_then<M: Module + Clone, T: Results>(
+    fn run_then<M: Module + Clone, T: Tensors>(
         &self,
         name: &'static str,
         model: &M,
@@ -261,16 +252,15 @@ impl<C: Components> PipelineCore<C> {
         let next = next.and_then(|n| Some((n, components.find(n)?)));
         let entered = offloader.enter(name, model, next).map_err(|e| self.oom(name, e))?;
         let results = f(&entered).map_err(|e| self.oom(name, e))?;
-        offloader.produced(name, results.tensors());
+        offloader.produced(name, Flat::of(&results).tensors);
         Ok(results)
     }
 
-    /// The denoising loop on the denoiser `name` (`model`): at each timestep `prepare(i, t,
-    /// inputs)` adds the step's own inputs to `inputs` — `constants` (what every step reads:
-    /// embeddings, guidance scales, ...), `latents` and `dt` (an f32 scalar) — and names the step's
-    /// variant; `predict(model, inputs)` is the guided prediction, after which the scheduler's
-    /// Euler step gives the next latents. Then the step callback, timing and progress. Returns the
-    /// final latents and each step's time (each step waits for its latents).
+    /// The denoising loop on the denoiser `name` (`model`): at each timestep `prepare(i, t)` names
+    /// the step's variant and gives its own inputs; `predict(model, inputs)` is the guided
+    /// prediction ([`StepInputs`]: `constants` and those), after which the scheduler's Euler step
+    /// gives the next latents. Then the step callback, timing and progress. Returns the final
+    /// latents and each step's time (each step waits for its latents).
     ///
     /// When the model is compiled whole ([`CompileMode::Full`]), each step — every model call of
     /// the guidance, the guidance and the Euler step — is one program per variant and input
@@ -278,13 +268,13 @@ impl<C: Components> PipelineCore<C> {
     /// the inputs' shapes that changes what the step does (skipped layers, ...), and `predict` must
     /// read tensors only from the model and the inputs: a captured tensor would be frozen into the
     /// program, so a capture is an error.
-    pub(crate) fn denoise<M: Model + Clone>(
+    pub(crate) fn denoise<M: Model + Clone, K: Tensors + Clone, S: Tensors>(
         &self,
         (name, model): (&'static str, &M),
         run: Denoising<'_, '_, '_>,
-        constants: &Args,
-        mut prepare: impl FnMut(usize, f32, &mut Args) -> Result<String>,
-        predict: impl Fn(&M, &Args) -> kiln_nn::Result<Tensor>,
+        constants: &K,
+        mut prepare: impl FnMut(usize, f32) -> Result<(String, S)>,
+        predict: impl Fn(&M, &StepInputs<K, S>) -> kiln_nn::Result<Tensor>,
     ) -> Result<(Tensor, Vec<Duration>)> {
         let steps = run.timesteps.len();
         let mut bar = crate::progress::step_bar(steps, run.progress);
@@ -293,16 +283,25 @@ impl<C: Components> PipelineCore<C> {
         for (i, &t) in run.timesteps.iter().enumerate() {
             let started = Instant::now();
             let dt = Tensor::from_f32(&[run.scheduler.dt(i)?], DType::F32, [], latents.device())?;
-            let mut inputs = constants.clone().with("latents", &latents).with("dt", &dt);
-            let variant = prepare(i, t, &mut inputs)?;
+            let (variant, step) = prepare(i, t)?;
+            let inputs = StepInputs {
+                constants: constants.clone(),
+                latents: latents.clone(),
+                dt,
+                step,
+            };
             // The decoder's transfer may start during the last step.
             let next = if i + 1 == steps && run.decodes {
                 Next::InOrder
             } else {
                 Next::Same
             };
-            let step = |m: &M, a: &Args| euler_step_outputs(a, predict(m, a)?);
-            let mut out = self.run_then(name, model, next, |m| {
+            let step = |m: &M, a: &StepInputs<K, S>| -> kiln_nn::Result<StepOutputs> {
+                let noise_pred = predict(m, a)?;
+                let latents = euler_step(&a.latents, &noise_pred, &a.dt)?;
+                Ok(StepOutputs { latents, noise_pred })
+            };
+            let out = self.run_then(name, model, next, |m| {
                 if m.compile_mode() != CompileMode::Full {
                     return Ok(step(m, &inputs)?);
                 }
@@ -315,8 +314,8 @@ impl<C: Components> PipelineCore<C> {
                     ))),
                 }
             })?;
-            let noise_pred = out.take("noise_pred")?;
-            latents = out.take("latents")?;
+            let noise_pred = out.noise_pred;
+            latents = out.latents;
             if let Some(cb) = run.callback.as_mut() {
                 let mut state = StepState {
                     step: i,

@@ -1,7 +1,7 @@
 //! The core on a pipeline that is none of kiln's: three components declared in run order, whose
 //! order alone drives offload (no code of this pipeline moves a weight).
 
-use kiln_nn::{impl_model, impl_module, Args, Compiled, OffloadEvent};
+use kiln_nn::{impl_model, impl_module, Compiled, OffloadEvent};
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 
 use super::{DiffusionPipeline, PipelineCore, PipelineParts};
@@ -28,9 +28,9 @@ impl Layer {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.compiled.whole("", self, Args::new().with("x", x), |m, a| {
-            Ok(a.get("x")?.matmul(&m.weight)?.tanh()?)
-        })?)
+        Ok(self
+            .compiled
+            .whole("", self, x.clone(), |m, x: &Tensor| Ok(x.matmul(&m.weight)?.tanh()?))?)
     }
 }
 

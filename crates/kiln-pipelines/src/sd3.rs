@@ -7,22 +7,28 @@ use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_sd3::{SD3Transformer2DModel, SD3TransformerInputs};
-use kiln_nn::Args;
-use kiln_schedulers::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
+use kiln_nn::impl_tensors;
+use kiln_schedulers::FlowMatchEulerDiscreteSchedulerConfig;
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
-use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
+use kiln_tokenizers::{ClipTokenizer, T5Tokenizer};
 
 use crate::arguments::GenerateCall;
 use crate::call::{
-    check_same_shape, finish_call, mul_scale, pipeline_call, scalar, shown, Encoded, OutputType, PipelineOutput,
+    check_finite, check_same_shape, finish_call, guided, mul_scale, pipeline_call, scalar, schedule, shown,
+    starting_latents, PipelineOutput,
 };
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
-use crate::loading::{initial_noise, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, CallStart, Denoising, PipelineCore, PipelineParts};
+use crate::loading::{LoadOptions, ModelFolder};
+use crate::pipeline::{components, pipeline_parts, CallStart, PipelineCore, PipelineParts};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
+mod prompt;
+
 const CLIP_MAX_LENGTH: usize = 77;
+
+/// A text encoding's embeddings and pooled vectors.
+type Pair = (Tensor, Tensor);
 
 pipeline_call! {
     /// The arguments of a `StableDiffusion3Pipeline` call, with diffusers' defaults. `prompt_2` is
@@ -50,18 +56,6 @@ impl StableDiffusion3Call<'_> {
     fn do_classifier_free_guidance(&self) -> bool {
         self.guidance_scale > 1.0
     }
-}
-
-/// What `encode_prompt` returns: the transformer's text inputs, each `[B·n, …]`.
-pub struct StableDiffusion3Embeddings {
-    /// `[B·n, 77 + max_sequence_length, joint_attention_dim]`: CLIP-L ‖ CLIP-G penultimate states
-    /// zero-padded to the T5 width, then the T5 states.
-    pub prompt_embeds: Tensor,
-    /// `[B·n, proj_L + proj_G]`.
-    pub pooled_prompt_embeds: Tensor,
-    /// The same for the negative prompts, with classifier-free guidance.
-    pub negative_prompt_embeds: Option<Tensor>,
-    pub negative_pooled_prompt_embeds: Option<Tensor>,
 }
 
 /// `StableDiffusion3Pipeline` in the registry.
@@ -177,187 +171,40 @@ impl StableDiffusion3Pipeline {
             Some(config) => Some(T5EncoderModel::load(config, &w("text_encoder_3")?)?),
             None => None,
         };
-        let models = StableDiffusion3Components {
-            text_encoder: ClipTextModel::load(&self.clip_config, &w("text_encoder")?)?,
-            text_encoder_2: ClipTextModel::load(&self.clip_2_config, &w("text_encoder_2")?)?,
+        Ok(StableDiffusion3Components {
+            text_encoder: ClipTextModel::load_with_projection(&self.clip_config, &w("text_encoder")?)?,
+            text_encoder_2: ClipTextModel::load_with_projection(&self.clip_2_config, &w("text_encoder_2")?)?,
             text_encoder_3,
             transformer: SD3Transformer2DModel::load(&self.transformer_config, &w("transformer")?)?,
             vae: AutoencoderKL::load(&self.vae_config, &w("vae")?)?,
-        };
-        for (name, model) in [
-            ("text_encoder", &models.text_encoder),
-            ("text_encoder_2", &models.text_encoder_2),
-        ] {
-            if !model.has_projection() {
-                return Err(invalid(format!(
-                    "{name}: CLIPTextModelWithProjection needs `text_projection.weight`, which {} lacks",
-                    self.core.root().join(name).display()
-                )));
-            }
-        }
-        Ok(models)
+        })
     }
 
     /// The loaded transformer (`pipe.transformer`); `None` before the pipeline is placed.
     pub fn transformer_mut(&mut self) -> Option<&mut SD3Transformer2DModel> {
         self.core.components_mut().map(|m| &mut m.transformer)
     }
-    /// `2^(len(block_out_channels) − 1)`.
-    pub fn vae_scale_factor(&self) -> usize {
-        1 << self.vae_config.block_out_channels.len().saturating_sub(1)
-    }
-    /// `sample_size · vae_scale_factor`: the size used when height/width are 0.
-    pub fn default_size(&self) -> usize {
-        self.transformer_config.sample_size * self.vae_scale_factor()
-    }
     pub fn transformer_config(&self) -> &SD3Transformer2DConfig {
         &self.transformer_config
     }
 
     /// `encode_prompt`: the prompt (and, with classifier-free guidance, negative prompt) states
-    /// of `call`'s prompts, repeated per image (prompt-major order). Loads the models on the CPU if
-    /// `to` was not called.
-    pub fn encode_prompt(&mut self, call: &StableDiffusion3Call<'_>) -> Result<StableDiffusion3Embeddings> {
+    /// of `call`'s prompts, repeated per image (prompt-major order): `[B·n, 77 +
+    /// max_sequence_length, joint_attention_dim]` (CLIP-L ‖ CLIP-G penultimate states zero-padded
+    /// to the T5 width, then the T5 states) and the pooled `[B·n, proj_L + proj_G]`. Loads the
+    /// models on the CPU if `to` was not called.
+    pub fn encode_prompt(&mut self, call: &StableDiffusion3Call<'_>) -> Result<Embeddings> {
         self.check_inputs(call, self.default_size(), self.default_size())?;
         self.ensure_loaded()?;
         let _finish = self.core.begin_call()?;
-        self.encode_with(call)
-    }
-
-    /// [`Self::encode_prompt`] after the checks.
-    fn encode_with(&self, call: &StableDiffusion3Call<'_>) -> Result<StableDiffusion3Embeddings> {
-        let (_, device) = self.core.loaded()?;
-        let (batch, dtype) = (call.batch(), self.core.dtype());
-        let cfg = call.do_classifier_free_guidance();
-        // diffusers uses given embeddings as they are (no repetition per image).
-        let given = |e: &Option<Tensor>, pooled: &Option<Tensor>| -> Result<Option<(Tensor, Tensor)>> {
-            let (Some(e), Some(p)) = (e, pooled) else {
-                return Ok(None);
-            };
-            let up = |t: &Tensor| -> Result<Tensor> { Ok(t.to_device(device)?.to_dtype(dtype)?) };
-            Ok(Some((up(e)?, up(p)?)))
-        };
-        let positive = given(&call.prompt_embeds, &call.pooled_prompt_embeds)?;
-        let negative = match cfg {
-            true => given(&call.negative_prompt_embeds, &call.negative_pooled_prompt_embeds)?,
-            false => None,
-        };
-        let mut sets: Vec<([&Vec<String>; 3], Option<usize>)> = Vec::new();
-        if positive.is_none() {
-            let Some(prompt) = &call.prompt else {
-                return Err(invalid("Provide either `prompt` or `prompt_embeds`."));
-            };
-            let (prompt_2, prompt_3) = (call.prompt_2.as_ref(), call.prompt_3.as_ref());
-            sets.push((
-                [prompt, prompt_2.unwrap_or(prompt), prompt_3.unwrap_or(prompt)],
-                call.clip_skip,
-            ));
-        }
-        let negatives = (cfg && negative.is_none())
-            .then(|| negative_texts(call, batch))
-            .transpose()?;
-        if let Some([negative, negative_2, negative_3]) = &negatives {
-            // diffusers quirk: negative prompts always use the penultimate CLIP layer (clip_skip ignored).
-            sets.push(([negative, negative_2, negative_3], None));
-        }
-        let mut encoded = self.encode_texts(&sets, call)?.into_iter();
-        let mut next = || encoded.next().expect("one encoding per set");
-        let (prompt_embeds, pooled_prompt_embeds) = positive.unwrap_or_else(&mut next);
-        let (negative_prompt_embeds, negative_pooled_prompt_embeds) =
-            cfg.then(|| negative.unwrap_or_else(&mut next)).unzip();
-        Ok(StableDiffusion3Embeddings {
+        let ((prompt_embeds, pooled), negative) = self.encode_with(call)?;
+        let (negative_prompt_embeds, negative_pooled) = negative.unzip();
+        Ok(Embeddings {
             prompt_embeds,
-            pooled_prompt_embeds,
+            pooled_prompt_embeds: Some(pooled),
             negative_prompt_embeds,
-            negative_pooled_prompt_embeds,
+            negative_pooled_prompt_embeds: negative_pooled,
         })
-    }
-
-    /// CLIP-L, CLIP-G and T5 on each set's prompts (each encoder entered once however many sets
-    /// there are, with the set's `clip_skip`), assembled into `(prompt_embeds, pooled)` and
-    /// repeated per image.
-    fn encode_texts(
-        &self,
-        sets: &[([&Vec<String>; 3], Option<usize>)],
-        call: &StableDiffusion3Call<'_>,
-    ) -> Result<Vec<(Tensor, Tensor)>> {
-        let (models, device) = self.core.loaded()?;
-        let (n, max_sequence_length) = (call.num_images_per_prompt, call.max_sequence_length);
-        for ([prompt, prompt_2, prompt_3], _) in sets {
-            for (name, v) in [("prompt_2", prompt_2), ("prompt_3", prompt_3)] {
-                if v.len() != prompt.len() {
-                    return Err(invalid(format!(
-                        "`{name}` has {} entries but `prompt` has {}: give one per prompt",
-                        v.len(),
-                        prompt.len()
-                    )));
-                }
-            }
-        }
-        let clip = |component, k: usize| -> Result<Vec<Encoded>> {
-            sets.iter()
-                .map(|(prompts, clip_skip)| self.clip_states(component, prompts[k], *clip_skip))
-                .collect()
-        };
-        let (clip_l, clip_g) = (clip("text_encoder", 0)?, clip("text_encoder_2", 1)?);
-        let joint = self.transformer_config.joint_attention_dim;
-        let mut out = Vec::with_capacity(sets.len());
-        for ((([_, _, prompt_3], _), l), g) in sets.iter().zip(clip_l).zip(clip_g) {
-            let t5 = match (&models.text_encoder_3, &self.tokenizer_3) {
-                (Some(model), Some(tokenizer)) => {
-                    let texts: Vec<&str> = prompt_3.iter().map(String::as_str).collect();
-                    let ids = tokenizer.encode_batch(&texts, max_sequence_length)?;
-                    let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
-                    self.core.run("text_encoder_3", model, |t5| {
-                        let states = t5.forward_with_host_ids(&t, &ids.input_ids, false)?.last_hidden_state;
-                        Ok(states.to_dtype(self.core.dtype())?)
-                    })?
-                }
-                // No T5: zeros of the sequence length still take positions 77.. (diffusers).
-                _ => Tensor::zeros([prompt_3.len(), max_sequence_length, joint], self.core.dtype(), device)?,
-            };
-            let clip = Tensor::cat(&[&l.embeds, &g.embeds], -1)?;
-            let clip_width = clip.dims()[2];
-            let clip = clip.pad(&[(0, 0), (0, 0), (0, joint - clip_width)], 0.0)?;
-            let embeds = Tensor::cat(&[&clip, &t5], 1)?;
-            let pooled = Tensor::cat(&[&l.pooled, &g.pooled], -1)?;
-            out.push((embeds.repeat_interleave(n, 0)?, pooled.repeat_interleave(n, 0)?));
-        }
-        Ok(out)
-    }
-
-    /// One CLIP branch: `hidden_states[-(clip_skip + 2)]` (the penultimate layer by default, no
-    /// final LayerNorm) and the projected pooled output.
-    fn clip_states(&self, component: &'static str, prompt: &[String], clip_skip: Option<usize>) -> Result<Encoded> {
-        let (models, device) = self.core.loaded()?;
-        let (model, tokenizer) = match component {
-            "text_encoder" => (&models.text_encoder, &self.tokenizer),
-            _ => (&models.text_encoder_2, &self.tokenizer_2),
-        };
-        let texts: Vec<&str> = prompt.iter().map(String::as_str).collect();
-        let ids = tokenizer.encode_batch(&texts, CLIP_MAX_LENGTH)?;
-        let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
-        let (embeds, pooled) = self.core.run(component, model, |clip| {
-            let mut out = clip.forward_with_host_ids(&t, &ids.input_ids, true)?;
-            let back = clip_skip.unwrap_or(0).saturating_add(2);
-            let layers = out.hidden_states.len() - 1;
-            if back > out.hidden_states.len() {
-                return Err(invalid(format!(
-                    "`clip_skip` {} is too large: {component} has {layers} layers, so at most {} can be skipped",
-                    clip_skip.unwrap_or(0),
-                    layers.saturating_sub(1)
-                )));
-            }
-            let embeds = out.hidden_states.swap_remove(out.hidden_states.len() - back);
-            let pooled = out.text_embeds.ok_or_else(|| {
-                invalid(format!(
-                    "{component}: CLIPTextModelWithProjection has no text_projection"
-                ))
-            })?;
-            // diffusers casts both CLIP branches to text_encoder's dtype (the pipeline's dtype here).
-            Ok((embeds.to_dtype(self.core.dtype())?, pooled))
-        })?;
-        Ok(Encoded { embeds, pooled })
     }
 
     /// Runs the pipeline (`pipe(prompt=..., ...)`).
@@ -384,13 +231,13 @@ impl StableDiffusion3Pipeline {
             .start_call(args.nonempty_batch(), args.num_images_per_prompt)?;
         let do_cfg = args.do_classifier_free_guidance();
         let t0 = Instant::now();
-        let encoded = self.encode_with(&args)?;
-        let (embeds, pooled) = match (&encoded.negative_prompt_embeds, &encoded.negative_pooled_prompt_embeds) {
-            (Some(ne), Some(np)) if do_cfg => (
-                Tensor::cat(&[ne, &encoded.prompt_embeds], 0)?,
-                Tensor::cat(&[np, &encoded.pooled_prompt_embeds], 0)?,
+        let ((prompt_embeds, prompt_pooled), negative) = self.encode_with(&args)?;
+        let (embeds, pooled) = match &negative {
+            Some((ne, np)) if do_cfg => (
+                Tensor::cat(&[ne, &prompt_embeds], 0)?,
+                Tensor::cat(&[np, &prompt_pooled], 0)?,
             ),
-            _ => (encoded.prompt_embeds.clone(), encoded.pooled_prompt_embeds.clone()),
+            _ => (prompt_embeds.clone(), prompt_pooled.clone()),
         };
         let cfg_rows = if do_cfg { 2 * total } else { total };
         if embeds.dims()[0] != cfg_rows || pooled.dims()[0] != cfg_rows {
@@ -407,16 +254,10 @@ impl StableDiffusion3Pipeline {
         // 4. Latents.
         let channels = self.transformer_config.in_channels;
         let (h, w) = (height / vsf, width / vsf);
-        let latents = match args.latents.take() {
-            Some(l) if l.dims() != [total, channels, h, w] => {
-                return Err(invalid(format!(
-                    "`latents` must have shape [{total}, {channels}, {h}, {w}], got {}",
-                    l.shape()
-                )))
-            }
-            Some(l) => l.to_device(device)?.to_dtype(dtype)?,
-            None => initial_noise([total, channels, h, w], args.seed, args.seeds.as_deref(), dtype, device)?,
-        };
+        let (given, shape) = (args.latents.take(), [total, channels, h, w]);
+        let latents = starting_latents(given, (&shape, "have shape"), (device, dtype), || {
+            args.noise(shape, dtype, device)
+        })?;
 
         // 5. Timesteps.
         let patch = self.transformer_config.patch_size;
@@ -426,96 +267,78 @@ impl StableDiffusion3Pipeline {
             }
             mu => mu,
         };
-        let mut scheduler = FlowMatchEulerDiscreteScheduler::new(self.scheduler_config.clone())?;
-        let steps = args.sigmas.as_ref().map_or(args.num_inference_steps, Vec::len);
         // diffusers accepts 0 steps: no denoising, the noise itself is decoded.
-        if steps > 0 {
-            scheduler.set_timesteps(steps, args.sigmas.as_deref(), mu)?;
-            scheduler.set_begin_index(0);
-        }
-        let timesteps = if steps == 0 {
-            Vec::new()
-        } else {
-            scheduler.timesteps().to_vec()
-        };
+        let steps = args.sigmas.as_ref().map_or(args.num_inference_steps, Vec::len);
+        let (scheduler, timesteps) = schedule(&self.scheduler_config, steps, args.sigmas.as_deref(), mu)?;
         let num_inference_steps = timesteps.len() as f64;
 
         // 6. Denoising loop: CFG `uncond + g·(text − uncond)`, plus skip-layer guidance
         // `+ slg·(text − skipped)` inside its window.
         let skip_layers = args.skip_guidance_layers.clone().unwrap_or_default();
         let rows = latents.dims()[0];
-        let mut call_inputs = Args::new().with("embeds", &embeds).with("pooled", &pooled);
-        if do_cfg {
-            call_inputs.insert("guidance_scale", scalar(args.guidance_scale, device)?);
-        }
+        let guidance = Guidance {
+            embeds,
+            pooled,
+            scale: do_cfg.then(|| scalar(args.guidance_scale, device)).transpose()?,
+        };
         let (slg, window) = (
             args.skip_layer_guidance_scale,
             (args.skip_layer_guidance_start, args.skip_layer_guidance_stop),
         );
         let skips = do_cfg && args.skip_guidance_layers.is_some();
-        let denoising = Denoising {
-            scheduler: &scheduler,
-            timesteps: &timesteps,
-            latents,
-            progress: args.progress,
-            callback: &mut args.callback,
-            decodes: args.output_type == OutputType::Image,
-        };
-        let prepare = |i: usize, t: f32, inputs: &mut Args| -> Result<String> {
-            inputs.insert(
-                "timestep",
-                Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?,
-            );
+        let denoising = args.denoising(&scheduler, &timesteps, latents);
+        let prepare = |i: usize, t: f32| -> Result<(String, Step)> {
+            let timestep = Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?;
             // diffusers: strict inequalities on the float products.
             let fi = i as f64;
             let in_window = fi > num_inference_steps * window.0 && fi < num_inference_steps * window.1;
             Ok(match (do_cfg, skips && in_window) {
-                (false, _) => "sd3".to_string(),
-                (true, false) => "sd3.cfg".to_string(),
+                (false, _) => ("sd3".to_string(), Step { timestep, skip: None }),
+                (true, false) => ("sd3.cfg".to_string(), Step { timestep, skip: None }),
                 (true, true) => {
-                    inputs.insert("text.embeds", encoded.prompt_embeds.clone());
-                    inputs.insert("text.pooled", encoded.pooled_prompt_embeds.clone());
-                    inputs.insert("skip_layer_guidance_scale", scalar(slg, device)?);
-                    format!("sd3.cfg.skip_layers{skip_layers:?}")
+                    let skip = (prompt_embeds.clone(), prompt_pooled.clone(), scalar(slg, device)?);
+                    (
+                        format!("sd3.cfg.skip_layers{skip_layers:?}"),
+                        Step {
+                            timestep,
+                            skip: Some(skip),
+                        },
+                    )
                 }
             })
         };
-        let (latents, steps) = self.core.denoise(
-            ("transformer", &models.transformer),
-            denoising,
-            &call_inputs,
-            prepare,
-            |tr, a| {
-                let predict = |hidden_states: &Tensor, timestep: &Tensor, text: &str, pooled: &str, skip: &[usize]| {
+        let transformer = ("transformer", &models.transformer);
+        let (latents, steps) = self.core.denoise(transformer, denoising, &guidance, prepare, |tr, s| {
+            let predict =
+                |hidden_states: &Tensor, timestep: &Tensor, text: &Tensor, pooled: &Tensor, skip: &[usize]| {
                     tr.forward(&SD3TransformerInputs {
                         hidden_states,
                         timestep,
-                        encoder_hidden_states: a.get(text)?,
-                        pooled_projections: a.get(pooled)?,
+                        encoder_hidden_states: text,
+                        pooled_projections: pooled,
                         skip_layers: skip,
                     })
                 };
-                let (latents, timestep) = (a.get("latents")?, a.get("timestep")?);
-                let Some(scale) = a.opt("guidance_scale") else {
-                    return predict(latents, timestep, "embeds", "pooled", &[]);
-                };
-                let both = predict(
-                    &Tensor::cat(&[latents, latents], 0)?,
-                    &Tensor::cat(&[timestep, timestep], 0)?,
-                    "embeds",
-                    "pooled",
-                    &[],
-                )?;
-                let halves = both.chunk(2, 0)?;
-                let (uncond, text) = (&halves[0], &halves[1]);
-                let guided = uncond.add(&mul_scale(&text.sub(uncond)?, scale)?)?;
-                let Some(slg_scale) = a.opt("skip_layer_guidance_scale") else {
-                    return Ok(guided);
-                };
-                let skipped = predict(latents, timestep, "text.embeds", "text.pooled", &skip_layers)?;
-                Ok(guided.add(&mul_scale(&text.sub(&skipped)?, slg_scale)?)?)
-            },
-        )?;
+            let (g, latents, timestep) = (&s.constants, &s.latents, &s.step.timestep);
+            let Some(scale) = &g.scale else {
+                return predict(latents, timestep, &g.embeds, &g.pooled, &[]);
+            };
+            let both = predict(
+                &Tensor::cat(&[latents, latents], 0)?,
+                &Tensor::cat(&[timestep, timestep], 0)?,
+                &g.embeds,
+                &g.pooled,
+                &[],
+            )?;
+            let halves = both.chunk(2, 0)?;
+            let (uncond, text) = (&halves[0], &halves[1]);
+            let guided = guided(uncond, text, scale)?;
+            let Some((embeds, pooled, slg_scale)) = &s.step.skip else {
+                return Ok(guided);
+            };
+            let skipped = predict(latents, timestep, embeds, pooled, &skip_layers)?;
+            Ok(guided.add(&mul_scale(&text.sub(&skipped)?, slg_scale)?)?)
+        })?;
 
         let times = (start, text_encoding, steps);
         finish_call(args.output_type, latents, (h * vsf, w * vsf), times, Vec::new(), |l| {
@@ -573,15 +396,11 @@ impl StableDiffusion3Pipeline {
         );
         args.shared_checks(&[prompt_3], &[negative_3])?;
         check_same_shape(args.prompt_embeds.as_ref(), args.negative_prompt_embeds.as_ref())?;
-        for (name, v) in [
+        check_finite(&[
             ("skip_layer_guidance_scale", args.skip_layer_guidance_scale),
             ("skip_layer_guidance_start", args.skip_layer_guidance_start),
             ("skip_layer_guidance_stop", args.skip_layer_guidance_stop),
-        ] {
-            if !v.is_finite() {
-                return Err(invalid(format!("`{name}` must be a finite number, got {v}")));
-            }
-        }
+        ])?;
         if let Some(layers) = &args.skip_guidance_layers {
             let count = self.transformer_config.num_layers;
             if let Some(bad) = layers.iter().find(|&&l| l >= count) {
@@ -595,28 +414,32 @@ impl StableDiffusion3Pipeline {
     }
 }
 
-impl Pipeline for StableDiffusion3Pipeline {
-    fn class(&self) -> &'static PipelineClass {
-        &CLASS
-    }
+/// What every SD3 step reads besides its latents and timestep (a compiled step's arguments): the
+/// embeddings (`[negative; prompt]` with CFG) and, with CFG, the guidance scale.
+#[derive(Clone)]
+struct Guidance {
+    embeds: Tensor,
+    pooled: Tensor,
+    scale: Option<Tensor>,
+}
+impl_tensors!(Guidance { embeds, pooled, scale });
 
+/// A step's own inputs: the timestep and, inside skip-layer guidance's window, the prompt's
+/// embeddings and the scale of the call without the skipped layers.
+struct Step {
+    timestep: Tensor,
+    skip: Option<(Tensor, Tensor, Tensor)>,
+}
+impl_tensors!(Step { timestep, skip });
+
+impl Pipeline for StableDiffusion3Pipeline {
     fn generate(
         &mut self,
-        mut c: GenerateCall<'_>,
+        c: GenerateCall<'_>,
         defaults: &CallDefaults,
         e: Option<Embeddings>,
     ) -> Result<PipelineOutput> {
-        let d = StableDiffusion3Call::default();
-        self.call(StableDiffusion3Call {
-            prompt_3: c.prompt_3.take(),
-            negative_prompt_3: c.negative_prompt_3.take(),
-            clip_skip: c.clip_skip,
-            skip_guidance_layers: c.skip_guidance_layers.take(),
-            skip_layer_guidance_scale: c.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
-            skip_layer_guidance_start: c.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
-            skip_layer_guidance_stop: c.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
-            ..StableDiffusion3Call::from_generate(c, defaults, e)
-        })
+        self.call(sd3_call(c, defaults, e))
     }
 
     fn encoding_settings(&self, call: &GenerateCall<'_>, defaults: &CallDefaults, _: bool) -> EncodingSettings {
@@ -627,70 +450,41 @@ impl Pipeline for StableDiffusion3Pipeline {
         }
     }
 
-    fn encode_prompt(&mut self, call: &GenerateCall<'_>, settings: &EncodingSettings) -> Result<Embeddings> {
-        let texts = |t: &Option<Vec<String>>| t.clone();
-        let e = StableDiffusion3Pipeline::encode_prompt(
-            self,
-            &StableDiffusion3Call {
-                prompt: Some(call.prompt.clone()),
-                prompt_2: texts(&call.prompt_2),
-                prompt_3: texts(&call.prompt_3),
-                negative_prompt: texts(&call.negative_prompt),
-                negative_prompt_2: texts(&call.negative_prompt_2),
-                negative_prompt_3: texts(&call.negative_prompt_3),
-                clip_skip: call.clip_skip,
-                max_sequence_length: settings.max_sequence_length,
-                // CFG (and so the negatives) as the settings say.
-                guidance_scale: if settings.negative { 2.0 } else { 1.0 },
-                progress: false,
-                ..Default::default()
-            },
-        )?;
-        Ok(Embeddings {
-            prompt_embeds: e.prompt_embeds,
-            pooled_prompt_embeds: Some(e.pooled_prompt_embeds),
-            negative_prompt_embeds: e.negative_prompt_embeds,
-            negative_pooled_prompt_embeds: e.negative_pooled_prompt_embeds,
-        })
+    fn encode_prompt(&mut self, call: &GenerateCall<'_>, defaults: &CallDefaults) -> Result<Embeddings> {
+        let call = StableDiffusion3Call {
+            num_images_per_prompt: 1,
+            progress: false,
+            ..sd3_call(call.arguments(), defaults, None)
+        };
+        StableDiffusion3Pipeline::encode_prompt(self, &call)
     }
 
     fn uses_guidance(&self, _: f64) -> bool {
         true
     }
 
+    /// `sample_size · vae_scale_factor`.
     fn default_size(&self) -> usize {
-        StableDiffusion3Pipeline::default_size(self)
+        self.transformer_config.sample_size * self.vae_scale_factor()
     }
 
+    /// `2^(len(block_out_channels) − 1)`.
     fn vae_scale_factor(&self) -> usize {
-        StableDiffusion3Pipeline::vae_scale_factor(self)
+        1 << self.vae_config.block_out_channels.len().saturating_sub(1)
     }
 }
 
-/// The negative texts of CFG for a batch of `batch` prompts — diffusers: `negative_prompt or ""`,
-/// the _2/_3 variants default to it; one text stands for the whole batch — each one per prompt.
-fn negative_texts(call: &StableDiffusion3Call<'_>, batch: usize) -> Result<[Vec<String>; 3]> {
-    let broadcast = |v: Vec<String>| if v.len() == 1 { vec![v[0].clone(); batch] } else { v };
-    let negative = broadcast(call.negative_prompt.clone().unwrap_or_else(|| vec![String::new()]));
-    let or_negative = |v: &Option<Vec<String>>| v.clone().map_or_else(|| negative.clone(), broadcast);
-    let (negative_2, negative_3) = (
-        or_negative(&call.negative_prompt_2),
-        or_negative(&call.negative_prompt_3),
-    );
-    if negative.len() != batch {
-        return Err(invalid(format!(
-            "`negative_prompt`: {negative:?} has batch size {}, but `prompt`: {:?} has batch size {batch}. Please make sure that passed `negative_prompt` matches the batch size of `prompt`.",
-            negative.len(),
-            call.prompt.as_deref().unwrap_or_default()
-        )));
+/// The `StableDiffusion3Call` of a generic call (see [`StableDiffusion3Call::from_generate`]).
+fn sd3_call<'a>(mut c: GenerateCall<'a>, defaults: &CallDefaults, e: Option<Embeddings>) -> StableDiffusion3Call<'a> {
+    let d = StableDiffusion3Call::default();
+    StableDiffusion3Call {
+        prompt_3: c.prompt_3.take(),
+        negative_prompt_3: c.negative_prompt_3.take(),
+        clip_skip: c.clip_skip,
+        skip_guidance_layers: c.skip_guidance_layers.take(),
+        skip_layer_guidance_scale: c.skip_layer_guidance_scale.unwrap_or(d.skip_layer_guidance_scale),
+        skip_layer_guidance_start: c.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
+        skip_layer_guidance_stop: c.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
+        ..StableDiffusion3Call::from_generate(c, defaults, e)
     }
-    for (name, v) in [("negative_prompt_2", &negative_2), ("negative_prompt_3", &negative_3)] {
-        if v.len() != batch {
-            return Err(invalid(format!(
-                "`{name}` has {} entries but there are {batch} prompts: give one, or one per prompt",
-                v.len()
-            )));
-        }
-    }
-    Ok([negative, negative_2, negative_3])
 }

@@ -76,8 +76,6 @@ impl PipelineClass {
 /// A loaded pipeline, as the generic call drives it. Each pipeline file implements it by turning
 /// the generic call into its own call (`FluxCall`, ...).
 pub trait Pipeline: DiffusionPipeline {
-    fn class(&self) -> &'static PipelineClass;
-
     /// Runs `call`, whose arguments the class takes (checked); what is unset takes `defaults`
     /// (the model's), else the pipeline's. With `embeddings` (one row per image) instead of the
     /// texts.
@@ -97,9 +95,10 @@ pub trait Pipeline: DiffusionPipeline {
         negative_given: bool,
     ) -> EncodingSettings;
 
-    /// The pipeline's own `encode_prompt` of `call`'s texts with `settings`: one row per prompt
-    /// (not per image), with the negatives when `settings.negative`.
-    fn encode_prompt(&mut self, call: &GenerateCall<'_>, settings: &EncodingSettings) -> Result<Embeddings>;
+    /// The pipeline's own `encode_prompt` of `call`'s texts with the settings of `call` and
+    /// `defaults` ([`Pipeline::encoding_settings`]): one row per prompt (not per image), with the
+    /// negatives the call's guidance uses.
+    fn encode_prompt(&mut self, call: &GenerateCall<'_>, defaults: &CallDefaults) -> Result<Embeddings>;
 
     /// Whether a call with guidance scale `scale` uses it (FLUX.1 [schnell] does not embed
     /// guidance; FLUX.2 [klein] uses it for CFG only, which a distilled model or a scale ≤ 1 does
@@ -112,18 +111,15 @@ pub trait Pipeline: DiffusionPipeline {
     fn vae_scale_factor(&self) -> usize;
 
     /// The embeddings of `prompt` computed with only the text encoder loaded, on `device`; the
-    /// other components' weights are never read. By default: not offered.
+    /// other components' weights are never read. `None` (the default): not offered.
     fn encode_prompt_text_encoder_only(
         &self,
         prompt: &str,
         max_sequence_length: usize,
         device: &Device,
-    ) -> Result<Tensor> {
+    ) -> Result<Option<Tensor>> {
         let _ = (prompt, max_sequence_length, device);
-        Err(invalid(format!(
-            "encoding with the text encoder alone is implemented for some pipelines (FLUX.2 [dev] and [klein]), not for {}",
-            self.class().class_name
-        )))
+        Ok(None)
     }
 }
 

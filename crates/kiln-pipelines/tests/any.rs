@@ -1,11 +1,11 @@
 //! AnyPipeline: the folder's `model_index.json` picks the pipeline, and a `GenerateCall` gives
 //! the same latents and images, bit for bit, as the pipeline's own call with the same arguments.
 
-use kiln_pipelines::DiffusionPipeline;
 use kiln_pipelines::{
     AnyPipeline, Flux2Call, Flux2KleinCall, Flux2KleinPipeline, Flux2Pipeline, FluxCall, FluxPipeline, GenerateCall,
     LoadOptions, PipelineKind, StableDiffusion3Call, StableDiffusion3Pipeline,
 };
+use kiln_pipelines::{DiffusionPipeline, Pipeline};
 use kiln_tensor::Tensor;
 use kiln_testing::{device, oracle};
 

@@ -18,7 +18,9 @@ use std::path::{Path, PathBuf};
 use kiln_models::autoencoder_kl_flux2::{pack_latents, unpack_latents, unpatchify};
 use kiln_nn::{CompileMode, OffloadEvent};
 use kiln_pipelines::flux2::{latent_ids, text_ids};
-use kiln_pipelines::{DiffusionPipeline, Flux2KleinCall, Flux2KleinPipeline, LoadOptions, PipelineOutput, StepState};
+use kiln_pipelines::{
+    DiffusionPipeline, Flux2KleinCall, Flux2KleinPipeline, LoadOptions, Pipeline, PipelineOutput, StepState,
+};
 use kiln_rng::{randn_tensor, TorchGenerator};
 use kiln_tensor::{DType, Device, Tensor};
 use kiln_testing::{assert_close, device, goldens, max_abs_diff, oracle, Golden};

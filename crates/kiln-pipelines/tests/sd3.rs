@@ -146,7 +146,10 @@ fn run_case_on(case: &Path, mode: CompileMode, d: &kiln_tensor::Device) {
     );
     assert_close(
         "pooled_projections",
-        &rows(&enc.pooled_prompt_embeds, &enc.negative_pooled_prompt_embeds),
+        &rows(
+            enc.pooled_prompt_embeds.as_ref().unwrap(),
+            &enc.negative_pooled_prompt_embeds,
+        ),
         &g["transformer_input.pooled_projections"].f32(),
         2e-4,
         1e-4,

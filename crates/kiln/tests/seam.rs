@@ -70,10 +70,6 @@ impl PipelineParts for FakePipeline {
 }
 
 impl Pipeline for FakePipeline {
-    fn class(&self) -> &'static PipelineClass {
-        kind().class()
-    }
-
     fn generate(
         &mut self,
         call: GenerateCall<'_>,
@@ -118,7 +114,7 @@ impl Pipeline for FakePipeline {
         }
     }
 
-    fn encode_prompt(&mut self, _: &GenerateCall<'_>, _: &EncodingSettings) -> kiln_pipelines::Result<Embeddings> {
+    fn encode_prompt(&mut self, _: &GenerateCall<'_>, _: &CallDefaults) -> kiln_pipelines::Result<Embeddings> {
         Err(kiln::PipelineError::InvalidArgument(
             "the fake pipeline has no text encoder".into(),
         ))
