@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 use crate::budget::{CallBudget, OverBudget};
 use crate::call::{OutputType, StepCallback};
 use crate::encoding::PromptEncoding;
+pub use crate::error::ArgError;
 
 /// How a command line gives an argument's value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,40 +74,10 @@ pub fn spec(name: &str) -> Option<&'static ArgSpec> {
     ARGUMENTS.iter().find(|a| a.name == name)
 }
 
-/// A bad argument value. The message names arguments as `{name}`, so that each front end shows
-/// them its way ([`ArgError::render`]): backticks in the library and the server, flags on the
-/// command line.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ArgError {
-    /// The argument at fault.
-    pub argument: &'static str,
-    template: String,
-}
-
 impl ArgError {
-    /// An error of `argument` with `template` (`{name}` placeholders; see [`ArgError::render`]).
-    pub fn new(argument: &'static str, template: impl Into<String>) -> ArgError {
-        ArgError {
-            argument,
-            template: template.into(),
-        }
-    }
-
     /// `message` about `argument`, which names it first.
     fn about(argument: &'static str, message: impl std::fmt::Display) -> ArgError {
         ArgError::new(argument, format!("{{{argument}}} {message}"))
-    }
-
-    /// The message with every `{name}` of the table shown by `show`.
-    pub fn render(&self, show: &dyn Fn(&str) -> String) -> String {
-        let mut out = self.template.clone();
-        for a in ARGUMENTS {
-            let placeholder = format!("{{{}}}", a.name);
-            if out.contains(&placeholder) {
-                out = out.replace(&placeholder, &show(a.name));
-            }
-        }
-        out
     }
 
     /// An argument past its budget ([`OverBudget`]); `sigmas`: the steps are the sigmas' count.
@@ -121,14 +92,6 @@ impl ArgError {
         ArgError::new(argument, over.message(&shown))
     }
 }
-
-impl std::fmt::Display for ArgError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.render(&|name| format!("`{name}`")))
-    }
-}
-
-impl std::error::Error for ArgError {}
 
 /// What one value of an argument is: how a command line and JSON give it.
 pub trait Item {

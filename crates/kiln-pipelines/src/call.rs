@@ -105,17 +105,6 @@ pub(crate) fn starting_latents(
     }
 }
 
-/// The steps' own input in FLUX.1 and FLUX.2, for [`crate::pipeline::PipelineCore::denoise`]: the
-/// timestep of `n` rows ([`timestep_tensor`]), in a step of `variant`.
-pub(crate) fn timestep_steps<'d>(
-    variant: &'static str,
-    n: usize,
-    dtype: DType,
-    device: &'d Device,
-) -> impl FnMut(usize, f32) -> Result<(String, Tensor)> + 'd {
-    move |_, t| Ok((variant.to_string(), timestep_tensor(t, n, dtype, device)?))
-}
-
 /// The scheduler of a call (of `config`) set to `steps` steps — `sigmas` when given — shifted by
 /// `mu`, from step 0, and its timesteps; 0 steps: none (diffusers then decodes the noise itself).
 pub(crate) fn schedule(

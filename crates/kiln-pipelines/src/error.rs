@@ -28,7 +28,7 @@ pub enum PipelineError {
     /// A call argument of a value no pipeline takes (checked before any work; see
     /// [`crate::GenerateCall::check`]).
     #[error("{0}")]
-    Argument(#[from] crate::arguments::ArgError),
+    Argument(#[from] ArgError),
     /// An argument past kiln's limit for it (checked before any work).
     #[error("{0}")]
     OverBudget(crate::budget::OverBudget),
@@ -90,3 +90,57 @@ pub(crate) fn bytes(n: u64) -> String {
         format!("{value:.2} {unit} ({n} bytes)")
     }
 }
+
+/// A bad call argument. The message names arguments as `{name}` (their keyword between braces),
+/// so that each front end shows them its way ([`ArgError::render`]): in backticks in the library
+/// and the server, as flags on the command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArgError {
+    /// The argument at fault.
+    pub argument: &'static str,
+    pub(crate) template: String,
+}
+
+impl ArgError {
+    /// An error of `argument` with `template` (`{name}` placeholders; see [`ArgError::render`]).
+    pub fn new(argument: &'static str, template: impl Into<String>) -> ArgError {
+        ArgError {
+            argument,
+            template: template.into(),
+        }
+    }
+
+    /// The message with every `{name}` (a keyword: lower case letters, digits, `_`) shown by
+    /// `show`.
+    pub fn render(&self, show: &dyn Fn(&str) -> String) -> String {
+        let mut out = String::with_capacity(self.template.len());
+        let mut rest = self.template.as_str();
+        while let Some(open) = rest.find('{') {
+            let (before, from) = rest.split_at(open);
+            out.push_str(before);
+            let name_len = from[1..]
+                .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+                .unwrap_or(from.len() - 1);
+            match from.as_bytes()[1..].get(name_len) {
+                Some(b'}') if name_len > 0 => {
+                    out.push_str(&show(&from[1..=name_len]));
+                    rest = &from[name_len + 2..];
+                }
+                _ => {
+                    out.push('{');
+                    rest = &from[1..];
+                }
+            }
+        }
+        out.push_str(rest);
+        out
+    }
+}
+
+impl std::fmt::Display for ArgError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.render(&|name| format!("`{name}`")))
+    }
+}
+
+impl std::error::Error for ArgError {}

@@ -5,7 +5,6 @@ use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
 use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInputs};
-use kiln_nn::{impl_tensors, RopeTables};
 use kiln_schedulers::{flux_default_sigmas, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
@@ -13,13 +12,13 @@ use std::time::Instant;
 
 use crate::arguments::GenerateCall;
 use crate::call::{
-    check_packed_size, check_same_shape, finish_call, guided, pipeline_call, scalar, schedule, starting_latents, texts,
-    timestep_steps, Encoded, PipelineOutput,
+    check_packed_size, check_same_shape, finish_call, pipeline_call, scalar, schedule, starting_latents, texts,
+    Encoded, PipelineOutput,
 };
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
 use crate::loading::{LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, CallStart, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, Guided, PipelineCore, PipelineParts};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
 pipeline_call! {
@@ -203,13 +202,7 @@ impl FluxPipeline {
         let transformer_in = self.transformer_config.in_channels;
         let n = args.num_images_per_prompt;
         // 2. Batch size and prompts.
-        let CallStart {
-            models,
-            device,
-            batch,
-            total,
-            finish: _finish,
-        } = self.core.start_call(args.nonempty_batch(), n)?;
+        let (models, device, _finish, [batch, total]) = self.core.start_call(args.nonempty_batch(), n)?;
         let has_negative = args.negative_prompt.is_some()
             || (args.negative_prompt_embeds.is_some() && args.negative_pooled_prompt_embeds.is_some());
         let do_true_cfg = args.true_cfg_scale > 1.0 && has_negative;
@@ -286,44 +279,34 @@ impl FluxPipeline {
             )?),
             false => None,
         };
-        let conditioning = Conditioning {
-            embeds: positive.embeds,
-            pooled: positive.pooled,
-            guidance,
-            rope,
-            true_cfg: match negative {
-                Some(neg) => Some((neg.embeds, neg.pooled, scalar(args.true_cfg_scale, device)?)),
+        // FLUX.1's condition: the T5 embeddings and the CLIP pooled vector; every call shares the
+        // guidance and the rotary tables.
+        let guided = Guided {
+            cond: (positive.embeds, positive.pooled),
+            shared: (guidance, rope),
+            uncond: match negative {
+                Some(neg) => Some(((neg.embeds, neg.pooled), scalar(args.true_cfg_scale, device)?)),
                 None => None,
             },
         };
-        let variant = if conditioning.true_cfg.is_some() {
-            "flux.true_cfg"
-        } else {
-            "flux"
-        };
         let denoising = args.denoising(&scheduler, &timesteps, latents);
-        let prepare = timestep_steps(variant, total, dtype, device);
-        let transformer = ("transformer", &models.transformer);
-        let (latents, steps) = self
-            .core
-            .denoise(transformer, denoising, &conditioning, prepare, |tr, s| {
-                let c = &s.constants;
-                let predict = |encoder_hidden_states, pooled_projections| {
-                    tr.forward(&FluxTransformerInputs {
-                        hidden_states: &s.latents,
-                        encoder_hidden_states,
-                        pooled_projections,
-                        timestep: &s.step,
-                        guidance: c.guidance.as_ref(),
-                        rope: &c.rope,
-                    })
-                };
-                let pos = predict(&c.embeds, &c.pooled)?;
-                let Some((embeds, pooled, scale)) = &c.true_cfg else {
-                    return Ok(pos);
-                };
-                Ok(guided(&predict(embeds, pooled)?, &pos, scale)?)
-            })?;
+        let step = ("flux", total, dtype);
+        let (latents, steps) = self.core.denoise_guided(
+            ("transformer", &models.transformer),
+            denoising,
+            &guided,
+            step,
+            |tr, [latents, timestep], (guidance, rope), (embeds, pooled)| {
+                tr.forward(&FluxTransformerInputs {
+                    hidden_states: latents,
+                    encoder_hidden_states: embeds,
+                    pooled_projections: pooled,
+                    timestep,
+                    guidance: guidance.as_ref(),
+                    rope,
+                })
+            },
+        )?;
 
         let times = (start, text_encoding, steps);
         finish_call(args.output_type, latents, (h * vsf, w * vsf), times, warnings, |l| {
@@ -361,34 +344,10 @@ impl FluxPipeline {
     }
 }
 
-/// What every FLUX.1 step reads besides its latents and timestep (a compiled step's arguments):
-/// the prompt's embeddings, the guidance, the rotary tables and, with true CFG, the negative
-/// embeddings and the scale.
-#[derive(Clone)]
-struct Conditioning {
-    embeds: Tensor,
-    pooled: Tensor,
-    guidance: Option<Tensor>,
-    rope: RopeTables,
-    true_cfg: Option<(Tensor, Tensor, Tensor)>,
-}
-impl_tensors!(Conditioning {
-    embeds,
-    pooled,
-    guidance,
-    rope,
-    true_cfg
-});
-
 impl Pipeline for FluxPipeline {
-    fn generate(
-        &mut self,
-        call: GenerateCall<'_>,
-        defaults: &CallDefaults,
-        e: Option<Embeddings>,
-    ) -> Result<PipelineOutput> {
-        let true_cfg_scale = call.true_cfg_scale;
-        let mut c = FluxCall::from_generate(call, defaults, e);
+    fn generate(&mut self, c: GenerateCall<'_>, d: &CallDefaults, e: Option<Embeddings>) -> Result<PipelineOutput> {
+        let true_cfg_scale = c.true_cfg_scale;
+        let mut c = FluxCall::from_generate(c, d, e);
         c.true_cfg_scale = true_cfg_scale.unwrap_or(c.true_cfg_scale);
         self.call(c)
     }

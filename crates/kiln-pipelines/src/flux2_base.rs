@@ -11,20 +11,16 @@ use kiln_models::mistral::FLUX2_HIDDEN_STATES;
 use kiln_models::qwen3::FLUX2_KLEIN_HIDDEN_STATES;
 use kiln_models::text_decoder::{TextDecoderArch, TextDecoderConfig, TextDecoderModel};
 use kiln_models::transformer_flux2::{Flux2Transformer2DModel, Flux2TransformerInputs};
-use kiln_nn::{impl_tensors, RopeTables};
 use kiln_schedulers::{
     compute_empirical_mu, flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
 };
 use kiln_tensor::{Device, MemoryKind, Tensor};
 use kiln_tokenizers::{Encoded, MistralTokenizer, Qwen3Tokenizer};
 
-use crate::call::{
-    check_packed_size, finish_call, guided, pipeline_call, scalar, schedule, starting_latents, timestep_steps,
-    PipelineOutput,
-};
+use crate::call::{check_packed_size, finish_call, pipeline_call, scalar, schedule, starting_latents, PipelineOutput};
 use crate::error::{invalid, Result};
 use crate::loading::{LoadOptions, ModelFolder};
-use crate::pipeline::{components, CallStart, PipelineCore};
+use crate::pipeline::{components, Guided, PipelineCore};
 
 pipeline_call! {
     /// The arguments of a `Flux2Pipeline` call, with diffusers' defaults (50 steps, guidance 4.0,
@@ -136,23 +132,6 @@ pub(crate) struct Flux2Base {
     vae_config: AutoencoderKLFlux2Config,
     scheduler_config: FlowMatchEulerDiscreteSchedulerConfig,
 }
-
-/// What every FLUX.2 step reads besides its latents and timestep (a compiled step's arguments):
-/// the prompt's embeddings, [dev]'s embedded guidance, the rotary tables and, with [klein]'s CFG,
-/// the negative embeddings, their tables and the scale.
-#[derive(Clone)]
-struct Conditioning {
-    embeds: Tensor,
-    guidance: Option<Tensor>,
-    rope: RopeTables,
-    cfg: Option<(Tensor, RopeTables, Tensor)>,
-}
-impl_tensors!(Conditioning {
-    embeds,
-    guidance,
-    rope,
-    cfg
-});
 
 impl Flux2Base {
     /// Opens a FLUX.2 folder whose `model_index.json` names `class` and, unless null, a text
@@ -362,13 +341,7 @@ impl Flux2Base {
         let channels = self.transformer_config.in_channels;
         let n = args.num_images_per_prompt;
         // 2. Batch size.
-        let CallStart {
-            models,
-            device,
-            batch,
-            total,
-            finish: _finish,
-        } = self.core.start_call(args.nonempty_batch(), n)?;
+        let (models, device, _finish, [batch, total]) = self.core.start_call(args.nonempty_batch(), n)?;
 
         // 3. Text encoding (given embeddings are repeated per image too); with CFG the negative
         //    embeddings after the prompt's: given ones, else the empty prompt's (one per prompt).
@@ -428,42 +401,34 @@ impl Flux2Base {
             Some(g) => Some(Tensor::from_slice(&vec![g as f32; total], [total], device)?),
             None => None,
         };
-        let conditioning = Conditioning {
-            embeds: prompt_embeds,
-            guidance: guidance_values,
-            rope: rope.clone(),
-            cfg: match negative {
-                Some(neg) => Some((neg, negative_rope.unwrap_or(rope), scalar(scale, device)?)),
+        // FLUX.2's condition: the text encoder's embeddings and their rotary tables; every call
+        // shares [dev]'s guidance.
+        let guided = Guided {
+            cond: (prompt_embeds, rope.clone()),
+            shared: guidance_values,
+            uncond: match negative {
+                Some(neg) => Some(((neg, negative_rope.unwrap_or(rope)), scalar(scale, device)?)),
                 None => None,
             },
         };
-        let variant = if conditioning.cfg.is_some() {
-            "flux2.cfg"
-        } else {
-            "flux2"
-        };
         let denoising = args.denoising(&scheduler, &timesteps, latents);
-        let prepare = timestep_steps(variant, total, dtype, device);
         let transformer = ("transformer", &models.transformer);
-        let (latents, steps) = self
-            .core
-            .denoise(transformer, denoising, &conditioning, prepare, |tr, s| {
-                let c = &s.constants;
-                let predict = |encoder_hidden_states, rope| {
-                    tr.forward(&Flux2TransformerInputs {
-                        hidden_states: &s.latents,
-                        encoder_hidden_states,
-                        timestep: &s.step,
-                        guidance: c.guidance.as_ref(),
-                        rope,
-                    })
-                };
-                let cond = predict(&c.embeds, &c.rope)?;
-                let Some((embeds, rope, scale)) = &c.cfg else {
-                    return Ok(cond);
-                };
-                Ok(guided(&predict(embeds, rope)?, &cond, scale)?)
-            })?;
+        let (latents, steps) = self.core.denoise_guided(
+            transformer,
+            denoising,
+            &guided,
+            ("flux2", total, dtype),
+            |tr, [hidden_states, timestep], guidance, (encoder_hidden_states, rope)| {
+                let guidance = guidance.as_ref();
+                tr.forward(&Flux2TransformerInputs {
+                    hidden_states,
+                    encoder_hidden_states,
+                    timestep,
+                    guidance,
+                    rope,
+                })
+            },
+        )?;
 
         let times = (start, text_encoding, steps);
         finish_call(

@@ -84,6 +84,14 @@ impl Flux2KleinPipeline {
 
     flux2_shared_methods!();
 
+    /// The folder's tokenizer; `None` when the pipeline has no text encoder.
+    pub fn tokenizer(&self) -> Option<&Qwen3Tokenizer> {
+        match &self.base.tokenizer {
+            Some(Flux2Tokenizer::Qwen3(t)) => Some(t),
+            _ => None,
+        }
+    }
+
     /// `is_distilled` of `model_index.json`: a step-wise distilled model runs without CFG.
     pub fn is_distilled(&self) -> bool {
         self.is_distilled
@@ -92,14 +100,6 @@ impl Flux2KleinPipeline {
     /// diffusers' `do_classifier_free_guidance` for `guidance_scale`.
     pub fn does_cfg(&self, guidance_scale: f64) -> bool {
         guidance_scale > 1.0 && !self.is_distilled
-    }
-
-    /// The folder's tokenizer; `None` when the pipeline has no text encoder.
-    pub fn tokenizer(&self) -> Option<&Qwen3Tokenizer> {
-        match &self.base.tokenizer {
-            Some(Flux2Tokenizer::Qwen3(t)) => Some(t),
-            _ => None,
-        }
     }
 
     /// Runs the pipeline (`pipe(prompt=..., ...)`).

@@ -15,7 +15,7 @@ use kiln_nn::{
 use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 
-use crate::call::{euler_step, StepCallback, StepState};
+use crate::call::{euler_step, guided as cfg, timestep_tensor, StepCallback, StepState};
 use crate::error::{invalid, PipelineError, Result};
 use crate::offload::{
     free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadPlan, Offloader, Placing,
@@ -100,6 +100,18 @@ pub(crate) struct StepInputs<C, S> {
 }
 impl_tensors!([C, S] StepInputs<C, S> { constants, latents, dt, step });
 
+/// What every step of a denoiser with optional classifier-free guidance reads (see
+/// [`PipelineCore::denoise_guided`]): the condition (the prompt's embeddings, ...), what every
+/// call of the step shares (guidance embedding, rotary tables, ...) and, with guidance, the
+/// unconditional condition and the scale.
+#[derive(Clone)]
+pub(crate) struct Guided<T, S> {
+    pub cond: T,
+    pub shared: S,
+    pub uncond: Option<(T, Tensor)>,
+}
+impl_tensors!([T, S] Guided<T, S> { cond, shared, uncond });
+
 /// A denoising step's results: the scheduler's next latents and the guided prediction.
 struct StepOutputs {
     latents: Tensor,
@@ -116,16 +128,6 @@ pub(crate) struct Denoising<'s, 'c, 'a> {
     pub progress: bool,
     pub callback: &'c mut Option<Box<StepCallback<'a>>>,
     pub decodes: bool,
-}
-
-/// What [`PipelineCore::start_call`] gives a generation call; `finish` is held until the call ends.
-pub(crate) struct CallStart<'a, C> {
-    pub models: &'a C,
-    pub device: &'a Device,
-    pub batch: usize,
-    /// `batch × images_per_prompt`.
-    pub total: usize,
-    pub finish: FinishOnDrop<'a>,
 }
 
 /// What every pipeline holds the same way: its folder, dtype, checkpoints, run configuration,
@@ -207,19 +209,18 @@ impl<C: Components> PipelineCore<C> {
     }
 
     /// The start of a generation call whose inputs are checked: the loaded components and their
-    /// device, then [`Self::begin_call`]'s guard, then the call's `batch` (its prompts, or the rows
-    /// of its embeddings; an empty list is diffusers' error) and the images it makes.
-    pub(crate) fn start_call(&self, batch: Result<usize>, images_per_prompt: usize) -> Result<CallStart<'_, C>> {
+    /// device, [`Self::begin_call`]'s guard (hold it until the call ends), then the call's `batch`
+    /// (its prompts, or the rows of its embeddings; an empty list is diffusers' error) and the
+    /// images it makes, `batch × images_per_prompt`.
+    pub(crate) fn start_call(
+        &self,
+        batch: Result<usize>,
+        images_per_prompt: usize,
+    ) -> Result<(&C, &Device, FinishOnDrop<'_>, [usize; 2])> {
         let (models, device) = self.loaded()?;
         let finish = self.begin_call()?;
         let batch = batch?;
-        Ok(CallStart {
-            models,
-            device,
-            batch,
-            total: batch * images_per_prompt,
-            finish,
-        })
+        Ok((models, device, finish, [batch, batch * images_per_prompt]))
     }
 
     /// Runs `f` on component `name` (`model`). With offload, the hook around it: the component's
@@ -333,6 +334,40 @@ impl<C: Components> PipelineCore<C> {
         }
         bar.finish();
         Ok((latents, step_times))
+    }
+
+    /// [`Self::denoise`] for a denoiser that takes the step's timestep, `t / 1000` for `rows` rows
+    /// in `dtype`, and the condition `T` (FLUX.1, FLUX.2): `predict(model, latents, timestep,
+    /// shared, condition)` per transformer call, with classifier-free guidance by the
+    /// unconditional call when `guided` has one. One step program `name`, or `name.cfg` with
+    /// guidance.
+    pub(crate) fn denoise_guided<M: Model + Clone, T: Tensors + Clone, S: Tensors + Clone>(
+        &self,
+        denoiser: (&'static str, &M),
+        run: Denoising<'_, '_, '_>,
+        guided: &Guided<T, S>,
+        (name, rows, dtype): (&str, usize, DType),
+        predict: impl Fn(&M, [&Tensor; 2], &S, &T) -> kiln_nn::Result<Tensor>,
+    ) -> Result<(Tensor, Vec<Duration>)> {
+        let variant = if guided.uncond.is_some() {
+            format!("{name}.cfg")
+        } else {
+            name.to_string()
+        };
+        let device = run.latents.device().clone();
+        let prepare = |_, t| Ok((variant.clone(), timestep_tensor(t, rows, dtype, &device)?));
+        self.denoise(denoiser, run, guided, prepare, |m, s| {
+            let g = &s.constants;
+            let cond = predict(m, [&s.latents, &s.step], &g.shared, &g.cond)?;
+            match &g.uncond {
+                None => Ok(cond),
+                Some((uncond, scale)) => Ok(cfg(
+                    &predict(m, [&s.latents, &s.step], &g.shared, uncond)?,
+                    &cond,
+                    scale,
+                )?),
+            }
+        })
     }
 
     /// `e` from `component`'s work, naming it when the device ran out of memory.

@@ -20,7 +20,7 @@ use crate::call::{
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
 use crate::loading::{LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, CallStart, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
 mod prompt;
@@ -164,6 +164,14 @@ impl StableDiffusion3Pipeline {
         })
     }
 
+    /// The loaded transformer (`pipe.transformer`); `None` before the pipeline is placed.
+    pub fn transformer_mut(&mut self) -> Option<&mut SD3Transformer2DModel> {
+        self.core.components_mut().map(|m| &mut m.transformer)
+    }
+    pub fn transformer_config(&self) -> &SD3Transformer2DConfig {
+        &self.transformer_config
+    }
+
     /// Loads every component's weights into memory space `memory` of `device`.
     fn load_components(&self, device: &Device, memory: MemoryKind) -> Result<StableDiffusion3Components> {
         let w = |name| self.core.weights(name, device, memory);
@@ -178,14 +186,6 @@ impl StableDiffusion3Pipeline {
             transformer: SD3Transformer2DModel::load(&self.transformer_config, &w("transformer")?)?,
             vae: AutoencoderKL::load(&self.vae_config, &w("vae")?)?,
         })
-    }
-
-    /// The loaded transformer (`pipe.transformer`); `None` before the pipeline is placed.
-    pub fn transformer_mut(&mut self) -> Option<&mut SD3Transformer2DModel> {
-        self.core.components_mut().map(|m| &mut m.transformer)
-    }
-    pub fn transformer_config(&self) -> &SD3Transformer2DConfig {
-        &self.transformer_config
     }
 
     /// `encode_prompt`: the prompt (and, with classifier-free guidance, negative prompt) states
@@ -220,13 +220,7 @@ impl StableDiffusion3Pipeline {
         self.check_inputs(&args, height, width)?;
         let dtype = self.core.dtype();
         // 2-3. Batch and text encoding.
-        let CallStart {
-            models,
-            device,
-            total,
-            finish: _finish,
-            ..
-        } = self
+        let (models, device, _finish, [_, total]) = self
             .core
             .start_call(args.nonempty_batch(), args.num_images_per_prompt)?;
         let do_cfg = args.do_classifier_free_guidance();
@@ -433,13 +427,8 @@ struct Step {
 impl_tensors!(Step { timestep, skip });
 
 impl Pipeline for StableDiffusion3Pipeline {
-    fn generate(
-        &mut self,
-        c: GenerateCall<'_>,
-        defaults: &CallDefaults,
-        e: Option<Embeddings>,
-    ) -> Result<PipelineOutput> {
-        self.call(sd3_call(c, defaults, e))
+    fn generate(&mut self, c: GenerateCall<'_>, d: &CallDefaults, e: Option<Embeddings>) -> Result<PipelineOutput> {
+        self.call(sd3_call(c, d, e))
     }
 
     fn encoding_settings(&self, call: &GenerateCall<'_>, defaults: &CallDefaults, _: bool) -> EncodingSettings {
