@@ -87,30 +87,17 @@ mod tests {
 
     #[test]
     fn every_argument_a_call_can_give_is_taken_by_some_pipeline() {
-        let everything = GenerateCall {
-            prompt: vec!["a".into()],
-            prompt_2: Some(vec![]),
-            prompt_3: Some(vec![]),
-            negative_prompt: Some(vec![]),
-            negative_prompt_2: Some(vec![]),
-            negative_prompt_3: Some(vec![]),
-            height: Some(1),
-            width: Some(1),
-            num_inference_steps: Some(1),
-            sigmas: Some(vec![]),
-            guidance_scale: Some(1.0),
-            true_cfg_scale: Some(1.0),
-            num_images_per_prompt: Some(1),
-            seed: Some(1),
-            max_sequence_length: Some(1),
-            skip_guidance_layers: Some(vec![]),
-            skip_layer_guidance_scale: Some(1.0),
-            skip_layer_guidance_start: Some(1.0),
-            skip_layer_guidance_stop: Some(1.0),
-            clip_skip: Some(1),
-            text_encoder_out_layers: Some(vec![]),
-            ..Default::default()
-        };
+        // Every row of the table given (the argument test checks that each row is a field).
+        let mut everything = GenerateCall::prompt("a");
+        for row in crate::ARGUMENTS {
+            let value = match row.shape {
+                crate::arguments::Shape::One => serde_json::json!(1),
+                _ => serde_json::json!([]),
+            };
+            if row.name != "prompt" {
+                everything.set_json(row.name, &value).unwrap();
+            }
+        }
         let given = everything.given();
         assert_eq!(given.len(), 21);
         for argument in given {
