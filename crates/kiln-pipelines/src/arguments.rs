@@ -494,7 +494,7 @@ macro_rules! call_arguments {
 fn unknown(name: &str) -> ArgError {
     let known: Vec<&str> = ARGUMENTS.iter().map(|a| a.name).collect();
     ArgError::new(
-        "prompt",
+        "",
         format!(
             "`{name}` is not a call argument kiln knows (it knows {})",
             known.join(", ")

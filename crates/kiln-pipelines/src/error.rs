@@ -96,7 +96,7 @@ pub(crate) fn bytes(n: u64) -> String {
 /// and the server, as flags on the command line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ArgError {
-    /// The argument at fault.
+    /// The argument at fault (empty for a name that is no argument of the table).
     pub argument: &'static str,
     pub(crate) template: String,
 }
