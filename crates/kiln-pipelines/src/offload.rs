@@ -256,7 +256,7 @@ pub(crate) struct Offloader {
     /// Streams of the components whose blocks stream, and the storage keys of their host weights.
     streams: HashMap<&'static str, (BlockStream, HashSet<usize>)>,
     prefetcher: Mutex<Prefetcher<&'static str>>,
-    /// The component entered last and the results it gave since: awaited before its weights leave.
+    /// The component entered last and its latest results: awaited before its weights leave.
     results: Mutex<(Option<&'static str>, Vec<Tensor>)>,
 }
 
@@ -314,12 +314,22 @@ impl Offloader {
         Ok(Cow::Owned(with_weights(model, weights)?))
     }
 
-    /// `results` of a run of `component` (entered last).
-    pub fn produced(&self, component: &'static str, results: Vec<Tensor>) {
-        let mut held = self.results();
-        if held.0 == Some(component) {
-            held.1.extend(results);
+    /// `results` of a run of `component` (entered last). A component that runs again (the
+    /// denoiser at each step, an encoder per prompt) holds only its latest results: the earlier
+    /// ones are awaited now (at a denoising step they already are), so that held results never grow
+    /// with the steps.
+    pub fn produced(&self, component: &'static str, results: Vec<Tensor>) -> Result<()> {
+        let earlier = {
+            let mut held = self.results();
+            if held.0 != Some(component) {
+                return Ok(());
+            }
+            std::mem::replace(&mut held.1, results)
+        };
+        for t in &earlier {
+            t.wait()?;
         }
+        Ok(())
     }
 
     fn results(&self) -> MutexGuard<'_, (Option<&'static str>, Vec<Tensor>)> {
@@ -464,5 +474,24 @@ mod tests {
             plan(OffloadMode::None, None).check().is_ok(),
             "an unknown budget is not checked"
         );
+    }
+
+    /// A component that runs again holds only its latest results; another component's results
+    /// are not taken.
+    #[test]
+    fn held_results_do_not_grow_with_the_steps() -> Result<()> {
+        let device = Device::cpu()?;
+        let offloader = Offloader::new(plan(OffloadMode::Model, None), OffloadLog::new(), Vec::new());
+        *offloader.results() = (Some("transformer"), Vec::new());
+        let step = |v: f32| Tensor::from_f32(&[v, v], kiln_tensor::DType::F32, [2], &device);
+        for i in 0..4 {
+            offloader.produced("transformer", vec![step(i as f32)?, step(-(i as f32))?])?;
+        }
+        offloader.produced("vae", vec![step(9.0)?])?;
+        let held = offloader.results();
+        assert_eq!(held.0, Some("transformer"));
+        assert_eq!(held.1.len(), 2, "the last step's two results only");
+        assert_eq!(held.1[0].to_f32_vec()?, [3.0, 3.0]);
+        Ok(())
     }
 }

@@ -253,7 +253,9 @@ impl<C: Components> PipelineCore<C> {
         let next = next.and_then(|n| Some((n, components.find(n)?)));
         let entered = offloader.enter(name, model, next).map_err(|e| self.oom(name, e))?;
         let results = f(&entered).map_err(|e| self.oom(name, e))?;
-        offloader.produced(name, Flat::of(&results).tensors);
+        offloader
+            .produced(name, Flat::of(&results).tensors)
+            .map_err(|e| self.oom(name, e))?;
         Ok(results)
     }
 
