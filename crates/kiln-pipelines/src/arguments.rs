@@ -208,16 +208,24 @@ pub trait ArgKind {
     /// Its JSON (only asked of a given value).
     fn to_json(field: &Self::Field) -> Value;
     fn given(field: &Self::Field) -> bool;
+    /// The texts of a [`PerPrompt`] argument; `None` for every other kind.
+    fn per_prompt(_field: &Self::Field) -> Option<Option<&Vec<String>>> {
+        None
+    }
+    fn per_prompt_mut(_field: &mut Self::Field) -> Option<&mut Option<Vec<String>>> {
+        None
+    }
 }
 
 /// One value; `None`: not given.
 pub struct One<I>(std::marker::PhantomData<I>);
-/// Values given one by one (a repeated flag); a JSON string stands for a list of one.
-pub struct Repeated<I>(std::marker::PhantomData<I>);
 /// A comma-separated list.
 pub struct List<I>(std::marker::PhantomData<I>);
 /// The prompts: one per batch element; not given when empty.
 pub struct Prompts;
+/// Texts besides the prompts, given once for every prompt or once per prompt (a repeated flag; a
+/// JSON string stands for a list of one).
+pub struct PerPrompt;
 
 impl<I: Item> ArgKind for One<I> {
     type Field = Option<I::T>;
@@ -245,10 +253,6 @@ impl<I: Item> ArgKind for One<I> {
     }
 }
 
-fn items_of<I: Item>(items: &[String]) -> Result<Vec<I::T>, String> {
-    items.iter().map(|t| I::parse(t)).collect()
-}
-
 fn list_of<I: Item>(value: &Value, one_allowed: bool) -> Result<Vec<I::T>, String> {
     match value {
         Value::Array(values) => values
@@ -261,29 +265,6 @@ fn list_of<I: Item>(value: &Value, one_allowed: bool) -> Result<Vec<I::T>, Strin
     }
 }
 
-impl<I: Item> ArgKind for Repeated<I> {
-    type Field = Option<Vec<I::T>>;
-    const SHAPE: Shape = Shape::Repeated;
-    fn check_item(text: &str) -> Result<(), String> {
-        I::parse(text).map(|_| ())
-    }
-    fn from_items(items: &[String]) -> Result<Self::Field, String> {
-        items_of::<I>(items).map(Some)
-    }
-    fn from_json(value: &Value) -> Result<Self::Field, String> {
-        match value {
-            Value::Null => Ok(None),
-            v => list_of::<I>(v, true).map(Some),
-        }
-    }
-    fn to_json(field: &Self::Field) -> Value {
-        Value::Array(field.iter().flatten().map(I::to_json).collect())
-    }
-    fn given(field: &Self::Field) -> bool {
-        field.is_some()
-    }
-}
-
 impl<I: Item> ArgKind for List<I> {
     type Field = Option<Vec<I::T>>;
     const SHAPE: Shape = Shape::List;
@@ -291,7 +272,7 @@ impl<I: Item> ArgKind for List<I> {
         I::parse(text).map(|_| ())
     }
     fn from_items(items: &[String]) -> Result<Self::Field, String> {
-        items_of::<I>(items).map(Some)
+        items.iter().map(|t| I::parse(t)).collect::<Result<_, _>>().map(Some)
     }
     fn from_json(value: &Value) -> Result<Self::Field, String> {
         match value {
@@ -327,6 +308,35 @@ impl ArgKind for Prompts {
     }
     fn given(field: &Self::Field) -> bool {
         !field.is_empty()
+    }
+}
+
+impl ArgKind for PerPrompt {
+    type Field = Option<Vec<String>>;
+    const SHAPE: Shape = Shape::Repeated;
+    fn check_item(_: &str) -> Result<(), String> {
+        Ok(())
+    }
+    fn from_items(items: &[String]) -> Result<Self::Field, String> {
+        Ok(Some(items.to_vec()))
+    }
+    fn from_json(value: &Value) -> Result<Self::Field, String> {
+        match value {
+            Value::Null => Ok(None),
+            v => list_of::<Text>(v, true).map(Some),
+        }
+    }
+    fn to_json(field: &Self::Field) -> Value {
+        Value::Array(field.iter().flatten().map(Text::to_json).collect())
+    }
+    fn given(field: &Self::Field) -> bool {
+        field.is_some()
+    }
+    fn per_prompt(field: &Self::Field) -> Option<Option<&Vec<String>>> {
+        Some(field.as_ref())
+    }
+    fn per_prompt_mut(field: &mut Self::Field) -> Option<&mut Option<Vec<String>>> {
+        Some(field)
     }
 }
 
@@ -480,6 +490,28 @@ macro_rules! call_arguments {
                 }
             }
 
+            /// The texts besides `prompt` that may be given once for every prompt or once per
+            /// prompt (the [`PerPrompt`] arguments), by name.
+            pub fn per_prompt_texts(&self) -> Vec<(&'static str, Option<&Vec<String>>)> {
+                let mut texts = Vec::new();
+                $(
+                    if let Some(list) = <$kind as ArgKind>::per_prompt(&self.$name) {
+                        texts.push((stringify!($name), list));
+                    }
+                )*
+                texts
+            }
+
+            fn per_prompt_texts_mut(&mut self) -> Vec<(&'static str, &mut Option<Vec<String>>)> {
+                let mut texts = Vec::new();
+                $(
+                    if let Some(list) = <$kind as ArgKind>::per_prompt_mut(&mut self.$name) {
+                        texts.push((stringify!($name), list));
+                    }
+                )*
+                texts
+            }
+
             /// Each argument's own check.
             fn check_each(&self) -> Result<(), ArgError> {
                 $($(
@@ -507,16 +539,16 @@ call_arguments! {
     prompt: Prompts { group: Group::Draw, value_name: "TEXT", served: Served::Api },
     /// What not to draw: once for every prompt, or once per --prompt. FLUX.1 uses it only with
     /// --true-cfg-scale above 1.
-    negative_prompt: Repeated<Text> { group: Group::Draw, value_name: "TEXT", a1111: Some("negative_prompt") },
+    negative_prompt: PerPrompt { group: Group::Draw, value_name: "TEXT", a1111: Some("negative_prompt") },
     /// The second text encoder's prompt (FLUX.1: T5; SD3: CLIP-G); default: --prompt. Once, or
     /// once per --prompt.
-    prompt_2: Repeated<Text> { group: Group::Draw, value_name: "TEXT" },
+    prompt_2: PerPrompt { group: Group::Draw, value_name: "TEXT" },
     /// The second text encoder's negative prompt; default: --negative-prompt.
-    negative_prompt_2: Repeated<Text> { group: Group::Draw, value_name: "TEXT" },
+    negative_prompt_2: PerPrompt { group: Group::Draw, value_name: "TEXT" },
     /// SD3: the third text encoder's (T5) prompt; default: --prompt.
-    prompt_3: Repeated<Text> { group: Group::Draw, value_name: "TEXT" },
+    prompt_3: PerPrompt { group: Group::Draw, value_name: "TEXT" },
     /// SD3: the third text encoder's negative prompt; default: --negative-prompt.
-    negative_prompt_3: Repeated<Text> { group: Group::Draw, value_name: "TEXT" },
+    negative_prompt_3: PerPrompt { group: Group::Draw, value_name: "TEXT" },
     /// Image height in pixels (default: the model's).
     height: One<Count>, check checks::size { group: Group::Draw, value_name: "PIXELS", served: Served::Api },
     /// Image width in pixels (default: the model's).
@@ -591,27 +623,15 @@ impl GenerateCall<'_> {
 
     /// This call with `encoding` ([`crate::AnyPipeline::encode_prompt`]) in place of its texts.
     pub fn with_prompt_encoding(self, encoding: PromptEncoding) -> Self {
-        GenerateCall {
+        let mut call = GenerateCall {
             prompt: Vec::new(),
-            prompt_2: None,
-            prompt_3: None,
-            negative_prompt: None,
-            negative_prompt_2: None,
-            negative_prompt_3: None,
             prompt_encoding: Some(encoding),
             ..self
+        };
+        for (_, list) in call.per_prompt_texts_mut() {
+            *list = None;
         }
-    }
-
-    /// The texts besides `prompt` that may be given once for every prompt or once per prompt.
-    pub fn per_prompt_texts(&self) -> [(&'static str, Option<&Vec<String>>); 5] {
-        [
-            ("negative_prompt", self.negative_prompt.as_ref()),
-            ("prompt_2", self.prompt_2.as_ref()),
-            ("negative_prompt_2", self.negative_prompt_2.as_ref()),
-            ("prompt_3", self.prompt_3.as_ref()),
-            ("negative_prompt_3", self.negative_prompt_3.as_ref()),
-        ]
+        call
     }
 
     /// The texts of text argument `name` as given (`prompt`'s always, maybe none).
@@ -637,7 +657,7 @@ impl GenerateCall<'_> {
     /// Every text against [`check_prompt_text`]; the error names the argument.
     pub fn check_text(&self) -> Result<(), ArgError> {
         for (name, text) in self.texts() {
-            check_prompt_text(text).map_err(|e| ArgError::new(spec_name(name), format!("{{{name}}}: {e}")))?;
+            check_prompt_text(text).map_err(|e| ArgError::new(name, format!("{{{name}}}: {e}")))?;
         }
         Ok(())
     }
@@ -672,7 +692,7 @@ impl GenerateCall<'_> {
         for (name, list) in self.per_prompt_texts() {
             if let Some(list) = list.filter(|l| batch > 0 && l.len() > 1 && l.len() != batch) {
                 return Err(ArgError::new(
-                    spec_name(name),
+                    name,
                     format!(
                         "{{{name}}} is given {} times for {batch} prompt(s): give it once for every prompt or once per {{prompt}}",
                         list.len()
@@ -708,13 +728,7 @@ impl GenerateCall<'_> {
     /// one `--negative-prompt` for several `--prompt`s).
     pub fn broadcast_texts(&mut self) {
         let batch = self.prompt.len();
-        for list in [
-            &mut self.negative_prompt,
-            &mut self.prompt_2,
-            &mut self.negative_prompt_2,
-            &mut self.prompt_3,
-            &mut self.negative_prompt_3,
-        ] {
+        for (_, list) in self.per_prompt_texts_mut() {
             if let Some(l) = list.as_mut().filter(|l| l.len() == 1 && batch > 1) {
                 *l = vec![l[0].clone(); batch];
             }
@@ -756,11 +770,6 @@ impl GenerateCall<'_> {
     }
 }
 
-/// The table's `&'static` name for `name` (a text argument's).
-fn spec_name(name: &str) -> &'static str {
-    spec(name).map_or("prompt", |s| s.name)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -780,6 +789,17 @@ mod tests {
             call.set_json(a.name, &value).unwrap();
         }
         assert_eq!(call.given(), names);
+        let per_prompt: Vec<&str> = call.per_prompt_texts().iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            per_prompt,
+            [
+                "negative_prompt",
+                "prompt_2",
+                "negative_prompt_2",
+                "prompt_3",
+                "negative_prompt_3"
+            ]
+        );
         let json = call.to_json();
         let again = GenerateCall::from_json(&json).unwrap();
         assert_eq!(again.to_json(), json);
