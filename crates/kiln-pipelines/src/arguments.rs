@@ -148,7 +148,9 @@ impl Item for Seed {
         match (value.as_u64(), value.as_i64()) {
             (Some(v), _) => Ok(v),
             (None, Some(v)) => Ok(v as u64),
-            _ => Err(format!("must be a whole number in torch's range, got {value}")),
+            _ => Err(format!(
+                "must be a whole number from -9223372036854775808 to 18446744073709551615, got {value}"
+            )),
         }
     }
     fn to_json(value: &u64) -> Value {
@@ -700,14 +702,8 @@ impl GenerateCall<'_> {
                 ));
             }
         }
-        let budget = self.budget(&crate::CallDefaults {
-            height: 0,
-            width: 0,
-            num_inference_steps: 0,
-            guidance_scale: 0.0,
-            max_sequence_length: 0,
-        });
-        budget
+        // What is unset is checked with the model (it brings its defaults).
+        self.budget(&crate::CallDefaults::default())
             .check()
             .map_err(|over| ArgError::over_budget(&over, self.sigmas.is_some()))?;
         if let (Some(sigmas), Some(steps)) = (&self.sigmas, self.num_inference_steps) {

@@ -205,7 +205,7 @@ impl PipelineKind {
 
 /// The call settings a model runs with where a call leaves them out: the pipeline's (diffusers')
 /// defaults, or a model folder's own `kiln_defaults.json`.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 pub struct CallDefaults {
     /// `0`: the model's default sample size.
     pub height: usize,

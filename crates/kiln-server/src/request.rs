@@ -5,7 +5,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use kiln_image::GenerationParams;
-use kiln_pipelines::arguments::Served;
+use kiln_pipelines::arguments::{Item, Seed, Served};
 use kiln_pipelines::{ArgError, GenerateCall, ARGUMENTS};
 
 use crate::backend::ModelInfo;
@@ -83,16 +83,7 @@ pub fn take<T: serde::de::DeserializeOwned>(body: &mut Map<String, Value>, name:
 
 /// A seed as torch's `manual_seed` takes it (-2^63 ..= 2^64 - 1, a negative one modulo 2^64).
 pub fn seed_of(name: &str, value: &Value) -> Result<u64, ApiError> {
-    let range = || {
-        ApiError::bad_request(
-            Some(name),
-            format!("`{name}` must be a whole number from -9223372036854775808 to 18446744073709551615, got {value}"),
-        )
-    };
-    match value {
-        Value::Number(n) => n.as_u64().or_else(|| n.as_i64().map(|s| s as u64)).ok_or_else(range),
-        _ => Err(range()),
-    }
+    Seed::from_json(value).map_err(|e| ApiError::bad_request(Some(name), format!("`{name}` {e}")))
 }
 
 /// A random seed (for a request without one), in A1111's range.
