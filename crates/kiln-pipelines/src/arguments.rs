@@ -1,5 +1,5 @@
 //! The call arguments of every pipeline, in one table: [`GenerateCall`] and [`ARGUMENTS`] are
-//! made from one list ([`call_arguments!`]) in which each argument — its name (diffusers' keyword),
+//! made from one list (`call_arguments!`) in which each argument — its name (diffusers' keyword),
 //! value kind, group, help and check — is written once. The command line's flags, the server's
 //! JSON fields, the PNG record and `--from` are all derived from [`ARGUMENTS`]; [`GenerateCall::check`]
 //! is the one check of what needs no model. Which pipelines take an argument is each pipeline's

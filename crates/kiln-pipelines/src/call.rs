@@ -1,5 +1,5 @@
 //! What every pipeline call shares: the call arguments every pipeline takes ([`pipeline_call!`]),
-//! diffusers' shared checks, the denoising loop, the step callback, and one output type.
+//! diffusers' shared checks, the Euler step and guidance, the step callback, and one output type.
 
 use std::time::{Duration, Instant};
 

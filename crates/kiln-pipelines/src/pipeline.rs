@@ -1,7 +1,8 @@
 //! The pipeline core: a pipeline's components in run order, and what every pipeline does with
 //! them the same way — placement, offload and compilation ([`DiffusionPipeline`]), each
-//! component's run with its prefetch and out-of-memory naming ([`PipelineCore::run`]). The
-//! arguments, checks, denoising loop and output every call shares are in [`crate::call`].
+//! component's run with its prefetch and out-of-memory naming ([`PipelineCore::run`]), and the
+//! denoising loop ([`PipelineCore::denoise`], [`PipelineCore::denoise_guided`]). The arguments,
+//! checks, step math and output every call shares are in [`crate::call`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
