@@ -205,10 +205,8 @@ impl AnyPipeline {
                 names.iter().map(|n| format!(", {n}")).collect::<String>()
             )));
         }
+        // `call` was checked: at least 1.
         let n = call.num_images_per_prompt.unwrap_or(1);
-        if n == 0 {
-            return Err(invalid("`num_images_per_prompt` must be at least 1"));
-        }
         // each row repeated n times; one image per row already needs no copy
         let repeated = (n > 1).then(|| PromptEncoding::batch(&[(encoding, n)])).transpose()?;
         call.num_images_per_prompt = Some(1);
