@@ -65,6 +65,13 @@ impl CallFields {
         self.call().text_argument(name)?.into_iter().next()
     }
 
+    /// The text arguments given besides `prompt`.
+    fn texts_given(&self) -> Vec<&'static str> {
+        let call = self.call();
+        let texts = call.per_prompt_texts().into_iter();
+        texts.filter(|(_, list)| list.is_some()).map(|(name, _)| name).collect()
+    }
+
     /// The number of denoising steps given (the sigmas' count when they are given).
     fn steps(&self) -> Option<usize> {
         self.call().steps_given()
@@ -115,10 +122,8 @@ impl JobRequest {
     /// text's presence counts).
     pub fn batch_key(&self) -> String {
         let mut fields = self.fields.0.clone();
-        for (name, value) in fields.iter_mut() {
-            if self.fields.text(name).is_some() {
-                *value = Value::Null;
-            }
+        for name in self.fields.texts_given() {
+            fields.insert(name.into(), Value::Null);
         }
         format!(
             "{} {}x{} {}",
@@ -244,12 +249,10 @@ impl JobRequest {
                 .collect()
         };
         let mut call = self.fields.call();
-        for name in call.given() {
-            if self.fields.text(name).is_some() {
-                let texts = per_image(&|r| r.fields.text(name).unwrap_or_default());
-                call.set_json(name, &texts.into())
-                    .expect("a list of texts for a text argument");
-            }
+        for name in self.fields.texts_given() {
+            let texts = per_image(&|r| r.fields.text(name).unwrap_or_default());
+            call.set_json(name, &texts.into())
+                .expect("a list of texts for a text argument");
         }
         GenerateCall {
             prompt: per_image(&|r| r.prompt.clone()),
@@ -368,5 +371,28 @@ mod tests {
         assert!(body.is_empty(), "every field is taken: {body:?}");
         assert_eq!(fields.call().given().len(), names.len());
         assert_eq!(fields.text("negative_prompt").as_deref(), Some("text"));
+    }
+
+    #[test]
+    fn requests_differing_in_texts_share_a_batch_and_keep_their_texts() {
+        let request = |negative: &str, steps: u64, seeds: Vec<u64>| {
+            let mut body = serde_json::json!({"negative_prompt": negative, "num_inference_steps": steps});
+            JobRequest {
+                model: 0,
+                prompt: format!("not {negative}"),
+                height: 64,
+                width: 64,
+                fields: CallFields::take_from(body.as_object_mut().unwrap()).unwrap(),
+                seeds,
+            }
+        };
+        let (a, b) = (request("x", 4, vec![1, 2]), request("y", 4, vec![3]));
+        assert_eq!(a.batch_key(), b.batch_key());
+        assert_ne!(a.batch_key(), request("x", 5, vec![1]).batch_key());
+        let call = a.generate_call(&[a.clone(), b]);
+        assert_eq!(call.prompt, ["not x", "not x", "not y"]);
+        assert_eq!(call.negative_prompt, Some(vec!["x".into(), "x".into(), "y".into()]));
+        assert_eq!(call.seeds, Some(vec![1, 2, 3]));
+        assert_eq!(call.num_inference_steps, Some(4));
     }
 }
