@@ -13,7 +13,7 @@ use serde::Deserialize;
 use crate::arguments::GenerateCall;
 use crate::call::PipelineOutput;
 use crate::encoding::{Embeddings, EncodingSettings};
-use crate::error::{invalid, Result};
+use crate::error::{ArgError, Result};
 use crate::loading::LoadOptions;
 use crate::pipeline::DiffusionPipeline;
 
@@ -192,12 +192,12 @@ impl PipelineKind {
     }
 
     /// An error for the first argument `call` gives that this pipeline does not take.
-    pub fn check_arguments(self, call: &GenerateCall<'_>) -> Result<()> {
+    pub fn check_arguments(self, call: &GenerateCall<'_>) -> std::result::Result<(), ArgError> {
         match call.given().into_iter().find(|a| !self.takes(a)) {
-            Some(argument) => Err(invalid(format!(
-                "`{argument}` is not an argument of {}",
-                self.class_name()
-            ))),
+            Some(argument) => Err(ArgError::new(
+                argument,
+                format!("{{{argument}}} is not an argument of {}", self.class_name()),
+            )),
             None => Ok(()),
         }
     }

@@ -227,11 +227,7 @@ impl JobRequest {
         // The pipeline's own checks that need no model run: the arguments it takes and the call
         // budget against the device's free memory.
         let call = request.generate_call(std::slice::from_ref(&request));
-        if let Err(e) = model.kind.check_arguments(&call) {
-            let message = e.to_string();
-            let field = message.split('`').nth(1).unwrap_or("model").to_string();
-            return Err(bad(&field, format!("{message} (model {})", model.name)));
-        }
+        (model.kind.check_arguments(&call)).map_err(|e| bad(e.argument, format!("{e} (model {})", model.name)))?;
         model
             .check_budget(steps, n, height, width)
             .map_err(|over| bad(over.argument, over.to_string()))?;

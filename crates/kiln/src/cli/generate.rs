@@ -135,22 +135,14 @@ fn check_taken_by(
     from: Option<&Path>,
     given: &Given,
 ) -> Result<()> {
-    for field in call.given() {
-        if pipeline.takes(field) {
-            continue;
-        }
+    pipeline.check_arguments(call).map_err(|e| {
         let origin = match from {
-            Some(png) if !given.contains(field) => format!(" (from {})", png.display()),
+            Some(png) if !given.contains(e.argument) => format!(" (from {})", png.display()),
             _ => String::new(),
         };
-        bail!(
-            "{}{origin} is not an argument of {} (model {})",
-            flag(field),
-            pipeline.class_name(),
-            root.display()
-        );
-    }
-    Ok(())
+        let message = e.render(&|name| format!("{}{origin}", flag(name)));
+        anyhow::anyhow!("{message} (model {})", root.display())
+    })
 }
 
 /// What a pipeline run gives back to be printed and saved.
