@@ -84,12 +84,12 @@ pub struct Unflatten<'a> {
 
 impl Unflatten<'_> {
     pub fn tensor(&mut self) -> Result<Tensor> {
-        self.tensors.next().ok_or_else(|| mismatch("fewer tensors"))
+        self.tensors.next().ok_or_else(|| short_of("tensors"))
     }
 
     /// What [`Flat::push_count`] recorded.
     pub fn count(&mut self) -> Result<usize> {
-        self.counts.next().copied().ok_or_else(|| mismatch("fewer counts"))
+        self.counts.next().copied().ok_or_else(|| short_of("counts"))
     }
 }
 
@@ -117,6 +117,15 @@ fn mismatch(what: &str) -> Error {
     Error::Config {
         component: "compiled function".into(),
         message: format!("the tensors and layout of a value do not match its type ({what})"),
+    }
+}
+
+/// An error of [`Unflatten`] running out of `what` ("tensors"); [`unflatten`] words it as a
+/// mismatch of its type.
+fn short_of(what: &str) -> Error {
+    Error::Config {
+        component: "compiled function".into(),
+        message: format!("fewer {what}"),
     }
 }
 
@@ -271,7 +280,9 @@ mod tests {
         let err = unflatten::<Step<Constants>>(&flat.layout, flat.tensors[1..].to_vec())
             .err()
             .unwrap();
-        assert!(err.to_string().contains("do not match its type"), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("do not match its type (fewer tensors for a "), "{err}");
+        assert_eq!(text.matches("do not match").count(), 1, "{err}");
         let err = unflatten::<Tensor>(&flat.layout, vec![t(0.0)]).err().unwrap();
         assert!(err.to_string().contains("more tensors or layout"), "{err}");
     }
