@@ -1,12 +1,13 @@
 //! Pieces the diffusers MMDiT transformers share (FLUX.1's `FluxTransformer2DModel`, SD3's
 //! `SD3Transformer2DModel`, FLUX.2's `Flux2Transformer2DModel`): the sinusoidal timestep projection and its MLP
 //! (`diffusers/models/embeddings.py`), the gelu-tanh `FeedForward` (`attention.py`), the
-//! adaptive-norm modulation (`normalization.py`) and the query/key/value projections of an
-//! attention stream with their qk-norm (`attention_processor.py`, `transformer_flux*.py`).
+//! adaptive-norm modulation (`normalization.py`), the query/key/value projections of an
+//! attention stream with their qk-norm (`attention_processor.py`, `transformer_flux*.py`), and
+//! the joint attention and streams of FLUX's double-stream block ([`JointStreams`]).
 
-use kiln_nn::module::{map_child, visit_child};
-use kiln_nn::{impl_module, Error, Linear, Module, Result, RmsNorm, Weights};
-use kiln_tensor::Tensor;
+use kiln_nn::module::Named;
+use kiln_nn::{impl_module, Error, LayerNorm, Linear, Module, Result, RmsNorm, RopeTables, Weights};
+use kiln_tensor::{AttentionMask, DType, RopeLayout, Tensor};
 
 /// Where torch's f32 `exp` (MKL's vectorized exp on x86) does not round `get_timestep_embedding`'s
 /// frequencies to the nearest f32: `(half, k, ulps)` = entry `k` of the `half`-long table is
@@ -153,36 +154,18 @@ pub(crate) fn split_heads<N: HeadNorm>(x: &Tensor, head_dim: usize, norm: Option
 
 /// Query/key/value projections of one stream of an attention (`dim → dim`), with the per-head
 /// qk-norm `N` (optional: SD3 models without `qk_norm` have none).
+/// Each part is walked under the name it was loaded with ([`IMAGE_QKV`] or [`TEXT_QKV`]).
 #[derive(Clone, Debug)]
 pub(crate) struct QkvProjection<N> {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    norm_q: Option<N>,
-    norm_k: Option<N>,
+    q: Named<Linear>,
+    k: Named<Linear>,
+    v: Named<Linear>,
+    norm_q: Named<Option<N>>,
+    norm_k: Named<Option<N>>,
     head_dim: usize,
-    /// The weight names of q, k, v, norm_q, norm_k ([`IMAGE_QKV`] or [`TEXT_QKV`]).
-    names: [&'static str; 5],
 }
 
-impl<N: Module> Module for QkvProjection<N> {
-    fn visit(&self, f: &mut dyn FnMut(&str, &Tensor)) {
-        let [q, k, v, nq, nk] = self.names;
-        visit_child(q, &self.q, f);
-        visit_child(k, &self.k, f);
-        visit_child(v, &self.v, f);
-        visit_child(nq, &self.norm_q, f);
-        visit_child(nk, &self.norm_k, f);
-    }
-    fn map(&mut self, f: &mut dyn FnMut(&str, &Tensor) -> Result<Tensor>) -> Result<()> {
-        let [q, k, v, nq, nk] = self.names;
-        map_child(q, &mut self.q, f)?;
-        map_child(k, &mut self.k, f)?;
-        map_child(v, &mut self.v, f)?;
-        map_child(nq, &mut self.norm_q, f)?;
-        map_child(nk, &mut self.norm_k, f)
-    }
-}
+impl_module!([N] QkvProjection<N> { q: "", k: "", v: "", norm_q: "", norm_k: "" });
 
 impl<N: HeadNorm> QkvProjection<N> {
     /// The projections named `names` under `w` (the attention), with or without biases; `norm`
@@ -194,14 +177,14 @@ impl<N: HeadNorm> QkvProjection<N> {
         bias: bool,
         norm: impl Fn(&Weights) -> Result<Option<N>>,
     ) -> Result<Self> {
+        let linear = |name| Named::load(w, name, |w| Linear::load(w, dim, dim, bias));
         Ok(QkvProjection {
-            q: Linear::load(&w.pp(names[0]), dim, dim, bias)?,
-            k: Linear::load(&w.pp(names[1]), dim, dim, bias)?,
-            v: Linear::load(&w.pp(names[2]), dim, dim, bias)?,
-            norm_q: norm(&w.pp(names[3]))?,
-            norm_k: norm(&w.pp(names[4]))?,
+            q: linear(names[0])?,
+            k: linear(names[1])?,
+            v: linear(names[2])?,
+            norm_q: Named::load(w, names[3], &norm)?,
+            norm_k: Named::load(w, names[4], &norm)?,
             head_dim,
-            names,
         })
     }
 
@@ -211,5 +194,96 @@ impl<N: HeadNorm> QkvProjection<N> {
         let k = split_heads(&self.k.forward(x)?, self.head_dim, self.norm_k.as_ref())?;
         let v = split_heads(&self.v.forward(x)?, self.head_dim, None::<&N>)?;
         Ok([q, k, v])
+    }
+}
+
+/// Rotary embedding (FLUX's interleaved pairs) then attention; returns `[B, S, H·head_dim]`.
+pub(crate) fn rope_attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+    let q = q.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
+    let k = k.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
+    let o = Tensor::scaled_dot_product_attention(&q, &k, v, &AttentionMask::None, None)?;
+    Ok(o.transpose(1, 2)?.flatten(2, 3)?)
+}
+
+/// FLUX's double-stream block after its modulations, FLUX.1's and FLUX.2's alike: joint attention
+/// over [text, image], then each stream's gated residuals around its output projection and its
+/// feed-forward `F`.
+#[derive(Clone, Debug)]
+pub(crate) struct JointStreams<F> {
+    image: QkvProjection<RmsNorm>,
+    text: QkvProjection<RmsNorm>,
+    to_out: Linear,
+    to_add_out: Linear,
+    ff: F,
+    ff_context: F,
+}
+
+impl_module!([F] JointStreams<F> {
+    image: "attn",
+    text: "attn",
+    to_out: "attn.to_out.0",
+    to_add_out: "attn.to_add_out",
+    ff,
+    ff_context,
+});
+
+impl<F> JointStreams<F> {
+    /// The block's attention (projections with or without `bias`, qk-norms of epsilon `eps`) and
+    /// its two feed-forwards (`ff` loads one).
+    pub(crate) fn load(
+        w: &Weights,
+        (dim, head_dim): (usize, usize),
+        (bias, eps): (bool, f64),
+        ff: impl Fn(&Weights) -> Result<F>,
+    ) -> Result<Self> {
+        let qk_norm = |w: &Weights| Ok(Some(RmsNorm::load(w, head_dim, eps)?));
+        let qkv = |name, names| QkvProjection::load(&w.pp(name), names, (dim, head_dim), bias, qk_norm);
+        let linear = |name| Linear::load(&w.pp(name), dim, dim, bias);
+        Ok(JointStreams {
+            image: qkv(Self::image, IMAGE_QKV)?,
+            text: qkv(Self::text, TEXT_QKV)?,
+            to_out: linear(Self::to_out)?,
+            to_add_out: linear(Self::to_add_out)?,
+            ff: ff(&w.pp(Self::ff))?,
+            ff_context: ff(&w.pp(Self::ff_context))?,
+        })
+    }
+
+    /// `m`, `c`: the image's and the text's (shift, scale, gate) for attention, then for the
+    /// feed-forward (`feed_forward` runs one); `ln`: the layer norm of both streams. Returns the
+    /// new (text, image) streams.
+    pub(crate) fn forward(
+        &self,
+        (x, ctx): (&Tensor, &Tensor),
+        (m, c): (&[Tensor], &[Tensor]),
+        ln: &LayerNorm,
+        rope: &RopeTables,
+        feed_forward: impl Fn(&F, &Tensor) -> Result<Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let nx = modulate(&ln.forward(x)?, &m[0], &m[1])?;
+        let nc = modulate(&ln.forward(ctx)?, &c[0], &c[1])?;
+
+        let [q, k, v] = self.image.forward(&nx)?;
+        let [cq, ck, cv] = self.text.forward(&nc)?;
+        let q = Tensor::cat(&[&cq, &q], 2)?;
+        let k = Tensor::cat(&[&ck, &k], 2)?;
+        let v = Tensor::cat(&[&cv, &v], 2)?;
+        let o = rope_attention(&q, &k, &v, rope)?;
+        let text_len = ctx.dims()[1];
+        let parts = o.split_sizes(&[text_len, x.dims()[1]], 1)?;
+        let (o_ctx, o_x) = (&parts[0], &parts[1]);
+
+        let x = gated_residual(x, &m[2], &self.to_out.forward(o_x)?)?;
+        let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
+        let x = gated_residual(&x, &m[5], &feed_forward(&self.ff, &ff_in)?)?;
+
+        let ctx = gated_residual(ctx, &c[2], &self.to_add_out.forward(o_ctx)?)?;
+        let ff_in = modulate(&ln.forward(&ctx)?, &c[3], &c[4])?;
+        let mut ctx = gated_residual(&ctx, &c[5], &feed_forward(&self.ff_context, &ff_in)?)?;
+        if ctx.dtype() == DType::F16 {
+            // diffusers clips only the text stream of the double block in fp16.
+            ctx = ctx.clamp(-65504.0, 65504.0)?;
+        }
+        Ok((ctx, x))
     }
 }

@@ -9,10 +9,11 @@ use kiln_nn::{
     impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
     RopeTables, TpPlan, TpStyle, Weights,
 };
-use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
+use kiln_tensor::{DType, Device, Tensor};
 
 use crate::mmdit::{
-    gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, Mlp, QkvProjection, IMAGE_QKV, TEXT_QKV,
+    gated_residual, modulate, rope_attention, sinusoid, timestep_frequencies, FeedForward, JointStreams, Mlp,
+    QkvProjection, IMAGE_QKV,
 };
 
 /// `CombinedTimestep(Guidance)TextProjEmbeddings`.
@@ -69,39 +70,22 @@ fn qk_norm(head_dim: usize) -> impl Fn(&Weights) -> Result<Option<RmsNorm>> {
     move |w| Ok(Some(RmsNorm::load(w, head_dim, 1e-6)?))
 }
 
-/// Rotary embedding then attention; returns `[B, S, H·head_dim]`.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Tensor> {
-    let q = q.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
-    let k = k.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
-    let o = Tensor::scaled_dot_product_attention(&q, &k, v, &AttentionMask::None, None)?;
-    Ok(o.transpose(1, 2)?.flatten(2, 3)?)
-}
-
 /// `FluxTransformerBlock`: the double-stream block.
 #[derive(Clone, Debug)]
 struct FluxTransformerBlock {
     norm1: Linear,
     norm1_context: Linear,
-    image: QkvProjection<RmsNorm>,
-    text: QkvProjection<RmsNorm>,
-    to_out: Linear,
-    to_add_out: Linear,
-    ff: FeedForward,
-    ff_context: FeedForward,
+    streams: JointStreams<FeedForward>,
 }
 
 impl FluxTransformerBlock {
     fn load(w: &Weights, dim: usize, head_dim: usize) -> Result<Self> {
-        let qkv = |name, names| QkvProjection::load(&w.pp(name), names, (dim, head_dim), true, qk_norm(head_dim));
         Ok(FluxTransformerBlock {
             norm1: Linear::load(&w.pp(Self::norm1), dim, 6 * dim, true)?,
             norm1_context: Linear::load(&w.pp(Self::norm1_context), dim, 6 * dim, true)?,
-            image: qkv(Self::image, IMAGE_QKV)?,
-            text: qkv(Self::text, TEXT_QKV)?,
-            to_out: Linear::load(&w.pp(Self::to_out), dim, dim, true)?,
-            to_add_out: Linear::load(&w.pp(Self::to_add_out), dim, dim, true)?,
-            ff: FeedForward::load(&w.pp(Self::ff), dim)?,
-            ff_context: FeedForward::load(&w.pp(Self::ff_context), dim)?,
+            streams: JointStreams::load(&w.pp(Self::streams), (dim, head_dim), (true, 1e-6), |w| {
+                FeedForward::load(w, dim)
+            })?,
         })
     }
 
@@ -111,43 +95,15 @@ impl FluxTransformerBlock {
         // AdaLayerNormZero: shift, scale, gate (attention), shift, scale, gate (MLP).
         let m = self.norm1.forward(temb_silu)?.chunk(6, 1)?;
         let c = self.norm1_context.forward(temb_silu)?.chunk(6, 1)?;
-        let nx = modulate(&ln.forward(x)?, &m[0], &m[1])?;
-        let nc = modulate(&ln.forward(ctx)?, &c[0], &c[1])?;
-
-        let [q, k, v] = self.image.forward(&nx)?;
-        let [cq, ck, cv] = self.text.forward(&nc)?;
-        let q = Tensor::cat(&[&cq, &q], 2)?;
-        let k = Tensor::cat(&[&ck, &k], 2)?;
-        let v = Tensor::cat(&[&cv, &v], 2)?;
-        let o = attention(&q, &k, &v, rope)?;
-        let text_len = ctx.dims()[1];
-        let parts = o.split_sizes(&[text_len, x.dims()[1]], 1)?;
-        let (o_ctx, o_x) = (&parts[0], &parts[1]);
-
-        let x = gated_residual(x, &m[2], &self.to_out.forward(o_x)?)?;
-        let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
-        let x = gated_residual(&x, &m[5], &self.ff.forward(&ff_in)?)?;
-
-        let ctx = gated_residual(ctx, &c[2], &self.to_add_out.forward(o_ctx)?)?;
-        let ff_in = modulate(&ln.forward(&ctx)?, &c[3], &c[4])?;
-        let mut ctx = gated_residual(&ctx, &c[5], &self.ff_context.forward(&ff_in)?)?;
-        if ctx.dtype() == DType::F16 {
-            // diffusers clips only the text stream of the double block in fp16.
-            ctx = ctx.clamp(-65504.0, 65504.0)?;
-        }
-        Ok((ctx, x))
+        self.streams
+            .forward((x, ctx), (&m, &c), &ln, rope, FeedForward::forward)
     }
 }
 
 impl_module!(FluxTransformerBlock {
     norm1: "norm1.linear",
     norm1_context: "norm1_context.linear",
-    image: "attn",
-    text: "attn",
-    to_out: "attn.to_out.0",
-    to_add_out: "attn.to_add_out",
-    ff,
-    ff_context,
+    streams: "",
 });
 
 /// `FluxSingleTransformerBlock`: parallel attention + MLP on the joint sequence.
@@ -176,7 +132,7 @@ impl FluxSingleTransformerBlock {
         let n = modulate(&LayerNorm::plain(1e-6).forward(h)?, &m[0], &m[1])?;
         let mlp = self.proj_mlp.forward(&n)?.gelu_tanh()?;
         let [q, k, v] = self.qkv.forward(&n)?;
-        let a = attention(&q, &k, &v, rope)?;
+        let a = rope_attention(&q, &k, &v, rope)?;
         let joined = Tensor::cat(&[&a, &mlp], 2)?;
         let mut h = gated_residual(h, &m[2], &self.proj_out.forward(&joined)?)?;
         if h.dtype() == DType::F16 {

@@ -22,22 +22,14 @@ use kiln_nn::{
     impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
     RopeTables, TpPlan, TpStyle, Weights,
 };
-use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
+use kiln_tensor::{DType, Device, Tensor};
 
 use crate::mmdit::{
-    gated_residual, modulate, sinusoid, split_heads, timestep_frequencies, Mlp, QkvProjection, IMAGE_QKV, TEXT_QKV,
+    gated_residual, modulate, rope_attention, sinusoid, split_heads, timestep_frequencies, JointStreams, Mlp,
 };
 
 fn input_error(op: &'static str, message: String) -> Error {
     Error::Tensor(kiln_tensor::Error::Invalid { op, message })
-}
-
-/// Rotary embedding then attention; returns `[B, S, H·head_dim]`.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Tensor> {
-    let q = q.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
-    let k = k.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
-    let o = Tensor::scaled_dot_product_attention(&q, &k, v, &AttentionMask::None, None)?;
-    Ok(o.transpose(1, 2)?.flatten(2, 3)?)
 }
 
 /// `Flux2SwiGLU` on a `[..., 2·F]` activation: `silu(first half) ⊙ second half`.
@@ -76,37 +68,18 @@ fn mod_params(m: &Tensor, sets: usize) -> Result<Vec<Tensor>> {
 /// `Flux2TransformerBlock`: the double-stream block (joint attention over [text, image]).
 #[derive(Clone, Debug)]
 struct Flux2TransformerBlock {
-    image: QkvProjection<RmsNorm>,
-    text: QkvProjection<RmsNorm>,
-    to_out: Linear,
-    to_add_out: Linear,
-    ff: Flux2FeedForward,
-    ff_context: Flux2FeedForward,
+    streams: JointStreams<Flux2FeedForward>,
     eps: f64,
 }
 
-impl_module!(Flux2TransformerBlock {
-    image: "attn",
-    text: "attn",
-    to_out: "attn.to_out.0",
-    to_add_out: "attn.to_add_out",
-    ff,
-    ff_context,
-});
+impl_module!(Flux2TransformerBlock { streams: "" });
 
 impl Flux2TransformerBlock {
     fn load(w: &Weights, c: &Flux2TransformerConfig) -> Result<Self> {
         let (dim, head_dim, eps) = (c.inner_dim(), c.attention_head_dim, c.eps);
-        let linear = |name| Linear::load(&w.pp(name), dim, dim, false);
-        let qk_norm = |w: &Weights| Ok(Some(RmsNorm::load(w, head_dim, eps)?));
-        let qkv = |name, names| QkvProjection::load(&w.pp(name), names, (dim, head_dim), false, qk_norm);
+        let ff = |w: &Weights| Flux2FeedForward::load(w, dim, c.mlp_hidden_dim());
         Ok(Flux2TransformerBlock {
-            image: qkv(Self::image, IMAGE_QKV)?,
-            text: qkv(Self::text, TEXT_QKV)?,
-            to_out: linear(Self::to_out)?,
-            to_add_out: linear(Self::to_add_out)?,
-            ff: Flux2FeedForward::load(&w.pp(Self::ff), dim, c.mlp_hidden_dim())?,
-            ff_context: Flux2FeedForward::load(&w.pp(Self::ff_context), dim, c.mlp_hidden_dim())?,
+            streams: JointStreams::load(&w.pp(Self::streams), (dim, head_dim), (false, eps), ff)?,
             eps,
         })
     }
@@ -125,31 +98,8 @@ impl Flux2TransformerBlock {
         // (shift, scale, gate) for attention, then for the MLP.
         let m = mod_params(mod_img, 2)?;
         let c = mod_params(mod_txt, 2)?;
-        let nx = modulate(&ln.forward(x)?, &m[0], &m[1])?;
-        let nc = modulate(&ln.forward(ctx)?, &c[0], &c[1])?;
-
-        let [q, k, v] = self.image.forward(&nx)?;
-        let [cq, ck, cv] = self.text.forward(&nc)?;
-        let q = Tensor::cat(&[&cq, &q], 2)?;
-        let k = Tensor::cat(&[&ck, &k], 2)?;
-        let v = Tensor::cat(&[&cv, &v], 2)?;
-        let o = attention(&q, &k, &v, rope)?;
-        let text_len = ctx.dims()[1];
-        let parts = o.split_sizes(&[text_len, x.dims()[1]], 1)?;
-        let (o_ctx, o_x) = (&parts[0], &parts[1]);
-
-        let x = gated_residual(x, &m[2], &self.to_out.forward(o_x)?)?;
-        let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
-        let x = gated_residual(&x, &m[5], &self.ff.forward(&ff_in)?)?;
-
-        let ctx = gated_residual(ctx, &c[2], &self.to_add_out.forward(o_ctx)?)?;
-        let ff_in = modulate(&ln.forward(&ctx)?, &c[3], &c[4])?;
-        let mut ctx = gated_residual(&ctx, &c[5], &self.ff_context.forward(&ff_in)?)?;
-        if ctx.dtype() == DType::F16 {
-            // diffusers clips only the text stream of the double block in fp16.
-            ctx = ctx.clamp(-65504.0, 65504.0)?;
-        }
-        Ok((ctx, x))
+        self.streams
+            .forward((x, ctx), (&m, &c), &ln, rope, Flux2FeedForward::forward)
     }
 }
 
@@ -213,7 +163,7 @@ impl Flux2SingleTransformerBlock {
         let q = split_heads(&qkv[0], self.head_dim, Some(&self.norm_q))?;
         let k = split_heads(&qkv[1], self.head_dim, Some(&self.norm_k))?;
         let v = split_heads(&qkv[2], self.head_dim, None::<&RmsNorm>)?;
-        let a = attention(&q, &k, &v, rope)?;
+        let a = rope_attention(&q, &k, &v, rope)?;
         let mlp = swiglu(&parts[1])?;
         let joined = Tensor::cat(&[&a, &mlp], 2)?;
         let mut h = gated_residual(h, &m[2], &self.to_out.forward(&joined)?)?;

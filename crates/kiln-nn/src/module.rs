@@ -106,6 +106,9 @@ impl<M: Module> Module for Vec<M> {
 ///
 /// assert_eq!((Block::norm1, Block::ff), ("norm1.linear", "ff"));
 /// ```
+///
+/// A generic struct lists its type parameters first, each a [`Module`]:
+/// `impl_module!([F] Block<F> { ff })`.
 #[macro_export]
 macro_rules! impl_module {
     (@name $field:ident) => {
@@ -114,8 +117,8 @@ macro_rules! impl_module {
     (@name $field:ident, $name:expr) => {
         $name
     };
-    ($ty:ty { $($field:ident $(: $name:expr)?),* $(,)? }) => {
-        impl $crate::Module for $ty {
+    ([$($param:ident),*] $ty:ty { $($field:ident $(: $name:expr)?),* $(,)? }) => {
+        impl<$($param: $crate::Module),*> $crate::Module for $ty {
             fn visit(&self, f: &mut dyn FnMut(&str, &kiln_tensor::Tensor)) {
                 $( $crate::module::visit_child(Self::$field, &self.$field, f); )*
             }
@@ -130,9 +133,12 @@ macro_rules! impl_module {
 
         /// The weight name of each field.
         #[allow(dead_code, non_upper_case_globals)]
-        impl $ty {
+        impl<$($param),*> $ty {
             $( const $field: &'static str = $crate::impl_module!(@name $field $(, $name)?); )*
         }
+    };
+    ($ty:ty { $($field:ident $(: $name:expr)?),* $(,)? }) => {
+        $crate::impl_module!([] $ty { $($field $(: $name)?),* });
     };
 }
 
