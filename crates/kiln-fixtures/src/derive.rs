@@ -9,9 +9,11 @@
 
 use std::io;
 
+use std::collections::HashMap;
+
 use serde_json::Value;
 
-use crate::invalid;
+use crate::{invalid, TensorSpan};
 
 /// A value of an expression: a tensor (shape, float32 values) or a vector along one axis of the
 /// other operand of a binary operation.
@@ -20,52 +22,18 @@ enum Val {
     Chan(usize, Vec<f32>),
 }
 
-/// A tensor of a safetensors file: dtype, shape, absolute byte range.
-struct Span {
-    dtype: String,
-    shape: Vec<usize>,
-    start: usize,
-    end: usize,
-}
+/// The tensors of a safetensors file by name, with absolute byte ranges.
+type Spans = HashMap<String, TensorSpan>;
 
-fn spans(file: &[u8]) -> io::Result<std::collections::HashMap<String, Span>> {
-    let n = file
-        .get(..8)
-        .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
-        .ok_or_else(|| invalid("safetensors file shorter than 8 bytes"))?;
-    let head = file
-        .get(8..8 + n)
-        .ok_or_else(|| invalid("safetensors header past the end"))?;
-    let head: serde_json::Map<String, Value> =
-        serde_json::from_slice(head).map_err(|e| invalid(format!("safetensors header: {e}")))?;
-    let mut out = std::collections::HashMap::new();
-    for (name, v) in head {
-        if name == "__metadata__" {
-            continue;
+fn spans(file: &[u8]) -> io::Result<Spans> {
+    let (base, tensors) = crate::tensors(file)?;
+    let mut out = HashMap::new();
+    for mut t in tensors {
+        (t.start, t.end) = (base + t.start, base + t.end);
+        if t.start > t.end || t.end > file.len() {
+            return Err(invalid(format!("{}: a malformed safetensors entry", t.name)));
         }
-        let bad = || invalid(format!("{name}: a malformed safetensors entry"));
-        let off = |i: usize| {
-            v["data_offsets"][i]
-                .as_u64()
-                .map(|x| x as usize + 8 + n)
-                .ok_or_else(bad)
-        };
-        let shape = v["shape"]
-            .as_array()
-            .ok_or_else(bad)?
-            .iter()
-            .map(|d| d.as_u64().map(|d| d as usize).ok_or_else(bad))
-            .collect::<io::Result<Vec<_>>>()?;
-        let span = Span {
-            dtype: v["dtype"].as_str().ok_or_else(bad)?.to_string(),
-            shape,
-            start: off(0)?,
-            end: off(1)?,
-        };
-        if span.start > span.end || span.end > file.len() {
-            return Err(bad());
-        }
-        out.insert(name, span);
+        out.insert(t.name.clone(), t);
     }
     Ok(out)
 }
@@ -89,17 +57,8 @@ pub(crate) fn underive(file: &mut [u8], derived: &[(String, Value)]) -> io::Resu
     Ok(())
 }
 
-fn predict(
-    file: &[u8],
-    spans: &std::collections::HashMap<String, Span>,
-    name: &str,
-    span: &Span,
-    expr: &Value,
-) -> io::Result<Vec<u8>> {
-    let values = match evaluate(expr, file, spans)? {
-        Val::Tensor(_, v) => v,
-        Val::Chan(..) => return Err(invalid(format!("derived: {name}: a bare vector"))),
-    };
+fn predict(file: &[u8], spans: &Spans, name: &str, span: &TensorSpan, expr: &Value) -> io::Result<Vec<u8>> {
+    let (_, values) = tensor(evaluate(expr, file, spans)?).map_err(|e| invalid(format!("{name}: {e}")))?;
     let numel: usize = span.shape.iter().product();
     if values.len() != numel {
         return Err(invalid(format!(
@@ -178,7 +137,7 @@ fn strides(shape: &[usize]) -> Vec<usize> {
     s
 }
 
-fn evaluate(expr: &Value, file: &[u8], spans: &std::collections::HashMap<String, Span>) -> io::Result<Val> {
+fn evaluate(expr: &Value, file: &[u8], spans: &Spans) -> io::Result<Val> {
     let ev = |e: &Value| evaluate(e, file, spans);
     if let Some(name) = expr.as_str() {
         let s = spans
@@ -224,7 +183,10 @@ fn evaluate(expr: &Value, file: &[u8], spans: &std::collections::HashMap<String,
         let seed = arg("seed")?.as_u64().ok_or_else(|| invalid("derived: randn seed"))?;
         return Ok(Val::Tensor(
             vec![n],
-            kiln_rng::TorchGenerator::manual_seed(seed).randn_f32(n),
+            // The packer reproduces ATen's AVX2 kernel.
+            kiln_rng::TorchGenerator::manual_seed(seed)
+                .with_capability(kiln_rng::CpuCapability::Avx2)
+                .randn_f32(n),
         ));
     }
     if let Some(v) = obj.get("zeros") {

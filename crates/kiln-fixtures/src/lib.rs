@@ -121,15 +121,16 @@ pub struct Packed {
     pub size: u64,
     pub sha256: String,
     pub how: How,
-    /// For `XzShuffled`: the tensors stored as their bytes XOR a prediction, restored in this
-    /// order (`[name, expression]`, see `tools/fixtures/oracle_pack.py`).
-    pub derived: Vec<(String, serde_json::Value)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum How {
     Xz,
-    XzShuffled,
+    /// Byte planes compressed; `derived`: the tensors stored as their bytes XOR a prediction,
+    /// restored in this order (`[name, expression]`, see `tools/fixtures/oracle_pack.py`).
+    XzShuffled {
+        derived: Vec<(String, serde_json::Value)>,
+    },
     /// Rounded from the float32 tensors of the folder `from` (relative to the oracle folder); the
     /// file's safetensors header is `header`.
     Bf16 {
@@ -169,7 +170,9 @@ pub fn index(oracle: &Path) -> io::Result<Vec<Packed>> {
         };
         let how = match field("how")?.as_str() {
             "xz" => How::Xz,
-            "xz-shuffled" => How::XzShuffled,
+            "xz-shuffled" => How::XzShuffled {
+                derived: derived_of(path, e)?,
+            },
             "bf16" => How::Bf16 {
                 from: field("from")?,
                 header: field("header")?,
@@ -177,22 +180,12 @@ pub fn index(oracle: &Path) -> io::Result<Vec<Packed>> {
             "clip-vocab" => How::ClipVocab { from: field("from")? },
             other => return Err(invalid(format!("{INDEX}: {path}: unknown kind `{other}`"))),
         };
-        let derived = match e.get("derived") {
-            None => Vec::new(),
-            Some(d) => d
-                .as_array()
-                .ok_or_else(|| invalid(format!("{INDEX}: {path}: `derived` is not a list")))?
-                .iter()
-                .map(|pair| match pair.as_array().map(Vec::as_slice) {
-                    Some([serde_json::Value::String(name), expr]) => Ok((name.clone(), expr.clone())),
-                    _ => Err(invalid(format!(
-                        "{INDEX}: {path}: a `derived` entry is not [name, expression]"
-                    ))),
-                })
-                .collect::<io::Result<Vec<_>>>()?,
-        };
+        if e.get("derived").is_some() && !matches!(how, How::XzShuffled { .. }) {
+            return Err(invalid(format!(
+                "{INDEX}: {path}: `derived` on a kind other than xz-shuffled"
+            )));
+        }
         out.push(Packed {
-            derived,
             path: path.clone(),
             size: e["size"]
                 .as_u64()
@@ -208,6 +201,23 @@ pub fn index(oracle: &Path) -> io::Result<Vec<Packed>> {
         )
     });
     Ok(out)
+}
+
+/// The `derived` list of index entry `e` (of `path`); none when absent.
+fn derived_of(path: &str, e: &serde_json::Value) -> io::Result<Vec<(String, serde_json::Value)>> {
+    let Some(d) = e.get("derived") else {
+        return Ok(Vec::new());
+    };
+    d.as_array()
+        .ok_or_else(|| invalid(format!("{INDEX}: {path}: `derived` is not a list")))?
+        .iter()
+        .map(|pair| match pair.as_array().map(Vec::as_slice) {
+            Some([serde_json::Value::String(name), expr]) => Ok((name.clone(), expr.clone())),
+            _ => Err(invalid(format!(
+                "{INDEX}: {path}: a `derived` entry is not [name, expression]"
+            ))),
+        })
+        .collect()
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -272,15 +282,15 @@ pub fn unpack(oracle: &Path) -> io::Result<usize> {
 
 fn produce(oracle: &Path, p: &Packed) -> io::Result<Vec<u8>> {
     match &p.how {
-        How::Xz | How::XzShuffled => {
+        How::Xz | How::XzShuffled { .. } => {
             let src = oracle.join(format!("{}.xz", p.path));
             let z = std::fs::read(&src).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", src.display())))?;
             let mut out = Vec::with_capacity(p.size as usize);
             lzma_rs::xz_decompress(&mut io::BufReader::new(z.as_slice()), &mut out)
                 .map_err(|e| invalid(format!("{}: {e}", src.display())))?;
-            if p.how == How::XzShuffled {
+            if let How::XzShuffled { derived } = &p.how {
                 out = unshuffle(&out)?;
-                derive::underive(&mut out, &p.derived).map_err(|e| invalid(format!("{}: {e}", p.path)))?;
+                derive::underive(&mut out, derived).map_err(|e| invalid(format!("{}: {e}", p.path)))?;
             }
             Ok(out)
         }
@@ -294,16 +304,17 @@ fn produce(oracle: &Path, p: &Packed) -> io::Result<Vec<u8>> {
     }
 }
 
-/// A tensor of a safetensors file: name, dtype, data range (relative to the data section).
-struct TensorSpan {
-    name: String,
-    dtype: String,
-    start: usize,
-    end: usize,
+/// A tensor of a safetensors file: name, dtype, shape, data range (relative to the data section).
+pub(crate) struct TensorSpan {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    pub start: usize,
+    pub end: usize,
 }
 
 /// The header length (with its 8 size bytes) and the tensors in data order.
-fn tensors(file: &[u8]) -> io::Result<(usize, Vec<TensorSpan>)> {
+pub(crate) fn tensors(file: &[u8]) -> io::Result<(usize, Vec<TensorSpan>)> {
     let n = file
         .get(..8)
         .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
@@ -328,11 +339,16 @@ fn tensors(file: &[u8]) -> io::Result<(usize, Vec<TensorSpan>)> {
             .as_str()
             .ok_or_else(|| invalid(format!("{name}: no dtype")))?
             .to_string();
+        let shape = v["shape"]
+            .as_array()
+            .and_then(|dims| dims.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
+            .ok_or_else(|| invalid(format!("{name}: no shape")))?;
         out.push(TensorSpan {
             start: off(0)?,
             end: off(1)?,
             name,
             dtype,
+            shape,
         });
     }
     out.sort_by_key(|t| t.start);
