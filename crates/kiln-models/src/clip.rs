@@ -404,16 +404,6 @@ impl ClipTextModel {
             })
     }
 
-    /// [`Self::forward`] with the ids on the host.
-    pub fn forward_with_host_ids(
-        &self,
-        input_ids: &Tensor,
-        host_ids: &[i64],
-        output_hidden_states: bool,
-    ) -> Result<ClipTextOutput> {
-        self.forward(input_ids, Some(host_ids), output_hidden_states)
-    }
-
     /// The row of the flattened `[B·L, hidden]` `last_hidden_state` that is each prompt's pooled
     /// output (`b·L + ` [`pooled_position`] of row b). `host_ids` holds `B` rows of `seq_len` ids.
     pub fn pooled_rows(&self, host_ids: &[i64], seq_len: usize) -> Vec<i64> {

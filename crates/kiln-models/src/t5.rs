@@ -409,16 +409,6 @@ impl T5EncoderModel {
         )
     }
 
-    /// [`Self::forward`] with the ids on the host.
-    pub fn forward_with_host_ids(
-        &self,
-        input_ids: &Tensor,
-        host_ids: &[i64],
-        output_hidden_states: bool,
-    ) -> Result<T5EncoderOutput> {
-        self.forward(input_ids, Some(host_ids), output_hidden_states)
-    }
-
     /// The forward's ops on device data only (`position_buckets` `[L, L]` is
     /// [`Self::position_buckets`]), each block run through the list (streamed, or compiled on its
     /// own in [`kiln_nn::CompileMode::RepeatedBlocks`]).

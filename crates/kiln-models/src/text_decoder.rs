@@ -513,16 +513,6 @@ impl TextDecoderModel {
             })
     }
 
-    /// [`Self::forward`] with the ids on the host.
-    pub fn forward_with_host_inputs(
-        &self,
-        input_ids: &Tensor,
-        host_ids: &[i64],
-        host_mask: Option<&[i64]>,
-    ) -> Result<TextDecoderOutput> {
-        self.forward(input_ids, Some(host_ids), host_mask)
-    }
-
     /// The attention bias, the attended rows and the RoPE tables for a batch of `batch` rows of
     /// `seq_len` tokens with `host_mask` (row-major `[batch, seq_len]`, 1 = token, 0 = padding;
     /// `None` = all tokens), created on `device`. Padding may be on either side: positions stay

@@ -436,14 +436,14 @@ fn module_map_reaches_the_weights_the_forward_reads() {
 /// The pipeline's call: ids on the host and on the device give what `forward` gives (which reads
 /// them back), and bad host ids are refused.
 #[test]
-fn forward_with_host_ids_matches_forward() {
+fn host_ids_give_what_device_ids_give() {
     let dir = text_encoder_dir("pipelines/flux1_dev");
     let config = config_of(&dir);
     let (model, _) = load_dir(&dir, &config, DType::F32).unwrap();
     let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["clip.input_ids"];
     let (ids, host) = (golden.to_tensor(&device()), golden.i64());
     let want = model.forward(&ids, None, true).unwrap();
-    let got = model.forward_with_host_ids(&ids, &host, true).unwrap();
+    let got = model.forward(&ids, Some(&host), true).unwrap();
     common::assert_identical("last_hidden_state", &got.last_hidden_state, &want.last_hidden_state);
     common::assert_identical("pooler_output", &got.pooler_output, &want.pooler_output);
     assert_eq!(got.hidden_states.len(), want.hidden_states.len());
@@ -463,10 +463,10 @@ fn forward_with_host_ids_matches_forward() {
             .collect::<Vec<_>>()
     );
 
-    assert!(model.forward_with_host_ids(&ids, &host[1..], false).is_err());
+    assert!(model.forward(&ids, Some(&host[1..]), false).is_err());
     let mut out_of_vocab = host.clone();
     out_of_vocab[0] = config.vocab_size as i64;
-    let err = model.forward_with_host_ids(&ids, &out_of_vocab, false).unwrap_err();
+    let err = model.forward(&ids, Some(&out_of_vocab), false).unwrap_err();
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
 }
 
@@ -484,8 +484,8 @@ fn compiled_forward_matches_eager() {
         assert_eq!(model.compile_mode(), mode);
         for hidden in [false, true] {
             let tag = format!("clip {mode} output_hidden_states={hidden}");
-            let want = eager.forward_with_host_ids(&ids, &host, hidden).unwrap();
-            let got = model.forward_with_host_ids(&ids, &host, hidden).unwrap();
+            let want = eager.forward(&ids, Some(&host), hidden).unwrap();
+            let got = model.forward(&ids, Some(&host), hidden).unwrap();
             let mut worst = 0f32;
             worst = worst.max(common::check_compiled(
                 &format!("{tag} last_hidden_state"),
@@ -506,7 +506,7 @@ fn compiled_forward_matches_eager() {
             println!("{tag}: max |Δ| over all outputs = {worst:.3e}");
 
             let before = thread_op_cache_stats();
-            let again = model.forward_with_host_ids(&ids, &host, hidden).unwrap();
+            let again = model.forward(&ids, Some(&host), hidden).unwrap();
             common::assert_served_from_cache(&tag, &before, &thread_op_cache_stats());
             common::assert_identical(&tag, &again.last_hidden_state, &got.last_hidden_state);
         }
@@ -515,16 +515,16 @@ fn compiled_forward_matches_eager() {
         common::assert_identical(
             &format!("clip {mode} forward"),
             &via_forward.pooler_output,
-            &model.forward_with_host_ids(&ids, &host, false).unwrap().pooler_output,
+            &model.forward(&ids, Some(&host), false).unwrap().pooler_output,
         );
 
         // Weights are program parameters: new buffers reuse the program.
         let mut moved = model.clone();
         common::copy_weights(&mut moved);
         let before = thread_op_cache_stats();
-        let out = moved.forward_with_host_ids(&ids, &host, false).unwrap();
+        let out = moved.forward(&ids, Some(&host), false).unwrap();
         common::assert_served_from_cache(&format!("clip {mode} moved weights"), &before, &thread_op_cache_stats());
-        let want = model.forward_with_host_ids(&ids, &host, false).unwrap();
+        let want = model.forward(&ids, Some(&host), false).unwrap();
         common::assert_identical(
             &format!("clip {mode} moved weights"),
             &out.last_hidden_state,
@@ -555,10 +555,10 @@ fn compiled_forward_with_projection_head() {
     assert!(eager.has_projection());
     let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["clip.input_ids"];
     let (ids, host) = (golden.to_tensor(&device()), golden.i64());
-    let want = eager.forward_with_host_ids(&ids, &host, true).unwrap();
+    let want = eager.forward(&ids, Some(&host), true).unwrap();
     let mut model = eager.clone();
     model.compile(CompileMode::Full);
-    let got = model.forward_with_host_ids(&ids, &host, true).unwrap();
+    let got = model.forward(&ids, Some(&host), true).unwrap();
     common::check_compiled(
         "clip full text_embeds",
         want.text_embeds.as_ref().unwrap(),

@@ -207,7 +207,7 @@ fn hidden_states_and_prompt_embeds_match_every_flux2_case() {
         let g = goldens(&case.join("tensors.safetensors"));
         let (ids, mask) = (&g["mistral.input_ids"], &g["mistral.attention_mask"]);
         let out = model
-            .forward_with_host_inputs(&ids.to_tensor(&d), &ids.i64(), Some(&mask.i64()))
+            .forward(&ids.to_tensor(&d), Some(&ids.i64()), Some(&mask.i64()))
             .unwrap();
         for (i, k) in FLUX2_HIDDEN_STATES.iter().enumerate() {
             let key = format!("mistral.hidden_states.{k}");
@@ -256,14 +256,14 @@ fn left_padding_zeroes_the_attention_of_pad_rows() {
     let left: Vec<i64> = std::iter::repeat_n(11, pads).chain(tokens.iter().copied()).collect();
     let mask: Vec<i64> = (0..left.len()).map(|i| i64::from(i >= pads)).collect();
     let padded = model
-        .forward_with_host_inputs(
+        .forward(
             &Tensor::from_slice(&left, [1, left.len()], &d).unwrap(),
-            &left,
+            Some(&left),
             Some(&mask),
         )
         .unwrap();
     let plain = model
-        .forward_with_host_inputs(&Tensor::from_slice(tokens, [1, 17], &d).unwrap(), tokens, None)
+        .forward(&Tensor::from_slice(tokens, [1, 17], &d).unwrap(), Some(tokens), None)
         .unwrap();
     let hidden = model.config().hidden_size;
     for (i, k) in FLUX2_HIDDEN_STATES.iter().enumerate() {
@@ -297,9 +297,9 @@ fn left_padding_zeroes_the_attention_of_pad_rows() {
     let mut other = left.clone();
     other[pads..].iter_mut().for_each(|id| *id = (*id + 17) % 3000);
     let changed = model
-        .forward_with_host_inputs(
+        .forward(
             &Tensor::from_slice(&other, [1, other.len()], &d).unwrap(),
-            &other,
+            Some(&other),
             Some(&mask),
         )
         .unwrap();
@@ -310,7 +310,11 @@ fn left_padding_zeroes_the_attention_of_pad_rows() {
     }
     let attending: Vec<i64> = vec![11; 3];
     let out = model
-        .forward_with_host_inputs(&Tensor::from_slice(&attending, [1, 3], &d).unwrap(), &attending, None)
+        .forward(
+            &Tensor::from_slice(&attending, [1, 3], &d).unwrap(),
+            Some(&attending),
+            None,
+        )
         .unwrap();
     let attending_row = &out.hidden_states[0].to_f32_vec().unwrap()[..hidden];
     let pad_row = &padded.hidden_states[0].to_f32_vec().unwrap()[..hidden];
@@ -408,16 +412,12 @@ fn compiled_forward_matches_eager() {
     let (ids, mask) = (&g["mistral.input_ids"], &g["mistral.attention_mask"]);
     let d = device();
     let (ids_t, host_ids, host_mask) = (ids.to_tensor(&d), ids.i64(), mask.i64());
-    let want = eager
-        .forward_with_host_inputs(&ids_t, &host_ids, Some(&host_mask))
-        .unwrap();
+    let want = eager.forward(&ids_t, Some(&host_ids), Some(&host_mask)).unwrap();
     for mode in [CompileMode::Full, CompileMode::RepeatedBlocks] {
         let mut model = eager.clone();
         model.compile(mode);
         assert_eq!(model.compile_mode(), mode);
-        let got = model
-            .forward_with_host_inputs(&ids_t, &host_ids, Some(&host_mask))
-            .unwrap();
+        let got = model.forward(&ids_t, Some(&host_ids), Some(&host_mask)).unwrap();
         assert_eq!(got.hidden_states.len(), STORED.len());
         let mut worst = 0f32;
         for (k, (a, b)) in STORED.iter().zip(want.hidden_states.iter().zip(&got.hidden_states)) {
@@ -429,9 +429,7 @@ fn compiled_forward_matches_eager() {
         assert!(model.compiled_programs() >= 1);
 
         let before = thread_op_cache_stats();
-        let again = model
-            .forward_with_host_inputs(&ids_t, &host_ids, Some(&host_mask))
-            .unwrap();
+        let again = model.forward(&ids_t, Some(&host_ids), Some(&host_mask)).unwrap();
         common::assert_served_from_cache(&format!("mistral {mode}"), &before, &thread_op_cache_stats());
         common::assert_identical(
             &format!("mistral {mode} again"),
@@ -442,9 +440,7 @@ fn compiled_forward_matches_eager() {
         let mut moved = model.clone();
         common::copy_weights(&mut moved);
         let before = thread_op_cache_stats();
-        let out = moved
-            .forward_with_host_inputs(&ids_t, &host_ids, Some(&host_mask))
-            .unwrap();
+        let out = moved.forward(&ids_t, Some(&host_ids), Some(&host_mask)).unwrap();
         common::assert_served_from_cache(
             &format!("mistral {mode} moved weights"),
             &before,
@@ -485,16 +481,14 @@ fn bad_inputs_and_configs_are_clear_errors() {
     let d = device();
     let ids: Vec<i64> = vec![1, 5, 7, 9];
     let t = Tensor::from_slice(&ids, [1, 4], &d).unwrap();
-    let err = model
-        .forward_with_host_inputs(&t, &ids, Some(&[1, 1, 2, 0]))
-        .unwrap_err();
+    let err = model.forward(&t, Some(&ids), Some(&[1, 1, 2, 0])).unwrap_err();
     assert!(err.to_string().contains("0 and 1"), "{err}");
-    let err = model.forward_with_host_inputs(&t, &ids, Some(&[1, 1])).unwrap_err();
+    let err = model.forward(&t, Some(&ids), Some(&[1, 1])).unwrap_err();
     assert!(err.to_string().contains("2 attention mask values"), "{err}");
     let err = model.forward(&t, None, Some(&[1, 1, 1])).unwrap_err();
     assert!(err.to_string().contains("3 attention mask values"), "{err}");
     let out_of_vocab = vec![1, 3000, 7, 9];
-    let err = model.forward_with_host_inputs(&t, &out_of_vocab, None).unwrap_err();
+    let err = model.forward(&t, Some(&out_of_vocab), None).unwrap_err();
     assert!(err.to_string().contains("3000"), "{err}");
 
     let dir = text_encoder_dir();

@@ -76,7 +76,7 @@ fn check_every_case(mode: CompileMode) {
                 };
                 let mask = &g[&format!("{prefix}.attention_mask")];
                 let out = model
-                    .forward_with_host_inputs(&ids.to_tensor(&d), &ids.i64(), Some(&mask.i64()))
+                    .forward(&ids.to_tensor(&d), Some(&ids.i64()), Some(&mask.i64()))
                     .unwrap();
                 for (i, k) in FLUX2_KLEIN_HIDDEN_STATES.iter().enumerate() {
                     let key = format!("{prefix}.hidden_states.{k}");
@@ -141,10 +141,10 @@ fn layers_after_the_last_one_read_are_not_loaded() {
     let d = device();
     let (ids, mask) = (&g["qwen.input_ids"], &g["qwen.attention_mask"]);
     let out = model
-        .forward_with_host_inputs(&ids.to_tensor(&d), &ids.i64(), Some(&mask.i64()))
+        .forward(&ids.to_tensor(&d), Some(&ids.i64()), Some(&mask.i64()))
         .unwrap();
     let all = whole
-        .forward_with_host_inputs(&ids.to_tensor(&d), &ids.i64(), Some(&mask.i64()))
+        .forward(&ids.to_tensor(&d), Some(&ids.i64()), Some(&mask.i64()))
         .unwrap();
     for i in 0..3 {
         common::assert_identical("hidden state", &out.hidden_states[i], &all.hidden_states[i + 1]);
@@ -157,7 +157,7 @@ fn layers_after_the_last_one_read_are_not_loaded() {
         let mut changed = model.clone();
         common::perturb(&mut changed, name);
         let other = changed
-            .forward_with_host_inputs(&ids.to_tensor(&d), &ids.i64(), Some(&mask.i64()))
+            .forward(&ids.to_tensor(&d), Some(&ids.i64()), Some(&mask.i64()))
             .unwrap();
         assert!(
             common::differs(&other.hidden_states[0], &out.hidden_states[0]),

@@ -385,14 +385,14 @@ fn module_map_reaches_the_weights_the_forward_reads() {
 /// The pipeline's call: ids on the host and on the device give what `forward` gives; the bucket
 /// table is the host function's.
 #[test]
-fn forward_with_host_ids_matches_forward() {
+fn host_ids_give_what_device_ids_give() {
     let dir = t5_dir("pipelines/flux1_dev");
     let config = config_of(&dir);
     let (model, _) = load_dir(&dir, &config, DType::F32).unwrap();
     let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["t5.input_ids"];
     let (ids, host) = (golden.to_tensor(&device()), golden.i64());
     let want = model.forward(&ids, None, true).unwrap();
-    let got = model.forward_with_host_ids(&ids, &host, true).unwrap();
+    let got = model.forward(&ids, Some(&host), true).unwrap();
     common::assert_identical("last_hidden_state", &got.last_hidden_state, &want.last_hidden_state);
     assert_eq!(got.hidden_states.len(), want.hidden_states.len());
 
@@ -409,8 +409,8 @@ fn forward_with_host_ids_matches_forward() {
 
     let mut out_of_vocab = host.clone();
     out_of_vocab[1] = -1;
-    assert!(model.forward_with_host_ids(&ids, &out_of_vocab, false).is_err());
-    assert!(model.forward_with_host_ids(&ids, &host[..2], false).is_err());
+    assert!(model.forward(&ids, Some(&out_of_vocab), false).is_err());
+    assert!(model.forward(&ids, Some(&host[..2]), false).is_err());
 }
 
 /// Full and per-block compilation give the eager outputs (f32: within 1e-5 of max |x|), a second
@@ -427,8 +427,8 @@ fn compiled_forward_matches_eager() {
         assert_eq!(model.compile_mode(), mode);
         for hidden in [false, true] {
             let tag = format!("t5 {mode} output_hidden_states={hidden}");
-            let want = eager.forward_with_host_ids(&ids, &host, hidden).unwrap();
-            let got = model.forward_with_host_ids(&ids, &host, hidden).unwrap();
+            let want = eager.forward(&ids, Some(&host), hidden).unwrap();
+            let got = model.forward(&ids, Some(&host), hidden).unwrap();
             let mut worst = common::check_compiled(
                 &format!("{tag} last_hidden_state"),
                 &want.last_hidden_state,
@@ -442,7 +442,7 @@ fn compiled_forward_matches_eager() {
             println!("{tag}: max |Δ| over all outputs = {worst:.3e}");
 
             let before = thread_op_cache_stats();
-            let again = model.forward_with_host_ids(&ids, &host, hidden).unwrap();
+            let again = model.forward(&ids, Some(&host), hidden).unwrap();
             common::assert_served_from_cache(&tag, &before, &thread_op_cache_stats());
             common::assert_identical(&tag, &again.last_hidden_state, &got.last_hidden_state);
         }
@@ -450,9 +450,9 @@ fn compiled_forward_matches_eager() {
         let mut moved = model.clone();
         common::copy_weights(&mut moved);
         let before = thread_op_cache_stats();
-        let out = moved.forward_with_host_ids(&ids, &host, false).unwrap();
+        let out = moved.forward(&ids, Some(&host), false).unwrap();
         common::assert_served_from_cache(&format!("t5 {mode} moved weights"), &before, &thread_op_cache_stats());
-        let want = model.forward_with_host_ids(&ids, &host, false).unwrap();
+        let want = model.forward(&ids, Some(&host), false).unwrap();
         common::assert_identical(
             &format!("t5 {mode} moved weights"),
             &out.last_hidden_state,
@@ -470,11 +470,11 @@ fn compiled_fp16_forward_matches_eager() {
     let (eager, _) = load_dir(&dir, &config_of(&dir), DType::F16).unwrap();
     let golden = &goldens(&oracle().join("modules/flux1/text_encoders.safetensors"))["t5.input_ids"];
     let (ids, host) = (golden.to_tensor(&device()), golden.i64());
-    let want = eager.forward_with_host_ids(&ids, &host, false).unwrap();
+    let want = eager.forward(&ids, Some(&host), false).unwrap();
     for mode in [CompileMode::Full, CompileMode::RepeatedBlocks] {
         let mut model = eager.clone();
         model.compile(mode);
-        let got = model.forward_with_host_ids(&ids, &host, false).unwrap();
+        let got = model.forward(&ids, Some(&host), false).unwrap();
         // fp16 has 11 significant bits: a few ulps at the largest magnitude.
         common::check_compiled(
             &format!("t5 fp16 {mode} last_hidden_state"),

@@ -378,9 +378,7 @@ fn decoder_on_one_two_and_four_devices(config: &impl kiln_models::text_decoder::
         let input_ids = ids.to_tensor(&d);
         for mode in [CompileMode::None, CompileMode::Full, CompileMode::RepeatedBlocks] {
             model.compile(mode);
-            let out = model
-                .forward_with_host_inputs(&input_ids, &ids.i64(), Some(&mask.i64()))
-                .unwrap();
+            let out = model.forward(&input_ids, Some(&ids.i64()), Some(&mask.i64())).unwrap();
             assert_eq!(out.hidden_states[0].device(), &d);
             let mut got = out.hidden_states.clone();
             got.push(out.concat_features().unwrap());

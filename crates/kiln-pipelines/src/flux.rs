@@ -166,7 +166,7 @@ impl FluxPipeline {
             let ids = self.tokenizer.encode_batch(&texts(prompt), 77)?;
             let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
             pooled.push(self.core.run("text_encoder", &models.text_encoder, |clip| {
-                let out = clip.forward_with_host_ids(&t, &ids.input_ids, false)?;
+                let out = clip.forward(&t, Some(&ids.input_ids), false)?;
                 Ok(out.pooler_output.to_dtype(dtype)?)
             })?);
         }
@@ -175,7 +175,7 @@ impl FluxPipeline {
             let ids = self.tokenizer_2.encode_batch(&texts(prompt_2), max_sequence_length)?;
             let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
             let embeds = self.core.run("text_encoder_2", &models.text_encoder_2, |t5| {
-                let out = t5.forward_with_host_ids(&t, &ids.input_ids, false)?;
+                let out = t5.forward(&t, Some(&ids.input_ids), false)?;
                 Ok(out.last_hidden_state.to_dtype(dtype)?)
             })?;
             encoded.push(Encoded {

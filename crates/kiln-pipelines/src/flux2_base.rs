@@ -288,7 +288,7 @@ impl Flux2Base {
         tokens: &Encoded,
         layers: &[usize],
     ) -> Result<Tensor> {
-        let out = text_encoder.forward_with_host_inputs(ids, &tokens.input_ids, Some(&tokens.attention_mask))?;
+        let out = text_encoder.forward(ids, Some(&tokens.input_ids), Some(&tokens.attention_mask))?;
         let loaded = text_encoder.hidden_state_indices();
         let parts = layers
             .iter()

@@ -88,7 +88,7 @@ impl StableDiffusion3Pipeline {
                     let ids = tokenizer.encode_batch(&texts, max_sequence_length)?;
                     let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
                     self.core.run("text_encoder_3", model, |t5| {
-                        let states = t5.forward_with_host_ids(&t, &ids.input_ids, false)?.last_hidden_state;
+                        let states = t5.forward(&t, Some(&ids.input_ids), false)?.last_hidden_state;
                         Ok(states.to_dtype(self.core.dtype())?)
                     })?
                 }
@@ -117,7 +117,7 @@ impl StableDiffusion3Pipeline {
         let ids = tokenizer.encode_batch(&texts, CLIP_MAX_LENGTH)?;
         let t = Tensor::from_slice(&ids.input_ids, ids.shape(), device)?;
         let (embeds, pooled) = self.core.run(component, model, |clip| {
-            let mut out = clip.forward_with_host_ids(&t, &ids.input_ids, true)?;
+            let mut out = clip.forward(&t, Some(&ids.input_ids), true)?;
             let back = clip_skip.unwrap_or(0).saturating_add(2);
             let layers = out.hidden_states.len() - 1;
             if back > out.hidden_states.len() {
