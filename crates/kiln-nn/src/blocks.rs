@@ -59,9 +59,6 @@ impl<M> Blocks<M> {
         self
     }
 
-    pub fn name(&self) -> &'static str {
-        self.name
-    }
     pub fn len(&self) -> usize {
         self.blocks.len()
     }
