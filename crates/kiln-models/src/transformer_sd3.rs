@@ -376,8 +376,8 @@ impl_module!(SD3Transformer2DModel {
 impl_model!(
     /// `transformer` (`transformer.skip_layers_…` for each set of skipped blocks) and one
     /// `transformer.transformer_blocks[.kind]` per block type are compiled (diffusers offers no
-    /// repeated-block compile for SD3); sequential offload streams the joint blocks (skipped ones
-    /// are not fetched).
+    /// repeated-block compile for SD3); sequential offload streams the joint blocks (a skipped
+    /// block does not run, but the block before it still prefetches its weights).
     SD3Transformer2DModel {
         compiled: compiled,
         blocks: [transformer_blocks],
