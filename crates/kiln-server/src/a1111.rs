@@ -12,6 +12,7 @@ use crate::error::ApiError;
 use crate::http::{images_of, Body, CancelOnDrop, Shared};
 use crate::jobs::Status;
 use crate::request::{seed_of, take, CallFields, JobRequest};
+use kiln_pipelines::arguments::spec;
 use kiln_pipelines::ARGUMENTS;
 
 pub(crate) fn routes() -> Router<Shared> {
@@ -72,7 +73,7 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
         match body.remove(field) {
             None | Some(Value::Null) => {}
             Some(Value::String(text)) if text.is_empty() => {}
-            Some(value) => fields.set(name, &value).map_err(|e| a1111_field(e, name, field))?,
+            Some(value) => fields.set(name, &value).map_err(a1111_named)?,
         }
     }
     let batch_size: usize = take(&mut body, "batch_size")?.unwrap_or(1);
@@ -125,20 +126,7 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
         seeds,
         &app.limits,
     )
-    .map_err(|e| {
-        let renamed = match e.param.as_deref() {
-            Some("n") => "batch_size",
-            Some(name) => match ARGUMENTS.iter().find(|a| a.name == name).and_then(|a| a.a1111) {
-                Some(field) => field,
-                None => return e,
-            },
-            None => return e,
-        };
-        ApiError {
-            param: Some(renamed.into()),
-            ..e
-        }
-    })?;
+    .map_err(a1111_named)?;
     let job = app.submit(request)?;
     let guard = CancelOnDrop::new(&app, &job);
     let images = images_of(&job).await?;
@@ -187,11 +175,22 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
     })))
 }
 
-/// `e` about argument `name` from A1111's `field`, naming the field.
-fn a1111_field(e: ApiError, name: &str, field: &str) -> ApiError {
+/// `e` with the field it names written as A1111's (`steps` for `num_inference_steps`, by the
+/// table's `a1111` names, and `batch_size` for `n`).
+fn a1111_named(e: ApiError) -> ApiError {
+    let Some(name) = e.param.as_deref() else {
+        return e;
+    };
+    let field = match name {
+        "n" => "batch_size",
+        _ => match spec(name).and_then(|a| a.a1111) {
+            Some(field) => field,
+            None => return e,
+        },
+    };
     ApiError {
-        param: Some(field.to_string()),
         message: e.message.replace(&format!("`{name}`"), &format!("`{field}`")),
+        param: Some(field.to_string()),
         ..e
     }
 }

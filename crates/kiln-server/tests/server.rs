@@ -636,6 +636,8 @@ fn a1111_requests_as_open_webui_sends_them() {
         assert_eq!(code, 400, "{body} -> {error}");
         assert_eq!(error["error"]["param"], field, "{body} -> {error}");
         assert!(error["detail"].is_string());
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(!message.contains("num_inference_steps"), "{body} -> {message}");
     }
     server.shutdown().unwrap();
 }
