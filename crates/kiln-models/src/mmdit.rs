@@ -197,6 +197,25 @@ impl<N: HeadNorm> QkvProjection<N> {
     }
 }
 
+/// The guidance a FLUX transformer call passes on: required by a model that embeds it
+/// (`guidance_embeds`), dropped by one that does not.
+pub(crate) fn guidance_input(guidance_embeds: bool, guidance: Option<&Tensor>) -> Result<Option<Tensor>> {
+    match (guidance_embeds, guidance) {
+        (true, None) => Err(Error::Config {
+            component: "transformer".into(),
+            message: "this model has guidance_embeds=true and needs a guidance value".into(),
+        }),
+        (true, g) => Ok(g.cloned()),
+        (false, _) => Ok(None),
+    }
+}
+
+/// diffusers' `timestep.to(dtype) * 1000` (and the guidance's): the product in the model
+/// `dtype`, then f32.
+pub(crate) fn times_1000(v: &Tensor, dtype: DType) -> Result<Tensor> {
+    Ok(v.to_dtype(dtype)?.mul_scalar_f32(1000.0)?.to_dtype(DType::F32)?)
+}
+
 /// Rotary embedding (FLUX's interleaved pairs) then attention; returns `[B, S, H·head_dim]`.
 pub(crate) fn rope_attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Tensor> {
     let q = q.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;

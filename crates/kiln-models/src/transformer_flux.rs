@@ -12,8 +12,8 @@ use kiln_nn::{
 use kiln_tensor::{DType, Device, Tensor};
 
 use crate::mmdit::{
-    gated_residual, modulate, rope_attention, sinusoid, timestep_frequencies, FeedForward, JointStreams, Mlp,
-    QkvProjection, IMAGE_QKV,
+    gated_residual, guidance_input, modulate, rope_attention, sinusoid, times_1000, timestep_frequencies, FeedForward,
+    JointStreams, Mlp, QkvProjection, IMAGE_QKV,
 };
 
 /// `CombinedTimestep(Guidance)TextProjEmbeddings`.
@@ -309,19 +309,13 @@ impl FluxTransformer2DModel {
 
     /// Predicts the flow velocity `[B, S_img, out_channels]`.
     pub fn forward(&self, inputs: &FluxTransformerInputs<'_>) -> Result<Tensor> {
-        if self.config.guidance_embeds && inputs.guidance.is_none() {
-            return Err(Error::Config {
-                component: "transformer".into(),
-                message: "this model has guidance_embeds=true and needs a guidance value".into(),
-            });
-        }
         let inputs = CallInputs {
             hidden_states: inputs.hidden_states.clone(),
             encoder_hidden_states: inputs.encoder_hidden_states.clone(),
             pooled_projections: inputs.pooled_projections.clone(),
             timestep: inputs.timestep.clone(),
             rope: inputs.rope.clone(),
-            guidance: inputs.guidance.filter(|_| self.config.guidance_embeds).cloned(),
+            guidance: guidance_input(self.config.guidance_embeds, inputs.guidance)?,
         };
         self.compiled
             .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
@@ -332,17 +326,8 @@ impl FluxTransformer2DModel {
     fn forward_graph(&self, inputs: &CallInputs) -> Result<Tensor> {
         let x = &inputs.hidden_states;
         let dtype = x.dtype();
-        // diffusers: `timestep.to(dtype) * 1000` and `guidance.to(dtype) * 1000` in the model dtype.
-        let t = inputs
-            .timestep
-            .to_dtype(dtype)?
-            .mul_scalar_f32(1000.0)?
-            .to_dtype(DType::F32)?;
-        let g = inputs
-            .guidance
-            .as_ref()
-            .map(|g| -> Result<Tensor> { Ok(g.to_dtype(dtype)?.mul_scalar_f32(1000.0)?.to_dtype(DType::F32)?) })
-            .transpose()?;
+        let t = times_1000(&inputs.timestep, dtype)?;
+        let g = inputs.guidance.as_ref().map(|g| times_1000(g, dtype)).transpose()?;
         let temb = self
             .time_text_embed
             .forward(&t, g.as_ref(), &inputs.pooled_projections)?;

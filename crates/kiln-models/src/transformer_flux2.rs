@@ -25,7 +25,8 @@ use kiln_nn::{
 use kiln_tensor::{DType, Device, Tensor};
 
 use crate::mmdit::{
-    gated_residual, modulate, rope_attention, sinusoid, split_heads, timestep_frequencies, JointStreams, Mlp,
+    gated_residual, guidance_input, modulate, rope_attention, sinusoid, split_heads, times_1000, timestep_frequencies,
+    JointStreams, Mlp,
 };
 
 fn input_error(op: &'static str, message: String) -> Error {
@@ -459,18 +460,12 @@ impl Flux2Transformer2DModel {
 
     /// Predicts the flow velocity `[B, S_img, patch_size²·out_channels]`.
     pub fn forward(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<Tensor> {
-        if self.config.guidance_embeds && inputs.guidance.is_none() {
-            return Err(Error::Config {
-                component: "transformer".into(),
-                message: "this model has guidance_embeds=true and needs a guidance value".into(),
-            });
-        }
         let inputs = CallInputs {
             hidden_states: inputs.hidden_states.clone(),
             encoder_hidden_states: inputs.encoder_hidden_states.clone(),
             timestep: inputs.timestep.clone(),
             rope: inputs.rope.clone(),
-            guidance: inputs.guidance.filter(|_| self.config.guidance_embeds).cloned(),
+            guidance: guidance_input(self.config.guidance_embeds, inputs.guidance)?,
         };
         self.compiled
             .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
@@ -481,11 +476,8 @@ impl Flux2Transformer2DModel {
     fn forward_graph(&self, inputs: &CallInputs) -> Result<Tensor> {
         let x = &inputs.hidden_states;
         let dtype = x.dtype();
-        // diffusers: `timestep.to(dtype) * 1000` and `guidance.to(dtype) * 1000` in the model dtype.
-        let times_1000 =
-            |v: &Tensor| -> Result<Tensor> { Ok(v.to_dtype(dtype)?.mul_scalar_f32(1000.0)?.to_dtype(DType::F32)?) };
-        let t = times_1000(&inputs.timestep)?;
-        let g = inputs.guidance.as_ref().map(times_1000).transpose()?;
+        let t = times_1000(&inputs.timestep, dtype)?;
+        let g = inputs.guidance.as_ref().map(|g| times_1000(g, dtype)).transpose()?;
         let temb = self.time_guidance_embed.forward(&t, g.as_ref(), dtype)?;
         let temb_silu = temb.silu()?;
         // One modulation per forward, shared by every block of a kind.
