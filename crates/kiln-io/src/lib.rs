@@ -4,6 +4,7 @@
 //!   ([`Checkpoint`]), borrowed [`TensorView`]s and slice reads for tensor-parallel loading.
 //! - [`config`]: `config.json` structs with diffusers'/transformers' field names and defaults.
 //! - [`model_index`]: `model_index.json` and the supported-class checks.
+//! - [`lora`]: LoRA adapter files, their keys converted to diffusers' module names.
 //! - [`hub`]: turning a folder or an `ORG/NAME` repo id into a folder, offline, through the
 //!   Hugging Face cache.
 //!
@@ -15,6 +16,7 @@ pub mod config;
 mod error;
 pub mod hub;
 mod json;
+pub mod lora;
 pub mod model_index;
 pub mod safetensors;
 
@@ -25,5 +27,6 @@ pub use config::{
 };
 pub use error::{IoError, Result};
 pub use hub::{resolve_model, resolve_model_with, HfCacheEnv};
+pub use lora::{read_lora, LoraError, LoraFamily, LoraFile, LoraFormat, LoraModule};
 pub use model_index::{ComponentSpec, ModelIndex};
 pub use safetensors::{Checkpoint, SafetensorsFile, ShardIndex, StoredDType, TensorInfo, TensorView};
