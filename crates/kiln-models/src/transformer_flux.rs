@@ -217,6 +217,7 @@ impl_model!(
     FluxTransformer2DModel {
         compiled: compiled,
         blocks: [transformer_blocks, single_transformer_blocks],
+        parallel_plan: |_| FluxTransformer2DModel::tp_plan(),
     }
 );
 

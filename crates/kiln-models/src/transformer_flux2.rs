@@ -296,6 +296,7 @@ impl_model!(
     Flux2Transformer2DModel {
         compiled: compiled,
         blocks: [transformer_blocks, single_transformer_blocks],
+        parallel_plan: |m| Flux2Transformer2DModel::tp_plan(&m.config),
     }
 );
 

@@ -381,6 +381,7 @@ impl_model!(
     SD3Transformer2DModel {
         compiled: compiled,
         blocks: [transformer_blocks],
+        parallel_plan: |m| SD3Transformer2DModel::tp_plan(&m.config),
     }
 );
 

@@ -7,6 +7,7 @@
 use crate::blocks::BlockList;
 use crate::compiled::Compiled;
 use crate::module::{CompileMode, Module};
+use crate::parallel::TpPlan;
 
 /// A model that pipelines drive without knowing its type: compiling it, streaming its blocks. Implementors hold one [`Compiled`] and give access to it; everything else has a
 /// default.
@@ -34,6 +35,12 @@ pub trait Model: Module {
         self.compiled().mode()
     }
 
+    /// The tensor-parallel plan its weights were loaded by on a mesh, by weight names relative
+    /// to the model ([`TpPlan::split_of`]). Default: every weight replicated.
+    fn parallel_plan(&self) -> TpPlan {
+        TpPlan::replicated()
+    }
+
     /// How many programs the model's compiled functions hold (one per function and input
     /// signature).
     fn compiled_programs(&self) -> usize {
@@ -43,11 +50,17 @@ pub trait Model: Module {
 
 /// Implements [`Model`] for a struct from its [`Compiled`] field and its lists of streamed
 /// [`crate::Blocks`] (fields, or fields of fields, in forward order, none by default):
-/// `impl_model!(Transformer { compiled: compiled, blocks: [transformer_blocks] });`.
+/// `impl_model!(Transformer { compiled: compiled, blocks: [transformer_blocks] });`; a model
+/// loaded by a tensor-parallel plan names the function of `&Self` that gives it:
+/// `impl_model!(T { compiled: compiled, parallel_plan: |m| T::tp_plan(&m.config) })`.
 /// Attributes (doc comments) before the type go on the impl.
 #[macro_export]
 macro_rules! impl_model {
-    ($(#[$meta:meta])* $ty:ty { compiled: $compiled:ident $(, blocks: [$($($list:ident).+),* $(,)?])? $(,)? }) => {
+    ($(#[$meta:meta])* $ty:ty {
+        compiled: $compiled:ident
+        $(, blocks: [$($($list:ident).+),* $(,)?])?
+        $(, parallel_plan: $plan:expr)? $(,)?
+    }) => {
         $(#[$meta])*
         impl $crate::Model for $ty {
             fn compiled(&self) -> &$crate::Compiled {
@@ -56,6 +69,12 @@ macro_rules! impl_model {
             fn compiled_mut(&mut self) -> &mut $crate::Compiled {
                 &mut self.$compiled
             }
+            $(
+                fn parallel_plan(&self) -> $crate::TpPlan {
+                    let plan: fn(&Self) -> $crate::TpPlan = $plan;
+                    plan(self)
+                }
+            )?
             $(
                 fn block_lists(&mut self, f: &mut dyn FnMut(&mut dyn $crate::BlockList)) {
                     $( f(&mut self.$($list).+); )*

@@ -13,6 +13,7 @@ use crate::call::PipelineOutput;
 use crate::encoding::{Embeddings, EncodingSettings, PromptEncoding, PromptKey};
 use crate::error::{invalid, PipelineError, Result};
 use crate::loading::LoadOptions;
+use crate::lora::{call_adapters, Adapter, LoraCache};
 use crate::offload::{OffloadMode, OffloadPlan};
 use crate::pipeline::DiffusionPipeline;
 use crate::record::{RunOptions, RunRecord};
@@ -25,6 +26,7 @@ pub struct AnyPipeline {
     defaults: CallDefaults,
     pipe: Box<dyn Pipeline>,
     record: RunRecord,
+    loras: LoraCache,
 }
 
 impl AnyPipeline {
@@ -40,6 +42,7 @@ impl AnyPipeline {
             defaults,
             pipe,
             record: RunRecord::default(),
+            loras: LoraCache::default(),
         })
     }
 
@@ -69,6 +72,8 @@ impl AnyPipeline {
     pub fn call(&mut self, mut call: GenerateCall<'_>) -> Result<PipelineOutput> {
         self.check(&call)?;
         self.check_budget(&call)?;
+        let adapters = self.adapters(&call)?;
+        self.pipe.set_adapters(&adapters)?;
         let embeddings = match call.prompt_encoding.take() {
             Some(encoding) => Some(self.embeddings(&encoding, &mut call)?),
             None => None,
@@ -84,6 +89,23 @@ impl AnyPipeline {
             }
             _ => e,
         })
+    }
+
+    /// The LoRA adapters `call` gives (`lora`, `lora_scale`), read (or found read before) for
+    /// this pipeline.
+    pub fn adapters(&self, call: &GenerateCall<'_>) -> Result<Vec<Adapter>> {
+        let given = call_adapters(call);
+        if given.is_empty() {
+            return Ok(Vec::new());
+        }
+        let family = self
+            .pipe
+            .lora_family()
+            .ok_or_else(|| invalid(format!("{} takes no LoRA adapters", self.kind.class_name())))?;
+        given
+            .iter()
+            .map(|(lora, weight)| self.loras.adapter(lora, *weight, &family))
+            .collect()
     }
 
     /// The arguments this pipeline takes and [`GenerateCall::check`].
@@ -153,8 +175,21 @@ impl AnyPipeline {
         })
     }
 
+    /// The pipeline's encoding settings, and the LoRA adapters (a text encoder's LoRA changes the
+    /// encoding).
     fn encoding_settings(&self, call: &GenerateCall<'_>, negative_given: bool) -> EncodingSettings {
-        self.pipe.encoding_settings(call, &self.defaults, negative_given)
+        let mut settings = self.pipe.encoding_settings(call, &self.defaults, negative_given);
+        let adapters = call_adapters(call);
+        if !adapters.is_empty() {
+            let json = serde_json::Value::Array(
+                adapters
+                    .iter()
+                    .map(|(lora, weight)| serde_json::json!([lora.path, weight]))
+                    .collect(),
+            );
+            settings.arguments.push(("lora", json.to_string()));
+        }
+        settings
     }
 
     /// The pipeline's own `encode_prompt` on `call`'s texts, with the settings of `call` that
@@ -172,6 +207,8 @@ impl AnyPipeline {
         if call.prompt.is_empty() {
             return Err(invalid("`prompt` is an empty list: give at least one prompt"));
         }
+        let adapters = self.adapters(call)?;
+        self.pipe.set_adapters(&adapters)?;
         let embeddings = self.pipe.encode_prompt(call, &self.defaults)?;
         embeddings.download(key)
     }
@@ -277,5 +314,8 @@ impl DiffusionPipeline for AnyPipeline {
     }
     fn root(&self) -> &Path {
         self.pipe.root()
+    }
+    fn set_adapters(&mut self, adapters: &[Adapter]) -> Result<()> {
+        self.pipe.set_adapters(adapters)
     }
 }

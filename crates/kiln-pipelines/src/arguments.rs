@@ -109,6 +109,25 @@ pub struct Number;
 pub struct Seed;
 /// A text.
 pub struct Text;
+/// A LoRA adapter file ([`LoraRef`]).
+pub struct LoraFile;
+
+/// A LoRA adapter file as a call names it: its path, and the sha256 of its bytes when a record
+/// gives it (`--from`): a file that changed since is then an error naming it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct LoraRef {
+    pub path: String,
+    pub sha256: Option<String>,
+}
+
+impl LoraRef {
+    pub fn new(path: impl Into<String>) -> LoraRef {
+        LoraRef {
+            path: path.into(),
+            sha256: None,
+        }
+    }
+}
 
 impl Item for Count {
     type T = usize;
@@ -174,6 +193,38 @@ impl Item for Text {
     }
 }
 
+impl Item for LoraFile {
+    type T = LoraRef;
+    fn parse(text: &str) -> Result<LoraRef, String> {
+        match text.trim() {
+            "" => Err("give the path of a LoRA .safetensors file".to_string()),
+            _ => Ok(LoraRef::new(text)),
+        }
+    }
+    fn from_json(value: &Value) -> Result<LoraRef, String> {
+        let shape = || format!("must be a file path, or an object with `path` and `sha256`, got {value}");
+        match value {
+            Value::String(path) => Self::parse(path),
+            Value::Object(map) => {
+                let text = |key: &str| map.get(key).and_then(Value::as_str).map(str::to_string);
+                if map.keys().any(|k| k != "path" && k != "sha256") {
+                    return Err(shape());
+                }
+                let mut lora = Self::parse(&text("path").ok_or_else(shape)?)?;
+                lora.sha256 = text("sha256");
+                Ok(lora)
+            }
+            _ => Err(shape()),
+        }
+    }
+    fn to_json(value: &LoraRef) -> Value {
+        match &value.sha256 {
+            None => Value::String(value.path.clone()),
+            Some(sha) => serde_json::json!({"path": value.path, "sha256": sha}),
+        }
+    }
+}
+
 /// A count or a size as a command line gives it: a whole number, 0 or more.
 pub fn parse_count(value: &str) -> Result<usize, String> {
     let v = value.trim();
@@ -223,6 +274,8 @@ pub trait ArgKind {
 pub struct One<I>(std::marker::PhantomData<I>);
 /// A comma-separated list.
 pub struct List<I>(std::marker::PhantomData<I>);
+/// `--name VALUE` repeated: the values in order (a JSON value stands for a list of one).
+pub struct Many<I>(std::marker::PhantomData<I>);
 /// The prompts: one per batch element; not given when empty.
 pub struct Prompts;
 /// Texts besides the prompts, given once for every prompt or once per prompt (a repeated flag; a
@@ -280,6 +333,29 @@ impl<I: Item> ArgKind for List<I> {
         match value {
             Value::Null => Ok(None),
             v => list_of::<I>(v, false).map(Some),
+        }
+    }
+    fn to_json(field: &Self::Field) -> Value {
+        Value::Array(field.iter().flatten().map(I::to_json).collect())
+    }
+    fn given(field: &Self::Field) -> bool {
+        field.is_some()
+    }
+}
+
+impl<I: Item> ArgKind for Many<I> {
+    type Field = Option<Vec<I::T>>;
+    const SHAPE: Shape = Shape::Repeated;
+    fn check_item(text: &str) -> Result<(), String> {
+        I::parse(text).map(|_| ())
+    }
+    fn from_items(items: &[String]) -> Result<Self::Field, String> {
+        items.iter().map(|t| I::parse(t)).collect::<Result<_, _>>().map(Some)
+    }
+    fn from_json(value: &Value) -> Result<Self::Field, String> {
+        match value {
+            Value::Null => Ok(None),
+            v => list_of::<I>(v, true).map(Some),
         }
     }
     fn to_json(field: &Self::Field) -> Value {
@@ -590,6 +666,15 @@ call_arguments! {
     /// FLUX.2: the text encoder's hidden states stacked into the prompt embeddings,
     /// comma-separated (diffusers' default 10,20,30; FLUX.2 [klein] 9,18,27).
     text_encoder_out_layers: List<Count> { value_name: "K,K,..." },
+    /// A LoRA adapter (`.safetensors`: diffusers/PEFT, kohya, ComfyUI, XLabs or ai-toolkit
+    /// names), merged into the weights for this call; repeat it for several. The server names
+    /// adapters of its --lora-dir instead (`loras`).
+    lora: Many<LoraFile> { group: Group::Draw, value_name: "FILE", served: Served::Api },
+    /// Each --lora's weight, in order (diffusers' `set_adapters(adapter_weights=…)`; default 1.0,
+    /// negative allowed).
+    lora_scale: Many<Number>, check checks::all_finite {
+        group: Group::Draw, value_name: "SCALE", served: Served::Api,
+    },
 }
 
 /// The rule for prompt text in every entry point: the images' PNG text chunks record the
@@ -702,6 +787,18 @@ impl GenerateCall<'_> {
                 ));
             }
         }
+        if let Some(scales) = &self.lora_scale {
+            let loras = self.lora.as_ref().map_or(0, Vec::len);
+            if scales.len() != loras {
+                return Err(ArgError::new(
+                    "lora_scale",
+                    format!(
+                        "{{lora_scale}} is given {} times for {loras} {{lora}}: give one per {{lora}}, in the same order, or none (each 1.0)",
+                        scales.len()
+                    ),
+                ));
+            }
+        }
         // What is unset is checked with the model (it brings its defaults).
         self.budget(&crate::CallDefaults::default())
             .check()
@@ -773,11 +870,12 @@ mod tests {
     #[test]
     fn the_table_and_the_call_have_the_same_arguments() {
         let names: Vec<&str> = ARGUMENTS.iter().map(|a| a.name).collect();
-        assert_eq!(names.len(), 21);
+        assert_eq!(names.len(), 23);
         assert_eq!(names[0], "prompt");
         let mut call = GenerateCall::prompt("a");
         for a in ARGUMENTS {
             let value = match a.shape {
+                Shape::Repeated if a.name == "lora_scale" => serde_json::json!([0.5]),
                 Shape::Repeated => serde_json::json!(["b"]),
                 Shape::List => serde_json::json!([1]),
                 Shape::One => serde_json::json!(1),

@@ -389,6 +389,10 @@ impl Pipeline for FluxPipeline {
         })
     }
 
+    fn lora_family(&self) -> Option<crate::LoraFamily> {
+        Some(crate::LoraFamily::flux1(&self.transformer_config))
+    }
+
     fn uses_guidance(&self, _: f64) -> bool {
         self.transformer_config.guidance_embeds
     }

@@ -679,6 +679,10 @@ pub(crate) use flux2_shared_methods;
 /// `$call` and whose `does_cfg(scale)` says whether a call runs classifier-free guidance.
 macro_rules! flux2_pipeline_methods {
     ($call:ident) => {
+        fn lora_family(&self) -> Option<$crate::LoraFamily> {
+            Some($crate::LoraFamily::flux2(&self.base.transformer_config))
+        }
+
         fn generate(
             &mut self,
             mut c: $crate::GenerateCall<'_>,

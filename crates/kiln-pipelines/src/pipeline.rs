@@ -18,6 +18,7 @@ use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 
 use crate::call::{euler_step, guided as cfg, timestep_tensor, StepCallback, StepState};
 use crate::error::{invalid, PipelineError, Result};
+use crate::lora::{check_adapters, Adapter, Merged, Present};
 use crate::offload::{
     free_bytes, plan_for, weights_memory, ComponentMemory, FinishOnDrop, OffloadPlan, Offloader, Placing,
 };
@@ -145,6 +146,8 @@ pub struct PipelineCore<C> {
     plan: Option<OffloadPlan>,
     /// The denoising steps' programs (see [`PipelineCore::step`]).
     steps: Compiled,
+    /// The LoRA adapters merged into the weights, and the base weights they replaced.
+    merged: Merged,
 }
 
 impl<C: Components> PipelineCore<C> {
@@ -161,6 +164,7 @@ impl<C: Components> PipelineCore<C> {
             offload_log: OffloadLog::new(),
             plan: None,
             steps: Compiled::new("step"),
+            merged: Merged::default(),
         }
     }
 
@@ -373,6 +377,79 @@ impl<C: Components> PipelineCore<C> {
         })
     }
 
+    /// Merges `adapters` into the weights (see [`crate::lora`]), the weights an earlier set
+    /// changed put back first; nothing to do when they hold `adapters` already. Every adapted
+    /// weight is checked (found, its shape the LoRA's) before any changes; a module of a file
+    /// that this model lacks is skipped with a warning (diffusers'), a file none of whose
+    /// modules it has is an error.
+    pub(crate) fn set_adapters(&mut self, adapters: &[Adapter]) -> Result<()> {
+        if self.merged.holds(adapters) {
+            return Ok(());
+        }
+        let wanted = Merged::wanted(adapters);
+        let device = self.run.device.clone();
+        let Some(components) = self.components.as_mut() else {
+            return Err(invalid("the pipeline's models are not loaded; call `to(device)` first"));
+        };
+        // Every weight an adapter names, with the shape it has here (a mesh member's slice).
+        let mut present = Present::new();
+        components.each(&mut |component, model| {
+            let plan = model.parallel_plan();
+            model.visit(&mut |name, t| {
+                let key = (component.to_string(), name.to_string());
+                if wanted.contains_key(&key) {
+                    present.insert(key, (t.dims().to_vec(), plan.split_of(name)));
+                }
+            });
+            Ok(())
+        })?;
+        let names: Vec<&str> = self.checkpoints.iter().map(|(n, _)| *n).collect();
+        check_adapters(adapters, &present, device.as_ref().map_or(1, Device::mesh_size), &names)?;
+        let merged = &mut self.merged;
+        components.each(&mut |component, model| {
+            let plan = model.parallel_plan();
+            let mut failure = None;
+            model
+                .map(&mut |name, t| {
+                    let parts = wanted.get(&(component.to_string(), name.to_string()));
+                    merged
+                        .replace((component, name), t, parts, plan.split_of(name))
+                        .map_err(|e| {
+                            failure = Some(e);
+                            kiln_nn::Error::Config {
+                                component: component.into(),
+                                message: "merging a LoRA adapter failed".into(),
+                            }
+                        })
+                })
+                .map_err(|e| failure.take().unwrap_or_else(|| e.into()))
+        })?;
+        merged.set_key(adapters);
+        self.settle_offload()
+    }
+
+    /// After the weights changed in place: the offload plan, the block streams and the offloader
+    /// made again for them (nothing to do without offload).
+    fn settle_offload(&mut self) -> Result<()> {
+        let (mode, Some(device)) = (self.run.offload, self.run.device.clone()) else {
+            return Ok(());
+        };
+        if mode == OffloadMode::None {
+            return Ok(());
+        }
+        let memory = weights_memory(mode, &device)?;
+        self.offloader = None;
+        let log = self.offload_log.clone();
+        let mut placing = Placing::default();
+        if let Some(components) = self.components.as_mut() {
+            components.each(&mut |name, c| placing.component(name, c, memory, mode, &log))?;
+        }
+        let plan = placing.plan(mode, &device);
+        self.plan = Some(plan.clone());
+        self.offloader = Some(Offloader::new(plan, log, placing.streams));
+        Ok(())
+    }
+
     /// `e` from `component`'s work, naming it when the device ran out of memory.
     fn oom(&self, component: &'static str, e: PipelineError) -> PipelineError {
         match &self.run.device {
@@ -489,11 +566,16 @@ pub trait PipelineParts {
         core.offloader = None;
         core.plan = None;
         let same_device = core.run.device.as_ref() == Some(device);
+        let reload = !(same_device && core.components.is_some());
         let mut components = match core.components.take() {
             Some(c) if same_device => c,
             _ => self.load(device, memory)?,
         };
         let core = self.core_mut();
+        if reload {
+            // Fresh base weights: no adapter is merged into them (the next call merges its own).
+            core.merged = Merged::default();
+        }
         // Every weight was copied out of the checkpoints' maps: their pages leave the resident set.
         core.checkpoints.iter().for_each(|(_, c)| c.release_pages());
         let log = core.offload_log.clone();
@@ -560,6 +642,11 @@ pub trait DiffusionPipeline {
     fn device(&self) -> Option<&Device>;
     fn dtype(&self) -> DType;
     fn root(&self) -> &Path;
+    /// diffusers' `load_lora_weights` + `set_adapters(names, adapter_weights)`: `adapters` merged
+    /// into the weights (loading them on the CPU first if the pipeline was not placed), in place
+    /// of the set merged before; an empty list restores the base weights bit for bit. See
+    /// [`crate::lora`].
+    fn set_adapters(&mut self, adapters: &[Adapter]) -> Result<()>;
 }
 
 impl<P: PipelineParts> DiffusionPipeline for P {
@@ -619,6 +706,13 @@ impl<P: PipelineParts> DiffusionPipeline for P {
     }
     fn root(&self) -> &Path {
         &self.core().root
+    }
+    fn set_adapters(&mut self, adapters: &[Adapter]) -> Result<()> {
+        if adapters.is_empty() && self.core().components.is_none() {
+            return Ok(());
+        }
+        self.ensure_loaded()?;
+        self.core_mut().set_adapters(adapters)
     }
 }
 

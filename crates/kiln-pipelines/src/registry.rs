@@ -99,7 +99,7 @@ mod tests {
             }
         }
         let given = everything.given();
-        assert_eq!(given.len(), 21);
+        assert_eq!(given.len(), 23);
         for argument in given {
             assert!(
                 PipelineKind::all().iter().any(|k| k.takes(argument)),

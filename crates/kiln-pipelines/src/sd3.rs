@@ -448,6 +448,10 @@ impl Pipeline for StableDiffusion3Pipeline {
         StableDiffusion3Pipeline::encode_prompt(self, &call)
     }
 
+    fn lora_family(&self) -> Option<crate::LoraFamily> {
+        Some(crate::LoraFamily::Sd3)
+    }
+
     fn uses_guidance(&self, _: f64) -> bool {
         true
     }

@@ -105,6 +105,11 @@ pub trait Pipeline: DiffusionPipeline {
     /// not run).
     fn uses_guidance(&self, scale: f64) -> bool;
 
+    /// The family its LoRA files are read for ([`crate::lora`]); `None`: it takes no LoRA.
+    fn lora_family(&self) -> Option<crate::LoraFamily> {
+        None
+    }
+
     /// `sample_size · vae_scale_factor`: the size a height or width of 0 stands for.
     fn default_size(&self) -> usize;
 
@@ -228,7 +233,7 @@ impl CallDefaults {
 
 /// The arguments every pipeline's `__call__` takes, unless its class says otherwise (`seed`
 /// stands for `generator`).
-pub const COMMON_ARGUMENTS: [&str; 12] = [
+pub const COMMON_ARGUMENTS: [&str; 14] = [
     "prompt",
     "prompt_2",
     "negative_prompt",
@@ -241,4 +246,6 @@ pub const COMMON_ARGUMENTS: [&str; 12] = [
     "num_images_per_prompt",
     "seed",
     "max_sequence_length",
+    "lora",
+    "lora_scale",
 ];

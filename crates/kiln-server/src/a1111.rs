@@ -24,6 +24,12 @@ pub(crate) fn routes() -> Router<Shared> {
         .route("/sdapi/v1/schedulers", get(schedulers))
         .route("/sdapi/v1/progress", get(progress))
         .route("/sdapi/v1/interrupt", post(interrupt))
+        .route("/sdapi/v1/loras", get(loras))
+}
+
+/// `GET /sdapi/v1/loras`: the adapters of --lora-dir.
+async fn loras(State(app): State<Shared>) -> Json<Value> {
+    Json(app.loras.a1111_list())
 }
 
 /// The one sampler: the flow-match Euler sampler every kiln pipeline uses, by A1111's name first.
@@ -65,6 +71,8 @@ fn checkpoint(app: &crate::App, name: Option<&Value>, field: &str) -> Result<usi
 async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json<Value>, ApiError> {
     let parameters = Value::Object(body.clone());
     let prompt: String = take(&mut body, "prompt")?.unwrap_or_default();
+    // A1111's `<lora:NAME:WEIGHT>` tags leave the prompt and name adapters of --lora-dir.
+    let (prompt, tagged) = crate::loras::take_prompt_tags(&prompt)?;
     let width: Option<usize> = take(&mut body, "width")?;
     let height: Option<usize> = take(&mut body, "height")?;
     // The call arguments A1111 has a field for (an empty text is A1111's "none").
@@ -76,6 +84,7 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
             Some(value) => fields.set(name, &value).map_err(a1111_named)?,
         }
     }
+    app.loras.apply(&tagged, &mut fields, "prompt")?;
     let batch_size: usize = take(&mut body, "batch_size")?.unwrap_or(1);
     let n_iter: usize = take(&mut body, "n_iter")?.unwrap_or(1);
     let seed = match body.remove("seed") {

@@ -169,8 +169,10 @@ async fn generations(
         let _: Option<Value> = take(&mut body, name)?;
     }
     let seed = take_seed(&mut body)?;
-    let fields = CallFields::take_from(&mut body)?;
+    let mut fields = CallFields::take_from(&mut body)?;
+    let loras = crate::loras::take_loras(&mut body)?;
     refuse_unknown(&body)?;
+    app.loras.apply(&loras, &mut fields, "loras")?;
     let size = parse_size(size.as_deref())?;
     let seeds = app.seeds(n, seed, "n")?;
     let request =
@@ -225,8 +227,10 @@ async fn create_job(State(app): State<Shared>, Body(mut body): Body) -> Result<R
     let height: Option<usize> = take(&mut body, "height")?;
     let width: Option<usize> = take(&mut body, "width")?;
     let seed = take_seed(&mut body)?;
-    let fields = CallFields::take_from(&mut body)?;
+    let mut fields = CallFields::take_from(&mut body)?;
+    let loras = crate::loras::take_loras(&mut body)?;
     refuse_unknown(&body)?;
+    app.loras.apply(&loras, &mut fields, "loras")?;
     let seeds = app.seeds(n, seed, "n")?;
     let request = JobRequest::new(
         model,

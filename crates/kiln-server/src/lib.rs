@@ -13,6 +13,7 @@ pub mod backend;
 mod error;
 mod http;
 mod jobs;
+pub mod loras;
 mod metrics;
 pub mod prompt_cache;
 mod request;
@@ -85,6 +86,8 @@ pub struct ServerConfig {
     /// The bytes of prompt encodings the workers keep (see [`prompt_cache`]); 0: none, each
     /// call encodes its texts.
     pub prompt_cache_bytes: usize,
+    /// The folder of LoRA adapters requests may name (see [`loras`]).
+    pub lora_dir: Option<std::path::PathBuf>,
 }
 
 /// Binds `host:port`. Without an API key only a loopback address may be bound, unless
@@ -130,6 +133,7 @@ pub(crate) struct App {
     /// The model A1111 requests use (`sd_model_checkpoint`).
     pub a1111_model: Mutex<usize>,
     pub closing: AtomicBool,
+    pub loras: loras::LoraDir,
 }
 
 pub(crate) fn key_hash(key: &str) -> [u8; 32] {
@@ -239,6 +243,7 @@ where
         metrics,
         a1111_model: Mutex::new(0),
         closing: AtomicBool::new(false),
+        loras: loras::LoraDir::new(config.lora_dir.clone()),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

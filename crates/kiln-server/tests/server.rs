@@ -120,6 +120,7 @@ fn start(options: Options) -> Server {
         warmup: vec![(32, 32)],
         stop: Some(stop.clone()),
         prompt_cache_bytes: 0,
+        lora_dir: None,
     };
     let loaders: Vec<_> = (0..options.workers)
         .map(|_| {

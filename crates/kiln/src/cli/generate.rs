@@ -418,6 +418,14 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
         calls: args.calls,
     };
     let out = load_and_call(&call, &settings)?;
+    // The record names each LoRA file by its absolute path and its bytes' sha256 (checked by --from).
+    for lora in recorded.lora.iter_mut().flatten() {
+        let path = Path::new(&lora.path);
+        let absolute = path.canonicalize().with_context(|| format!("--lora {}", lora.path))?;
+        lora.sha256 =
+            Some(kiln_pipelines::lora::file_sha256(&absolute).with_context(|| format!("--lora {}", lora.path))?);
+        lora.path = absolute.display().to_string();
+    }
 
     let t = &out.timings;
     if out.calls.len() > 1 {

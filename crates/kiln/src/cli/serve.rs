@@ -45,6 +45,10 @@ pub struct ServeArgs {
     /// first; 0 turns the cache off (every call encodes its texts).
     #[arg(long, default_value_t = 256, value_name = "MIB", help_heading = MODELS)]
     pub prompt_cache_mib: usize,
+    /// A folder of LoRA adapters (`*.safetensors`), offered by file stem: requests name them in
+    /// `loras` ([{"name", "scale"}]) or, on the A1111 route, as `<lora:NAME:WEIGHT>` prompt tags.
+    #[arg(long, value_name = "DIR", help_heading = MODELS)]
+    pub lora_dir: Option<std::path::PathBuf>,
     /// Sizes to compile before the server says it is ready, as WIDTHxHEIGHT,... (1-step calls
     /// per model and size, one per batch of 1 to --max-batch images).
     #[arg(long, value_name = "WxH,...", value_delimiter = ',', help_heading = MODELS)]
@@ -204,6 +208,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         warmup,
         stop: None,
         prompt_cache_bytes: args.prompt_cache_mib.saturating_mul(1 << 20),
+        lora_dir: args.lora_dir.clone(),
     };
     kiln_server::serve(config, loaders)
 }

@@ -37,9 +37,14 @@ impl Served {
     }
 
     pub fn start_on(devices: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Served {
+        Self::start_model(&tiny(), devices, env, extra)
+    }
+
+    /// `kiln serve` of the model folder `model`.
+    pub fn start_model(model: &Path, devices: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Served {
         let mut child = kiln()
             .args(["serve", "--port", "0", "--model"])
-            .arg(tiny())
+            .arg(model)
             .args(devices)
             .envs(env.iter().copied())
             .args(extra)
