@@ -49,6 +49,14 @@ pub struct BenchArgs {
     /// Print the results as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+    /// A LoRA adapter every call applies (repeatable; as `kiln generate --lora`). The bench then
+    /// also times switching: removing the adapters and merging them again (`lora_unmerge_ms`,
+    /// `lora_merge_ms`, medians of --runs).
+    #[arg(long, value_name = "FILE")]
+    pub lora: Vec<String>,
+    /// Each --lora's weight, in order (default 1.0).
+    #[arg(long, value_name = "SCALE", allow_negative_numbers = true)]
+    pub lora_scale: Vec<f64>,
     /// Load only the text encoder, encode the prompt once and report the time and the peak
     /// resident memory (FLUX.2 [dev] and [klein]); the transformer and VAE are never read.
     #[arg(long)]
@@ -89,6 +97,8 @@ fn call(pipe: &mut AnyPipeline, args: &BenchArgs) -> Result<(Vec<RgbImage>, Timi
         guidance_scale: Some(args.guidance),
         max_sequence_length: Some(args.max_sequence_length),
         progress: false,
+        lora: (!args.lora.is_empty()).then(|| args.lora.iter().map(crate::LoraRef::new).collect()),
+        lora_scale: (!args.lora_scale.is_empty()).then(|| args.lora_scale.clone()),
         ..GenerateCall::prompt(args.prompt.clone())
     })?;
     Ok((out.images, out.timings))
@@ -192,6 +202,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     profiled?;
     let ops = kiln_tensor::op_profile();
     let programs = crate::op_cache_stats();
+    let (lora_merge_ms, lora_unmerge_ms) = time_lora_switch(&mut pipe, &args)?;
     let op_total: f64 = ops.iter().map(|(_, _, d)| secs(*d)).sum();
 
     let result = serde_json::json!({
@@ -219,6 +230,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "text_encoding_s_median": median(text_s),
         "decoding_s_median": median(decode_s),
         "peak_rss_mib": peak_rss_mib(),
+        "lora_merge_ms": lora_merge_ms,
+        "lora_unmerge_ms": lora_unmerge_ms,
         "ops": ops.iter().map(|(op, n, d)| serde_json::json!({
             "op": op, "calls": n, "total_s": secs(*d),
             "share": if op_total > 0.0 { secs(*d) / op_total } else { 0.0 },
@@ -265,6 +278,33 @@ pub fn run(args: BenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// With `--lora`: the medians over `--runs` of removing the adapters (the base weights put back)
+/// and of merging them again, each waiting for the device; `(None, None)` without.
+fn time_lora_switch(pipe: &mut AnyPipeline, args: &BenchArgs) -> Result<(Option<f64>, Option<f64>)> {
+    use crate::DiffusionPipeline;
+    if args.lora.is_empty() {
+        return Ok((None, None));
+    }
+    let call = GenerateCall {
+        lora: Some(args.lora.iter().map(crate::LoraRef::new).collect()),
+        lora_scale: (!args.lora_scale.is_empty()).then(|| args.lora_scale.clone()),
+        ..GenerateCall::prompt(args.prompt.clone())
+    };
+    let adapters = pipe.adapters(&call)?;
+    let (mut merge, mut unmerge) = (Vec::new(), Vec::new());
+    for _ in 0..args.runs {
+        let t = Instant::now();
+        pipe.set_adapters(&[])?;
+        crate::synchronize_all()?;
+        unmerge.push(secs(t.elapsed()) * 1e3);
+        let t = Instant::now();
+        pipe.set_adapters(&adapters)?;
+        crate::synchronize_all()?;
+        merge.push(secs(t.elapsed()) * 1e3);
+    }
+    Ok((Some(median(merge)), Some(median(unmerge))))
 }
 
 /// `--text-encoder-only`: the prompt encoded once with only the text encoder loaded; the time of
