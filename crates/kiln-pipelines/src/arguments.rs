@@ -99,6 +99,10 @@ pub trait Item {
     fn parse(text: &str) -> Result<Self::T, String>;
     fn from_json(value: &Value) -> Result<Self::T, String>;
     fn to_json(value: &Self::T) -> Value;
+    /// The file a value names, for a file argument ([`File`]).
+    fn file_mut(_value: &mut Self::T) -> Option<&mut FileRef> {
+        None
+    }
 }
 
 /// A whole number, 0 or more (a count or a size).
@@ -109,20 +113,23 @@ pub struct Number;
 pub struct Seed;
 /// A text.
 pub struct Text;
-/// A LoRA adapter file ([`LoraRef`]).
-pub struct LoraFile;
+/// A file the call reads (a LoRA adapter, an input image): [`FileRef`].
+pub struct File;
+/// `true` or `false`.
+pub struct Bool;
 
-/// A LoRA adapter file as a call names it: its path, and the sha256 of its bytes when a record
-/// gives it (`--from`): a file that changed since is then an error naming it.
+/// A file a call reads (a LoRA adapter, an input image) as the call names it: its path, and the
+/// sha256 of its bytes when a record gives it (`--from`): a file that changed since is then an
+/// error naming it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct LoraRef {
+pub struct FileRef {
     pub path: String,
     pub sha256: Option<String>,
 }
 
-impl LoraRef {
-    pub fn new(path: impl Into<String>) -> LoraRef {
-        LoraRef {
+impl FileRef {
+    pub fn new(path: impl Into<String>) -> FileRef {
+        FileRef {
             path: path.into(),
             sha256: None,
         }
@@ -193,15 +200,15 @@ impl Item for Text {
     }
 }
 
-impl Item for LoraFile {
-    type T = LoraRef;
-    fn parse(text: &str) -> Result<LoraRef, String> {
+impl Item for File {
+    type T = FileRef;
+    fn parse(text: &str) -> Result<FileRef, String> {
         match text.trim() {
-            "" => Err("give the path of a LoRA .safetensors file".to_string()),
-            _ => Ok(LoraRef::new(text)),
+            "" => Err("give a file's path".to_string()),
+            _ => Ok(FileRef::new(text)),
         }
     }
-    fn from_json(value: &Value) -> Result<LoraRef, String> {
+    fn from_json(value: &Value) -> Result<FileRef, String> {
         let shape = || format!("must be a file path, or an object with `path` and `sha256`, got {value}");
         match value {
             Value::String(path) => Self::parse(path),
@@ -217,11 +224,33 @@ impl Item for LoraFile {
             _ => Err(shape()),
         }
     }
-    fn to_json(value: &LoraRef) -> Value {
+    fn file_mut(value: &mut FileRef) -> Option<&mut FileRef> {
+        Some(value)
+    }
+    fn to_json(value: &FileRef) -> Value {
         match &value.sha256 {
             None => Value::String(value.path.clone()),
             Some(sha) => serde_json::json!({"path": value.path, "sha256": sha}),
         }
+    }
+}
+
+impl Item for Bool {
+    type T = bool;
+    fn parse(text: &str) -> Result<bool, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "true" => Ok(true),
+            "false" => Ok(false),
+            _ => Err(format!("give true or false, not {text:?}")),
+        }
+    }
+    fn from_json(value: &Value) -> Result<bool, String> {
+        value
+            .as_bool()
+            .ok_or_else(|| format!("must be true or false, got {value}"))
+    }
+    fn to_json(value: &bool) -> Value {
+        Value::Bool(*value)
     }
 }
 
@@ -268,6 +297,10 @@ pub trait ArgKind {
     fn per_prompt_mut(_field: &mut Self::Field) -> Option<&mut Option<Vec<String>>> {
         None
     }
+    /// The files a file argument's value names.
+    fn files_mut(_field: &mut Self::Field) -> Vec<&mut FileRef> {
+        Vec::new()
+    }
 }
 
 /// One value; `None`: not given.
@@ -305,6 +338,9 @@ impl<I: Item> ArgKind for One<I> {
     }
     fn given(field: &Self::Field) -> bool {
         field.is_some()
+    }
+    fn files_mut(field: &mut Self::Field) -> Vec<&mut FileRef> {
+        field.iter_mut().filter_map(I::file_mut).collect()
     }
 }
 
@@ -363,6 +399,9 @@ impl<I: Item> ArgKind for Many<I> {
     }
     fn given(field: &Self::Field) -> bool {
         field.is_some()
+    }
+    fn files_mut(field: &mut Self::Field) -> Vec<&mut FileRef> {
+        field.iter_mut().flatten().filter_map(I::file_mut).collect()
     }
 }
 
@@ -590,6 +629,19 @@ macro_rules! call_arguments {
                 texts
             }
 
+            /// The files the call reads (file arguments: `lora`, ...), by argument.
+            pub fn files_mut(&mut self) -> Vec<(&'static str, &mut FileRef)> {
+                let mut files = Vec::new();
+                $(
+                    files.extend(
+                        <$kind as ArgKind>::files_mut(&mut self.$name)
+                            .into_iter()
+                            .map(|f| (stringify!($name), f)),
+                    );
+                )*
+                files
+            }
+
             /// Each argument's own check.
             fn check_each(&self) -> Result<(), ArgError> {
                 $($(
@@ -669,7 +721,7 @@ call_arguments! {
     /// A LoRA adapter (`.safetensors`: diffusers/PEFT, kohya, ComfyUI, XLabs or ai-toolkit
     /// names), merged into the weights for this call; repeat it for several. The server names
     /// adapters of its --lora-dir instead (`loras`).
-    lora: Many<LoraFile> { group: Group::Draw, value_name: "FILE", served: Served::Api },
+    lora: Many<File> { group: Group::Draw, value_name: "FILE", served: Served::Api },
     /// Each --lora's weight, in order (diffusers' `set_adapters(adapter_weights=…)`; default 1.0,
     /// negative allowed).
     lora_scale: Many<Number>, check checks::all_finite {
@@ -843,6 +895,20 @@ impl GenerateCall<'_> {
         }
         self.guidance_scale.get_or_insert(defaults.guidance_scale);
         self.max_sequence_length.get_or_insert(defaults.max_sequence_length);
+    }
+
+    /// Every file the call reads, named as a record names it: by its absolute path, with the
+    /// sha256 of its bytes (which `--from` then checks). An error names the argument and file.
+    pub fn pin_files(&mut self) -> Result<(), ArgError> {
+        for (name, file) in self.files_mut() {
+            let bad = |e: std::io::Error| ArgError::new(name, format!("{{{name}}} {}: {e}", file.path));
+            let absolute = std::path::Path::new(&file.path).canonicalize().map_err(bad)?;
+            let sha = crate::lora::file_sha256(&absolute)
+                .map_err(|e| ArgError::new(name, format!("{{{name}}} {}: {e}", file.path)))?;
+            file.path = absolute.display().to_string();
+            file.sha256 = Some(sha);
+        }
+        Ok(())
     }
 
     /// The number of images the call makes.

@@ -160,6 +160,10 @@ pub struct PromptEncoding {
     pub(crate) negative_prompt_embeds: Option<HostTensor>,
     /// SD3's, and FLUX.1's with true CFG.
     pub(crate) negative_pooled_prompt_embeds: Option<HostTensor>,
+    /// Of embeddings whose rows hold prompts of different lengths (Z-Image's): each row's tokens,
+    /// the rest of the row padding.
+    pub(crate) prompt_lengths: Option<Vec<usize>>,
+    pub(crate) negative_prompt_lengths: Option<Vec<usize>>,
 }
 
 impl PromptEncoding {
@@ -240,7 +244,23 @@ impl PromptEncoding {
                 .collect();
             HostTensor::rows_of(&parts).map(Some)
         };
+        let lengths = |get: fn(&PromptEncoding) -> Option<&Vec<usize>>| -> Option<Vec<usize>> {
+            get(first)?;
+            Some(
+                parts
+                    .iter()
+                    .flat_map(|(p, n)| {
+                        get(p)
+                            .into_iter()
+                            .flatten()
+                            .flat_map(move |l| std::iter::repeat_n(*l, *n))
+                    })
+                    .collect(),
+            )
+        };
         Ok(PromptEncoding {
+            prompt_lengths: lengths(|p| p.prompt_lengths.as_ref()),
+            negative_prompt_lengths: lengths(|p| p.negative_prompt_lengths.as_ref()),
             root: first.root.clone(),
             class: first.class,
             dtype: first.dtype,
@@ -273,9 +293,32 @@ pub struct Embeddings {
     pub pooled_prompt_embeds: Option<Tensor>,
     pub negative_prompt_embeds: Option<Tensor>,
     pub negative_pooled_prompt_embeds: Option<Tensor>,
+    /// Rows of different lengths (Z-Image): each row's tokens, the rest padding.
+    pub prompt_lengths: Option<Vec<usize>>,
+    pub negative_prompt_lengths: Option<Vec<usize>>,
 }
 
 impl Embeddings {
+    /// `prompt_embeds` and the negatives, of one length per row.
+    pub fn new(
+        prompt_embeds: Tensor,
+        pooled: Option<Tensor>,
+        negative: Option<(Tensor, Option<Tensor>)>,
+    ) -> Embeddings {
+        let (negative_prompt_embeds, negative_pooled_prompt_embeds) = match negative {
+            Some((embeds, pooled)) => (Some(embeds), pooled),
+            None => (None, None),
+        };
+        Embeddings {
+            prompt_embeds,
+            pooled_prompt_embeds: pooled,
+            negative_prompt_embeds,
+            negative_pooled_prompt_embeds,
+            prompt_lengths: None,
+            negative_prompt_lengths: None,
+        }
+    }
+
     /// `encoding` on `device`.
     pub(crate) fn upload(encoding: &PromptEncoding, device: &Device) -> Result<Embeddings> {
         let up = |t: &HostTensor| t.to_device(device);
@@ -284,6 +327,8 @@ impl Embeddings {
             pooled_prompt_embeds: encoding.pooled_prompt_embeds.as_ref().map(up).transpose()?,
             negative_prompt_embeds: encoding.negative_prompt_embeds.as_ref().map(up).transpose()?,
             negative_pooled_prompt_embeds: encoding.negative_pooled_prompt_embeds.as_ref().map(up).transpose()?,
+            prompt_lengths: encoding.prompt_lengths.clone(),
+            negative_prompt_lengths: encoding.negative_prompt_lengths.clone(),
         })
     }
 
@@ -299,6 +344,8 @@ impl Embeddings {
             pooled_prompt_embeds: self.pooled_prompt_embeds.as_ref().map(host).transpose()?,
             negative_prompt_embeds: self.negative_prompt_embeds.as_ref().map(host).transpose()?,
             negative_pooled_prompt_embeds: self.negative_pooled_prompt_embeds.as_ref().map(host).transpose()?,
+            prompt_lengths: self.prompt_lengths.clone(),
+            negative_prompt_lengths: self.negative_prompt_lengths.clone(),
         };
         encoding.check_rows()?;
         Ok(encoding)

@@ -381,12 +381,11 @@ impl Pipeline for FluxPipeline {
             .into_iter();
         let positive = e.next().expect("one encoding per set");
         let negative = e.next();
-        Ok(Embeddings {
-            prompt_embeds: positive.embeds,
-            pooled_prompt_embeds: Some(positive.pooled),
-            negative_pooled_prompt_embeds: negative.as_ref().map(|n| n.pooled.clone()),
-            negative_prompt_embeds: negative.map(|n| n.embeds),
-        })
+        Ok(Embeddings::new(
+            positive.embeds,
+            Some(positive.pooled),
+            negative.map(|n| (n.embeds, Some(n.pooled))),
+        ))
     }
 
     fn lora_family(&self) -> Option<crate::LoraFamily> {

@@ -726,12 +726,11 @@ macro_rules! flux2_pipeline_methods {
                 ),
                 false => None,
             };
-            Ok($crate::Embeddings {
+            Ok($crate::Embeddings::new(
                 prompt_embeds,
-                pooled_prompt_embeds: None,
-                negative_prompt_embeds: negative,
-                negative_pooled_prompt_embeds: None,
-            })
+                None,
+                negative.map(|n| (n, None)),
+            ))
         }
 
         fn encode_prompt_text_encoder_only(

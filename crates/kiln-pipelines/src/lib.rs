@@ -30,7 +30,7 @@ pub mod sd3;
 mod seam;
 
 pub use any::AnyPipeline;
-pub use arguments::{check_prompt_text, ArgError, ArgSpec, GenerateCall, LoraRef, ARGUMENTS};
+pub use arguments::{check_prompt_text, ArgError, ArgSpec, FileRef, GenerateCall, ARGUMENTS};
 pub use budget::{CallBudget, OverBudget};
 pub use call::{OutputType, PipelineOutput, StepCallback, StepState, Timings};
 pub use encoding::{Embeddings, EncodingSettings, HostTensor, PromptEncoding, PromptKey};

@@ -22,7 +22,7 @@ use sha2::{Digest, Sha256};
 
 pub use kiln_io::lora::{LoraFamily, LoraFile, LoraModule};
 
-use crate::arguments::{GenerateCall, LoraRef};
+use crate::arguments::{FileRef, GenerateCall};
 use crate::error::{invalid, Result};
 
 /// One adapter of a call: its file, read for the pipeline's family, and its weight.
@@ -36,7 +36,7 @@ pub struct Adapter {
 }
 
 /// The adapters `call` gives, with their weights (1.0 where `lora_scale` is not given).
-pub fn call_adapters(call: &GenerateCall<'_>) -> Vec<(LoraRef, f64)> {
+pub fn call_adapters(call: &GenerateCall<'_>) -> Vec<(FileRef, f64)> {
     let scales = call.lora_scale.as_deref().unwrap_or_default();
     call.lora
         .iter()
@@ -94,7 +94,7 @@ impl LoraCache {
 
     /// The adapter `lora` names, read for `family`, with `weight`. A `sha256` the reference gives
     /// (a record's) must match the file's.
-    pub fn adapter(&self, lora: &LoraRef, weight: f64, family: &LoraFamily) -> Result<Adapter> {
+    pub fn adapter(&self, lora: &FileRef, weight: f64, family: &LoraFamily) -> Result<Adapter> {
         let path = PathBuf::from(&lora.path);
         let meta = std::fs::metadata(&path).map_err(|e| {
             invalid(format!(

@@ -198,13 +198,11 @@ impl StableDiffusion3Pipeline {
         self.ensure_loaded()?;
         let _finish = self.core.begin_call()?;
         let ((prompt_embeds, pooled), negative) = self.encode_with(call)?;
-        let (negative_prompt_embeds, negative_pooled) = negative.unzip();
-        Ok(Embeddings {
+        Ok(Embeddings::new(
             prompt_embeds,
-            pooled_prompt_embeds: Some(pooled),
-            negative_prompt_embeds,
-            negative_pooled_prompt_embeds: negative_pooled,
-        })
+            Some(pooled),
+            negative.map(|(embeds, pooled)| (embeds, Some(pooled))),
+        ))
     }
 
     /// Runs the pipeline (`pipe(prompt=..., ...)`).

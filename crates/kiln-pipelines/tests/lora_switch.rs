@@ -4,7 +4,7 @@
 //! are put back as they were).
 
 use kiln_nn::CompileMode;
-use kiln_pipelines::{AnyPipeline, DiffusionPipeline, GenerateCall, LoraRef, OffloadMode, RunOptions};
+use kiln_pipelines::{AnyPipeline, DiffusionPipeline, FileRef, GenerateCall, OffloadMode, RunOptions};
 use kiln_tensor::DType;
 use kiln_testing::{device, oracle};
 
@@ -20,7 +20,7 @@ fn call(loras: &[(&str, f64)]) -> GenerateCall<'static> {
         lora: (!loras.is_empty()).then(|| {
             loras
                 .iter()
-                .map(|(file, _)| LoraRef::new(cases.join(file).display().to_string()))
+                .map(|(file, _)| FileRef::new(cases.join(file).display().to_string()))
                 .collect()
         }),
         lora_scale: (!loras.is_empty()).then(|| loras.iter().map(|(_, w)| *w).collect()),

@@ -26,8 +26,8 @@ pub mod defaults;
 pub use kiln_image::{encode_png, read_png_parameters, save_png, GenerationParams};
 pub use kiln_nn::{CompileMode, Module};
 pub use kiln_pipelines::{
-    check_prompt_text, AnyPipeline, ArgError, CallBudget, CallDefaults, DiffusionPipeline, Flux2Call, Flux2KleinCall,
-    Flux2KleinPipeline, Flux2Pipeline, FluxCall, FluxPipeline, GenerateCall, LoadOptions, LoraRef, OffloadMode,
+    check_prompt_text, AnyPipeline, ArgError, CallBudget, CallDefaults, DiffusionPipeline, FileRef, Flux2Call,
+    Flux2KleinCall, Flux2KleinPipeline, Flux2Pipeline, FluxCall, FluxPipeline, GenerateCall, LoadOptions, OffloadMode,
     OffloadPlan, OutputType, OverBudget, PipelineError, PipelineKind, PipelineOutput, RunOptions, RunRecord,
     StableDiffusion3Call, StableDiffusion3Pipeline, StepState, Timings, ARGUMENTS,
 };

@@ -97,7 +97,7 @@ fn call(pipe: &mut AnyPipeline, args: &BenchArgs) -> Result<(Vec<RgbImage>, Timi
         guidance_scale: Some(args.guidance),
         max_sequence_length: Some(args.max_sequence_length),
         progress: false,
-        lora: (!args.lora.is_empty()).then(|| args.lora.iter().map(crate::LoraRef::new).collect()),
+        lora: (!args.lora.is_empty()).then(|| args.lora.iter().map(crate::FileRef::new).collect()),
         lora_scale: (!args.lora_scale.is_empty()).then(|| args.lora_scale.clone()),
         ..GenerateCall::prompt(args.prompt.clone())
     })?;
@@ -288,7 +288,7 @@ fn time_lora_switch(pipe: &mut AnyPipeline, args: &BenchArgs) -> Result<(Option<
         return Ok((None, None));
     }
     let call = GenerateCall {
-        lora: Some(args.lora.iter().map(crate::LoraRef::new).collect()),
+        lora: Some(args.lora.iter().map(crate::FileRef::new).collect()),
         lora_scale: (!args.lora_scale.is_empty()).then(|| args.lora_scale.clone()),
         ..GenerateCall::prompt(args.prompt.clone())
     };

@@ -418,14 +418,9 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
         calls: args.calls,
     };
     let out = load_and_call(&call, &settings)?;
-    // The record names each LoRA file by its absolute path and its bytes' sha256 (checked by --from).
-    for lora in recorded.lora.iter_mut().flatten() {
-        let path = Path::new(&lora.path);
-        let absolute = path.canonicalize().with_context(|| format!("--lora {}", lora.path))?;
-        lora.sha256 =
-            Some(kiln_pipelines::lora::file_sha256(&absolute).with_context(|| format!("--lora {}", lora.path))?);
-        lora.path = absolute.display().to_string();
-    }
+    // The record names each file the call read by its absolute path and its bytes' sha256
+    // (checked by --from).
+    recorded.pin_files().map_err(|e| flagged(&e))?;
 
     let t = &out.timings;
     if out.calls.len() > 1 {
