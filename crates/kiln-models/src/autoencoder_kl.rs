@@ -15,11 +15,16 @@
 //! (`[N, H, W, C]`), the layout XLA:CPU's convolutions run fastest (`kiln-tensor`'s
 //! `conv_layout` bench).
 //!
+//! The encoder's weights are read only when asked: [`AutoencoderKL::load_with_encoder`] (and
+//! [`AutoencoderKL::load`], its older name) reads both halves, [`AutoencoderKL::load_decoder`] the
+//! decoding half only (what text-to-image needs), and [`AutoencoderKL::load_encoder`] adds the
+//! encoding half to such a model later.
+//!
 //! [`kiln_nn::Module::visit`] names every weight as the checkpoint does; [`kiln_nn::Model::compile`] runs
-//! the decoder as compiled programs.
+//! the decoder and the encoder as compiled programs.
 
 use kiln_io::{Activation, AutoencoderKLConfig};
-use kiln_nn::{impl_model, impl_module, Compiled, Conv2d, Error, GroupNorm, Linear, Result, Weights};
+use kiln_nn::{impl_model, impl_module, impl_tensors, Compiled, Conv2d, Error, GroupNorm, Linear, Result, Weights};
 use kiln_rng::Generators;
 use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
 
@@ -148,12 +153,21 @@ impl ResnetBlock2D {
     }
 }
 
-/// Runs `resnet` op by op, or with `compiled` (the decoder's) as the repeated block
-/// `decoder.resnets` (one program per input signature, shared by every ResNet of that signature).
-fn run_resnet(resnet: &ResnetBlock2D, x: &Tensor, compiled: Option<&Compiled>) -> Result<Tensor> {
-    match compiled {
+/// The compiled function a half of the VAE runs its ResNets through: `name` of the model's
+/// `compiled` (`decoder.resnets` or `encoder.resnets`), one program per input signature, shared by
+/// every ResNet of that half with that signature.
+#[derive(Clone, Copy)]
+struct ResnetFunction<'a> {
+    compiled: &'a Compiled,
+    name: &'static str,
+}
+
+/// Runs `resnet` op by op, or through `function` as a repeated block (compiled only in
+/// [`kiln_nn::CompileMode::RepeatedBlocks`]; inline inside a whole compiled program).
+fn run_resnet(resnet: &ResnetBlock2D, x: &Tensor, function: Option<ResnetFunction<'_>>) -> Result<Tensor> {
+    match function {
         None => resnet.forward(x),
-        Some(compiled) => compiled.block("decoder.resnets", resnet, x.clone(), |r, x| r.forward(x)),
+        Some(f) => f.compiled.block(f.name, resnet, x.clone(), |r, x| r.forward(x)),
     }
 }
 
@@ -263,7 +277,7 @@ impl UNetMidBlock2D {
     }
 
     /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
-    fn forward(&self, x: &Tensor, resnet: Option<&Compiled>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, resnet: Option<ResnetFunction<'_>>) -> Result<Tensor> {
         let mut x = run_resnet(&self.resnet_0, x, resnet)?;
         if let Some(attention) = &self.attention {
             x = attention.forward(&x)?;
@@ -337,7 +351,7 @@ impl ResnetStack {
     }
 
     /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
-    fn forward(&self, x: &Tensor, resnet: Option<&Compiled>) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, resnet: Option<ResnetFunction<'_>>) -> Result<Tensor> {
         let mut x = x.clone();
         for r in &self.resnets {
             x = run_resnet(r, &x, resnet)?;
@@ -362,6 +376,26 @@ struct Plan<'a> {
     layers_per_block: usize,
     add_attention: bool,
     nonlinearity: Nonlinearity,
+}
+
+impl<'a> Plan<'a> {
+    /// The plan of `config`, after the checks the weight shapes cannot make ([`check_config`]).
+    fn new(config: &'a AutoencoderKLConfig, w: &Weights) -> Result<Self> {
+        let nonlinearity = check_config(config, w)?;
+        let blocks = &config.block_out_channels;
+        let (Some(&first), Some(&last)) = (blocks.first(), blocks.last()) else {
+            return Err(config_error(w, "block_out_channels is empty".to_string()));
+        };
+        Ok(Plan {
+            blocks,
+            first,
+            last,
+            groups: config.norm_num_groups,
+            layers_per_block: config.layers_per_block,
+            add_attention: config.mid_block_add_attention,
+            nonlinearity,
+        })
+    }
 }
 
 /// diffusers' `Encoder` with `double_z=True`: image → `[B, 2·latent_channels, H/f, W/f]`.
@@ -416,13 +450,13 @@ impl Encoder {
         })
     }
 
-    /// Channels-last in and out.
-    fn forward(&self, sample: &Tensor) -> Result<Tensor> {
+    /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
+    fn forward(&self, sample: &Tensor, resnet: Option<ResnetFunction<'_>>) -> Result<Tensor> {
         let mut sample = self.conv_in.forward_channels_last(sample)?;
         for down_block in &self.down_blocks {
-            sample = down_block.forward(&sample, None)?;
+            sample = down_block.forward(&sample, resnet)?;
         }
-        let sample = self.mid_block.forward(&sample, None)?;
+        let sample = self.mid_block.forward(&sample, resnet)?;
         // diffusers' Encoder/Decoder use nn.SiLU here whatever act_fn says.
         let sample = self.conv_norm_out.forward_channels_last_silu(&sample)?;
         self.conv_out.forward_channels_last(&sample)
@@ -482,7 +516,7 @@ impl Decoder {
     }
 
     /// Channels-last in and out; `resnet` compiles the ResNets (see [`run_resnet`]).
-    fn forward(&self, z: &Tensor, resnet: Option<&Compiled>) -> Result<Tensor> {
+    fn forward(&self, z: &Tensor, resnet: Option<ResnetFunction<'_>>) -> Result<Tensor> {
         let sample = self.conv_in.forward_channels_last(z)?;
         let mut sample = self.mid_block.forward(&sample, resnet)?;
         for up_block in &self.up_blocks {
@@ -526,13 +560,55 @@ impl DecodePath {
     }
 
     /// `z` NCHW → image NCHW.
-    fn forward(&self, z: &Tensor, resnet: Option<&Compiled>) -> Result<Tensor> {
+    fn forward(&self, z: &Tensor, resnet: Option<ResnetFunction<'_>>) -> Result<Tensor> {
         let z = z.permute(&CHANNELS_LAST)?;
         let z = match &self.post_quant_conv {
             Some(conv) => conv.forward_channels_last(&z)?,
             None => z,
         };
         Ok(self.decoder.forward(&z, resnet)?.permute(&CHANNELS_FIRST)?)
+    }
+}
+
+/// What encoding runs: the encoder and `quant_conv` (when the config has it), then the split into
+/// the posterior's mean and clamped log-variance; the unit [`kiln_nn::CompileMode::Full`]
+/// compiles, so that its program's parameters are these weights only. Absent from a model loaded
+/// with [`AutoencoderKL::load_decoder`].
+#[derive(Clone, Debug)]
+struct EncodePath {
+    encoder: Encoder,
+    quant_conv: Option<Conv2d>,
+}
+
+impl_module!(EncodePath { encoder, quant_conv });
+
+impl EncodePath {
+    fn load(w: &Weights, plan: &Plan, config: &AutoencoderKLConfig) -> Result<Self> {
+        let latent = config.latent_channels;
+        Ok(EncodePath {
+            encoder: Encoder::load(&w.pp(Self::encoder), plan, config.in_channels, latent)?,
+            quant_conv: match config.use_quant_conv {
+                true => Some(Conv2d::load(
+                    &w.pp(Self::quant_conv),
+                    2 * latent,
+                    2 * latent,
+                    1,
+                    Conv2dParams::default(),
+                    true,
+                )?),
+                false => None,
+            },
+        })
+    }
+
+    /// Image NCHW → the posterior (NCHW tensors).
+    fn forward(&self, x: &Tensor, resnet: Option<ResnetFunction<'_>>) -> Result<DiagonalGaussianDistribution> {
+        let h = self.encoder.forward(&x.permute(&CHANNELS_LAST)?, resnet)?;
+        let moments = match &self.quant_conv {
+            Some(conv) => conv.forward_channels_last(&h)?,
+            None => h,
+        };
+        DiagonalGaussianDistribution::new(&moments.permute(&CHANNELS_FIRST)?)
     }
 }
 
@@ -562,6 +638,12 @@ impl DiagonalGaussianDistribution {
         Ok(DiagonalGaussianDistribution { mean, logvar, std })
     }
 
+    /// The standard deviation `exp(logvar / 2)`: a copy of the field `std`, computed with the mean
+    /// and log-variance (in the compiled encode, by the same program).
+    pub fn std(&self) -> Result<Tensor> {
+        Ok(self.std.clone())
+    }
+
     /// The mean (diffusers' `mode()`).
     pub fn mode(&self) -> Tensor {
         self.mean.clone()
@@ -578,72 +660,106 @@ impl DiagonalGaussianDistribution {
     }
 }
 
+// The result of the compiled encode: its tensors in this order.
+impl_tensors!(DiagonalGaussianDistribution { mean, logvar, std });
+
 /// diffusers' `AutoencoderKL` (no tiling or slicing).
 #[derive(Clone, Debug)]
 pub struct AutoencoderKL {
     config: AutoencoderKLConfig,
     dtype: DType,
-    encoder: Encoder,
-    quant_conv: Option<Conv2d>,
+    /// `encoder` and `quant_conv`; `None` when loaded with [`AutoencoderKL::load_decoder`] (until
+    /// [`AutoencoderKL::load_encoder`]).
+    encode_path: Option<EncodePath>,
     /// `post_quant_conv` and `decoder`.
     decode_path: DecodePath,
     compiled: Compiled,
 }
 
-// Every weight under its checkpoint name: `encoder.*`, `quant_conv.*`, `post_quant_conv.*`,
-// `decoder.*` (the mid-block attention's only when the config adds it). Nothing else is kept.
+// Every weight under its checkpoint name: `encoder.*`, `quant_conv.*` (when the encoder is
+// loaded), `post_quant_conv.*`, `decoder.*` (the mid-block attention's only when the config adds
+// it). Nothing else is kept.
 impl_module!(AutoencoderKL {
-    encoder,
-    quant_conv,
+    encode_path: "",
     decode_path: "",
 });
 
 impl_model!(
-    /// Compiled ([`AutoencoderKL::decode`] only; [`AutoencoderKL::encode`] always runs op by op):
-    /// in [`kiln_nn::CompileMode::Full`] `post_quant_conv` and the whole decoder as one program,
-    /// `vae.decode`; in [`kiln_nn::CompileMode::RepeatedBlocks`] every `ResnetBlock2D` of the
-    /// decoder (mid and up blocks, the bulk of the work) through one compiled function,
+    /// Compiled, each half on its own: in [`kiln_nn::CompileMode::Full`] `post_quant_conv` and the
+    /// whole decoder as one program, `vae.decode`, and the encoder, `quant_conv` and the split
+    /// into mean and clamped log-variance as another, `vae.encode` (each one program per input
+    /// shape); in [`kiln_nn::CompileMode::RepeatedBlocks`] every `ResnetBlock2D` of the decoder
+    /// (mid and up blocks, the bulk of the work) through one compiled function,
     /// `vae.decoder.resnets` — one program per channel count and resolution, shared by the ResNets
-    /// that have it (6 programs for FLUX.1's 14 ResNets) — while the convolutions around them, the
-    /// mid-block attention and the upsamplers run op by op. The VAE moves whole under offload.
+    /// that have it (6 programs for FLUX.1's 14 ResNets) — and those of the encoder (down and mid
+    /// blocks) likewise through `vae.encoder.resnets`, while the convolutions around them, the
+    /// mid-block attention and the resamplers run op by op. The VAE moves whole under offload.
     AutoencoderKL { compiled: compiled }
 );
 
 impl AutoencoderKL {
-    /// Builds the model from `config` and the weights (diffusers names: `encoder.*`,
-    /// `decoder.*`, `quant_conv`, `post_quant_conv`). Every shape is checked against the config.
+    /// Builds the whole model, as [`Self::load_with_encoder`] (the name callers that predate the
+    /// split use). A caller that only decodes should use [`Self::load_decoder`], which reads no
+    /// encoder weight.
     pub fn load(config: &AutoencoderKLConfig, weights: &Weights) -> Result<Self> {
-        let nonlinearity = check_config(config, weights)?;
-        let blocks = &config.block_out_channels;
-        let (Some(&first), Some(&last)) = (blocks.first(), blocks.last()) else {
-            return Err(config_error(weights, "block_out_channels is empty".to_string()));
-        };
-        let plan = Plan {
-            blocks,
-            first,
-            last,
-            groups: config.norm_num_groups,
-            layers_per_block: config.layers_per_block,
-            add_attention: config.mid_block_add_attention,
-            nonlinearity,
-        };
-        let latent = config.latent_channels;
+        Self::load_with_encoder(config, weights)
+    }
+
+    /// Builds the whole model from `config` and the weights (diffusers names: `encoder.*`,
+    /// `quant_conv`, `post_quant_conv`, `decoder.*`): what image-to-image needs. Every shape is
+    /// checked against the config.
+    pub fn load_with_encoder(config: &AutoencoderKLConfig, weights: &Weights) -> Result<Self> {
+        let plan = Plan::new(config, weights)?;
+        // The encoder first: a config that does not match the checkpoint names its first weight.
+        let encode_path = EncodePath::load(&weights.pp(Self::encode_path), &plan, config)?;
+        let mut vae = Self::load_decoding_half(config, &plan, weights)?;
+        vae.encode_path = Some(encode_path);
+        Ok(vae)
+    }
+
+    /// Builds the decoding half only (`post_quant_conv.*` when the config has it, `decoder.*`):
+    /// no `encoder.*` or `quant_conv.*` weight is read, and [`Self::encode`] fails until
+    /// [`Self::load_encoder`] adds them.
+    pub fn load_decoder(config: &AutoencoderKLConfig, weights: &Weights) -> Result<Self> {
+        let plan = Plan::new(config, weights)?;
+        Self::load_decoding_half(config, &plan, weights)
+    }
+
+    /// Reads the encoding half (`encoder.*`, and `quant_conv.*` when the config has it) into a
+    /// model built by [`Self::load_decoder`], from `weights` of the same checkpoint, dtype and
+    /// device. Does nothing when the encoder is already there. Compiled programs and the compile
+    /// mode are kept (the encoder has its own).
+    pub fn load_encoder(&mut self, weights: &Weights) -> Result<()> {
+        if self.encode_path.is_some() {
+            return Ok(());
+        }
+        if weights.dtype() != self.dtype {
+            return Err(config_error(
+                weights,
+                format!(
+                    "the encoder would load in {} but the decoder was loaded in {}; use weights of one dtype",
+                    weights.dtype(),
+                    self.dtype
+                ),
+            ));
+        }
+        let plan = Plan::new(&self.config, weights)?;
+        self.encode_path = Some(EncodePath::load(&weights.pp(Self::encode_path), &plan, &self.config)?);
+        Ok(())
+    }
+
+    /// Whether the encoding half is loaded ([`Self::load_with_encoder`], or
+    /// [`Self::load_encoder`] after [`Self::load_decoder`]).
+    pub fn has_encoder(&self) -> bool {
+        self.encode_path.is_some()
+    }
+
+    fn load_decoding_half(config: &AutoencoderKLConfig, plan: &Plan, weights: &Weights) -> Result<Self> {
         Ok(AutoencoderKL {
             config: config.clone(),
             dtype: weights.dtype(),
-            encoder: Encoder::load(&weights.pp(Self::encoder), &plan, config.in_channels, latent)?,
-            quant_conv: match config.use_quant_conv {
-                true => Some(Conv2d::load(
-                    &weights.pp(Self::quant_conv),
-                    2 * latent,
-                    2 * latent,
-                    1,
-                    Conv2dParams::default(),
-                    true,
-                )?),
-                false => None,
-            },
-            decode_path: DecodePath::load(&weights.pp(Self::decode_path), &plan, config)?,
+            encode_path: None,
+            decode_path: DecodePath::load(&weights.pp(Self::decode_path), plan, config)?,
             compiled: Compiled::new("vae"),
         })
     }
@@ -668,15 +784,31 @@ impl AutoencoderKL {
     pub fn decode(&self, z: &Tensor) -> Result<Tensor> {
         self.check_input("AutoencoderKL::decode", "latent", z, self.config.latent_channels)?;
         let compiled = &self.compiled;
+        let resnet = ResnetFunction {
+            compiled,
+            name: "decoder.resnets",
+        };
         compiled.whole("decode", &self.decode_path, z.clone(), |d, z| {
-            d.forward(z, Some(compiled))
+            d.forward(z, Some(resnet))
         })
     }
 
-    /// Image `x` `[B, in_channels, H, W]` in [-1, 1] → the latent distribution, with
-    /// `[B, latent_channels, ⌊H/f⌋, ⌊W/f⌋]` tensors.
+    /// Image `x` `[B, in_channels, H, W]` in [-1, 1] (in the weights' dtype) → the posterior
+    /// (`encode(x).latent_dist`), with `[B, latent_channels, ⌊H/f⌋, ⌊W/f⌋]` tensors. Applies no
+    /// shift or scaling and draws nothing: the pipeline samples (`mean + std · ε`, see
+    /// [`DiagonalGaussianDistribution::sample`]) or takes the mean, then normalises.
+    ///
+    /// Fails when the model was loaded with [`Self::load_decoder`] and no [`Self::load_encoder`].
     pub fn encode(&self, x: &Tensor) -> Result<DiagonalGaussianDistribution> {
         let op = "AutoencoderKL::encode";
+        let Some(encode_path) = &self.encode_path else {
+            return Err(input_error(
+                op,
+                "this VAE was loaded without its encoder (AutoencoderKL::load_decoder); \
+                 call load_encoder first, or load it with AutoencoderKL::load_with_encoder"
+                    .to_string(),
+            ));
+        };
         self.check_input(op, "image", x, self.config.in_channels)?;
         // Each downsampler needs at least 2 pixels (3 after its padding).
         let (mut h, mut w) = (x.dims()[2], x.dims()[3]);
@@ -694,12 +826,12 @@ impl AutoencoderKL {
             }
             (h, w) = (h / 2, w / 2);
         }
-        let h = self.encoder.forward(&x.permute(&CHANNELS_LAST)?)?;
-        let moments = match &self.quant_conv {
-            Some(conv) => conv.forward_channels_last(&h)?,
-            None => h,
+        let compiled = &self.compiled;
+        let resnet = ResnetFunction {
+            compiled,
+            name: "encoder.resnets",
         };
-        DiagonalGaussianDistribution::new(&moments.permute(&CHANNELS_FIRST)?)
+        compiled.whole("encode", encode_path, x.clone(), |e, x| e.forward(x, Some(resnet)))
     }
 
     fn check_input(&self, op: &'static str, what: &str, x: &Tensor, channels: usize) -> Result<()> {
