@@ -16,9 +16,11 @@ use crate::error::{IoError, Result};
 mod flux2;
 mod mistral;
 mod qwen3;
+mod zimage;
 pub use flux2::{AutoencoderKLFlux2Config, Flux2TransformerConfig};
 pub use mistral::{Mistral3Config, MistralTextConfig, RopeParameters};
 pub use qwen3::Qwen3Config;
+pub use zimage::ZImageTransformerConfig;
 
 /// Parses the JSON text of the config file `file` (named in errors).
 pub fn parse_config<T: DeserializeOwned>(file: &Path, text: &str) -> Result<T> {

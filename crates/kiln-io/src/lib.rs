@@ -23,7 +23,7 @@ pub mod safetensors;
 pub use config::{
     load_config, parse_config, Activation, AutoencoderKLConfig, AutoencoderKLFlux2Config, ClipTextConfig,
     Flux2TransformerConfig, FluxTransformer2DConfig, Mistral3Config, MistralTextConfig, Qwen3Config,
-    SD3Transformer2DConfig, T5Config,
+    SD3Transformer2DConfig, T5Config, ZImageTransformerConfig,
 };
 pub use error::{IoError, Result};
 pub use hub::{resolve_model, resolve_model_with, HfCacheEnv};

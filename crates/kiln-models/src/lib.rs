@@ -13,5 +13,7 @@ pub mod text_decoder;
 pub mod transformer_flux;
 pub mod transformer_flux2;
 pub mod transformer_sd3;
+pub mod transformer_zimage;
 
 pub use kiln_nn::{Error, Result};
+pub use transformer_zimage::{ZImageInputs, ZImageTables, ZImageTransformer2DModel};
