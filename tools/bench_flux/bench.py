@@ -16,6 +16,8 @@ times both engines on the same folder, prompt and steps, for each dtype (--dtype
   flux_wide, sd3_wide: FLUX.1 and SD3.5 Medium at their real widths with few blocks (FLUX.1: 1 double + 2 single
       of 3072, 24 x 128 heads; SD3.5 Medium: 2 blocks of 1536, 24 x 64 heads), T5 at 4096 (one layer), the real
       VAE widths (128 to 512). Folders target/bench_flux_wide_model, target/bench_sd3_wide_model.
+  zimage_wide: ZImagePipeline (Z-Image-Turbo) at its real widths with 2 main and 2 + 2 refiner layers of 3840,
+      a 2-layer Qwen3 of width 2560, the real FLUX.1 VAE; guidance 0 (Turbo). Folder target/bench_zimage_wide_model.
   flux2: Flux2Pipeline (FLUX.2 [dev]) at the same scale: 2 double + 4 single blocks of width 512 (8 heads x 64),
       a 40-layer Mistral text model of width 256 read at layers 10, 20, 30, the 32-channel VAE at the scaled
       widths; guidance 4.0 is embedded. Folder target/bench_flux2_model.
@@ -291,6 +293,38 @@ def build_flux2_klein(folder: Path, seed: int = 0) -> None:
         pipe.save_pretrained(folder, safe_serialization=True)
 
 
+def build_zimage_wide(folder: Path, seed: int = 0) -> None:
+    """Z-Image-Turbo at its real widths with few blocks: ZImageTransformer2DModel of dim 3840 (30 heads x 128,
+    RoPE axes 32/48/48, caption features 2560) with 2 main layers and 2 + 2 refiner layers (real: 30 and 2 + 2);
+    a Qwen3Model of width 2560 (32 heads x 128, 8 KV heads, intermediate 9728) with 2 layers (real: 36; Z-Image
+    reads the second-to-last), the oracle's Qwen3 tokenizer; FLUX.1's VAE at its real widths (128 to 512).
+    Turbo's setting: guidance 0 (no CFG)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
+
+    oracle = REPO / "fixtures/oracle/pipelines/zimage_turbo"
+    torch.manual_seed(seed)
+    config = Qwen3Config.from_pretrained(oracle / "text_encoder")
+    config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads = 2560, 128, 32, 8
+    config.intermediate_size, config.num_hidden_layers, config.max_window_layers = 9728, 2, 2
+    config.layer_types = ["full_attention"] * 2
+    transformer = ZImageTransformer2DModel(n_layers=2, n_refiner_layers=2, axes_lens=[1536, 512, 512])
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+    with tempfile.TemporaryDirectory(prefix="bench_zimage_tokenizer_") as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(unpacked(oracle / "tokenizer", Path(tmp)))
+        pipe = ZImagePipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(oracle / "scheduler"), vae=vae,
+            text_encoder=Qwen3Model(config), tokenizer=tokenizer, transformer=transformer,
+        )
+        pipe.save_pretrained(folder, safe_serialization=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What differs between the benchmarked pipelines."""
@@ -321,6 +355,9 @@ PIPELINES = {
     "sd3_wide": Spec("StableDiffusion3Pipeline", build_sd3_wide, "target/bench_sd3_wide_model",
                      "SD3.5 Medium at real widths (2 MMDiT blocks of 1536, 1 dual, 24 x 64 heads, T5 4096, real VAE), "
                      "CFG: transformer batch 2", 7.0, "eager,full", False),
+    "zimage_wide": Spec("ZImagePipeline", build_zimage_wide, "target/bench_zimage_wide_model",
+                        "Z-Image-Turbo at real widths (2 + 2 + 2 layers of 3840, 30 x 128 heads, Qwen3 2560, real "
+                        "VAE), guidance 0 (Turbo: no CFG)", 0.0, "eager,regional,full", False),
     "flux2": Spec("Flux2Pipeline", build_flux2, "target/bench_flux2_model",
                   "scaled FLUX.2 [dev] (2+4 blocks, width 512, 40-layer Mistral of width 256), guidance embedded",
                   4.0, "eager,regional,full", False, e2e_goal=True),

@@ -23,7 +23,10 @@ fn case_dirs() -> Vec<PathBuf> {
             // The text-to-image cases (README.md's), which record what their pipeline derived;
             // the other sets (LoRA, ...) are checked by their own tests.
             let call = std::fs::read_to_string(case.join("call.json")).unwrap_or_default();
-            if case.join("tensors.safetensors").is_file() && call.contains("\"derived\"") {
+            if case.join("tensors.safetensors").is_file()
+                && call.contains("\"derived\"")
+                && call.contains("vae_decode.output")
+            {
                 dirs.push(case);
             }
         }

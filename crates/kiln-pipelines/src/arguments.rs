@@ -477,6 +477,12 @@ mod checks {
             _ => Ok(()),
         }
     }
+    pub fn fraction(v: &Option<f64>) -> Result<(), String> {
+        match v {
+            Some(v) if !(0.0..=1.0).contains(v) => Err(format!("must be between 0 and 1, got {v}")),
+            _ => Ok(()),
+        }
+    }
     pub fn all_finite(v: &Option<Vec<f64>>) -> Result<(), String> {
         match v.iter().flatten().find(|v| !v.is_finite()) {
             Some(v) => Err(format!("must be finite numbers, got {v}")),
@@ -718,6 +724,17 @@ call_arguments! {
     /// FLUX.2: the text encoder's hidden states stacked into the prompt embeddings,
     /// comma-separated (diffusers' default 10,20,30; FLUX.2 [klein] 9,18,27).
     text_encoder_out_layers: List<Count> { value_name: "K,K,..." },
+    /// Z-Image: clamp the guided prediction's norm to the positive prediction's (diffusers'
+    /// `cfg_normalization`; default false).
+    cfg_normalization: One<Bool> { value_name: "true|false" },
+    /// Z-Image: steps whose `t = 1 − σ` is above it run without CFG (default 1.0: every step).
+    cfg_truncation: One<Number>, check checks::finite { value_name: "T" },
+    /// An input image (PNG, JPEG, ...): image-to-image (Z-Image) starts from it. (A server
+    /// takes no file paths: its image routes give it.)
+    image: Many<File> { group: Group::Draw, value_name: "FILE", served: Served::Api },
+    /// How much of the input image is redrawn, 0 to 1 (diffusers' default 0.6): the share of the
+    /// steps that run.
+    strength: One<Number>, check checks::fraction { group: Group::Draw, value_name: "FRACTION" },
     /// A LoRA adapter (`.safetensors`: diffusers/PEFT, kohya, ComfyUI, XLabs or ai-toolkit
     /// names), merged into the weights for this call; repeat it for several. The server names
     /// adapters of its --lora-dir instead (`loras`).
@@ -936,7 +953,7 @@ mod tests {
     #[test]
     fn the_table_and_the_call_have_the_same_arguments() {
         let names: Vec<&str> = ARGUMENTS.iter().map(|a| a.name).collect();
-        assert_eq!(names.len(), 23);
+        assert_eq!(names.len(), 27);
         assert_eq!(names[0], "prompt");
         let mut call = GenerateCall::prompt("a");
         for a in ARGUMENTS {
@@ -944,6 +961,7 @@ mod tests {
                 Shape::Repeated if a.name == "lora_scale" => serde_json::json!([0.5]),
                 Shape::Repeated => serde_json::json!(["b"]),
                 Shape::List => serde_json::json!([1]),
+                Shape::One if a.name == "cfg_normalization" => serde_json::json!(true),
                 Shape::One => serde_json::json!(1),
             };
             call.set_json(a.name, &value).unwrap();

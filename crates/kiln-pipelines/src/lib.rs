@@ -28,6 +28,7 @@ mod record;
 pub mod registry;
 pub mod sd3;
 mod seam;
+pub mod zimage;
 
 pub use any::AnyPipeline;
 pub use arguments::{check_prompt_text, ArgError, ArgSpec, FileRef, GenerateCall, ARGUMENTS};
@@ -47,3 +48,4 @@ pub use record::{RunOptions, RunRecord};
 pub use registry::register;
 pub use sd3::{StableDiffusion3Call, StableDiffusion3Pipeline};
 pub use seam::{CallDefaults, Pipeline, PipelineClass, PipelineKind, COMMON_ARGUMENTS};
+pub use zimage::{ZImageCall, ZImagePipeline};

@@ -290,7 +290,9 @@ impl<C: Components> PipelineCore<C> {
         let mut latents = run.latents;
         for (i, &t) in run.timesteps.iter().enumerate() {
             let started = Instant::now();
-            let dt = Tensor::from_f32(&[run.scheduler.dt(i)?], DType::F32, [], latents.device())?;
+            // (An image-to-image call starts at the scheduler's begin index.)
+            let index = run.scheduler.begin_index().unwrap_or(0) + i;
+            let dt = Tensor::from_f32(&[run.scheduler.dt(index)?], DType::F32, [], latents.device())?;
             let (variant, step) = prepare(i, t)?;
             let inputs = StepInputs {
                 constants: constants.clone(),

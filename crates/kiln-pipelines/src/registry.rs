@@ -16,6 +16,8 @@ static BUILT_IN: &[&PipelineClass] = &[
     &crate::sd3::CLASS,
     &crate::flux2::CLASS,
     &crate::flux2_klein::CLASS,
+    &crate::zimage::CLASS,
+    &crate::zimage::IMG2IMG_CLASS,
 ];
 
 /// The classes registered at run time, after the built-in ones.
@@ -91,6 +93,7 @@ mod tests {
         let mut everything = GenerateCall::prompt("a");
         for row in crate::ARGUMENTS {
             let value = match row.shape {
+                crate::arguments::Shape::One if row.value_name == "true|false" => serde_json::json!(true),
                 crate::arguments::Shape::One => serde_json::json!(1),
                 _ => serde_json::json!([]),
             };
@@ -99,7 +102,7 @@ mod tests {
             }
         }
         let given = everything.given();
-        assert_eq!(given.len(), 23);
+        assert_eq!(given.len(), 27);
         for argument in given {
             assert!(
                 PipelineKind::all().iter().any(|k| k.takes(argument)),
@@ -247,7 +250,9 @@ mod tests {
                 "FluxPipeline",
                 "StableDiffusion3Pipeline",
                 "Flux2Pipeline",
-                "Flux2KleinPipeline"
+                "Flux2KleinPipeline",
+                "ZImagePipeline",
+                "ZImageImg2ImgPipeline"
             ]
         );
     }

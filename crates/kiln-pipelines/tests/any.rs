@@ -52,7 +52,7 @@ fn the_model_index_names_the_pipeline() {
     assert!(
         err.contains(
             "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline, Flux2Pipeline, \
-             Flux2KleinPipeline)"
+             Flux2KleinPipeline, ZImagePipeline, ZImageImg2ImgPipeline)"
         ),
         "{err}"
     );

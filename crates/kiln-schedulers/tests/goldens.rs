@@ -273,6 +273,9 @@ fn every_case_schedule_matches() {
             "StableDiffusion3Pipeline" => scheduler
                 .set_timesteps(steps, None, None)
                 .unwrap_or_else(|e| panic!("{name}: {e}")),
+            // Z-Image's schedule (torch's float32 linspace, statically shifted) is the pipeline's
+            // own: its cases run end to end in crates/kiln/tests/zimage.rs.
+            "ZImagePipeline" | "ZImageImg2ImgPipeline" => continue,
             other => panic!("{name}: unknown pipeline class {other}"),
         }
 

@@ -347,7 +347,7 @@ mod tests {
     fn the_call_fields_are_the_tables_rows_served_as_fields() {
         use kiln_pipelines::arguments::Shape;
         let names: Vec<&str> = CallFields::names().collect();
-        assert_eq!(names.len(), 16);
+        assert_eq!(names.len(), 19);
         for api in ["prompt", "height", "width", "seed", "num_images_per_prompt"] {
             assert!(!names.contains(&api), "{api} is the API's own");
         }
@@ -358,6 +358,7 @@ mod tests {
                 let value = match a.shape {
                     Shape::Repeated => Value::from("text"),
                     Shape::List => serde_json::json!([1]),
+                    Shape::One if a.value_name == "true|false" => Value::from(true),
                     Shape::One => Value::from(1),
                 };
                 (a.name.to_string(), value)

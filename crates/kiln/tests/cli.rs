@@ -234,7 +234,7 @@ fn bad_arguments_are_clear_errors() {
     assert!(
         stderr.contains(
             "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline, Flux2Pipeline, \
-             Flux2KleinPipeline)"
+             Flux2KleinPipeline, ZImagePipeline, ZImageImg2ImgPipeline)"
         ),
         "{stderr}"
     );

@@ -153,6 +153,14 @@ fn sample(shape: Shape) -> (&'static str, Value) {
     }
 }
 
+/// [`sample`] for a row, `true` for a boolean one.
+fn sample_of(spec: &kiln_pipelines::ArgSpec) -> (&'static str, Value) {
+    match spec.value_name {
+        "true|false" => ("true", json!(true)),
+        _ => sample(spec.shape),
+    }
+}
+
 fn read_record(png: &Path) -> kiln::GenerationParams {
     kiln::read_png_parameters(png).unwrap()
 }
@@ -220,8 +228,8 @@ fn every_argument_of_the_table_is_a_flag_a_server_field_and_in_the_record() {
         .to_vec();
     argv.push(model.display().to_string());
     argv.extend(["--output".into(), out.display().to_string()]);
-    // The LoRA rows name files the model's weights must have: tests/lora.rs runs them.
-    let is_lora = |name: &str| name == "lora" || name == "lora_scale";
+    // The file rows name files a real model reads: tests/lora.rs and the pipelines' tests run them.
+    let is_lora = |name: &str| matches!(name, "lora" | "lora_scale" | "image");
     for spec in ARGUMENTS {
         let flag = generate
             .get_arguments()
@@ -234,7 +242,7 @@ fn every_argument_of_the_table_is_a_flag_a_server_field_and_in_the_record() {
         }
         argv.extend([
             format!("--{}", spec.name.replace('_', "-")),
-            sample(spec.shape).0.to_string(),
+            sample_of(spec).0.to_string(),
         ]);
     }
     kiln::cli::run(argv).unwrap();
@@ -286,7 +294,7 @@ fn every_argument_of_the_table_is_a_flag_a_server_field_and_in_the_record() {
     }
     let mut body = json!({"prompt": "abcd", "size": "32x16", "seed": 5, "n": 1});
     for spec in ARGUMENTS.iter().filter(|a| a.served == Served::Field) {
-        body[spec.name] = sample(spec.shape).1;
+        body[spec.name] = sample_of(spec).1;
     }
     let response: Value = ureq::post(&format!("{base}/v1/images/generations"))
         .send_json(body)
