@@ -145,3 +145,90 @@ fn zimage_images_are_diffusers_in_every_mode() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The oracle's Z-Image folder with a text encoder that splits over 2 devices: its single KV head
+/// stored twice (`num_key_value_heads` 2). Each query head then reads its own copy of the same
+/// keys and values, so the model computes what the original does, and the goldens still hold.
+fn zimage_with_two_kv_heads(dir: &Path) -> PathBuf {
+    let oracle = kiln_fixtures::oracle().join("pipelines/zimage_turbo");
+    let model = dir.join("zimage_kv2");
+    std::fs::create_dir_all(model.join("text_encoder")).unwrap();
+    for entry in std::fs::read_dir(&oracle).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap();
+        if name != "text_encoder" {
+            std::os::unix::fs::symlink(path.canonicalize().unwrap(), model.join(name)).unwrap();
+        }
+    }
+    let te = oracle.join("text_encoder");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(te.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["num_key_value_heads"], 1,
+        "the oracle's text encoder has one KV head"
+    );
+    config["num_key_value_heads"] = 2.into();
+    std::fs::write(model.join("text_encoder/config.json"), config.to_string()).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = Vec::new();
+    for entry in std::fs::read_dir(&te).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, view) in file.tensors() {
+            let mut shape = view.shape().to_vec();
+            let mut data = view.data().to_vec();
+            if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
+                shape[0] *= 2;
+                data = [data.clone(), data].concat();
+            }
+            tensors.push((name, shape, view.dtype(), data));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, dtype, data)| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &model.join("text_encoder/model.safetensors")).unwrap();
+    model
+}
+
+/// `--tp 2` (the transformer's and the text encoder's heads split over two CPU devices) gives
+/// diffusers' images, eager and compiled, text-to-image with guidance and image-to-image.
+#[test]
+fn tensor_parallel_zimage_gives_diffusers_images() {
+    let dir = temp_dir("tp");
+    let model = zimage_with_two_kv_heads(&dir);
+    let root = kiln_fixtures::oracle().join("cases");
+    for case in ["zimage/cfg_negative", "zimage_img2img/strength_0p3"] {
+        let case = root.join(case);
+        for compile in ["none", "full"] {
+            let output = format!("{}-tp-{compile}.png", case.file_name().unwrap().to_string_lossy());
+            let mut flags = case_flags(&case, &output);
+            let at = flags.iter().position(|f| f == "--model").unwrap() + 1;
+            flags[at] = model.display().to_string();
+            flags.extend(["--tp", "2", "--compile", compile].map(String::from));
+            let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+                .arg("generate")
+                .args(&flags)
+                .current_dir(&dir)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{} --tp 2: {}",
+                case.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_matches_golden(&dir.join(&output), &case.join("image_0.png"));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
