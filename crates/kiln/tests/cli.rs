@@ -3,6 +3,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod golden;
+use golden::{assert_matches_golden, pixels};
+
 fn kiln() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kiln"))
 }
@@ -301,33 +304,6 @@ fn generate_ok(dir: &Path, args: &[(&str, &str)]) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "kiln generate {args:?} failed:\n{stderr}");
     stderr
-}
-
-fn pixels(path: &Path) -> image::RgbImage {
-    image::open(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .into_rgb8()
-}
-
-/// Within the pipeline parity tolerance for float32 (crates/kiln-pipelines/tests/flux_parity.rs):
-/// at most one level off, in at most 1 % of the values.
-fn assert_matches_golden(got: &Path, golden: &Path) {
-    let (got, want) = (pixels(got), pixels(golden));
-    assert_eq!(got.dimensions(), want.dimensions(), "{}", golden.display());
-    let diffs: Vec<u8> = got
-        .as_raw()
-        .iter()
-        .zip(want.as_raw())
-        .map(|(a, b)| a.abs_diff(*b))
-        .collect();
-    let max = diffs.iter().copied().max().unwrap_or(0);
-    let differing = diffs.iter().filter(|&&d| d > 0).count() as f64 / diffs.len() as f64;
-    assert!(
-        max <= 1 && differing <= 0.01,
-        "{}: max |Δ| {max}, {:.3} % differ",
-        golden.display(),
-        differing * 100.0
-    );
 }
 
 /// One oracle case per flag family, run through the CLI, gives diffusers' images; `--from` makes

@@ -7,6 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod golden;
+use golden::assert_matches_golden;
+
 fn kiln() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kiln"))
 }
@@ -28,32 +31,6 @@ fn generate(dir: &Path, args: &[String]) -> (bool, String) {
         .output()
         .unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
-fn pixels(path: &Path) -> image::RgbImage {
-    image::open(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .into_rgb8()
-}
-
-/// The float32 pipeline tolerance: at most one level off, in at most 1 % of the values.
-fn assert_matches_golden(got: &Path, golden: &Path) {
-    let (got, want) = (pixels(got), pixels(golden));
-    assert_eq!(got.dimensions(), want.dimensions(), "{}", golden.display());
-    let diffs: Vec<u8> = got
-        .as_raw()
-        .iter()
-        .zip(want.as_raw())
-        .map(|(a, b)| a.abs_diff(*b))
-        .collect();
-    let max = diffs.iter().copied().max().unwrap_or(0);
-    let differing = diffs.iter().filter(|&&d| d > 0).count() as f64 / diffs.len() as f64;
-    assert!(
-        max <= 1 && differing <= 0.01,
-        "{}: max |Δ| {max}, {:.3} % differ",
-        golden.display(),
-        differing * 100.0
-    );
 }
 
 /// Every LoRA case folder of the oracle.
