@@ -427,18 +427,20 @@ impl<C: Components> PipelineCore<C> {
                 .map_err(|e| failure.take().unwrap_or_else(|| e.into()))
         })?;
         merged.set_key(adapters);
-        self.settle_offload()
+        // With offload, the changed weights are placed (and their blocks streamed) again.
+        match self.run.offload {
+            OffloadMode::None => Ok(()),
+            _ => self.arrange(),
+        }
     }
 
-    /// After the weights changed in place: the offload plan, the block streams and the offloader
-    /// made again for them (nothing to do without offload).
-    fn settle_offload(&mut self) -> Result<()> {
+    /// Places the loaded components as the run configuration says (the offload mode's memory,
+    /// streamed blocks) and makes the plan and, with offload, the offloader for them: the end of
+    /// every placement, and what weights changed in place (adapters) need again.
+    fn arrange(&mut self) -> Result<()> {
         let (mode, Some(device)) = (self.run.offload, self.run.device.clone()) else {
             return Ok(());
         };
-        if mode == OffloadMode::None {
-            return Ok(());
-        }
         let memory = weights_memory(mode, &device)?;
         self.offloader = None;
         let log = self.offload_log.clone();
@@ -448,7 +450,11 @@ impl<C: Components> PipelineCore<C> {
         }
         let plan = placing.plan(mode, &device);
         self.plan = Some(plan.clone());
-        self.offloader = Some(Offloader::new(plan, log, placing.streams));
+        if mode != OffloadMode::None {
+            // (Without offload the device was checked before loading.)
+            plan.check()?;
+            self.offloader = Some(Offloader::new(plan, log, placing.streams));
+        }
         Ok(())
     }
 
@@ -569,7 +575,7 @@ pub trait PipelineParts {
         core.plan = None;
         let same_device = core.run.device.as_ref() == Some(device);
         let reload = !(same_device && core.components.is_some());
-        let mut components = match core.components.take() {
+        let components = match core.components.take() {
             Some(c) if same_device => c,
             _ => self.load(device, memory)?,
         };
@@ -580,19 +586,10 @@ pub trait PipelineParts {
         }
         // Every weight was copied out of the checkpoints' maps: their pages leave the resident set.
         core.checkpoints.iter().for_each(|(_, c)| c.release_pages());
-        let log = core.offload_log.clone();
-        let mut placing = Placing::default();
-        components.each(&mut |name, c| placing.component(name, c, memory, mode, &log))?;
-        let plan = placing.plan(mode, device);
         core.components = Some(components);
         core.run.device = Some(device.clone());
         core.run.offload = mode;
-        core.plan = Some(plan.clone());
-        if mode != OffloadMode::None {
-            // (Without offload the device was checked before loading.)
-            plan.check()?;
-            core.offloader = Some(Offloader::new(plan, log, placing.streams));
-        }
+        core.arrange()?;
         core.apply_compile_mode();
         Ok(())
     }
