@@ -638,12 +638,6 @@ impl DiagonalGaussianDistribution {
         Ok(DiagonalGaussianDistribution { mean, logvar, std })
     }
 
-    /// The standard deviation `exp(logvar / 2)`: a copy of the field `std`, computed with the mean
-    /// and log-variance (in the compiled encode, by the same program).
-    pub fn std(&self) -> Result<Tensor> {
-        Ok(self.std.clone())
-    }
-
     /// The mean (diffusers' `mode()`).
     pub fn mode(&self) -> Tensor {
         self.mean.clone()

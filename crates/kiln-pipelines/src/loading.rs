@@ -119,12 +119,40 @@ pub(crate) fn initial_noise(
     dtype: DType,
     device: &Device,
 ) -> Result<kiln_tensor::Tensor> {
-    let noise = match seeds {
-        Some(seeds) => {
-            let mut gens: Vec<TorchGenerator> = seeds.iter().map(|&s| TorchGenerator::manual_seed(s)).collect();
-            randn_tensor(&shape, &mut gens, dtype)?
+    CallGenerators::new(seed, seeds).randn(&shape, dtype, device)
+}
+
+/// A call's generator(s): one `torch.Generator('cpu')` for the batch, or one per image; each draw
+/// continues where the last one stopped (image-to-image draws the VAE posterior, then the noise).
+pub(crate) enum CallGenerators {
+    One(Box<TorchGenerator>),
+    PerImage(Vec<TorchGenerator>),
+}
+
+impl CallGenerators {
+    pub fn new(seed: u64, seeds: Option<&[u64]>) -> CallGenerators {
+        match seeds {
+            Some(seeds) => CallGenerators::PerImage(seeds.iter().map(|&s| TorchGenerator::manual_seed(s)).collect()),
+            None => CallGenerators::One(Box::new(TorchGenerator::manual_seed(seed))),
         }
-        None => randn_tensor(&shape, &mut TorchGenerator::manual_seed(seed), dtype)?,
-    };
-    Ok(kiln_tensor::Tensor::from_bytes(noise.as_bytes(), dtype, shape, device)?)
+    }
+
+    /// The generator(s) as `kiln_rng` draws from them.
+    pub fn as_rng(&mut self) -> kiln_rng::Generators<'_> {
+        match self {
+            CallGenerators::One(g) => g.as_mut().into(),
+            CallGenerators::PerImage(gens) => gens.into(),
+        }
+    }
+
+    /// `randn_tensor(shape, generator, dtype)` on `device`.
+    pub fn randn(&mut self, shape: &[usize], dtype: DType, device: &Device) -> Result<kiln_tensor::Tensor> {
+        let noise = randn_tensor(shape, self.as_rng(), dtype)?;
+        Ok(kiln_tensor::Tensor::from_bytes(
+            noise.as_bytes(),
+            dtype,
+            shape.to_vec(),
+            device,
+        )?)
+    }
 }

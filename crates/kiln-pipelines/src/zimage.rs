@@ -16,7 +16,6 @@ use kiln_io::{AutoencoderKLConfig, Qwen3Config, ZImageTransformerConfig};
 use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::text_decoder::{TextDecoderConfig, TextDecoderModel};
 use kiln_models::transformer_zimage::{ZImageInputs, ZImageTables, ZImageTransformer2DModel};
-use kiln_rng::{randn_tensor, TorchGenerator};
 use kiln_schedulers::FlowMatchEulerDiscreteSchedulerConfig;
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ChatMessage, Qwen3Tokenizer};
@@ -25,7 +24,7 @@ use crate::arguments::{FileRef, GenerateCall};
 use crate::call::{check_finite, finish_call, mul_scale, pipeline_call, schedule, PipelineOutput};
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
-use crate::loading::{LoadOptions, ModelFolder};
+use crate::loading::{CallGenerators, LoadOptions, ModelFolder};
 use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts, StepInputs};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
@@ -295,7 +294,7 @@ impl ZImagePipeline {
         let mu = self.scheduler_config.calculate_shift(seq);
         let (mut scheduler, mut timesteps) = schedule(&self.scheduler_config, steps, Some(&sigmas), Some(mu))?;
         let shape = [total, channels, h, w];
-        let mut generator = Generators::new(args.seed, args.seeds.as_deref(), total);
+        let mut generator = CallGenerators::new(args.seed, args.seeds.as_deref());
         let latents = match (args.latents.take(), image) {
             (Some(l), _) if l.dims() != shape => {
                 return Err(invalid(format!(
@@ -322,7 +321,7 @@ impl ZImagePipeline {
                 scheduler.set_begin_index(t_start);
                 let image_latents = self.encode_image(&img, total, &mut generator)?;
                 // diffusers draws this noise in the model's dtype.
-                let noise = generator.randn(&shape, dtype, device)?;
+                let noise = generator.randn(&shape, dtype, device)?.to_dtype(DType::F32)?;
                 let sigma = scheduler.sigmas()[t_start];
                 let s = Tensor::from_f32(&[sigma], DType::F32, [], device)?;
                 // scale_noise: σ·noise + (1 − σ)·sample.
@@ -384,7 +383,12 @@ impl ZImagePipeline {
 
     /// The input image's latents, `(sample − shift)·scale` of the VAE posterior (its draw from
     /// `generator`), repeated to `total` images.
-    fn encode_image(&self, image: &kiln_image::RgbImage, total: usize, generator: &mut Generators) -> Result<Tensor> {
+    fn encode_image(
+        &self,
+        image: &kiln_image::RgbImage,
+        total: usize,
+        generator: &mut CallGenerators,
+    ) -> Result<Tensor> {
         let (models, device) = self.core.loaded()?;
         let (w, h) = (image.width() as usize, image.height() as usize);
         // VaeImageProcessor: [0, 255] → [0, 1] → [−1, 1], NCHW.
@@ -396,15 +400,8 @@ impl ZImagePipeline {
         }
         let x = Tensor::from_f32(&pixels, DType::F32, [1, 3, h, w], device)?.to_dtype(self.core.dtype())?;
         let dist = self.core.run("vae", &models.vae, |vae| Ok(vae.encode(&x)?))?;
-        let mean = dist.mean.to_dtype(DType::F32)?;
-        let std = dist.std()?.to_dtype(DType::F32)?;
-        // The posterior's draw, in the VAE's dtype (diffusers' `randn_tensor(mean.shape, dtype)`).
-        let dims: [usize; 4] = mean
-            .dims()
-            .try_into()
-            .map_err(|_| invalid("internal error: latent rank"))?;
-        let eps = generator.randn(&dims, dist.mean.dtype(), device)?;
-        let sample = mean.add(&std.mul(&eps)?)?;
+        // The posterior's draw, in the VAE's dtype (diffusers' `latent_dist.sample(generator)`).
+        let sample = dist.sample(generator.as_rng())?.to_dtype(DType::F32)?;
         let shift = self.vae_config.shift_factor.unwrap_or(0.0);
         let latents = sample.add_scalar(-shift)?.mul_scalar(self.vae_config.scaling_factor)?;
         Ok(latents.repeat_interleave(total, 0)?)
@@ -492,30 +489,6 @@ fn predict(
     let mut shape = vec![dims[0]];
     shape.extend(std::iter::repeat_n(1, dims.len() - 1));
     Ok(pred.mul(&factor.reshape(shape)?)?.neg()?)
-}
-
-/// The generator(s) of a call: one for the batch, or one per image.
-enum Generators {
-    One(Box<TorchGenerator>),
-    PerImage(Vec<TorchGenerator>),
-}
-
-impl Generators {
-    fn new(seed: u64, seeds: Option<&[u64]>, _total: usize) -> Generators {
-        match seeds {
-            Some(seeds) => Generators::PerImage(seeds.iter().map(|&s| TorchGenerator::manual_seed(s)).collect()),
-            None => Generators::One(Box::new(TorchGenerator::manual_seed(seed))),
-        }
-    }
-
-    /// `randn_tensor(shape, generator, dtype)` on `device`, as f32.
-    fn randn(&mut self, shape: &[usize; 4], dtype: DType, device: &Device) -> Result<Tensor> {
-        let noise = match self {
-            Generators::One(g) => randn_tensor(shape, g.as_mut(), dtype)?,
-            Generators::PerImage(gens) => randn_tensor(shape, gens, dtype)?,
-        };
-        Ok(Tensor::from_bytes(noise.as_bytes(), dtype, *shape, device)?.to_dtype(DType::F32)?)
-    }
 }
 
 /// `torch.linspace(start, end, steps)` in float32 (torch's CPU kernel: the first half counted
