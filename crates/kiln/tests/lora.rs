@@ -5,32 +5,15 @@
 //! nothing.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 mod golden;
-use golden::assert_matches_golden;
-
-fn kiln() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
-}
+use golden::{assert_matches_golden, generate};
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kiln-lora-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// Runs `kiln generate ARGS --device cpu` in `dir`: whether it succeeded, and its stderr.
-fn generate(dir: &Path, args: &[String]) -> (bool, String) {
-    let out = kiln()
-        .arg("generate")
-        .args(args)
-        .args(["--device", "cpu"])
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 /// Every LoRA case folder of the oracle.

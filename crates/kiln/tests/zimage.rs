@@ -2,10 +2,9 @@
 //! generate`: every case of the oracle gives diffusers' images, eager and compiled whole.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 mod golden;
-use golden::assert_matches_golden;
+use golden::{assert_matches_golden, generate};
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kiln-zimage-{name}-{}", std::process::id()));
@@ -26,8 +25,6 @@ fn case_flags(case: &Path, output: &str) -> Vec<String> {
         call["seed"].to_string(),
         "--output".into(),
         output.into(),
-        "--device".into(),
-        "cpu".into(),
     ];
     for (key, value) in call["call_kwargs"].as_object().unwrap() {
         let flag = format!("--{}", key.replace('_', "-"));
@@ -67,14 +64,8 @@ fn every_zimage_case_gives_diffusers_images_eager_and_compiled() {
             let output = format!("{name}-{compile}.png");
             let mut flags = case_flags(case, &output);
             flags.extend(["--compile".to_string(), compile.to_string()]);
-            let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
-                .arg("generate")
-                .args(&flags)
-                .current_dir(&dir)
-                .output()
-                .unwrap();
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{name} ({compile}): {stderr}");
+            let (ok, stderr) = generate(&dir, &flags);
+            assert!(ok, "{name} ({compile}): {stderr}");
             for k in 0..images {
                 let file = match images {
                     1 => output.clone(),
@@ -105,18 +96,8 @@ fn zimage_images_are_diffusers_in_every_mode() {
             let output = format!("{}-{i}.png", case.file_name().unwrap().to_string_lossy());
             let mut flags = case_flags(&case, &output);
             flags.extend(mode.iter().map(|s| s.to_string()));
-            let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
-                .arg("generate")
-                .args(&flags)
-                .current_dir(&dir)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{} {mode:?}: {}",
-                case.display(),
-                String::from_utf8_lossy(&out.stderr)
-            );
+            let (ok, stderr) = generate(&dir, &flags);
+            assert!(ok, "{} {mode:?}: {stderr}", case.display());
             assert_matches_golden(&dir.join(&output), &case.join("image_0.png"));
         }
     }
@@ -192,18 +173,8 @@ fn tensor_parallel_zimage_gives_diffusers_images() {
             let at = flags.iter().position(|f| f == "--model").unwrap() + 1;
             flags[at] = model.display().to_string();
             flags.extend(["--tp", "2", "--compile", compile].map(String::from));
-            let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
-                .arg("generate")
-                .args(&flags)
-                .current_dir(&dir)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{} --tp 2: {}",
-                case.display(),
-                String::from_utf8_lossy(&out.stderr)
-            );
+            let (ok, stderr) = generate(&dir, &flags);
+            assert!(ok, "{} --tp 2: {stderr}", case.display());
             assert_matches_golden(&dir.join(&output), &case.join("image_0.png"));
         }
     }

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use std::path::Path;
+use std::process::Command;
 
 pub fn pixels(path: &Path) -> image::RgbImage {
     image::open(path)
@@ -28,4 +29,16 @@ pub fn assert_matches_golden(got: &Path, golden: &Path) {
         golden.display(),
         differing * 100.0
     );
+}
+
+/// Runs `kiln generate ARGS --device cpu` in `dir`: whether it succeeded, and its stderr.
+pub fn generate(dir: &Path, args: &[String]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .arg("generate")
+        .args(args)
+        .args(["--device", "cpu"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
