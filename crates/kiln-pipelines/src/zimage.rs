@@ -330,7 +330,6 @@ impl ZImagePipeline {
         };
 
         // 6. Denoising: per step `t = (1000 − timestep)/1000`; with guidance one call of 2N items.
-        let t_norms: Vec<f32> = timesteps.iter().map(|t| (1000.0 - t) / 1000.0).collect();
         let cap_lens = |rows: &[Tensor]| rows.iter().map(|r| r.dims()[0]).collect::<Vec<_>>();
         let plain_tables = models.transformer.tables((h, w), &cap_lens(&positives), device)?;
         let cfg_tables = match do_cfg {
@@ -349,15 +348,13 @@ impl ZImagePipeline {
         };
         let truncation = args.cfg_truncation;
         let normalize = args.cfg_normalization;
-        let cfg_at = |i: usize| do_cfg && !(truncation <= 1.0 && f64::from(t_norms[i]) > truncation);
-        let t_norms_ref = &t_norms;
-        let mut step_index = 0;
-        let prepare = |_: usize, _: f32| -> Result<(String, Tensor)> {
-            let i = step_index;
-            step_index += 1;
-            let cfg = cfg_at(i);
+        let prepare = |_: usize, timestep: f32| -> Result<(String, Tensor)> {
+            // diffusers: `t = (1000 − timestep)/1000` (f32); steps with `t > cfg_truncation` run
+            // without guidance.
+            let t = (1000.0 - timestep) / 1000.0;
+            let cfg = do_cfg && !(truncation <= 1.0 && f64::from(t) > truncation);
             let rows = if cfg { 2 * total } else { total };
-            let t = Tensor::from_f32(&vec![t_norms_ref[i]; rows], DType::F32, [rows], device)?;
+            let t = Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?;
             let variant = match (cfg, normalize) {
                 (false, _) => "zimage",
                 (true, false) => "zimage.cfg",
