@@ -9,58 +9,13 @@ use std::io::{BufRead, BufReader};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serving::{decode_png, generated, kiln, temp_dir, tiny, Served};
+use serving::{agent, decode_png, generated, get, job_png, kiln, post, temp_dir, tiny, wait_done, Served};
 
 use base64::Engine;
 use serde_json::{json, Value};
 
-fn agent() -> ureq::Agent {
-    ureq::AgentBuilder::new().timeout(Duration::from_secs(300)).build()
-}
-
-/// (status, JSON body, Retry-After).
-fn post(url: &str, body: &Value) -> (u16, Value, Option<String>) {
-    let response = match agent().post(url).send_json(body.clone()) {
-        Ok(r) => r,
-        Err(ureq::Error::Status(_, r)) => r,
-        Err(e) => panic!("POST {url}: {e}"),
-    };
-    let status = response.status();
-    let retry = response.header("retry-after").map(str::to_string);
-    (status, response.into_json().unwrap(), retry)
-}
-
-fn get(url: &str) -> Value {
-    agent().get(url).call().unwrap().into_json().unwrap()
-}
-
 fn b64_png(b64: &str) -> image::RgbImage {
     decode_png(&base64::engine::general_purpose::STANDARD.decode(b64).unwrap())
-}
-
-fn wait_done(served: &Served, id: &str) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let job = get(&served.url(&format!("/kiln/v1/jobs/{id}")));
-        if job["status"] != "queued" && job["status"] != "running" {
-            return job;
-        }
-        assert!(Instant::now() < deadline, "job {id} did not end");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn job_png(served: &Served, job: &Value, k: usize) -> image::RgbImage {
-    let url = served.url(job["images"][k]["url"].as_str().unwrap());
-    let mut bytes = Vec::new();
-    agent()
-        .get(&url)
-        .call()
-        .unwrap()
-        .into_reader()
-        .read_to_end(&mut bytes)
-        .unwrap();
-    decode_png(&bytes)
 }
 
 fn submit(served: &Served, body: Value) -> String {

@@ -6,54 +6,10 @@
 mod serving;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 use base64::Engine;
 use serde_json::{json, Value};
-use serving::{decode_png, kiln, temp_dir, Served};
-
-fn agent() -> ureq::Agent {
-    ureq::AgentBuilder::new().timeout(Duration::from_secs(300)).build()
-}
-
-fn post(url: &str, body: &Value) -> (u16, Value) {
-    let response = match agent().post(url).send_json(body.clone()) {
-        Ok(r) => r,
-        Err(ureq::Error::Status(_, r)) => r,
-        Err(e) => panic!("POST {url}: {e}"),
-    };
-    (response.status(), response.into_json().unwrap())
-}
-
-fn get(url: &str) -> Value {
-    agent().get(url).call().unwrap().into_json().unwrap()
-}
-
-fn wait_done(served: &Served, id: &str) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let job = get(&served.url(&format!("/kiln/v1/jobs/{id}")));
-        if job["status"] != "queued" && job["status"] != "running" {
-            return job;
-        }
-        assert!(Instant::now() < deadline, "job {id} did not end");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn job_png(served: &Served, job: &Value) -> image::RgbImage {
-    use std::io::Read;
-    let url = served.url(job["images"][0]["url"].as_str().unwrap());
-    let mut bytes = Vec::new();
-    agent()
-        .get(&url)
-        .call()
-        .unwrap()
-        .into_reader()
-        .read_to_end(&mut bytes)
-        .unwrap();
-    decode_png(&bytes)
-}
+use serving::{decode_png, get, job_png, kiln, post, temp_dir, wait_done, Served};
 
 /// `kiln generate`'s image of `prompt` (seed, 2 steps, 32×32) on `model` with `loras` (file, weight).
 fn generated(dir: &Path, model: &Path, prompt: &str, seed: u64, loras: &[(&Path, f64)]) -> image::RgbImage {
@@ -127,7 +83,7 @@ fn requests_with_different_adapters_each_get_their_own_image() {
     let ids: Vec<String> = bodies
         .iter()
         .map(|(loras, _)| {
-            let (code, job) = post(&served.url("/kiln/v1/jobs"), &job(7, loras.clone()));
+            let (code, job, _) = post(&served.url("/kiln/v1/jobs"), &job(7, loras.clone()));
             assert_eq!(code, 202, "{job}");
             job["id"].as_str().unwrap().to_string()
         })
@@ -136,7 +92,7 @@ fn requests_with_different_adapters_each_get_their_own_image() {
     for (id, (_, files)) in ids.iter().zip(&bodies) {
         let done = wait_done(&served, id);
         assert_eq!(done["status"], "done", "{done}");
-        let image = job_png(&served, &done);
+        let image = job_png(&served, &done, 0);
         assert_eq!(
             image,
             generated(&dir, &model, "a lantern", 7, files),
@@ -148,7 +104,7 @@ fn requests_with_different_adapters_each_get_their_own_image() {
     assert_ne!(images[1], images[2]);
 
     // A1111: `<lora:NAME:WEIGHT>` tags leave the prompt and apply the adapter.
-    let (code, body) = post(
+    let (code, body, _) = post(
         &served.url("/sdapi/v1/txt2img"),
         &json!({"prompt": "a lantern <lora:style:0.6>", "width": 32, "height": 32, "steps": 2, "seed": 7}),
     );
@@ -163,7 +119,7 @@ fn requests_with_different_adapters_each_get_their_own_image() {
     );
 
     // An unknown adapter: a 400 naming the field and the adapters there are.
-    let (code, body) = post(
+    let (code, body, _) = post(
         &served.url("/v1/images/generations"),
         &json!({"prompt": "a lantern", "size": "32x32", "loras": [{"name": "nope"}]}),
     );
@@ -173,7 +129,7 @@ fn requests_with_different_adapters_each_get_their_own_image() {
         message.contains("no LoRA adapter \"nope\"") && message.contains("comfy, style"),
         "{message}"
     );
-    let (code, body) = post(
+    let (code, body, _) = post(
         &served.url("/sdapi/v1/txt2img"),
         &json!({"prompt": "a lantern <lora:gone:1>", "width": 32, "height": 32, "steps": 2}),
     );

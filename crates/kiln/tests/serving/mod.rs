@@ -6,6 +6,8 @@ use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
+
+use serde_json::Value;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -142,4 +144,49 @@ pub fn generated(dir: &Path, prompt: &str, seed: u64, steps: usize, size: usize)
         .unwrap();
     assert!(result.status.success(), "{}", String::from_utf8_lossy(&result.stderr));
     decode_png(&std::fs::read(&out).unwrap())
+}
+
+pub fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new().timeout(Duration::from_secs(300)).build()
+}
+
+/// (status, JSON body, Retry-After).
+pub fn post(url: &str, body: &Value) -> (u16, Value, Option<String>) {
+    let response = match agent().post(url).send_json(body.clone()) {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("POST {url}: {e}"),
+    };
+    let status = response.status();
+    let retry = response.header("retry-after").map(str::to_string);
+    (status, response.into_json().unwrap(), retry)
+}
+
+pub fn get(url: &str) -> Value {
+    agent().get(url).call().unwrap().into_json().unwrap()
+}
+
+pub fn wait_done(served: &Served, id: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let job = get(&served.url(&format!("/kiln/v1/jobs/{id}")));
+        if job["status"] != "queued" && job["status"] != "running" {
+            return job;
+        }
+        assert!(Instant::now() < deadline, "job {id} did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub fn job_png(served: &Served, job: &Value, k: usize) -> image::RgbImage {
+    let url = served.url(job["images"][k]["url"].as_str().unwrap());
+    let mut bytes = Vec::new();
+    agent()
+        .get(&url)
+        .call()
+        .unwrap()
+        .into_reader()
+        .read_to_end(&mut bytes)
+        .unwrap();
+    decode_png(&bytes)
 }
