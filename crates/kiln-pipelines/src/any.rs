@@ -176,7 +176,7 @@ impl AnyPipeline {
     }
 
     /// The pipeline's encoding settings, and the LoRA adapters (a text encoder's LoRA changes the
-    /// encoding).
+    /// encoding): each file's path, its sha256 where the call gives it (a server's do), and weight.
     fn encoding_settings(&self, call: &GenerateCall<'_>, negative_given: bool) -> EncodingSettings {
         let mut settings = self.pipe.encoding_settings(call, &self.defaults, negative_given);
         let adapters = call_adapters(call);
@@ -184,7 +184,7 @@ impl AnyPipeline {
             let json = serde_json::Value::Array(
                 adapters
                     .iter()
-                    .map(|(lora, weight)| serde_json::json!([lora.path, weight]))
+                    .map(|(lora, weight)| serde_json::json!([lora.path, lora.sha256, weight]))
                     .collect(),
             );
             settings.arguments.push(("lora", json.to_string()));
