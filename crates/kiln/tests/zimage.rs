@@ -4,45 +4,7 @@
 use std::path::{Path, PathBuf};
 
 mod golden;
-use golden::{assert_matches_golden, generate};
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-zimage-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// The `kiln generate` flags of a case's call.
-fn case_flags(case: &Path, output: &str) -> Vec<String> {
-    let call: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(case.join("call.json")).unwrap()).unwrap();
-    let model = kiln_fixtures::oracle().join(call["pipeline_dir"].as_str().unwrap());
-    let mut flags = vec![
-        "--model".to_string(),
-        model.display().to_string(),
-        "--seed".into(),
-        call["seed"].to_string(),
-        "--output".into(),
-        output.into(),
-    ];
-    for (key, value) in call["call_kwargs"].as_object().unwrap() {
-        let flag = format!("--{}", key.replace('_', "-"));
-        match value {
-            serde_json::Value::String(s) => flags.extend([flag, s.clone()]),
-            serde_json::Value::Array(items) => {
-                for item in items {
-                    flags.extend([flag.clone(), item.as_str().unwrap().to_string()]);
-                }
-            }
-            serde_json::Value::Object(file) => {
-                flags.extend([flag, case.join(file["file"].as_str().unwrap()).display().to_string()])
-            }
-            other => flags.extend([flag, other.to_string()]),
-        }
-    }
-    flags
-}
+use golden::{assert_matches_golden, case_flags, generate, temp_dir};
 
 #[test]
 fn every_zimage_case_gives_diffusers_images_eager_and_compiled() {

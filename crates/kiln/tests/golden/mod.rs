@@ -1,7 +1,7 @@
 //! What the tests that compare `kiln generate`'s images with diffusers' share.
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 pub fn pixels(path: &Path) -> image::RgbImage {
@@ -41,4 +41,95 @@ pub fn generate(dir: &Path, args: &[String]) -> (bool, String) {
         .output()
         .unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// A fresh scratch folder for test `name`.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A case's `call.json`.
+pub fn call_json(case: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(case.join("call.json")).unwrap()).unwrap()
+}
+
+/// The cases of the oracle's `groups`, sorted.
+pub fn oracle_cases(groups: &[&str]) -> Vec<PathBuf> {
+    let root = kiln_fixtures::oracle().join("cases");
+    let mut cases: Vec<PathBuf> = groups
+        .iter()
+        .flat_map(|group| std::fs::read_dir(root.join(group)).unwrap().map(|e| e.unwrap().path()))
+        .filter(|p| p.join("call.json").is_file())
+        .collect();
+    cases.sort();
+    cases
+}
+
+/// The `kiln generate` flags of a case's call (`tools/pipeline_parity.py`'s rule): each
+/// keyword argument a flag, a list repeating it, a `{"file": F}` value the case's file `F`.
+pub fn case_flags(case: &Path, output: &str) -> Vec<String> {
+    let call = call_json(case);
+    let model = kiln_fixtures::oracle().join(call["pipeline_dir"].as_str().unwrap());
+    let mut flags = vec![
+        "--model".to_string(),
+        model.display().to_string(),
+        "--seed".into(),
+        call["seed"].to_string(),
+        "--output".into(),
+        output.into(),
+    ];
+    let file = |v: &serde_json::Value| case.join(v["file"].as_str().unwrap()).display().to_string();
+    for (key, value) in call["call_kwargs"].as_object().unwrap() {
+        let flag = format!("--{}", key.replace('_', "-"));
+        match value {
+            serde_json::Value::String(s) => flags.extend([flag, s.clone()]),
+            serde_json::Value::Array(items) => {
+                for item in items {
+                    let item = match item {
+                        serde_json::Value::String(s) => s.clone(),
+                        serde_json::Value::Object(_) => file(item),
+                        other => other.to_string(),
+                    };
+                    flags.extend([flag.clone(), item]);
+                }
+            }
+            serde_json::Value::Object(_) => flags.extend([flag, file(value)]),
+            other => flags.extend([flag, other.to_string()]),
+        }
+    }
+    flags
+}
+
+/// The images a case's call made (`derived.effective_batch`, else prompts × images per prompt).
+pub fn case_images(case: &Path) -> usize {
+    let call = call_json(case);
+    if let Some(n) = call["derived"]["effective_batch"].as_u64() {
+        return n as usize;
+    }
+    let kwargs = &call["call_kwargs"];
+    let prompts = kwargs["prompt"].as_array().map_or(1, Vec::len);
+    let per_prompt = kwargs["num_images_per_prompt"].as_u64().unwrap_or(1) as usize;
+    prompts * per_prompt
+}
+
+/// Runs `case` through `kiln generate` with `extra` flags and checks each image against the
+/// case's; `tag` tells the outputs of several runs apart.
+pub fn check_case(dir: &Path, case: &Path, tag: &str, extra: &[&str]) {
+    let name = case.file_name().unwrap().to_string_lossy().into_owned();
+    let output = format!("{name}-{tag}.png");
+    let mut flags = case_flags(case, &output);
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let (ok, stderr) = generate(dir, &flags);
+    assert!(ok, "{} ({tag}): {stderr}", case.display());
+    let images = case_images(case);
+    for k in 0..images {
+        let file = match images {
+            1 => output.clone(),
+            _ => format!("{name}-{tag}-{k}.png"),
+        };
+        assert_matches_golden(&dir.join(file), &case.join(format!("image_{k}.png")));
+    }
 }
