@@ -72,4 +72,69 @@ pub enum ImageError {
         #[source]
         source: serde_json::Error,
     },
+    /// Raw input pixels with a channel count Pillow has no 8-bit mode for.
+    #[error("input images have 1 (L), 2 (LA), 3 (RGB) or 4 (RGBA) channels, not {channels}")]
+    InputChannels { channels: u8 },
+    /// Raw input pixels whose length does not match their size.
+    #[error("an input image of {width}x{height} pixels with {channels} channels needs {expected} bytes, got {got}")]
+    InputLength {
+        width: u32,
+        height: u32,
+        channels: u8,
+        expected: u64,
+        got: usize,
+    },
+    /// An input image file could not be opened or read.
+    #[error("cannot read the image file {}: {source}", path.display())]
+    InputRead {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// An input image file or upload has no bytes at all.
+    #[error("{what} is empty (0 bytes): give an image file ({formats})")]
+    InputEmpty { what: String, formats: String },
+    /// An input image is in no format this build decodes.
+    #[error("{what} is not an image kiln can read ({source}): give an image file ({formats})")]
+    InputFormat {
+        what: String,
+        formats: String,
+        #[source]
+        source: Box<image::ImageError>,
+    },
+    /// An input image's header claims more pixels than allowed; nothing was decoded.
+    #[error(
+        "{what} is {width}x{height} = {pixels} pixels, more than the limit of {max_pixels}: \
+         scale it down before using it"
+    )]
+    InputTooLarge {
+        what: String,
+        width: u32,
+        height: u32,
+        pixels: u64,
+        max_pixels: u64,
+    },
+    /// An input image's header claims no pixels.
+    #[error("{what} is {width}x{height} pixels, an image with no pixels: give a non-empty image")]
+    InputNoPixels { what: String, width: u32, height: u32 },
+    /// An input image's data is corrupt or cut short.
+    #[error("cannot decode {what}: {source} (is the file truncated or corrupt? save or upload it again)")]
+    InputDecode {
+        what: String,
+        #[source]
+        source: Box<image::ImageError>,
+    },
+    /// A crop box that reaches outside its image.
+    #[error(
+        "crop box left {left}, top {top}, width {width}, height {height} reaches outside the \
+         {image_width}x{image_height} image"
+    )]
+    CropOutside {
+        left: u32,
+        top: u32,
+        width: u32,
+        height: u32,
+        image_width: u32,
+        image_height: u32,
+    },
 }
