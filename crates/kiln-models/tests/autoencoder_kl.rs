@@ -149,6 +149,9 @@ fn flux1_cases_vae_decode() {
                 .entry((dir.clone(), dtype))
                 .or_insert_with(|| load_vae(&dir, dtype).0);
             let g = goldens(&case.join("tensors.safetensors"));
+            if !g.contains_key("vae_decode.output") {
+                continue;
+            }
             let name = format!("{} vae_decode.output", case.strip_prefix(oracle()).unwrap().display());
             let input = &g["vae_decode.input"];
             assert_eq!(input.dtype, dtype, "{name}: input dtype");

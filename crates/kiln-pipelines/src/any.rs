@@ -71,6 +71,7 @@ impl AnyPipeline {
     /// before any work.
     pub fn call(&mut self, mut call: GenerateCall<'_>) -> Result<PipelineOutput> {
         self.check(&call)?;
+        let defaults = self.call_defaults(&call)?;
         self.check_budget(&call)?;
         let adapters = self.adapters(&call)?;
         self.pipe.set_adapters(&adapters)?;
@@ -80,7 +81,7 @@ impl AnyPipeline {
         };
         let mode = self.offload_mode();
         let device = self.device().cloned();
-        let out = self.pipe.generate(call, &self.defaults, embeddings);
+        let out = self.pipe.generate(call, &defaults, embeddings);
         // Running out of memory outside the models' runs (which name their component) names the
         // work between them and suggests the next offload mode as well.
         out.map_err(|e| match &device {
@@ -108,9 +109,24 @@ impl AnyPipeline {
             .collect()
     }
 
-    /// The arguments this pipeline takes and [`GenerateCall::check`].
+    /// The class that runs `call` ([`PipelineKind::for_call`]: with `image` or `mask_image`,
+    /// the folder class's image-to-image or inpainting class).
+    pub fn call_kind(&self, call: &GenerateCall<'_>) -> PipelineKind {
+        self.kind.for_call(call)
+    }
+
+    /// The defaults `call` runs with: the model's, or those of the class that runs it
+    /// ([`AnyPipeline::call_kind`]; a folder's `kiln_defaults.json` still wins).
+    pub fn call_defaults(&self, call: &GenerateCall<'_>) -> Result<CallDefaults> {
+        match self.call_kind(call) {
+            kind if kind == self.kind => Ok(self.defaults.clone()),
+            kind => kind.model_defaults(self.root()),
+        }
+    }
+
+    /// The arguments the class that runs `call` takes and [`GenerateCall::check`].
     fn check(&self, call: &GenerateCall<'_>) -> Result<()> {
-        self.kind.check_arguments(call)?;
+        self.call_kind(call).check_arguments(call)?;
         Ok(call.check()?)
     }
 
@@ -118,14 +134,15 @@ impl AnyPipeline {
     /// free, before any work.
     pub fn check_budget(&self, call: &GenerateCall<'_>) -> Result<()> {
         let free = self.device().and_then(crate::offload::free_bytes);
-        call.budget(&self.defaults)
+        call.budget(&self.call_defaults(call)?)
             .check_memory(self.default_size(), free)
             .map_err(PipelineError::OverBudget)
     }
 
     /// The guidance scale `call` runs with, when the model uses one (see [`Pipeline::uses_guidance`]).
     pub fn guidance_scale(&self, call: &GenerateCall<'_>) -> Option<f64> {
-        let scale = call.guidance_scale.unwrap_or(self.defaults.guidance_scale);
+        let defaults = self.call_defaults(call).unwrap_or_else(|_| self.defaults.clone());
+        let scale = call.guidance_scale.unwrap_or(defaults.guidance_scale);
         self.pipe.uses_guidance(scale).then_some(scale)
     }
 
@@ -155,7 +172,7 @@ impl AnyPipeline {
     /// model, the texts the pipeline reads and the settings, resolved. Calls with equal keys have
     /// equal encodings. An argument the pipeline does not take, or a bad text, is an error.
     pub fn prompt_key(&self, call: &GenerateCall<'_>) -> Result<PromptKey> {
-        self.kind.check_arguments(call)?;
+        self.call_kind(call).check_arguments(call)?;
         call.check_text()?;
         let settings = self.encoding_settings(call, call.negative_prompt.is_some());
         let class = self.kind.class();

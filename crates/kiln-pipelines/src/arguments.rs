@@ -729,12 +729,18 @@ call_arguments! {
     cfg_normalization: One<Bool> { value_name: "true|false" },
     /// Z-Image: steps whose `t = 1 − σ` is above it run without CFG (default 1.0: every step).
     cfg_truncation: One<Number>, check checks::finite { value_name: "T" },
-    /// An input image (PNG, JPEG, ...): image-to-image (Z-Image) starts from it. (A server
-    /// takes no file paths: its image routes give it.)
+    /// An input image (PNG, JPEG, ...): image-to-image and inpainting start from it, FLUX.1
+    /// Kontext edits it, FLUX.2 takes each as a reference (repeat it). (A server takes no file
+    /// paths: its image routes give it.)
     image: Many<File> { group: Group::Draw, value_name: "FILE", served: Served::Api },
+    /// Inpainting: the mask of --image (white: repaint, black: keep), resized to the output.
+    mask_image: One<File> { group: Group::Draw, value_name: "FILE", served: Served::Api },
     /// How much of the input image is redrawn, 0 to 1 (diffusers' default 0.6): the share of the
     /// steps that run.
     strength: One<Number>, check checks::fraction { group: Group::Draw, value_name: "FRACTION" },
+    /// FLUX.1 Kontext: the output's pixel count; height and width keep their aspect ratio
+    /// (default 1048576, 1024²).
+    max_area: One<Count>, check checks::at_least_one { group: Group::Draw, value_name: "PIXELS" },
     /// A LoRA adapter (`.safetensors`: diffusers/PEFT, kohya, ComfyUI, XLabs or ai-toolkit
     /// names), merged into the weights for this call; repeat it for several. The server names
     /// adapters of its --lora-dir instead (`loras`).
@@ -953,7 +959,7 @@ mod tests {
     #[test]
     fn the_table_and_the_call_have_the_same_arguments() {
         let names: Vec<&str> = ARGUMENTS.iter().map(|a| a.name).collect();
-        assert_eq!(names.len(), 27);
+        assert_eq!(names.len(), 29);
         assert_eq!(names[0], "prompt");
         let mut call = GenerateCall::prompt("a");
         for a in ARGUMENTS {
@@ -962,6 +968,7 @@ mod tests {
                 Shape::Repeated => serde_json::json!(["b"]),
                 Shape::List => serde_json::json!([1]),
                 Shape::One if a.name == "cfg_normalization" => serde_json::json!(true),
+                Shape::One if a.value_name == "FILE" => serde_json::json!("m.png"),
                 Shape::One => serde_json::json!(1),
             };
             call.set_json(a.name, &value).unwrap();

@@ -43,6 +43,8 @@ pub type StepCallback<'a> = dyn FnMut(&mut StepState<'_>) -> bool + 'a;
 #[derive(Clone, Debug, Default)]
 pub struct Timings {
     pub text_encoding: Duration,
+    /// The VAE encodes of the input images (image-to-image, inpainting, editing).
+    pub image_encoding: Duration,
     pub steps: Vec<Duration>,
     pub decoding: Duration,
     pub total: Duration,
@@ -156,6 +158,7 @@ pub(crate) fn finish_call(
     };
     let timings = Timings {
         text_encoding,
+        image_encoding: Duration::ZERO,
         steps,
         decoding: decoding.elapsed(),
         total: started.elapsed(),
@@ -488,6 +491,7 @@ macro_rules! pipeline_call {
                     progress: self.progress,
                     callback: &mut self.callback,
                     decodes: self.output_type == $crate::OutputType::Image,
+                    blend: None,
                 }
             }
 

@@ -1,4 +1,6 @@
-//! diffusers' `FluxPipeline` (FLUX.1 [schnell] and [dev]) text-to-image.
+//! diffusers' `FluxPipeline` (FLUX.1 [schnell] and [dev]) text-to-image, and given an input
+//! image (and a mask) `FluxImg2ImgPipeline` (`FluxInpaintPipeline`), as diffusers'
+//! `AutoPipelineFor…` map the folder.
 
 use kiln_io::{AutoencoderKLConfig, ClipTextConfig, FluxTransformer2DConfig, T5Config};
 use kiln_models::autoencoder_kl::AutoencoderKL;
@@ -17,7 +19,10 @@ use crate::call::{
 };
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
-use crate::loading::{LoadOptions, ModelFolder};
+use crate::images::{
+    first_step, image_latents, image_tensor, mask_tensors, one_image, read_input, scale_noise, InpaintBlend,
+};
+use crate::loading::{CallGenerators, LoadOptions, ModelFolder};
 use crate::pipeline::{components, pipeline_parts, Guided, PipelineCore, PipelineParts};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
@@ -29,15 +34,46 @@ pipeline_call! {
         max_sequence_length: 512,
         /// True classifier-free guidance with the negative prompt when above 1.
         pub true_cfg_scale: f64 = 1.0,
+        /// Image-to-image and inpainting: the input image (FluxImg2ImgPipeline's `image`).
+        pub image: Option<kiln_image::InputImage> = None,
+        /// Inpainting: the mask of `image`, white where it is redrawn.
+        pub mask_image: Option<kiln_image::InputImage> = None,
+        /// Image-to-image: the share of the steps that run.
+        pub strength: f64 = 0.6,
+        /// FLUX.1 Kontext: the output's pixel count (height and width give only the aspect ratio).
+        pub max_area: usize = 1024 * 1024,
     }
 }
 
-/// `FluxPipeline` in the registry.
-pub static CLASS: PipelineClass = PipelineClass::new("FluxPipeline", FluxCall::call_defaults, |model, options| {
+/// `FluxImg2ImgPipeline`'s and `FluxInpaintPipeline`'s defaults: guidance 7.0 (not 3.5).
+fn image_defaults() -> CallDefaults {
+    CallDefaults {
+        guidance_scale: 7.0,
+        ..FluxCall::call_defaults()
+    }
+}
+
+fn load(model: &str, options: &LoadOptions) -> Result<Box<dyn Pipeline>> {
     Ok(Box::new(FluxPipeline::from_pretrained(model, options)?))
-})
-.takes(&["true_cfg_scale"], &[])
-.encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"]);
+}
+
+/// The classes a `FluxPipeline` folder runs, in the registry.
+pub static CLASS: PipelineClass = PipelineClass::new("FluxPipeline", FluxCall::call_defaults, load)
+    .takes(&["true_cfg_scale"], &[])
+    .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"])
+    .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
+pub static IMG2IMG_CLASS: PipelineClass = PipelineClass::new("FluxImg2ImgPipeline", image_defaults, load)
+    .takes(&["true_cfg_scale", "image", "strength"], &[])
+    .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"])
+    .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
+/// `FluxKontextPipeline`: FLUX.1 Kontext, editing `image` (or drawing without one).
+pub static KONTEXT_CLASS: PipelineClass = PipelineClass::new("FluxKontextPipeline", FluxCall::call_defaults, load)
+    .takes(&["true_cfg_scale", "image", "max_area"], &[])
+    .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"]);
+pub static INPAINT_CLASS: PipelineClass = PipelineClass::new("FluxInpaintPipeline", image_defaults, load)
+    .takes(&["true_cfg_scale", "image", "mask_image", "strength"], &[])
+    .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"])
+    .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
 
 /// The models, once loaded on a device, in the order a call runs them.
 pub struct FluxComponents {
@@ -70,6 +106,8 @@ pub struct FluxPipeline {
     transformer_config: FluxTransformer2DConfig,
     vae_config: AutoencoderKLConfig,
     scheduler_config: FlowMatchEulerDiscreteSchedulerConfig,
+    /// A `FluxKontextPipeline` folder: the image conditions the transformer beside the latents.
+    kontext: bool,
 }
 
 impl FluxPipeline {
@@ -77,8 +115,15 @@ impl FluxPipeline {
     /// every config, builds the tokenizers and maps the weights. Weights reach a device at
     /// `to` (or the first call, on the CPU).
     pub fn from_pretrained(model: &str, options: &LoadOptions) -> Result<Self> {
-        let folder = ModelFolder::open_pipeline(model, options, &["FluxPipeline"], FOLDER_COMPONENTS)?;
+        let classes = [
+            "FluxPipeline",
+            "FluxImg2ImgPipeline",
+            "FluxInpaintPipeline",
+            "FluxKontextPipeline",
+        ];
+        let folder = ModelFolder::open_pipeline(model, options, &classes, FOLDER_COMPONENTS)?;
         Ok(FluxPipeline {
+            kontext: folder.index.class_name == "FluxKontextPipeline",
             tokenizer: ClipTokenizer::from_folder(folder.component_dir("tokenizer")?)?,
             tokenizer_2: T5Tokenizer::from_folder(folder.component_dir("tokenizer_2")?)?,
             clip_config: folder.config("text_encoder")?,
@@ -196,10 +241,18 @@ impl FluxPipeline {
         let start = Instant::now();
         let mut warnings = Vec::new();
         let vsf = self.vae_scale_factor();
-        let (height, width) = args.size_or(self.default_size());
+        let (mut height, mut width) = args.size_or(self.default_size());
+        if self.kontext {
+            (height, width) = kontext_size((height, width), args.max_area, vsf * 2, &mut warnings)?;
+        }
         self.check_inputs(&args, height, width, &mut warnings)?;
         let dtype = self.core.dtype();
         let transformer_in = self.transformer_config.in_channels;
+        // Kontext's image conditions every step; the others' starts the latents.
+        let (image, condition) = match self.kontext {
+            true => (None, args.image.take()),
+            false => (args.image.take(), None),
+        };
         let n = args.num_images_per_prompt;
         // 2. Batch size and prompts.
         let (models, device, _finish, [batch, total]) = self.core.start_call(args.nonempty_batch(), n)?;
@@ -248,27 +301,78 @@ impl FluxPipeline {
         let text_encoding = t0.elapsed();
         let text_len = positive.embeds.dims()[1];
 
-        // 4. Latents.
+        // 4. Latents and 5. timesteps (an input image starts later in the schedule).
         let h = 2 * (height / (vsf * 2));
         let w = 2 * (width / (vsf * 2));
         let seq = (h / 2) * (w / 2);
-        let given = args.latents.take();
-        let packed = [total, seq, transformer_in];
-        let latents = starting_latents(given, (&packed, "be packed latents of shape"), (device, dtype), || {
-            pack_latents(&args.noise([total, transformer_in / 4, h, w], dtype, device)?)
-        })?;
-        let img_ids: Vec<f64> = (0..h / 2)
-            .flat_map(|i| (0..w / 2).flat_map(move |j| [0.0, i as f64, j as f64]))
-            .collect();
-        let rope = models.transformer.rope(&vec![0.0; text_len * 3], &img_ids, device)?;
-
-        // 5. Timesteps.
         let sigmas = args
             .sigmas
             .clone()
             .unwrap_or_else(|| flux_default_sigmas(args.num_inference_steps));
         let mu = self.scheduler_config.calculate_shift(seq);
-        let (scheduler, timesteps) = schedule(&self.scheduler_config, sigmas.len(), Some(&sigmas), Some(mu))?;
+        let (mut scheduler, mut timesteps) = schedule(&self.scheduler_config, sigmas.len(), Some(&sigmas), Some(mu))?;
+        let given = args.latents.take();
+        let packed = [total, seq, transformer_in];
+        let noise_shape = [total, transformer_in / 4, h, w];
+        let mut blend = None;
+        let mut image_encoding = std::time::Duration::ZERO;
+        let latents =
+            match image {
+                None => starting_latents(given, (&packed, "be packed latents of shape"), (device, dtype), || {
+                    pack_latents(&args.noise(noise_shape, dtype, device)?)
+                })?,
+                Some(_) if given.is_some() => return Err(invalid(
+                    "`latents` and `image` are both given: image-to-image starts from the image's latents; give one",
+                )),
+                Some(image) => {
+                    let t_start = first_step(timesteps.len(), args.strength, true)?;
+                    timesteps.drain(..t_start);
+                    scheduler.set_begin_index(t_start);
+                    // Draws: the posterior's sample, then the noise (then inpainting's masked-image
+                    // encode draws once more, unused by this transformer: nothing follows it).
+                    let mut generator = CallGenerators::new(args.seed, args.seeds.as_deref());
+                    let encoding = Instant::now();
+                    let pixels = image_tensor(&image, (h * vsf, w * vsf), device)?.to_dtype(dtype)?;
+                    let posterior = self.core.run("vae", &models.vae, |vae| Ok(vae.encode(&pixels)?))?;
+                    let image_latents = image_latents(&posterior, Some(&mut generator), &self.vae_config, total)?;
+                    image_latents.wait()?;
+                    image_encoding = encoding.elapsed();
+                    let noise = generator.randn(&noise_shape, dtype, device)?;
+                    let start = scale_noise(&scheduler, t_start, &image_latents, &noise)?;
+                    if let Some(mask) = args.mask_image.take() {
+                        let (_, latent) = mask_tensors(&mask, (h * vsf, w * vsf), (h, w), device)?;
+                        let mask = latent.to_dtype(dtype)?.broadcast_to(noise_shape)?;
+                        blend = Some(InpaintBlend {
+                            image_latents: pack_latents(&image_latents)?,
+                            noise: pack_latents(&noise)?,
+                            mask: pack_latents(&mask)?,
+                        });
+                    }
+                    pack_latents(&start)?
+                }
+            };
+        let ids = |first: f64, (rows, cols): (usize, usize)| -> Vec<f64> {
+            (0..rows)
+                .flat_map(|i| (0..cols).flat_map(move |j| [first, i as f64, j as f64]))
+                .collect()
+        };
+        let mut img_ids = ids(0.0, (h / 2, w / 2));
+        // Kontext: the image's tokens follow the latents', ids `(1, row, col)` on its own grid.
+        let condition = match condition {
+            None => None,
+            Some(image) => {
+                let encoding = Instant::now();
+                let (ih, iw) = kontext_image_size(&image, vsf * 2)?;
+                let pixels = image_tensor(&image, (ih, iw), device)?.to_dtype(dtype)?;
+                let posterior = self.core.run("vae", &models.vae, |vae| Ok(vae.encode(&pixels)?))?;
+                let tokens = pack_latents(&image_latents(&posterior, None, &self.vae_config, total)?)?;
+                tokens.wait()?;
+                image_encoding = encoding.elapsed();
+                img_ids.extend(ids(1.0, (ih / vsf / 2, iw / vsf / 2)));
+                Some(tokens)
+            }
+        };
+        let rope = models.transformer.rope(&vec![0.0; text_len * 3], &img_ids, device)?;
 
         // 6. Denoising loop: true CFG is `neg + true_cfg_scale·(pos − neg)`, in the latent dtype.
         let guidance = match self.transformer_config.guidance_embeds {
@@ -283,35 +387,46 @@ impl FluxPipeline {
         // guidance and the rotary tables.
         let guided = Guided {
             cond: (positive.embeds, positive.pooled),
-            shared: (guidance, rope),
+            shared: (guidance, rope, condition),
             uncond: match negative {
                 Some(neg) => Some(((neg.embeds, neg.pooled), scalar(args.true_cfg_scale, device)?)),
                 None => None,
             },
         };
-        let denoising = args.denoising(&scheduler, &timesteps, latents);
+        let mut denoising = args.denoising(&scheduler, &timesteps, latents);
+        denoising.blend = blend;
         let step = ("flux", total, dtype);
         let (latents, steps) = self.core.denoise_guided(
             ("transformer", &models.transformer),
             denoising,
             &guided,
             step,
-            |tr, [latents, timestep], (guidance, rope), (embeds, pooled)| {
-                tr.forward(&FluxTransformerInputs {
-                    hidden_states: latents,
+            |tr, [latents, timestep], (guidance, rope, condition), (embeds, pooled)| {
+                let hidden_states = match condition {
+                    Some(image) => Tensor::cat(&[latents, image], 1)?,
+                    None => latents.clone(),
+                };
+                let out = tr.forward(&FluxTransformerInputs {
+                    hidden_states: &hidden_states,
                     encoder_hidden_states: embeds,
                     pooled_projections: pooled,
                     timestep,
                     guidance: guidance.as_ref(),
                     rope,
-                })
+                })?;
+                match condition {
+                    Some(_) => Ok(out.narrow(1, 0, latents.dims()[1])?),
+                    None => Ok(out),
+                }
             },
         )?;
 
         let times = (start, text_encoding, steps);
-        finish_call(args.output_type, latents, (h * vsf, w * vsf), times, warnings, |l| {
+        let mut out = finish_call(args.output_type, latents, (h * vsf, w * vsf), times, warnings, |l| {
             self.decode(l, h, w)
-        })
+        })?;
+        out.timings.image_encoding = image_encoding;
+        Ok(out)
     }
 
     /// Unpacks `[N, S, 64]` latents of an `h × w` latent grid, de-normalises them and runs the VAE
@@ -336,6 +451,11 @@ impl FluxPipeline {
     fn check_inputs(&self, args: &FluxCall<'_>, height: usize, width: usize, warnings: &mut Vec<String>) -> Result<()> {
         check_packed_size(self.vae_scale_factor() * 2, height, width, warnings)?;
         args.shared_checks(&[], &[])?;
+        if args.mask_image.is_some() && args.image.is_none() {
+            return Err(invalid(
+                "`mask_image` is given without `image`: inpainting needs the image it repaints",
+            ));
+        }
         if args.sigmas.is_none() && args.num_inference_steps == 0 {
             // diffusers fails here with ZeroDivisionError.
             return Err(invalid("`num_inference_steps` must be at least 1, got 0"));
@@ -346,9 +466,15 @@ impl FluxPipeline {
 
 impl Pipeline for FluxPipeline {
     fn generate(&mut self, c: GenerateCall<'_>, d: &CallDefaults, e: Option<Embeddings>) -> Result<PipelineOutput> {
-        let true_cfg_scale = c.true_cfg_scale;
+        let (true_cfg_scale, strength, max_area) = (c.true_cfg_scale, c.strength, c.max_area);
+        let image = one_image(c.image.as_deref(), "FLUX.1's image-to-image")?;
+        let mask_image = c.mask_image.as_ref().map(|m| read_input("mask_image", m)).transpose()?;
         let mut c = FluxCall::from_generate(c, d, e);
         c.true_cfg_scale = true_cfg_scale.unwrap_or(c.true_cfg_scale);
+        c.strength = strength.unwrap_or(c.strength);
+        c.max_area = max_area.unwrap_or(c.max_area);
+        c.image = image;
+        c.mask_image = mask_image;
         self.call(c)
     }
 
@@ -405,6 +531,74 @@ impl Pipeline for FluxPipeline {
     fn vae_scale_factor(&self) -> usize {
         1 << self.vae_config.block_out_channels.len().saturating_sub(1)
     }
+}
+
+/// FLUX.1 Kontext's output size: `height × width` (only their aspect ratio counts) rescaled to
+/// `max_area` pixels (Python's `round`, ties to even), floored to multiples of `multiple`.
+fn kontext_size(
+    (height, width): (usize, usize),
+    max_area: usize,
+    multiple: usize,
+    warnings: &mut Vec<String>,
+) -> Result<(usize, usize)> {
+    let aspect = width as f64 / height as f64;
+    let w = ((max_area as f64 * aspect).sqrt().round_ties_even() as usize) / multiple * multiple;
+    let h = ((max_area as f64 / aspect).sqrt().round_ties_even() as usize) / multiple * multiple;
+    if h == 0 || w == 0 {
+        return Err(invalid(format!(
+            "`max_area` {max_area} with the aspect ratio of {width}×{height} leaves no {multiple}-pixel grid: give a larger max_area"
+        )));
+    }
+    if (h, w) != (height, width) {
+        let msg =
+            format!("Generation `height` and `width` have been adjusted to {h} and {w} to fit the model requirements.");
+        tracing::warn!("{msg}");
+        warnings.push(msg);
+    }
+    Ok((h, w))
+}
+
+/// The resolutions FLUX.1 Kontext was trained on, `(width, height)`.
+const PREFERRED_KONTEXT_RESOLUTIONS: [(usize, usize); 17] = [
+    (672, 1568),
+    (688, 1504),
+    (720, 1456),
+    (752, 1392),
+    (800, 1328),
+    (832, 1248),
+    (880, 1184),
+    (944, 1104),
+    (1024, 1024),
+    (1104, 944),
+    (1184, 880),
+    (1248, 832),
+    (1328, 800),
+    (1392, 752),
+    (1456, 720),
+    (1504, 688),
+    (1568, 672),
+];
+
+/// The size Kontext conditions on: the image's size floored to multiples of `multiple` gives an
+/// aspect ratio, the preferred resolution nearest to it (ties: the smaller width) is taken, floored.
+fn kontext_image_size(image: &kiln_image::InputImage, multiple: usize) -> Result<(usize, usize)> {
+    let floor = |x: usize| x / multiple * multiple;
+    let (h, w) = (floor(image.height() as usize), floor(image.width() as usize));
+    if h == 0 || w == 0 {
+        return Err(invalid(format!(
+            "`image` is {}×{}: FLUX.1 Kontext takes images of at least {multiple}×{multiple} pixels",
+            image.width(),
+            image.height()
+        )));
+    }
+    let aspect = w as f64 / h as f64;
+    let key = |&(pw, ph): &(usize, usize)| ((aspect - pw as f64 / ph as f64).abs(), pw, ph);
+    let (pw, ph) = PREFERRED_KONTEXT_RESOLUTIONS
+        .iter()
+        .copied()
+        .min_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal))
+        .unwrap_or((1024, 1024));
+    Ok((floor(ph), floor(pw)))
 }
 
 /// The negative texts true CFG encodes for a batch of `batch` prompts: `negative_prompt` (diffusers

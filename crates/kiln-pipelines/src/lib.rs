@@ -19,6 +19,7 @@ pub mod flux;
 pub mod flux2;
 mod flux2_base;
 pub mod flux2_klein;
+pub mod images;
 mod loading;
 pub mod lora;
 pub mod offload;

@@ -145,6 +145,16 @@ impl CallGenerators {
         }
     }
 
+    /// The generator of the first image: where diffusers encodes one input image it passes
+    /// `generator[i]` for image `i`, so a list draws from its first generator alone.
+    pub fn first(&mut self) -> kiln_rng::Generators<'_> {
+        match self {
+            CallGenerators::One(g) => g.as_mut().into(),
+            // (A list is never empty: the call checks one generator per image.)
+            CallGenerators::PerImage(gens) => (&mut gens[..1]).into(),
+        }
+    }
+
     /// `randn_tensor(shape, generator, dtype)` on `device`.
     pub fn randn(&mut self, shape: &[usize], dtype: DType, device: &Device) -> Result<kiln_tensor::Tensor> {
         let noise = randn_tensor(shape, self.as_rng(), dtype)?;

@@ -130,6 +130,8 @@ pub(crate) struct Denoising<'s, 'c, 'a> {
     pub progress: bool,
     pub callback: &'c mut Option<Box<StepCallback<'a>>>,
     pub decodes: bool,
+    /// Inpainting: the blend of the latents with the re-noised image after every step.
+    pub blend: Option<crate::images::InpaintBlend>,
 }
 
 /// What every pipeline holds the same way: its folder, dtype, checkpoints, run configuration,
@@ -326,6 +328,9 @@ impl<C: Components> PipelineCore<C> {
             })?;
             let noise_pred = out.noise_pred;
             latents = out.latents;
+            if let Some(blend) = &run.blend {
+                latents = blend.apply(run.scheduler, (i, steps), &latents)?;
+            }
             if let Some(cb) = run.callback.as_mut() {
                 let mut state = StepState {
                     step: i,

@@ -13,7 +13,12 @@ use crate::seam::{PipelineClass, PipelineKind};
 /// The pipelines kiln ships.
 static BUILT_IN: &[&PipelineClass] = &[
     &crate::flux::CLASS,
+    &crate::flux::IMG2IMG_CLASS,
+    &crate::flux::INPAINT_CLASS,
+    &crate::flux::KONTEXT_CLASS,
     &crate::sd3::CLASS,
+    &crate::sd3::IMG2IMG_CLASS,
+    &crate::sd3::INPAINT_CLASS,
     &crate::flux2::CLASS,
     &crate::flux2_klein::CLASS,
     &crate::zimage::CLASS,
@@ -94,6 +99,7 @@ mod tests {
         for row in crate::ARGUMENTS {
             let value = match row.shape {
                 crate::arguments::Shape::One if row.value_name == "true|false" => serde_json::json!(true),
+                crate::arguments::Shape::One if row.value_name == "FILE" => serde_json::json!("m.png"),
                 crate::arguments::Shape::One => serde_json::json!(1),
                 _ => serde_json::json!([]),
             };
@@ -102,7 +108,7 @@ mod tests {
             }
         }
         let given = everything.given();
-        assert_eq!(given.len(), 27);
+        assert_eq!(given.len(), 29);
         for argument in given {
             assert!(
                 PipelineKind::all().iter().any(|k| k.takes(argument)),
@@ -242,13 +248,63 @@ mod tests {
     }
 
     #[test]
+    fn an_input_image_maps_the_folder_class_as_diffusers_auto_pipelines_do() {
+        use crate::arguments::FileRef;
+        let plain = GenerateCall::prompt("a");
+        let image = GenerateCall {
+            image: Some(vec![FileRef::new("i.png")]),
+            ..GenerateCall::prompt("a")
+        };
+        let masked = GenerateCall {
+            image: Some(vec![FileRef::new("i.png")]),
+            mask_image: Some(FileRef::new("m.png")),
+            ..GenerateCall::prompt("a")
+        };
+        let mapped = |class: &str, call: &GenerateCall<'_>| kind(class).for_call(call).class_name();
+        for (class, img2img, inpaint) in [
+            ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"),
+            (
+                "StableDiffusion3Pipeline",
+                "StableDiffusion3Img2ImgPipeline",
+                "StableDiffusion3InpaintPipeline",
+            ),
+            ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageImg2ImgPipeline"),
+        ] {
+            assert_eq!(mapped(class, &plain), class);
+            assert_eq!(mapped(class, &image), img2img);
+            assert_eq!(mapped(class, &masked), inpaint);
+        }
+        assert_eq!(mapped("FluxKontextPipeline", &image), "FluxKontextPipeline");
+        // Their defaults are their own: FLUX.1's image classes guide at 7.0, SD3's run 50 steps.
+        assert_eq!(kind("FluxImg2ImgPipeline").defaults().guidance_scale, 7.0);
+        assert_eq!(kind("FluxInpaintPipeline").defaults().guidance_scale, 7.0);
+        assert_eq!(kind("FluxKontextPipeline").defaults().guidance_scale, 3.5);
+        assert_eq!(
+            kind("StableDiffusion3Img2ImgPipeline").defaults().num_inference_steps,
+            50
+        );
+        // A mask is an argument of the inpainting classes only.
+        assert!(kind("FluxInpaintPipeline").check_arguments(&masked).is_ok());
+        let err = kind("FluxImg2ImgPipeline")
+            .check_arguments(&masked)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "`mask_image` is not an argument of FluxImg2ImgPipeline");
+    }
+
+    #[test]
     fn class_names_are_diffusers_and_distinct() {
         let names: Vec<&str> = PipelineKind::all().iter().map(|k| k.class_name()).collect();
         assert_eq!(
             names,
             [
                 "FluxPipeline",
+                "FluxImg2ImgPipeline",
+                "FluxInpaintPipeline",
+                "FluxKontextPipeline",
                 "StableDiffusion3Pipeline",
+                "StableDiffusion3Img2ImgPipeline",
+                "StableDiffusion3InpaintPipeline",
                 "Flux2Pipeline",
                 "Flux2KleinPipeline",
                 "ZImagePipeline",

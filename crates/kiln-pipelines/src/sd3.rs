@@ -1,4 +1,6 @@
-//! diffusers' `StableDiffusion3Pipeline` (SD3 and SD3.5 [medium, large]) text-to-image.
+//! diffusers' `StableDiffusion3Pipeline` (SD3 and SD3.5 [medium, large]) text-to-image, and
+//! given an input image (and a mask) `StableDiffusion3Img2ImgPipeline`
+//! (`StableDiffusion3InpaintPipeline`), as diffusers' `AutoPipelineFor…` map the folder.
 
 use std::time::Instant;
 
@@ -19,7 +21,10 @@ use crate::call::{
 };
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
-use crate::loading::{LoadOptions, ModelFolder};
+use crate::images::{
+    first_step, image_latents, image_tensor, mask_tensors, one_image, read_input, scale_noise, InpaintBlend,
+};
+use crate::loading::{CallGenerators, LoadOptions, ModelFolder};
 use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
@@ -49,8 +54,53 @@ pipeline_call! {
         pub skip_layer_guidance_stop: f64 = 0.2,
         /// The schedule's `mu` when the scheduler shifts dynamically (computed from the size if `None`).
         pub mu: Option<f64> = None,
+        /// Image-to-image and inpainting: the input image.
+        pub image: Option<kiln_image::InputImage> = None,
+        /// Inpainting: the mask of `image`, white where it is redrawn.
+        pub mask_image: Option<kiln_image::InputImage> = None,
+        /// Image-to-image: the share of the steps that run.
+        pub strength: f64 = 0.6,
     }
 }
+
+/// The image classes' defaults: 50 steps (text-to-image: 28).
+fn image_defaults() -> CallDefaults {
+    CallDefaults {
+        num_inference_steps: 50,
+        ..StableDiffusion3Call::call_defaults()
+    }
+}
+
+fn load(model: &str, options: &LoadOptions) -> Result<Box<dyn Pipeline>> {
+    Ok(Box::new(StableDiffusion3Pipeline::from_pretrained(model, options)?))
+}
+
+const TEXTS: &[&str] = &["prompt", "prompt_2", "prompt_3"];
+const NEGATIVE_TEXTS: &[&str] = &["negative_prompt", "negative_prompt_2", "negative_prompt_3"];
+
+/// `StableDiffusion3Img2ImgPipeline`.
+pub static IMG2IMG_CLASS: PipelineClass = PipelineClass::new("StableDiffusion3Img2ImgPipeline", image_defaults, load)
+    .takes(
+        &["prompt_3", "negative_prompt_3", "clip_skip", "image", "strength"],
+        &[],
+    )
+    .encodes(TEXTS, NEGATIVE_TEXTS)
+    .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
+/// `StableDiffusion3InpaintPipeline`.
+pub static INPAINT_CLASS: PipelineClass = PipelineClass::new("StableDiffusion3InpaintPipeline", image_defaults, load)
+    .takes(
+        &[
+            "prompt_3",
+            "negative_prompt_3",
+            "clip_skip",
+            "image",
+            "mask_image",
+            "strength",
+        ],
+        &[],
+    )
+    .encodes(TEXTS, NEGATIVE_TEXTS)
+    .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
 
 impl StableDiffusion3Call<'_> {
     fn do_classifier_free_guidance(&self) -> bool {
@@ -59,27 +109,22 @@ impl StableDiffusion3Call<'_> {
 }
 
 /// `StableDiffusion3Pipeline` in the registry.
-pub static CLASS: PipelineClass = PipelineClass::new(
-    "StableDiffusion3Pipeline",
-    StableDiffusion3Call::call_defaults,
-    |model, options| Ok(Box::new(StableDiffusion3Pipeline::from_pretrained(model, options)?)),
-)
-.takes(
-    &[
-        "prompt_3",
-        "negative_prompt_3",
-        "skip_guidance_layers",
-        "skip_layer_guidance_scale",
-        "skip_layer_guidance_start",
-        "skip_layer_guidance_stop",
-        "clip_skip",
-    ],
-    &[],
-)
-.encodes(
-    &["prompt", "prompt_2", "prompt_3"],
-    &["negative_prompt", "negative_prompt_2", "negative_prompt_3"],
-);
+pub static CLASS: PipelineClass =
+    PipelineClass::new("StableDiffusion3Pipeline", StableDiffusion3Call::call_defaults, load)
+        .takes(
+            &[
+                "prompt_3",
+                "negative_prompt_3",
+                "skip_guidance_layers",
+                "skip_layer_guidance_scale",
+                "skip_layer_guidance_start",
+                "skip_layer_guidance_stop",
+                "clip_skip",
+            ],
+            &[],
+        )
+        .encodes(TEXTS, NEGATIVE_TEXTS)
+        .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
 
 /// The models, once loaded on a device, in the order a call runs them.
 pub struct StableDiffusion3Components {
@@ -125,7 +170,12 @@ impl StableDiffusion3Pipeline {
     /// every config, builds the tokenizers and maps the weights. Weights reach a device at
     /// `to` (or the first call, on the CPU).
     pub fn from_pretrained(model: &str, options: &LoadOptions) -> Result<Self> {
-        let folder = ModelFolder::open_pipeline(model, options, &["StableDiffusion3Pipeline"], FOLDER_COMPONENTS)?;
+        let classes = [
+            "StableDiffusion3Pipeline",
+            "StableDiffusion3Img2ImgPipeline",
+            "StableDiffusion3InpaintPipeline",
+        ];
+        let folder = ModelFolder::open_pipeline(model, options, &classes, FOLDER_COMPONENTS)?;
         let has_t5 = folder
             .index
             .optional_component("text_encoder_3", &["T5EncoderModel"])?
@@ -243,15 +293,9 @@ impl StableDiffusion3Pipeline {
         embeds.wait()?;
         let text_encoding = t0.elapsed();
 
-        // 4. Latents.
+        // 4. Latents and 5. timesteps (an input image starts later in the schedule).
         let channels = self.transformer_config.in_channels;
         let (h, w) = (height / vsf, width / vsf);
-        let (given, shape) = (args.latents.take(), [total, channels, h, w]);
-        let latents = starting_latents(given, (&shape, "have shape"), (device, dtype), || {
-            args.noise(shape, dtype, device)
-        })?;
-
-        // 5. Timesteps.
         let patch = self.transformer_config.patch_size;
         let mu = match args.mu {
             None if self.scheduler_config.use_dynamic_shifting => {
@@ -261,7 +305,51 @@ impl StableDiffusion3Pipeline {
         };
         // diffusers accepts 0 steps: no denoising, the noise itself is decoded.
         let steps = args.sigmas.as_ref().map_or(args.num_inference_steps, Vec::len);
-        let (scheduler, timesteps) = schedule(&self.scheduler_config, steps, args.sigmas.as_deref(), mu)?;
+        let (mut scheduler, mut timesteps) = schedule(&self.scheduler_config, steps, args.sigmas.as_deref(), mu)?;
+        let (given, shape) = (args.latents.take(), [total, channels, h, w]);
+        let mut blend = None;
+        let mut image_encoding = std::time::Duration::ZERO;
+        let inpainting = args.mask_image.is_some();
+        let latents = match args.image.take() {
+            None => starting_latents(given, (&shape, "have shape"), (device, dtype), || {
+                args.noise(shape, dtype, device)
+            })?,
+            Some(_) if given.is_some() => {
+                return Err(invalid(
+                    "`latents` and `image` are both given: image-to-image starts from the image's latents; give one",
+                ))
+            }
+            Some(image) => {
+                let t_start = first_step(timesteps.len(), args.strength, true)?;
+                timesteps.drain(..t_start);
+                scheduler.set_begin_index(t_start);
+                // Draws: the posterior's sample, then the noise (then inpainting's masked-image
+                // encode draws once more, unused by a 16-channel transformer: nothing follows).
+                let mut generator = CallGenerators::new(args.seed, args.seeds.as_deref());
+                let encoding = Instant::now();
+                let pixels = image_tensor(&image, (height, width), device)?.to_dtype(dtype)?;
+                let posterior = self.core.run("vae", &models.vae, |vae| Ok(vae.encode(&pixels)?))?;
+                let image_latents = image_latents(&posterior, Some(&mut generator), &self.vae_config, total)?;
+                image_latents.wait()?;
+                image_encoding = encoding.elapsed();
+                let noise = generator.randn(&shape, dtype, device)?;
+                let start = scale_noise(&scheduler, t_start, &image_latents, &noise)?;
+                if let Some(mask) = args.mask_image.take() {
+                    if channels != 16 {
+                        return Err(invalid(format!(
+                            "this transformer takes {channels} input channels; kiln inpaints with 16-channel SD3 transformers only"
+                        )));
+                    }
+                    let (_, latent) = mask_tensors(&mask, (height, width), (h, w), device)?;
+                    blend = Some(InpaintBlend {
+                        image_latents,
+                        noise,
+                        mask: latent.to_dtype(dtype)?.broadcast_to(shape)?,
+                    });
+                }
+                start
+            }
+        };
         let num_inference_steps = timesteps.len() as f64;
 
         // 6. Denoising loop: CFG `uncond + g·(text − uncond)`, plus skip-layer guidance
@@ -278,7 +366,8 @@ impl StableDiffusion3Pipeline {
             (args.skip_layer_guidance_start, args.skip_layer_guidance_stop),
         );
         let skips = do_cfg && args.skip_guidance_layers.is_some();
-        let denoising = args.denoising(&scheduler, &timesteps, latents);
+        let mut denoising = args.denoising(&scheduler, &timesteps, latents);
+        denoising.blend = blend;
         let prepare = |i: usize, t: f32| -> Result<(String, Step)> {
             let timestep = Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?;
             // diffusers: strict inequalities on the float products.
@@ -333,9 +422,15 @@ impl StableDiffusion3Pipeline {
         })?;
 
         let times = (start, text_encoding, steps);
-        finish_call(args.output_type, latents, (h * vsf, w * vsf), times, Vec::new(), |l| {
-            self.decode(l)
-        })
+        let mut out = finish_call(args.output_type, latents, (h * vsf, w * vsf), times, Vec::new(), |l| {
+            // diffusers quirk: the inpainting pipeline decodes without adding the shift factor.
+            match inpainting {
+                true => self.decode_shifted(l, 0.0),
+                false => self.decode(l),
+            }
+        })?;
+        out.timings.image_encoding = image_encoding;
+        Ok(out)
     }
 
     /// De-normalises latents `[N, C, h, w]` and runs the VAE decoder: the image tensor
@@ -347,8 +442,11 @@ impl StableDiffusion3Pipeline {
     }
 
     fn decode(&self, latents: &Tensor) -> Result<Tensor> {
+        self.decode_shifted(latents, self.vae_config.shift_factor.unwrap_or(0.0))
+    }
+
+    fn decode_shifted(&self, latents: &Tensor, shift: f64) -> Result<Tensor> {
         let (models, _) = self.core.loaded()?;
-        let shift = self.vae_config.shift_factor.unwrap_or(0.0);
         let z = latents
             .div_scalar_f32(self.vae_config.scaling_factor)?
             .add_scalar(shift)?;
@@ -380,6 +478,11 @@ impl StableDiffusion3Pipeline {
             }
         }
         // diffusers quirk: the `prompt_3` message shows `prompt_2`.
+        if args.mask_image.is_some() && args.image.is_none() {
+            return Err(invalid(
+                "`mask_image` is given without `image`: inpainting needs the image it repaints",
+            ));
+        }
         let prompt_3 = ("prompt_3", args.prompt_3.is_some(), shown(args.prompt_2.as_ref()));
         let negative_3 = (
             "negative_prompt_3",
@@ -426,7 +529,14 @@ impl_tensors!(Step { timestep, skip });
 
 impl Pipeline for StableDiffusion3Pipeline {
     fn generate(&mut self, c: GenerateCall<'_>, d: &CallDefaults, e: Option<Embeddings>) -> Result<PipelineOutput> {
-        self.call(sd3_call(c, d, e))
+        let image = one_image(c.image.as_deref(), "SD3's image-to-image")?;
+        let mask_image = c.mask_image.as_ref().map(|m| read_input("mask_image", m)).transpose()?;
+        let strength = c.strength;
+        let mut call = sd3_call(c, d, e);
+        call.image = image;
+        call.mask_image = mask_image;
+        call.strength = strength.unwrap_or(call.strength);
+        self.call(call)
     }
 
     fn encoding_settings(&self, call: &GenerateCall<'_>, defaults: &CallDefaults, _: bool) -> EncodingSettings {

@@ -34,6 +34,10 @@ pub struct PipelineClass {
     pub defaults: fn() -> CallDefaults,
     /// Its `from_pretrained`.
     pub load: fn(&str, &LoadOptions) -> Result<Box<dyn Pipeline>>,
+    /// The classes diffusers' `AutoPipelineForImage2Image` and `AutoPipelineForInpainting` map it
+    /// to: a call with `image` runs the first, with `mask_image` too the second.
+    pub image_to_image: Option<&'static PipelineClass>,
+    pub inpainting: Option<&'static PipelineClass>,
 }
 
 impl PipelineClass {
@@ -51,6 +55,22 @@ impl PipelineClass {
             negative_texts: &[],
             defaults,
             load,
+            image_to_image: None,
+            inpainting: None,
+        }
+    }
+
+    /// The class whose calls with `image` (and `mask_image`) run `image_to_image`
+    /// (`inpainting`), loaded from the same folder.
+    pub const fn with_image_classes(
+        self,
+        image_to_image: Option<&'static PipelineClass>,
+        inpainting: Option<&'static PipelineClass>,
+    ) -> Self {
+        PipelineClass {
+            image_to_image,
+            inpainting,
+            ..self
         }
     }
 
@@ -159,6 +179,20 @@ impl PipelineKind {
 
     pub fn class(self) -> &'static PipelineClass {
         self.0
+    }
+
+    /// The class that runs `call` for a folder of this class (diffusers' `AutoPipelineFor…`
+    /// mapping): with `mask_image` its inpainting class, with `image` its image-to-image class;
+    /// else (or when it has none) itself.
+    pub fn for_call(self, call: &GenerateCall<'_>) -> PipelineKind {
+        let class = self.0;
+        let mapped = match (call.image.is_some(), call.mask_image.is_some()) {
+            // (No inpainting class: the image-to-image one, which names the mask it does not take.)
+            (_, true) => class.inpainting.or(class.image_to_image),
+            (true, false) => class.image_to_image,
+            (false, false) => None,
+        };
+        mapped.map_or(self, PipelineKind)
     }
 
     /// The diffusers class.

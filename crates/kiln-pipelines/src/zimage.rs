@@ -20,10 +20,11 @@ use kiln_schedulers::FlowMatchEulerDiscreteSchedulerConfig;
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ChatMessage, Qwen3Tokenizer};
 
-use crate::arguments::{FileRef, GenerateCall};
+use crate::arguments::GenerateCall;
 use crate::call::{check_finite, finish_call, mul_scale, pipeline_call, schedule, PipelineOutput};
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
+use crate::images::{image_tensor, one_image};
 use crate::loading::{CallGenerators, LoadOptions, ModelFolder};
 use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts, StepInputs};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
@@ -39,8 +40,8 @@ pipeline_call! {
         pub cfg_normalization: bool = false,
         /// Steps with `t = 1 − σ` above it run without guidance.
         pub cfg_truncation: f64 = 1.0,
-        /// Image-to-image: the input image (RGB).
-        pub image: Option<kiln_image::RgbImage> = None,
+        /// Image-to-image: the input image.
+        pub image: Option<kiln_image::InputImage> = None,
         /// Image-to-image: the share of the steps that run.
         pub strength: f64 = 0.6,
         /// With `prompt_embeds` (`[B, L, D]`, padded): each row's tokens.
@@ -55,10 +56,11 @@ pub static CLASS: PipelineClass = PipelineClass::new("ZImagePipeline", ZImageCal
     Ok(Box::new(ZImagePipeline::from_pretrained(model, options)?))
 })
 .takes(
-    &["cfg_normalization", "cfg_truncation", "image", "strength"],
+    &["cfg_normalization", "cfg_truncation"],
     &["prompt_2", "negative_prompt_2"],
 )
-.encodes(&["prompt"], &["negative_prompt"]);
+.encodes(&["prompt"], &["negative_prompt"])
+.with_image_classes(Some(&IMG2IMG_CLASS), None);
 
 /// `ZImageImg2ImgPipeline`: the same folder layout and pipeline.
 pub static IMG2IMG_CLASS: PipelineClass =
@@ -69,7 +71,8 @@ pub static IMG2IMG_CLASS: PipelineClass =
         &["cfg_normalization", "cfg_truncation", "image", "strength"],
         &["prompt_2", "negative_prompt_2"],
     )
-    .encodes(&["prompt"], &["negative_prompt"]);
+    .encodes(&["prompt"], &["negative_prompt"])
+    .with_image_classes(Some(&IMG2IMG_CLASS), None);
 
 /// The models, once loaded on a device, in the order a call runs them.
 pub struct ZImageComponents {
@@ -188,17 +191,21 @@ impl ZImagePipeline {
         let multiple = vsf * 2;
         let image = args.image.take();
         let (height, width) = match &image {
-            // diffusers: the preprocessed image's size unless given (kiln does not resize).
+            // diffusers: the image's size floored to multiples of 16 (it is Lanczos-resized to
+            // it), and the output's unless given (then it must be the same).
             Some(img) => {
                 let (h, w) = (img.height() as usize, img.width() as usize);
-                if h % multiple != 0 || w % multiple != 0 {
+                let (h, w) = (h / multiple * multiple, w / multiple * multiple);
+                if h == 0 || w == 0 {
                     return Err(invalid(format!(
-                        "`image` is {w}×{h}; Z-Image takes images whose sides are multiples of {multiple} (kiln does not resize input images yet): crop or resize it"
+                        "`image` is {}×{}: Z-Image takes images of at least {multiple}×{multiple} pixels",
+                        img.width(),
+                        img.height()
                     )));
                 }
                 if (args.height != 0 && args.height != h) || (args.width != 0 && args.width != w) {
                     return Err(invalid(format!(
-                        "`height`/`width` differ from the input image's {w}×{h}; kiln does not resize input images yet: leave them out"
+                        "`height`/`width` differ from the input image's size ({w}×{h} after flooring to multiples of {multiple}): leave them out, or resize the image"
                     )));
                 }
                 (h, w)
@@ -319,7 +326,7 @@ impl ZImagePipeline {
                 }
                 timesteps = timesteps[t_start..].to_vec();
                 scheduler.set_begin_index(t_start);
-                let image_latents = self.encode_image(&img, total, &mut generator)?;
+                let image_latents = self.encode_image(&img, (height, width), total, &mut generator)?;
                 // diffusers draws this noise in the model's dtype.
                 let noise = generator.randn(&shape, dtype, device)?.to_dtype(DType::F32)?;
                 let sigma = scheduler.sigmas()[t_start];
@@ -382,23 +389,16 @@ impl ZImagePipeline {
     /// `generator`), repeated to `total` images.
     fn encode_image(
         &self,
-        image: &kiln_image::RgbImage,
+        image: &kiln_image::InputImage,
+        (height, width): (usize, usize),
         total: usize,
         generator: &mut CallGenerators,
     ) -> Result<Tensor> {
         let (models, device) = self.core.loaded()?;
-        let (w, h) = (image.width() as usize, image.height() as usize);
-        // VaeImageProcessor: [0, 255] → [0, 1] → [−1, 1], NCHW.
-        let mut pixels = vec![0f32; 3 * h * w];
-        for (i, p) in image.pixels().enumerate() {
-            for c in 0..3 {
-                pixels[c * h * w + i] = f32::from(p[c]) / 255.0 * 2.0 - 1.0;
-            }
-        }
-        let x = Tensor::from_f32(&pixels, DType::F32, [1, 3, h, w], device)?.to_dtype(self.core.dtype())?;
+        let x = image_tensor(image, (height, width), device)?.to_dtype(self.core.dtype())?;
         let dist = self.core.run("vae", &models.vae, |vae| Ok(vae.encode(&x)?))?;
         // The posterior's draw, in the VAE's dtype (diffusers' `latent_dist.sample(generator)`).
-        let sample = dist.sample(generator.as_rng())?.to_dtype(DType::F32)?;
+        let sample = dist.sample(generator.first())?.to_dtype(DType::F32)?;
         let shift = self.vae_config.shift_factor.unwrap_or(0.0);
         let latents = sample.add_scalar(-shift)?.mul_scalar(self.vae_config.scaling_factor)?;
         Ok(latents.repeat_interleave(total, 0)?)
@@ -522,45 +522,9 @@ fn negative_prompts(given: Option<&Vec<String>>, batch: usize) -> Result<Vec<Str
     }
 }
 
-/// The most pixels an input image may have (4096 × 4096, the call budget's image size), checked
-/// from its header before it is decoded.
-const MAX_INPUT_PIXELS: u64 = 4096 * 4096;
-
-/// An input image's file, read as RGB: its size is checked from the header before decoding; an
-/// error names the file.
-fn read_image(file: &FileRef) -> Result<kiln_image::RgbImage> {
-    let bad = |e: &dyn std::fmt::Display| invalid(format!("`image` {}: {e}", file.path));
-    let reader = image::ImageReader::open(&file.path)
-        .map_err(|e| bad(&e))?
-        .with_guessed_format()
-        .map_err(|e| bad(&e))?;
-    let (w, h) = reader.into_dimensions().map_err(|e| bad(&e))?;
-    if w == 0 || h == 0 || u64::from(w) * u64::from(h) > MAX_INPUT_PIXELS {
-        return Err(bad(&format!(
-            "it is {w}×{h}: kiln takes input images of 1 to {MAX_INPUT_PIXELS} pixels"
-        )));
-    }
-    let image = image::ImageReader::open(&file.path)
-        .map_err(|e| bad(&e))?
-        .with_guessed_format()
-        .map_err(|e| bad(&e))?
-        .decode()
-        .map_err(|e| bad(&e))?;
-    Ok(image.to_rgb8())
-}
-
 impl Pipeline for ZImagePipeline {
     fn generate(&mut self, c: GenerateCall<'_>, d: &CallDefaults, e: Option<Embeddings>) -> Result<PipelineOutput> {
-        let image = match c.image.as_deref() {
-            None => None,
-            Some([one]) => Some(read_image(one)?),
-            Some(many) => {
-                return Err(invalid(format!(
-                    "`image` is given {} times; Z-Image's image-to-image takes one image",
-                    many.len()
-                )))
-            }
-        };
+        let image = one_image(c.image.as_deref(), "Z-Image's image-to-image")?;
         let (cfg_normalization, cfg_truncation, strength) = (c.cfg_normalization, c.cfg_truncation, c.strength);
         let (lengths, negative_lengths) = match &e {
             Some(e) => (e.prompt_lengths.clone(), e.negative_prompt_lengths.clone()),

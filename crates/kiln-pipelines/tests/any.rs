@@ -51,8 +51,9 @@ fn the_model_index_names_the_pipeline() {
         .to_string();
     assert!(
         err.contains(
-            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline, Flux2Pipeline, \
-             Flux2KleinPipeline, ZImagePipeline, ZImageImg2ImgPipeline)"
+            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, FluxImg2ImgPipeline, FluxInpaintPipeline, \
+             FluxKontextPipeline, StableDiffusion3Pipeline, StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline, \
+             Flux2Pipeline, Flux2KleinPipeline, ZImagePipeline, ZImageImg2ImgPipeline)"
         ),
         "{err}"
     );

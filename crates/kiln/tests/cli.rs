@@ -236,8 +236,9 @@ fn bad_arguments_are_clear_errors() {
     assert!(!ok);
     assert!(
         stderr.contains(
-            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, StableDiffusion3Pipeline, Flux2Pipeline, \
-             Flux2KleinPipeline, ZImagePipeline, ZImageImg2ImgPipeline)"
+            "`StableDiffusionXLPipeline` is not supported (supported: FluxPipeline, FluxImg2ImgPipeline, FluxInpaintPipeline, \
+             FluxKontextPipeline, StableDiffusion3Pipeline, StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline, \
+             Flux2Pipeline, Flux2KleinPipeline, ZImagePipeline, ZImageImg2ImgPipeline)"
         ),
         "{stderr}"
     );

@@ -229,7 +229,7 @@ fn every_argument_of_the_table_is_a_flag_a_server_field_and_in_the_record() {
     argv.push(model.display().to_string());
     argv.extend(["--output".into(), out.display().to_string()]);
     // The file rows name files a real model reads: tests/lora.rs and the pipelines' tests run them.
-    let is_lora = |name: &str| matches!(name, "lora" | "lora_scale" | "image");
+    let is_lora = |name: &str| matches!(name, "lora" | "lora_scale" | "image" | "mask_image");
     for spec in ARGUMENTS {
         let flag = generate
             .get_arguments()

@@ -57,6 +57,13 @@ pub struct BenchArgs {
     /// Each --lora's weight, in order (default 1.0).
     #[arg(long, value_name = "SCALE", allow_negative_numbers = true)]
     pub lora_scale: Vec<f64>,
+    /// An input image every call starts from (image-to-image; as `kiln generate --image`). The
+    /// bench then also reports the VAE encode's time (`image_encoding_s_median`).
+    #[arg(long, value_name = "FILE")]
+    pub init_image: Option<String>,
+    /// With --init-image: the share of the steps that run (default: the pipeline's, 0.6).
+    #[arg(long, value_name = "FRACTION")]
+    pub strength: Option<f64>,
     /// Load only the text encoder, encode the prompt once and report the time and the peak
     /// resident memory (FLUX.2 [dev] and [klein]); the transformer and VAE are never read.
     #[arg(long)]
@@ -99,6 +106,8 @@ fn call(pipe: &mut AnyPipeline, args: &BenchArgs) -> Result<(Vec<RgbImage>, Timi
         progress: false,
         lora: (!args.lora.is_empty()).then(|| args.lora.iter().map(crate::FileRef::new).collect()),
         lora_scale: (!args.lora_scale.is_empty()).then(|| args.lora_scale.clone()),
+        image: args.init_image.as_ref().map(|f| vec![crate::FileRef::new(f)]),
+        strength: args.strength,
         ..GenerateCall::prompt(args.prompt.clone())
     })?;
     Ok((out.images, out.timings))
@@ -184,6 +193,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut e2e_s = Vec::new();
     let mut text_s = Vec::new();
     let mut decode_s = Vec::new();
+    let mut image_encoding_s = Vec::new();
     for _ in 0..args.runs {
         let t = Instant::now();
         let (_, timings) = call(&mut pipe, &args)?;
@@ -191,6 +201,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         step_s.extend(timings.steps.iter().map(|d| secs(*d)));
         text_s.push(secs(timings.text_encoding));
         decode_s.push(secs(timings.decoding));
+        image_encoding_s.push(secs(timings.image_encoding));
     }
     let peak_device_mib = device.memory().peak_bytes as f64 / (1024.0 * 1024.0);
 
@@ -229,6 +240,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "e2e_s_median": median(e2e_s.clone()),
         "text_encoding_s_median": median(text_s),
         "decoding_s_median": median(decode_s),
+        "steps_run_per_call": step_s.len() / args.runs.max(1),
+        "image_encoding_s_median": args.init_image.is_some().then(|| median(image_encoding_s.clone())),
         "peak_rss_mib": peak_rss_mib(),
         "lora_merge_ms": lora_merge_ms,
         "lora_unmerge_ms": lora_unmerge_ms,
@@ -265,6 +278,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "  end to end (median){:8.3} s",
         result["e2e_s_median"].as_f64().unwrap_or(f64::NAN)
     );
+    if let Some(encode) = result["image_encoding_s_median"].as_f64() {
+        println!(
+            "  image encode       {encode:8.3} s (median; {} steps run per call)",
+            result["steps_run_per_call"]
+        );
+    }
     if let Some(m) = peak_rss_mib() {
         println!("  peak RSS           {m:8.0} MiB");
     }

@@ -395,10 +395,13 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     }
     let (root, pipeline) =
         PipelineKind::of_model(&model, load.revision.as_deref()).with_context(|| format!("loading {model}"))?;
-    check_taken_by(&call.0, pipeline, &root, args.from.as_deref(), given)?;
-    // What the images record: the call with the model's defaults filled in.
+    // The class that runs the call: with --image (--mask-image) the folder's image-to-image
+    // (inpainting) class.
+    let class = pipeline.for_call(&call.0);
+    check_taken_by(&call.0, class, &root, args.from.as_deref(), given)?;
+    // What the images record: the call with the defaults of its class filled in.
     let mut recorded = call.0.arguments();
-    recorded.resolve(&pipeline.model_defaults(&root)?);
+    recorded.resolve(&class.model_defaults(&root)?);
 
     let device = match &args.from {
         Some(png) if !given.contains("device") => crate::open_device(&load.device, load.tp)
