@@ -1,7 +1,9 @@
-//! diffusers' `Flux2Pipeline` (FLUX.2 [dev]) text-to-image: the Mistral text encoder's hidden
-//! states 10, 20 and 30 stacked per token, the FLUX.2 transformer with guidance embedded (no
-//! classifier-free guidance), and the FLUX.2 VAE behind its latent BatchNorm statistics. Every
-//! stage but the text encoder and the guidance is [`crate::flux2_base`]'s.
+//! diffusers' `Flux2Pipeline` (FLUX.2 [dev]), text-to-image and with reference images
+//! (`image=`, one or several: encoded by the VAE, appended to the image tokens with their own
+//! time ids): the Mistral text encoder's hidden states 10, 20 and 30 stacked per token, the
+//! FLUX.2 transformer with guidance embedded (no classifier-free guidance), and the FLUX.2 VAE
+//! behind its latent BatchNorm statistics. Every stage but the text encoder and the guidance is
+//! [`crate::flux2_base`]'s.
 
 use kiln_tokenizers::MistralTokenizer;
 
@@ -11,7 +13,7 @@ use crate::flux2_base::{
     cfg_negative_prompts, flux2_pipeline_methods, flux2_shared_methods, Flux2Base, Flux2Components, Flux2Guidance,
     Flux2Tokenizer, TextSide,
 };
-pub use crate::flux2_base::{latent_ids, text_ids, Flux2Call};
+pub use crate::flux2_base::{check_image_input, latent_ids, reference_size, text_ids, Flux2Call, MAX_REFERENCES};
 use crate::loading::LoadOptions;
 use crate::pipeline::{pipeline_parts, PipelineParts};
 use crate::seam::{Pipeline, PipelineClass};
@@ -21,7 +23,7 @@ pub static CLASS: PipelineClass = PipelineClass::new("Flux2Pipeline", Flux2Call:
     Ok(Box::new(Flux2Pipeline::from_pretrained(model, options)?))
 })
 .takes(
-    &["text_encoder_out_layers"],
+    &["image", "text_encoder_out_layers"],
     &["prompt_2", "negative_prompt", "negative_prompt_2"],
 );
 

@@ -5,6 +5,7 @@
 
 use std::time::Instant;
 
+use kiln_image::InputImage;
 use kiln_io::{AutoencoderKLFlux2Config, Flux2TransformerConfig, Mistral3Config, Qwen3Config};
 use kiln_models::autoencoder_kl_flux2::{pack_latents, AutoencoderKLFlux2};
 use kiln_models::mistral::FLUX2_HIDDEN_STATES;
@@ -14,7 +15,7 @@ use kiln_models::transformer_flux2::{Flux2Transformer2DModel, Flux2TransformerIn
 use kiln_schedulers::{
     compute_empirical_mu, flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
 };
-use kiln_tensor::{Device, MemoryKind, Tensor};
+use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{Encoded, MistralTokenizer, Qwen3Tokenizer};
 
 use crate::call::{check_packed_size, finish_call, pipeline_call, scalar, schedule, starting_latents, PipelineOutput};
@@ -36,6 +37,12 @@ pipeline_call! {
         /// The text encoder's `hidden_states` indices stacked per token into the prompt
         /// embeddings (0 = the embeddings, `k` = after layer `k`).
         pub text_encoder_out_layers: Vec<usize> = FLUX2_HIDDEN_STATES.to_vec(),
+        /// Reference images (`image=`, one or several; empty: text-to-image), as diffusers takes
+        /// them: each converted to RGB, checked ([`check_image_input`]), brought to at most
+        /// 1024² pixels, center-cropped to multiples of `2 · vae_scale_factor`, encoded on its
+        /// own and appended to the image tokens with time id `10 + 10·i`. Without
+        /// `height`/`width` the output has the first reference's processed size.
+        pub image: Vec<InputImage> = Vec::new(),
     }
 }
 
@@ -334,9 +341,19 @@ impl Flux2Base {
     ) -> Result<PipelineOutput> {
         let start = Instant::now();
         let vsf = self.vae_scale_factor();
-        let (height, width) = args.size_or(self.default_size());
         let cfg = matches!(guidance, Flux2Guidance::Cfg(_));
-        self.check_inputs(&args, height, width, not_arguments, cfg, &mut warnings)?;
+        {
+            let (height, width) = args.size_or(self.default_size());
+            self.check_inputs(&args, height, width, not_arguments, cfg, &mut warnings)?;
+        }
+        // 4. (diffusers' order) The references, checked and preprocessed on the host; without
+        //    `height`/`width` the output takes the first one's processed size.
+        let references = prepare_references(&std::mem::take(&mut args.image), vsf)?;
+        if let Some(first) = references.first() {
+            args.height = if args.height == 0 { first.height } else { args.height };
+            args.width = if args.width == 0 { first.width } else { args.width };
+        }
+        let (height, width) = args.size_or(self.default_size());
         let dtype = self.core.dtype();
         let channels = self.transformer_config.in_channels;
         let n = args.num_images_per_prompt;
@@ -376,14 +393,25 @@ impl Flux2Base {
         negative.as_ref().unwrap_or(&prompt_embeds).wait()?;
         let text_encoding = t0.elapsed();
 
-        // 4. Latents, drawn in the patchified shape, and the ids: text (0, 0, 0, l), image (0, h, w, 0).
+        // 5. Latents, drawn in the patchified shape (before the references are encoded, as
+        //    diffusers draws them), then the references' tokens, and the ids: text (0, 0, 0, l),
+        //    output (0, h, w, 0), reference i (10 + 10·i, h, w, 0).
         let (gh, gw) = (height / (vsf * 2), width / (vsf * 2));
         let seq = gh * gw;
         let (given, shape) = (args.latents.take(), [total, channels, gh, gw]);
         let what = "be patchified latents of shape";
         let noise = || args.noise(shape, dtype, device);
         let latents = pack_latents(&starting_latents(given, (&shape, what), (device, dtype), noise)?)?;
-        let image_ids = latent_ids(gh, gw);
+        let mut image_ids = latent_ids(gh, gw);
+        let reference_tokens = match references.is_empty() {
+            true => None,
+            false => {
+                let (tokens, ids) = self.encode_references(&references, total)?;
+                image_ids.extend(ids);
+                Some(tokens)
+            }
+        };
+        drop(references);
         let rope_for = |embeds: &Tensor| models.transformer.rope(&text_ids(embeds.dims()[1]), &image_ids, device);
         let rope = rope_for(&prompt_embeds)?;
         let negative_rope = match &negative {
@@ -391,21 +419,24 @@ impl Flux2Base {
             _ => None,
         };
 
-        // 5. Timesteps.
+        // 6. Timesteps: `mu` from the output tokens only.
         let scheduler = self.scheduler(args.num_inference_steps, args.sigmas.as_deref(), seq)?;
         let timesteps = scheduler.timesteps().to_vec();
 
-        // 6. Denoising loop: FLUX.2 [dev] passes the guidance (float32) to every call; with CFG,
-        //    `neg + scale·(cond − neg)` in the latent dtype.
+        // 7. Denoising loop: FLUX.2 [dev] passes the guidance (float32) to every call; with CFG,
+        //    `neg + scale·(cond − neg)` in the latent dtype. With references the transformer
+        //    reads `cat([latents, references], 1)` and its prediction is sliced to the output
+        //    tokens.
         let guidance_values = match embedded {
             Some(g) => Some(Tensor::from_slice(&vec![g as f32; total], [total], device)?),
             None => None,
         };
         // FLUX.2's condition: the text encoder's embeddings and their rotary tables; every call
-        // shares [dev]'s guidance.
+        // shares [dev]'s guidance and the reference tokens (arguments of a compiled step, not
+        // constants captured in it).
         let guided = Guided {
             cond: (prompt_embeds, rope.clone()),
-            shared: guidance_values,
+            shared: (guidance_values, reference_tokens),
             uncond: match negative {
                 Some(neg) => Some(((neg, negative_rope.unwrap_or(rope)), scalar(scale, device)?)),
                 None => None,
@@ -418,15 +449,22 @@ impl Flux2Base {
             denoising,
             &guided,
             ("flux2", total, dtype),
-            |tr, [hidden_states, timestep], guidance, (encoder_hidden_states, rope)| {
-                let guidance = guidance.as_ref();
-                tr.forward(&Flux2TransformerInputs {
-                    hidden_states,
+            |tr, [latents, timestep], (guidance, references), (encoder_hidden_states, rope)| {
+                let joined = match references {
+                    Some(r) => Some(Tensor::cat(&[latents, r], 1)?),
+                    None => None,
+                };
+                let prediction = tr.forward(&Flux2TransformerInputs {
+                    hidden_states: joined.as_ref().unwrap_or(latents),
                     encoder_hidden_states,
                     timestep,
-                    guidance,
+                    guidance: guidance.as_ref(),
                     rope,
-                })
+                })?;
+                match joined {
+                    Some(_) => Ok(prediction.narrow(1, 0, seq)?),
+                    None => Ok(prediction),
+                }
             },
         )?;
 
@@ -439,6 +477,40 @@ impl Flux2Base {
             warnings,
             |l| self.decode(l, gh, gw),
         )
+    }
+
+    /// `prepare_image_latents` for a placed pipeline (see the pipelines' own).
+    pub(crate) fn prepare_image_latents(&self, image: &[InputImage], batch: usize) -> Result<(Tensor, Vec<i64>)> {
+        let references = prepare_references(image, self.vae_scale_factor())?;
+        if references.is_empty() {
+            return Err(invalid("`image` is empty: give at least one reference image"));
+        }
+        let _finish = self.core.begin_call()?;
+        self.encode_references(&references, batch)
+    }
+
+    /// The references' packed tokens `[total, Σ tokens, in_channels]` and their ids: each
+    /// reference encoded on its own (`mode()` of the posterior, no draw), patchified,
+    /// BatchNorm-normalised and packed, the tokens concatenated in order and repeated to
+    /// `total` images; ids `(10 + 10·i, row, col, 0)` row-major for reference `i`.
+    fn encode_references(&self, references: &[Reference], total: usize) -> Result<(Tensor, Vec<i64>)> {
+        let (models, device) = self.core.loaded()?;
+        let multiple = 2 * self.vae_scale_factor();
+        let mut tokens = Vec::with_capacity(references.len());
+        let mut ids = Vec::new();
+        for (i, reference) in references.iter().enumerate() {
+            let (h, w) = (reference.height, reference.width);
+            let x =
+                Tensor::from_f32(&reference.pixels, DType::F32, [1, 3, h, w], device)?.to_dtype(self.core.dtype())?;
+            tokens.push(self.core.run("vae", &models.vae, |vae| {
+                Ok(vae.tokens_from_latents(&vae.encode(&x)?.mode())?)
+            })?);
+            let t = 10 + 10 * i as i64;
+            let (gh, gw) = (h / multiple, w / multiple);
+            ids.extend((0..gh as i64).flat_map(|r| (0..gw as i64).flat_map(move |c| [t, r, c, 0])));
+        }
+        let parts: Vec<&Tensor> = tokens.iter().collect();
+        Ok((Tensor::cat(&parts, 1)?.repeat_interleave(total, 0)?, ids))
     }
 
     /// The schedule of a call: `sigmas`, or `linspace(1, 1/N, N)` for `N = num_inference_steps`,
@@ -654,6 +726,20 @@ macro_rules! flux2_shared_methods {
         ) -> $crate::Result<kiln_schedulers::FlowMatchEulerDiscreteScheduler> {
             self.base.scheduler(num_inference_steps, sigmas, image_seq_len)
         }
+        /// `prepare_image_latents`: the reference images `image` as a call takes them (checked,
+        /// brought to at most 1024² pixels, center-cropped to multiples of `2 · vae_scale_factor`,
+        /// each encoded on its own with the posterior's mode, patchified, BatchNorm-normalised
+        /// and packed): the tokens `[batch, Σ tokens, in_channels]` (references in order,
+        /// repeated `batch` times) and their ids, row-major `[Σ tokens, 4]`
+        /// `(10 + 10·i, row, col, 0)`. Loads the models on the CPU if `to` was not called.
+        pub fn prepare_image_latents(
+            &mut self,
+            image: &[kiln_image::InputImage],
+            batch: usize,
+        ) -> $crate::Result<(kiln_tensor::Tensor, Vec<i64>)> {
+            $crate::pipeline::PipelineParts::ensure_loaded(self)?;
+            self.base.prepare_image_latents(image, batch)
+        }
         /// The loaded VAE (`pipe.vae`), e.g. for its BatchNorm statistics; `None` before the
         /// pipeline is placed.
         pub fn vae(&self) -> Option<&kiln_models::autoencoder_kl_flux2::AutoencoderKLFlux2> {
@@ -690,8 +776,10 @@ macro_rules! flux2_pipeline_methods {
             e: Option<$crate::Embeddings>,
         ) -> $crate::Result<$crate::PipelineOutput> {
             let layers = c.text_encoder_out_layers.take();
+            let image = $crate::flux2_base::read_references(c.image.as_deref())?;
             let mut call = $call::from_generate(c, defaults, e);
             call.text_encoder_out_layers = layers.unwrap_or(call.text_encoder_out_layers);
+            call.image = image;
             self.call(call)
         }
 
@@ -776,4 +864,149 @@ pub fn latent_ids(gh: usize, gw: usize) -> Vec<i64> {
     (0..gh as i64)
         .flat_map(|i| (0..gw as i64).flat_map(move |j| [0, i, j, 0]))
         .collect()
+}
+
+/// The most reference images a call takes: kiln's bound (diffusers sets none), as each adds up to
+/// 1024² pixels (4 096 tokens at the VAE's scale factor 8) to every transformer call.
+pub const MAX_REFERENCES: usize = 10;
+
+/// The pixels above which a reference is first resized (`Flux2Pipeline`'s 1024²).
+const REFERENCE_AREA: usize = 1024 * 1024;
+
+/// A reference image as the VAE encoder takes it: RGB, cropped to `width × height` (multiples of
+/// `2 · vae_scale_factor`), planar `[3, height, width]` in [-1, 1].
+pub(crate) struct Reference {
+    pub height: usize,
+    pub width: usize,
+    pixels: Vec<f32>,
+}
+
+/// diffusers' `Flux2ImageProcessor.check_image_input` (its messages): both sides at least 64
+/// pixels, the aspect ratio at most 8.
+pub fn check_image_input(width: usize, height: usize) -> Result<()> {
+    const MIN_SIDE: usize = 64;
+    const MAX_ASPECT_RATIO: usize = 8;
+    if width < MIN_SIDE || height < MIN_SIDE {
+        return Err(invalid(format!(
+            "Image too small: {width}×{height}. Both dimensions must be at least {MIN_SIDE}px"
+        )));
+    }
+    let (w, h) = (width as f64, height as f64);
+    let ratio = (w / h).max(h / w);
+    if ratio > MAX_ASPECT_RATIO as f64 {
+        return Err(invalid(format!(
+            "Aspect ratio too extreme: {width}×{height} (ratio: {ratio:.1}:1). Maximum allowed ratio is {MAX_ASPECT_RATIO}:1"
+        )));
+    }
+    Ok(())
+}
+
+/// What `Flux2Pipeline` makes of a `width × height` reference: the size it is Lanczos-resized to
+/// first when it has more than 1024² pixels (`int(w·s) × int(h·s)`, `s = sqrt(1024²/(w·h))`),
+/// and its size after flooring to multiples of `multiple` (the center crop), both `(w, h)`.
+pub fn reference_size(width: usize, height: usize, multiple: usize) -> (Option<(usize, usize)>, (usize, usize)) {
+    let resized = (width * height > REFERENCE_AREA).then(|| {
+        let s = (REFERENCE_AREA as f64 / (width * height) as f64).sqrt();
+        ((width as f64 * s) as usize, (height as f64 * s) as usize)
+    });
+    let (w, h) = resized.unwrap_or((width, height));
+    (resized, (w / multiple * multiple, h / multiple * multiple))
+}
+
+/// `Flux2Pipeline`'s step 4 on the call's references: every one checked first
+/// ([`check_image_input`]), then each resized to at most 1024² pixels (in its own mode, as
+/// Pillow), converted to RGB, center-cropped (`left = (W − w)//2`, `top = (H − h)//2`) to
+/// multiples of `2 · vsf` and normalised `2·x/255 − 1`.
+fn prepare_references(images: &[InputImage], vsf: usize) -> Result<Vec<Reference>> {
+    if images.len() > MAX_REFERENCES {
+        return Err(too_many_references(images.len()));
+    }
+    for image in images {
+        check_image_input(image.width() as usize, image.height() as usize)?;
+    }
+    let multiple = 2 * vsf;
+    images
+        .iter()
+        .map(|image| {
+            let (full_w, full_h) = (image.width() as usize, image.height() as usize);
+            let (resized, (width, height)) = reference_size(full_w, full_h, multiple);
+            if width == 0 || height == 0 {
+                return Err(invalid(format!(
+                    "a reference image of {full_w}×{full_h} has no side of {multiple} pixels (2 × the VAE's scale factor) to keep"
+                )));
+            }
+            let image = match resized {
+                Some((w, h)) => image.resize_lanczos(w as u32, h as u32).to_rgb(),
+                None => image.to_rgb(),
+            };
+            let (big_w, big_h) = (image.width() as usize, image.height() as usize);
+            let (left, top) = ((big_w - width) / 2, (big_h - height) / 2);
+            let cropped = image
+                .crop(left as u32, top as u32, width as u32, height as u32)
+                .map_err(|e| invalid(format!("internal error: a reference's center crop: {e}")))?;
+            let pixels = cropped.to_planar_f32().iter().map(|x| 2.0 * x - 1.0).collect();
+            Ok(Reference { height, width, pixels })
+        })
+        .collect()
+}
+
+fn too_many_references(given: usize) -> crate::PipelineError {
+    invalid(format!(
+        "`image` is given {given} times; FLUX.2 takes at most {MAX_REFERENCES} reference images"
+    ))
+}
+
+/// The reference images of a generic call's `image` files, read as Pillow opens them, then
+/// checked ([`check_image_input`]) as the call checks them; an error names the file. More than
+/// [`MAX_REFERENCES`] are refused before any is read.
+pub(crate) fn read_references(files: Option<&[crate::arguments::FileRef]>) -> Result<Vec<InputImage>> {
+    let files = files.unwrap_or_default();
+    if files.len() > MAX_REFERENCES {
+        return Err(too_many_references(files.len()));
+    }
+    let images = files
+        .iter()
+        .map(|f| crate::images::read_input("image", f))
+        .collect::<Result<Vec<_>>>()?;
+    for (f, image) in files.iter().zip(&images) {
+        check_image_input(image.width() as usize, image.height() as usize)
+            .map_err(|e| invalid(format!("`image` {}: {e}", f.path)))?;
+    }
+    Ok(images)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn references_are_sized_as_diffusers_sizes_them() {
+        // The oracle's references: floored to multiples of 2·vsf (4 there), no resize.
+        assert_eq!(reference_size(70, 66, 4), (None, (68, 64)));
+        assert_eq!(reference_size(96, 72, 4), (None, (96, 72)));
+        assert_eq!(reference_size(80, 66, 4), (None, (80, 64)));
+        assert_eq!(reference_size(1024, 1024, 16), (None, (1024, 1024)));
+        // Above 1024² pixels: int(w·s) × int(h·s), s = sqrt(1024²/(w·h)) (Python's values).
+        assert_eq!(reference_size(2048, 1024, 16), (Some((1448, 724)), (1440, 720)));
+        assert_eq!(reference_size(1500, 1000, 16), (Some((1254, 836)), (1248, 832)));
+        assert_eq!(reference_size(4096, 4096, 16), (Some((1024, 1024)), (1024, 1024)));
+        assert_eq!(reference_size(1025, 1024, 16), (Some((1024, 1023)), (1024, 1008)));
+        assert_eq!(reference_size(4096, 512, 16), (Some((2896, 362)), (2896, 352)));
+    }
+
+    #[test]
+    fn reference_checks_give_diffusers_messages() {
+        assert!(check_image_input(64, 64).is_ok());
+        assert!(check_image_input(512, 64).is_ok());
+        let small = check_image_input(63, 80).unwrap_err().to_string();
+        assert!(
+            small.contains("Image too small: 63×80. Both dimensions must be at least 64px"),
+            "{small}"
+        );
+        let narrow = check_image_input(64, 528).unwrap_err().to_string();
+        assert!(
+            narrow.contains("Aspect ratio too extreme: 64×528 (ratio: 8.2:1). Maximum allowed ratio is 8:1"),
+            "{narrow}"
+        );
+    }
 }

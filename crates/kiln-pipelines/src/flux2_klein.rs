@@ -1,7 +1,9 @@
-//! diffusers' `Flux2KleinPipeline` (FLUX.2 [klein], distilled and base) text-to-image: the Qwen3
-//! text encoder's hidden states 9, 18 and 27 stacked per token, FLUX.2 [dev]'s transformer
-//! without the guidance embedder and FLUX.2's VAE — every stage but the text encoder and the
-//! guidance is FLUX.2 [dev]'s ([`crate::flux2_base::Flux2Base`]).
+//! diffusers' `Flux2KleinPipeline` (FLUX.2 [klein], distilled and base), text-to-image and with
+//! reference images (`image=`, as FLUX.2 [dev] takes them; with CFG the negative call reads the
+//! same reference tokens): the Qwen3 text encoder's hidden states 9, 18 and 27 stacked per
+//! token, FLUX.2 [dev]'s transformer without the guidance embedder and FLUX.2's VAE — every
+//! stage but the text encoder and the guidance is FLUX.2 [dev]'s
+//! ([`crate::flux2_base::Flux2Base`]).
 //!
 //! `is_distilled` (from `model_index.json`, default false as diffusers' constructor has it):
 //! a distilled model never runs classifier-free guidance, and a `guidance_scale` above 1 is
@@ -29,7 +31,7 @@ pub static CLASS: PipelineClass =
         Ok(Box::new(Flux2KleinPipeline::from_pretrained(model, options)?))
     })
     .takes(
-        &["text_encoder_out_layers"],
+        &["image", "text_encoder_out_layers"],
         &["prompt_2", "negative_prompt", "negative_prompt_2"],
     );
 
@@ -48,10 +50,12 @@ pipeline_call! {
         /// The text encoder's `hidden_states` indices stacked per token into the prompt
         /// embeddings (0 = the embeddings, `k` = after layer `k`).
         pub text_encoder_out_layers: Vec<usize> = TextSide::Qwen3.out_layers().to_vec(),
+        /// Reference images (`image=`), as FLUX.2 [dev] takes them ([`Flux2Call::image`]).
+        pub image: Vec<kiln_image::InputImage> = Vec::new(),
     }
 }
 
-pipeline_call!(@convert Flux2KleinCall => Flux2Call { text_encoder_out_layers });
+pipeline_call!(@convert Flux2KleinCall => Flux2Call { text_encoder_out_layers, image });
 
 /// The call arguments every pipeline call struct has that `Flux2KleinPipeline.__call__` does not
 /// take.
