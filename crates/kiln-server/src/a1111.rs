@@ -1,7 +1,7 @@
-//! The AUTOMATIC1111 subset Open WebUI's and SillyTavern's A1111 clients use: `txt2img`, the
-//! options (the model), the models, the samplers, progress and interrupt.
+//! The AUTOMATIC1111 subset Open WebUI's and SillyTavern's A1111 clients use: `txt2img`,
+//! `img2img`, the options (the model), the models, the samplers, progress and interrupt.
 
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -9,15 +9,18 @@ use base64::Engine;
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
-use crate::http::{images_of, Body, CancelOnDrop, Shared};
+use crate::http::{images_of, Body, CancelOnDrop, Shared, UploadBody};
+use crate::inputs::{Draw, InputNames, Inputs, Role, Sent};
 use crate::jobs::Status;
 use crate::request::{seed_of, take, CallFields, JobRequest};
 use kiln_pipelines::arguments::spec;
 use kiln_pipelines::ARGUMENTS;
 
-pub(crate) fn routes() -> Router<Shared> {
+/// The routes; `upload_limit`: the body limit of the route that takes images.
+pub(crate) fn routes(upload_limit: DefaultBodyLimit) -> Router<Shared> {
     Router::new()
         .route("/sdapi/v1/txt2img", post(txt2img))
+        .route("/sdapi/v1/img2img", post(img2img).layer(upload_limit))
         .route("/sdapi/v1/options", get(options).post(set_options))
         .route("/sdapi/v1/sd-models", get(sd_models))
         .route("/sdapi/v1/samplers", get(samplers))
@@ -65,16 +68,21 @@ fn checkpoint(app: &crate::App, name: Option<&Value>, field: &str) -> Result<usi
     }
 }
 
-/// `POST /sdapi/v1/txt2img` → `{images, parameters, info}`: the images as base64 PNGs (with
-/// kiln's parameters in their text chunks), the request, and A1111's info JSON with kiln's
-/// infotext per image.
-async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json<Value>, ApiError> {
-    let parameters = Value::Object(body.clone());
-    let prompt: String = take(&mut body, "prompt")?.unwrap_or_default();
+/// What an A1111 request gives besides its input images, as txt2img and img2img share it.
+struct A1111Request {
+    draw: Draw,
+    batch_size: usize,
+    n_iter: usize,
+}
+
+/// The fields of an A1111 `txt2img` (or `img2img`) body; the others have no meaning here
+/// (saving, scripts, face restoration...) and are left in `body`.
+fn a1111_request(app: &crate::App, body: &mut Map<String, Value>) -> Result<A1111Request, ApiError> {
+    let prompt: String = take(body, "prompt")?.unwrap_or_default();
     // A1111's `<lora:NAME:WEIGHT>` tags leave the prompt and name adapters of --lora-dir.
     let (prompt, tagged) = crate::loras::take_prompt_tags(&prompt)?;
-    let width: Option<usize> = take(&mut body, "width")?;
-    let height: Option<usize> = take(&mut body, "height")?;
+    let width: Option<usize> = take(body, "width")?;
+    let height: Option<usize> = take(body, "height")?;
     // The call arguments A1111 has a field for (an empty text is A1111's "none").
     let mut fields = CallFields::default();
     for (name, field) in ARGUMENTS.iter().filter_map(|a| Some((a.name, a.a1111?))) {
@@ -85,15 +93,15 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
         }
     }
     app.loras.apply(&tagged, &mut fields, "prompt")?;
-    let batch_size: usize = take(&mut body, "batch_size")?.unwrap_or(1);
-    let n_iter: usize = take(&mut body, "n_iter")?.unwrap_or(1);
+    let batch_size: usize = take(body, "batch_size")?.unwrap_or(1);
+    let n_iter: usize = take(body, "n_iter")?.unwrap_or(1);
     let seed = match body.remove("seed") {
         None | Some(Value::Null) => None,
         Some(v) if v.as_i64() == Some(-1) => None,
         Some(v) => Some(seed_of("seed", &v)?),
     };
     for field in ["sampler_name", "sampler_index"] {
-        if let Some(name) = take::<String>(&mut body, field)? {
+        if let Some(name) = take::<String>(body, field)? {
             if !name.is_empty() && !is_our_sampler(&name) {
                 return Err(ApiError::bad_request(
                     Some(field),
@@ -102,7 +110,7 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
             }
         }
     }
-    if let Some(name) = take::<String>(&mut body, "scheduler")? {
+    if let Some(name) = take::<String>(body, "scheduler")? {
         if !matches!(name.to_ascii_lowercase().as_str(), "" | "automatic") {
             return Err(ApiError::bad_request(
                 Some("scheduler"),
@@ -110,34 +118,205 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
             ));
         }
     }
-    if take::<bool>(&mut body, "enable_hr")?.unwrap_or(false) {
+    if take::<bool>(body, "enable_hr")?.unwrap_or(false) {
         return Err(ApiError::bad_request(
             Some("enable_hr"),
             "`enable_hr`: kiln has no hires fix; leave it false",
         ));
     }
-    let overrides: Option<Map<String, Value>> = take(&mut body, "override_settings")?;
+    let overrides: Option<Map<String, Value>> = take(body, "override_settings")?;
     let model = checkpoint(
-        &app,
+        app,
         overrides.as_ref().and_then(|o| o.get("sd_model_checkpoint")),
         "override_settings.sd_model_checkpoint",
     )?;
-    // The other A1111 fields (saving, scripts, face restoration...) have no meaning here.
     let n = batch_size.saturating_mul(n_iter);
     let field = if n_iter > 1 { "n_iter" } else { "batch_size" };
     let seeds = app.seeds(n, seed, field)?;
-    let request = JobRequest::new(
+    Ok(A1111Request {
+        draw: Draw {
+            model,
+            prompt,
+            size: (height, width),
+            fields,
+            seeds,
+        },
+        batch_size,
+        n_iter,
+    })
+}
+
+/// `POST /sdapi/v1/txt2img` → `{images, parameters, info}`: the images as base64 PNGs (with
+/// kiln's parameters in their text chunks), the request, and A1111's info JSON with kiln's
+/// infotext per image.
+async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json<Value>, ApiError> {
+    let parameters = Value::Object(body.clone());
+    let A1111Request {
+        draw,
+        batch_size,
+        n_iter,
+    } = a1111_request(&app, &mut body)?;
+    let Draw {
         model,
-        &app.models[model],
         prompt,
-        (height, width),
+        size,
         fields,
         seeds,
-        &app.limits,
-    )
-    .map_err(a1111_named)?;
-    let job = app.submit(request)?;
-    let guard = CancelOnDrop::new(&app, &job);
+    } = draw;
+    let request =
+        JobRequest::new(model, &app.models[model], prompt, size, fields, seeds, &app.limits).map_err(a1111_named)?;
+    a1111_response(&app, request, &Inputs::default(), parameters, (batch_size, n_iter)).await
+}
+
+/// Refuses an inpainting setting (`field`) that kiln does not do unless it is `accepted`.
+fn only(body: &Map<String, Value>, field: &str, accepted: &[Value], why: &str) -> Result<(), ApiError> {
+    match body.get(field) {
+        None | Some(Value::Null) => Ok(()),
+        Some(v) if accepted.contains(v) => Ok(()),
+        Some(v) => Err(ApiError::bad_request(Some(field), format!("`{field}` {v}: {why}"))),
+    }
+}
+
+/// `POST /sdapi/v1/img2img` → as `txt2img`: `init_images` (base64 images, a `data:` URL prefix
+/// allowed; the first sets the size when `width` and `height` are left out), `mask` (base64,
+/// white: repaint), `denoising_strength` (→ `strength`; A1111's default 0.75) and every
+/// `txt2img` field. kiln does what diffusers does with a mask, which is A1111's
+/// `inpainting_fill` 1 ("original") with `mask_blur` 0, `inpaint_full_res` false and
+/// `inpainting_mask_invert` 0; other values of these are refused (and, as A1111 does, they are
+/// ignored without a mask). `resize_mode` 0 only ("Just resize": the pipeline resizes the image as diffusers does).
+/// `include_init_images` puts the input images back into `parameters`, as A1111 does.
+async fn img2img(State(app): State<Shared>, UploadBody(mut body): UploadBody) -> Result<Json<Value>, ApiError> {
+    let include_init_images = body.get("include_init_images").and_then(Value::as_bool) == Some(true);
+    let mut parameters = body.clone();
+    if !include_init_images {
+        parameters.insert("init_images".into(), Value::Null);
+        parameters.insert("mask".into(), Value::Null);
+    }
+    let init_images: Vec<Value> = match body.remove("init_images") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(list)) => list,
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                Some("init_images"),
+                format!("`init_images` must be a list of base64 images, got {other}"),
+            ))
+        }
+    };
+    if init_images.is_empty() {
+        return Err(ApiError::bad_request(
+            Some("init_images"),
+            "`init_images` is required: a list of base64 images (img2img starts from the first)",
+        ));
+    }
+    let images = init_images
+        .iter()
+        .enumerate()
+        .map(|(k, v)| {
+            let field = format!("init_images[{k}]");
+            match v {
+                Value::String(b64) => crate::inputs::from_base64(&field, b64).map(|bytes| (field, bytes)),
+                other => Err(ApiError::bad_request(
+                    Some(&field),
+                    format!("`{field}` must be an image as base64 text, got {other}"),
+                )),
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mask = match body.remove("mask") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(b64)) if b64.is_empty() => None,
+        Some(Value::String(b64)) => Some(("mask".to_string(), crate::inputs::from_base64("mask", &b64)?)),
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                Some("mask"),
+                format!("`mask` must be an image as base64 text, got {other}"),
+            ))
+        }
+    };
+    only(
+        &body,
+        "resize_mode",
+        &[json!(0)],
+        "kiln resizes input images as diffusers does (A1111's 0, \"Just resize\"); crop and fill modes are not implemented: send 0",
+    )?;
+    if mask.is_some() {
+        let no_blur = "kiln does not blur masks: send 0, and blur the mask before sending it if you want soft edges";
+        for field in ["mask_blur", "mask_blur_x", "mask_blur_y"] {
+            only(&body, field, &[json!(0)], no_blur)?;
+        }
+        only(
+            &body,
+            "inpainting_fill",
+            &[json!(1)],
+            "kiln starts the masked area from the image itself (1, \"original\", as diffusers does); 0, 2 and 3 are not done",
+        )?;
+        only(
+            &body,
+            "inpaint_full_res",
+            &[json!(false), json!(0)],
+            "kiln inpaints at the whole image's resolution only: send false",
+        )?;
+        only(
+            &body,
+            "inpainting_mask_invert",
+            &[json!(0)],
+            "kiln does not invert masks: send 0 and a mask that is white where the image is to be repainted",
+        )?;
+    }
+    let denoising_strength = body.remove("denoising_strength");
+    let A1111Request {
+        mut draw,
+        batch_size,
+        n_iter,
+    } = a1111_request(&app, &mut body)?;
+    // A1111's default strength where the model takes one (diffusers' is 0.6).
+    let strength = match denoising_strength {
+        None | Some(Value::Null) => crate::inputs::kind_with_inputs(&app.models[draw.model], true, mask.is_some())
+            .takes("strength")
+            .then(|| json!(0.75)),
+        given => given,
+    };
+    if let Some(strength) = strength {
+        draw.fields.set("strength", &strength).map_err(as_denoising_strength)?;
+    }
+    let sent = Sent {
+        images,
+        mask,
+        mask_role: Role::Mask,
+        names: InputNames {
+            image: "init_images",
+            mask: "mask",
+        },
+    };
+    let (request, inputs) = app
+        .request_with_inputs(draw, sent)
+        .await
+        .map_err(|e| a1111_named(as_denoising_strength(e)))?;
+    a1111_response(&app, request, &inputs, Value::Object(parameters), (batch_size, n_iter)).await
+}
+
+/// `e` with `strength` written as A1111's `denoising_strength`.
+fn as_denoising_strength(e: ApiError) -> ApiError {
+    match e.param.as_deref() {
+        Some("strength") => ApiError {
+            message: e.message.replace("`strength`", "`denoising_strength`"),
+            param: Some("denoising_strength".into()),
+            ..e
+        },
+        _ => e,
+    }
+}
+
+/// Runs an A1111 request's job to its end: `{images, parameters, info}`.
+async fn a1111_response(
+    app: &Shared,
+    request: JobRequest,
+    inputs: &Inputs,
+    parameters: Value,
+    (batch_size, n_iter): (usize, usize),
+) -> Result<Json<Value>, ApiError> {
+    let job = app.submit(request, inputs)?;
+    let guard = CancelOnDrop::new(app, &job);
     let images = images_of(&job).await?;
     guard.disarm();
     let r = &job.request;
@@ -147,7 +326,8 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
         .map(|i| base64::engine::general_purpose::STANDARD.encode(&i.png))
         .collect();
     let first = images.first().map(|i| &i.params);
-    let info = json!({
+    let call = r.fields.call();
+    let mut info = json!({
         "prompt": r.prompt,
         "all_prompts": vec![r.prompt.clone(); r.seeds.len()],
         "all_negative_prompts": vec![negative_prompt.clone(); r.seeds.len()],
@@ -160,7 +340,7 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
         "width": first.map_or(r.width as u32, |p| p.width),
         "height": first.map_or(r.height as u32, |p| p.height),
         "sampler_name": SAMPLER,
-        "cfg_scale": r.fields.call().guidance_scale,
+        "cfg_scale": call.guidance_scale,
         "steps": r.steps(),
         "batch_size": batch_size,
         "n_iter": n_iter,
@@ -177,6 +357,9 @@ async fn txt2img(State(app): State<Shared>, Body(mut body): Body) -> Result<Json
         "is_using_inpainting_conditioning": false,
         "version": format!("kiln {}", env!("CARGO_PKG_VERSION")),
     });
+    if let Some(strength) = call.image.is_some().then_some(call.strength).flatten() {
+        info["denoising_strength"] = json!(strength);
+    }
     Ok(Json(json!({
         "images": b64,
         "parameters": parameters,

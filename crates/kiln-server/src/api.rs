@@ -1,12 +1,14 @@
-//! The routes: health, metrics, OpenAI's images API, kiln's jobs API (with server-sent events),
-//! the A1111 subset ([`crate::a1111`]) and the web page ([`crate::web`]).
+//! The routes: health, metrics, OpenAI's images API (generations, and edits with input images),
+//! kiln's jobs API (with server-sent events), the A1111 subset ([`crate::a1111`]) and the web page
+//! ([`crate::web`]). Input images: [`crate::inputs`].
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
-use axum::extract::{Path, Request, State};
+use axum::extract::multipart::MultipartRejection;
+use axum::extract::{Multipart, Path, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -19,23 +21,27 @@ use serde_json::{json, Map, Value};
 use subtle::ConstantTimeEq;
 
 use crate::error::ApiError;
-use crate::http::{images_of, Body, CancelOnDrop, Shared};
+use crate::http::{images_of, Body, CancelOnDrop, Shared, UploadBody};
+use crate::inputs::{Draw, InputNames, Inputs, Role, Sent};
 use crate::jobs::{Job, Status};
 use crate::request::{parse_size, seed_of, take, CallFields, JobRequest};
 use crate::App;
 
 pub(crate) fn router(app: Shared) -> Router {
+    // The routes that take input images take bodies up to --max-upload-bytes.
+    let upload_limit = axum::extract::DefaultBodyLimit::max(app.limits.max_upload_bytes);
     Router::new()
         .route("/", get(crate::web::index))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
         .route("/v1/images/generations", post(generations))
-        .route("/kiln/v1/jobs", post(create_job))
+        .route("/v1/images/edits", post(edits).layer(upload_limit))
+        .route("/kiln/v1/jobs", post(create_job).layer(upload_limit))
         .route("/kiln/v1/jobs/{id}", get(job_status).delete(cancel_job))
         .route("/kiln/v1/jobs/{id}/events", get(job_events))
         .route("/kiln/v1/jobs/{id}/images/{file}", get(job_image))
-        .merge(crate::a1111::routes())
+        .merge(crate::a1111::routes(upload_limit))
         .fallback(|| async { ApiError::not_found("no such route") })
         .layer(axum::middleware::from_fn_with_state(app.clone(), authorize))
         .layer(axum::extract::DefaultBodyLimit::max(app.limits.max_body_bytes))
@@ -139,57 +145,80 @@ fn take_seed(body: &mut Map<String, Value>) -> Result<Option<u64>, ApiError> {
     }
 }
 
-/// `POST /v1/images/generations`.
-async fn generations(
-    State(app): State<Shared>,
-    headers: HeaderMap,
-    Body(mut body): Body,
-) -> Result<Response, ApiError> {
-    let model_name: Option<String> = take(&mut body, "model")?;
+/// What an OpenAI images request gives besides its input images, as generations and edits share
+/// it (edits' form fields read into the same JSON: [`crate::request::form_to_json`]).
+struct OpenAiRequest {
+    draw: Draw,
+    response_format: String,
+}
+
+/// The fields of an OpenAI images request (every field of `body` taken, the unknown refused).
+fn openai_request(app: &App, body: &mut Map<String, Value>, ignored: &[&str]) -> Result<OpenAiRequest, ApiError> {
+    let model_name: Option<String> = take(body, "model")?;
     let model = app.model_index(model_name.as_deref(), "model")?;
     let prompt: String =
-        take(&mut body, "prompt")?.ok_or_else(|| ApiError::bad_request(Some("prompt"), "`prompt` is required"))?;
-    let n: usize = take(&mut body, "n")?.unwrap_or(1);
-    let size: Option<String> = take(&mut body, "size")?;
-    let response_format: String = take(&mut body, "response_format")?.unwrap_or_else(|| "b64_json".into());
+        take(body, "prompt")?.ok_or_else(|| ApiError::bad_request(Some("prompt"), "`prompt` is required"))?;
+    let n: usize = take(body, "n")?.unwrap_or(1);
+    let size: Option<String> = take(body, "size")?;
+    let response_format: String = take(body, "response_format")?.unwrap_or_else(|| "b64_json".into());
     if !matches!(response_format.as_str(), "b64_json" | "url") {
         return Err(ApiError::bad_request(
             Some("response_format"),
             format!("`response_format` must be \"b64_json\" or \"url\", got {response_format:?}"),
         ));
     }
-    let output_format: String = take(&mut body, "output_format")?.unwrap_or_else(|| "png".into());
+    let output_format: String = take(body, "output_format")?.unwrap_or_else(|| "png".into());
     if output_format != "png" {
         return Err(ApiError::bad_request(
             Some("output_format"),
             format!("`output_format` must be \"png\" (the only format kiln writes), got {output_format:?}"),
         ));
     }
-    for name in OPENAI_IGNORED {
-        let _: Option<Value> = take(&mut body, name)?;
+    for name in OPENAI_IGNORED.iter().chain(ignored) {
+        let _: Option<Value> = take(body, name)?;
     }
-    let seed = take_seed(&mut body)?;
-    let mut fields = CallFields::take_from(&mut body)?;
-    let loras = crate::loras::take_loras(&mut body)?;
-    refuse_unknown(&body)?;
+    let seed = take_seed(body)?;
+    let mut fields = CallFields::take_from(body)?;
+    let loras = crate::loras::take_loras(body)?;
+    refuse_unknown(body)?;
     app.loras.apply(&loras, &mut fields, "loras")?;
     let size = parse_size(size.as_deref())?;
     let seeds = app.seeds(n, seed, "n")?;
-    let request =
-        JobRequest::new(model, &app.models[model], prompt, size, fields, seeds, &app.limits).map_err(|e| {
-            match e.param.as_deref() {
-                // OpenAI's clients give the size as `size`.
-                Some("height" | "width") => ApiError {
-                    param: Some("size".into()),
-                    message: format!("`size`: {}", e.message),
-                    ..e
-                },
-                _ => e,
-            }
-        })?;
+    Ok(OpenAiRequest {
+        draw: Draw {
+            model,
+            prompt,
+            size,
+            fields,
+            seeds,
+        },
+        response_format,
+    })
+}
+
+/// An error naming `height` or `width` as `size` (OpenAI's clients give the size as `size`).
+fn as_size(e: ApiError) -> ApiError {
+    match e.param.as_deref() {
+        Some("height" | "width") => ApiError {
+            param: Some("size".into()),
+            message: format!("`size`: {}", e.message),
+            ..e
+        },
+        _ => e,
+    }
+}
+
+/// Runs an OpenAI request's job to its end and answers OpenAI's images response.
+async fn openai_response(
+    app: &Shared,
+    headers: &HeaderMap,
+    request: JobRequest,
+    inputs: &Inputs,
+    response_format: &str,
+) -> Result<Response, ApiError> {
     let (height, width) = (request.height, request.width);
-    let job = app.submit(request)?;
-    let guard = CancelOnDrop::new(&app, &job);
+    let job = app.submit(request, inputs)?;
+    let guard = CancelOnDrop::new(app, &job);
     let images = images_of(&job).await?;
     guard.disarm();
     let host = headers
@@ -199,7 +228,7 @@ async fn generations(
     let data: Vec<Value> = images
         .iter()
         .enumerate()
-        .map(|(k, image)| match response_format.as_str() {
+        .map(|(k, image)| match response_format {
             "url" => json!({"url": format!("http://{host}/kiln/v1/jobs/{}/images/{k}.png", job.id)}),
             _ => json!({"b64_json": base64::engine::general_purpose::STANDARD.encode(&image.png)}),
         })
@@ -217,8 +246,146 @@ async fn generations(
     .into_response())
 }
 
-/// `POST /kiln/v1/jobs`: queues a job, answers 202 with its id at once.
-async fn create_job(State(app): State<Shared>, Body(mut body): Body) -> Result<Response, ApiError> {
+/// `POST /v1/images/generations`.
+async fn generations(
+    State(app): State<Shared>,
+    headers: HeaderMap,
+    Body(mut body): Body,
+) -> Result<Response, ApiError> {
+    let OpenAiRequest { draw, response_format } = openai_request(&app, &mut body, &[])?;
+    let Draw {
+        model,
+        prompt,
+        size,
+        fields,
+        seeds,
+    } = draw;
+    let request =
+        JobRequest::new(model, &app.models[model], prompt, size, fields, seeds, &app.limits).map_err(as_size)?;
+    openai_response(&app, &headers, request, &Inputs::default(), &response_format).await
+}
+
+/// The OpenAI edits fields kiln takes and ignores (besides [`OPENAI_IGNORED`]).
+const OPENAI_EDITS_IGNORED: &[&str] = &["input_fidelity", "partial_images"];
+
+/// A multipart error in kiln's error shape.
+fn multipart_error(e: axum::extract::multipart::MultipartError) -> ApiError {
+    let status = e.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::new(
+            status,
+            "the request body is larger than this server takes (--max-upload-bytes)",
+        )
+    } else {
+        ApiError::new(status, format!("cannot read the multipart body: {}", e.body_text()))
+    }
+}
+
+/// `POST /v1/images/edits` (`multipart/form-data`, as OpenAI's clients send it): `image` (one
+/// file) or `image[]` (several), `mask` (a PNG whose fully transparent areas are the ones to
+/// redraw; one without transparency is taken as diffusers' mask, white: redraw), and the text fields of
+/// `/v1/images/generations` (its extra diffusers fields too: `strength`, `num_inference_steps`,
+/// `seed`, ...). Without `size` the output takes the first image's size.
+async fn edits(
+    State(app): State<Shared>,
+    headers: HeaderMap,
+    multipart: Result<Multipart, MultipartRejection>,
+) -> Result<Response, ApiError> {
+    let mut multipart = multipart.map_err(|e| {
+        ApiError::new(
+            e.status(),
+            format!(
+                "`/v1/images/edits` takes a multipart/form-data body (as OpenAI's): {}",
+                e.body_text()
+            ),
+        )
+    })?;
+    let (mut images, mut mask, mut texts) = (Vec::new(), None, Vec::new());
+    while let Some(field) = multipart.next_field().await.map_err(multipart_error)? {
+        let name = field.name().unwrap_or_default().to_string();
+        match name.as_str() {
+            "image" | "image[]" => images.push((name, field.bytes().await.map_err(multipart_error)?.to_vec())),
+            "mask" => {
+                if mask.is_some() {
+                    return Err(ApiError::bad_request(Some("mask"), "`mask` is given twice: give one"));
+                }
+                mask = Some((name, field.bytes().await.map_err(multipart_error)?.to_vec()));
+            }
+            _ => {
+                let text = field.text().await.map_err(|e| {
+                    ApiError::bad_request(Some(&name), format!("`{name}` is not a text field: {}", e.body_text()))
+                })?;
+                texts.push((name, text));
+            }
+        }
+    }
+    let mut body = crate::request::form_to_json(texts)?;
+    let OpenAiRequest { draw, response_format } = openai_request(&app, &mut body, OPENAI_EDITS_IGNORED)?;
+    let image_field = images
+        .first()
+        .map_or("image", |(name, _)| if name == "image" { "image" } else { "image[]" });
+    if images.is_empty() {
+        return Err(ApiError::bad_request(
+            Some("image"),
+            "`image` is required: the image to edit, as a file field (`image`, or `image[]` for several)",
+        ));
+    }
+    let sent = Sent {
+        images,
+        mask,
+        mask_role: Role::AlphaMask,
+        names: InputNames {
+            image: image_field,
+            mask: "mask",
+        },
+    };
+    let (request, inputs) = app.request_with_inputs(draw, sent).await.map_err(as_size)?;
+    openai_response(&app, &headers, request, &inputs, &response_format).await
+}
+
+/// The input images of a jobs API body: `image` (base64, or a list of them) and `mask_image`
+/// (base64), a `data:image/...;base64,` prefix allowed. Errors name `image`, `image[k]` or
+/// `mask_image`.
+fn take_base64_inputs(body: &mut Map<String, Value>) -> Result<Sent, ApiError> {
+    let text = |field: &str, value: &Value| -> Result<Vec<u8>, ApiError> {
+        match value {
+            Value::String(b64) => crate::inputs::from_base64(field, b64),
+            other => Err(ApiError::bad_request(
+                Some(field),
+                format!("`{field}` must be an image as base64 text, got {other}"),
+            )),
+        }
+    };
+    let images = match body.remove("image") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(list)) => list
+            .iter()
+            .enumerate()
+            .map(|(k, v)| {
+                let field = format!("image[{k}]");
+                text(&field, v).map(|bytes| (field, bytes))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(one) => vec![("image".to_string(), text("image", &one)?)],
+    };
+    let mask = match body.remove("mask_image") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(("mask_image".to_string(), text("mask_image", &v)?)),
+    };
+    Ok(Sent {
+        images,
+        mask,
+        mask_role: Role::Mask,
+        names: InputNames {
+            image: "image",
+            mask: "mask_image",
+        },
+    })
+}
+
+/// `POST /kiln/v1/jobs`: queues a job, answers 202 with its id at once. Input images come as
+/// base64 in `image` (one, or a list) and `mask_image`.
+async fn create_job(State(app): State<Shared>, UploadBody(mut body): UploadBody) -> Result<Response, ApiError> {
     let model_name: Option<String> = take(&mut body, "model")?;
     let model = app.model_index(model_name.as_deref(), "model")?;
     let prompt: String =
@@ -227,21 +394,21 @@ async fn create_job(State(app): State<Shared>, Body(mut body): Body) -> Result<R
     let height: Option<usize> = take(&mut body, "height")?;
     let width: Option<usize> = take(&mut body, "width")?;
     let seed = take_seed(&mut body)?;
+    let sent = take_base64_inputs(&mut body)?;
     let mut fields = CallFields::take_from(&mut body)?;
     let loras = crate::loras::take_loras(&mut body)?;
     refuse_unknown(&body)?;
     app.loras.apply(&loras, &mut fields, "loras")?;
     let seeds = app.seeds(n, seed, "n")?;
-    let request = JobRequest::new(
+    let draw = Draw {
         model,
-        &app.models[model],
         prompt,
-        (height, width),
+        size: (height, width),
         fields,
         seeds,
-        &app.limits,
-    )?;
-    let job = app.submit(request)?;
+    };
+    let (request, inputs) = app.request_with_inputs(draw, sent).await?;
+    let job = app.submit(request, &inputs)?;
     let location = format!("/kiln/v1/jobs/{}", job.id);
     Ok((
         StatusCode::ACCEPTED,
@@ -268,6 +435,10 @@ pub(crate) fn job_json(app: &App, job: &Arc<Job>) -> Value {
         "created": job.created.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         "events": format!("/kiln/v1/jobs/{}/events", job.id),
     });
+    if !job.inputs.is_empty() {
+        // The input images (and mask) by the sha256 of their bytes.
+        out["inputs"] = job.inputs.iter().map(|u| json!({"sha256": u.sha256})).collect();
+    }
     if state.status == Status::Queued {
         drop(state);
         out["position"] = app.queue.position(&job.id).map_or(Value::Null, Value::from);

@@ -16,6 +16,8 @@ pub struct ModelInfo {
     pub kind: PipelineKind,
     /// The call defaults (the model's `kiln_defaults.json`, else the pipeline's).
     pub defaults: CallDefaults,
+    /// Those of the classes a call with input images runs (image-to-image, inpainting).
+    pub image_defaults: Vec<(PipelineKind, CallDefaults)>,
     /// The sample size a size of 0 stands for.
     pub default_size: usize,
     /// Whether the model uses a guidance scale (FLUX.1 [schnell] does not).
@@ -27,6 +29,14 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
+    /// The defaults of a call the class `kind` runs ([`PipelineKind::for_call`]).
+    pub fn defaults_for(&self, kind: PipelineKind) -> &CallDefaults {
+        self.image_defaults
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or(&self.defaults, |(_, d)| d)
+    }
+
     /// The device's budget less what tensors hold there now (as the pipelines' own budget check).
     pub fn free_bytes(&self) -> Option<u64> {
         let device = self.device.as_ref()?;
@@ -140,6 +150,7 @@ impl PipelineBackend {
                 name,
                 kind: pipe.kind(),
                 defaults: pipe.defaults().clone(),
+                image_defaults: image_class_defaults(&pipe)?,
                 default_size: pipe.default_size(),
                 uses_guidance: pipe.guidance_scale(&GenerateCall::default()).is_some(),
                 record: pipe.record().clone(),
@@ -183,4 +194,18 @@ impl Backend for PipelineBackend {
     fn encode_prompt(&mut self, model: usize, call: &GenerateCall<'static>) -> Result<PromptEncoding, PipelineError> {
         self.pipes[model].encode_prompt(call)
     }
+}
+
+/// The defaults of the classes `pipe`'s folder runs with input images.
+fn image_class_defaults(pipe: &AnyPipeline) -> anyhow::Result<Vec<(PipelineKind, CallDefaults)>> {
+    let class = pipe.kind().class();
+    let mut all = Vec::new();
+    for mapped in [class.image_to_image, class.inpainting].into_iter().flatten() {
+        let kind = PipelineKind::of_class(mapped);
+        all.push((
+            kind,
+            kind.model_defaults(kiln_pipelines::DiffusionPipeline::root(pipe))?,
+        ));
+    }
+    Ok(all)
 }

@@ -10,6 +10,7 @@ use axum::http::StatusCode;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::inputs::Inputs;
 use crate::jobs::{Image, Job, Queue, Refused, Status};
 use crate::request::{random_seed, JobRequest};
 use crate::App;
@@ -19,29 +20,46 @@ pub(crate) type Shared = Arc<App>;
 /// A JSON object body, its size bounded (`--max-body-bytes`); errors in kiln's error shape.
 pub(crate) struct Body(pub Map<String, Value>);
 
+/// A JSON object body of a route that takes input images, its size bounded by
+/// `--max-upload-bytes` (the route's own body limit).
+pub(crate) struct UploadBody(pub Map<String, Value>);
+
 impl<S: Send + Sync> FromRequest<S> for Body {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(request, state).await.map_err(|e| {
-            let status = e.status();
-            if status == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(
-                    status,
-                    "the request body is larger than this server takes (--max-body-bytes)",
-                )
-            } else {
-                ApiError::new(status, format!("cannot read the request body: {e}"))
-            }
-        })?;
-        match serde_json::from_slice::<Value>(&bytes) {
-            Ok(Value::Object(map)) => Ok(Body(map)),
-            Ok(_) => Err(ApiError::bad_request(None, "the request body must be a JSON object")),
-            Err(e) => Err(ApiError::bad_request(
-                None,
-                format!("the request body is not valid JSON: {e}"),
-            )),
+        json_object(request, state, "--max-body-bytes").await.map(Body)
+    }
+}
+
+impl<S: Send + Sync> FromRequest<S> for UploadBody {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        json_object(request, state, "--max-upload-bytes").await.map(UploadBody)
+    }
+}
+
+/// The request's body as a JSON object; `flag` is the limit that bounds it.
+async fn json_object<S: Send + Sync>(request: Request, state: &S, flag: &str) -> Result<Map<String, Value>, ApiError> {
+    let bytes = Bytes::from_request(request, state).await.map_err(|e| {
+        let status = e.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                status,
+                format!("the request body is larger than this server takes ({flag})"),
+            )
+        } else {
+            ApiError::new(status, format!("cannot read the request body: {e}"))
         }
+    })?;
+    match serde_json::from_slice::<Value>(&bytes) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(ApiError::bad_request(None, "the request body must be a JSON object")),
+        Err(e) => Err(ApiError::bad_request(
+            None,
+            format!("the request body is not valid JSON: {e}"),
+        )),
     }
 }
 
@@ -58,9 +76,10 @@ impl App {
         })
     }
 
-    /// Queues a checked request; a full queue is a 429 with `Retry-After`.
-    pub(crate) fn submit(&self, request: JobRequest) -> Result<Arc<Job>, ApiError> {
-        let job = Job::new(request);
+    /// Queues a checked request whose call reads the input images `inputs` (the job holds their
+    /// files); a full queue is a 429 with `Retry-After`.
+    pub(crate) fn submit(&self, request: JobRequest, inputs: &Inputs) -> Result<Arc<Job>, ApiError> {
+        let job = Job::with_inputs(request, inputs.uploads());
         match self.queue.push(job.clone()) {
             Ok(()) => {
                 self.jobs.insert(job.clone());

@@ -9,6 +9,7 @@ use kiln_image::GenerationParams;
 use serde::Serialize;
 use tokio::sync::watch;
 
+use crate::inputs::Upload;
 use crate::request::JobRequest;
 
 /// Where a job is.
@@ -63,6 +64,8 @@ pub struct JobState {
 pub struct Job {
     pub id: String,
     pub request: JobRequest,
+    /// The input image files its call reads: kept while the job is (see [`crate::inputs`]).
+    pub inputs: Vec<Arc<Upload>>,
     pub created: SystemTime,
     cancel: AtomicBool,
     state: Mutex<JobState>,
@@ -72,10 +75,16 @@ pub struct Job {
 
 impl Job {
     pub fn new(request: JobRequest) -> Arc<Job> {
+        Job::with_inputs(request, Vec::new())
+    }
+
+    /// A job whose call reads the files `inputs`.
+    pub fn with_inputs(request: JobRequest, inputs: Vec<Arc<Upload>>) -> Arc<Job> {
         let steps = request.steps();
         Arc::new(Job {
             id: new_id(),
             request,
+            inputs,
             created: SystemTime::now(),
             cancel: AtomicBool::new(false),
             state: Mutex::new(JobState {
@@ -279,17 +288,20 @@ impl Queue {
     }
 
     /// The next batch for a worker: the first waiting job and, up to `max_images` images in
-    /// all, the later waiting jobs that share its batch key (in queue order). Blocks while the
+    /// all, the later waiting jobs that share its batch key (in queue order); a job with input
+    /// images alone ([`JobRequest::runs_alone`]). Blocks while the
     /// queue is empty; `None` once it is closed and empty.
     pub fn next_batch(&self, max_images: usize) -> Option<Vec<Arc<Job>>> {
         let mut q = self.lock();
         loop {
             if let Some(first) = q.waiting.pop_front() {
                 let key = first.request.batch_key();
+                let first_alone = first.request.runs_alone();
                 let mut images = first.request.seeds.len();
                 let mut batch = vec![first];
                 let mut k = 0;
-                while k < q.waiting.len() {
+                // (The key holds the input images: a job that shares it has them too.)
+                while !first_alone && k < q.waiting.len() {
                     let job = &q.waiting[k];
                     let n = job.request.seeds.len();
                     if images + n <= max_images && job.request.batch_key() == key {
@@ -381,6 +393,7 @@ mod tests {
                 fields
             },
             seeds,
+            size_from_input: false,
         })
     }
 
@@ -426,6 +439,29 @@ mod tests {
         q.done_running(&batch);
         assert_eq!(q.running().len(), 1);
         assert!(Arc::ptr_eq(&q.running()[0], &second[0]));
+    }
+
+    #[test]
+    fn jobs_with_input_images_run_alone() {
+        let with_image = |seed: u64| {
+            let job = job(2, vec![seed]);
+            let mut request = job.request.clone();
+            let image = serde_json::json!([{"path": "/uploads/a.png", "sha256": "ab"}]);
+            request.fields.set("image", &image).unwrap();
+            Job::new(request)
+        };
+        let q = Queue::new(8);
+        let jobs = [with_image(1), with_image(2), job(2, vec![3]), job(2, vec![4])];
+        for j in &jobs {
+            q.push(j.clone()).unwrap();
+        }
+        assert!(jobs[0].request.runs_alone() && !jobs[2].request.runs_alone());
+        for want in [vec![&jobs[0]], vec![&jobs[1]], vec![&jobs[2], &jobs[3]]] {
+            let batch = q.next_batch(8).unwrap();
+            let ids: Vec<&str> = batch.iter().map(|j| j.id.as_str()).collect();
+            let want: Vec<&str> = want.iter().map(|j| j.id.as_str()).collect();
+            assert_eq!(ids, want);
+        }
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! progress events, and serves a small web page.
 //!
 //! Every request is checked before it is queued (each error names the field); a request names no
-//! file or folder; with an API key every route but `/health` needs it.
+//! file or folder (input images come in the request and are kept in the server's own folder
+//! while their jobs live); with an API key every route but `/health` needs it.
 #![forbid(unsafe_code)]
 
 mod a1111;
@@ -12,6 +13,7 @@ mod api;
 pub mod backend;
 mod error;
 mod http;
+mod inputs;
 mod jobs;
 pub mod loras;
 mod metrics;
@@ -44,6 +46,14 @@ pub struct Limits {
     /// Images in one batch of compatible queued requests (1: no batching).
     pub max_batch: usize,
     pub max_body_bytes: usize,
+    /// Bytes per request body on the routes that take input images (`/v1/images/edits`,
+    /// `/sdapi/v1/img2img`, `/kiln/v1/jobs`) instead of `max_body_bytes`.
+    pub max_upload_bytes: usize,
+    /// Bytes per input image (as sent, after base64 decoding).
+    pub max_image_bytes: usize,
+    /// Pixels per input image, read from its header before it is decoded (at most 4096 × 4096,
+    /// the pipelines' own bound).
+    pub max_input_pixels: u64,
     /// Jobs that may wait in the queue (beyond it: 429).
     pub queue: usize,
 }
@@ -57,6 +67,9 @@ impl Default for Limits {
             max_prompt_chars: 4000,
             max_batch: 4,
             max_body_bytes: 64 * 1024,
+            max_upload_bytes: 32 << 20,
+            max_image_bytes: 16 << 20,
+            max_input_pixels: inputs::MAX_INPUT_PIXELS,
             queue: 16,
         }
     }
@@ -134,6 +147,8 @@ pub(crate) struct App {
     pub a1111_model: Mutex<usize>,
     pub closing: AtomicBool,
     pub loras: loras::LoraDir,
+    /// Where the input images of the live jobs are kept (see `inputs`).
+    pub uploads: inputs::Uploads,
 }
 
 pub(crate) fn key_hash(key: &str) -> [u8; 32] {
@@ -158,6 +173,11 @@ where
     if loaders.is_empty() {
         bail!("no device to serve on");
     }
+    if limits.max_upload_bytes == 0 || limits.max_image_bytes == 0 || limits.max_input_pixels == 0 {
+        bail!("--max-upload-bytes, --max-image-bytes and --max-input-pixels must be at least 1");
+    }
+    let uploads = inputs::Uploads::new();
+    let upload_dir = uploads.made();
     let queue = Arc::new(jobs::Queue::new(limits.queue));
     let metrics = Arc::new(metrics::Metrics::default());
     let prompt_cache = (config.prompt_cache_bytes > 0).then(|| {
@@ -244,6 +264,7 @@ where
         a1111_model: Mutex::new(0),
         closing: AtomicBool::new(false),
         loras: loras::LoraDir::new(config.lora_dir.clone()),
+        uploads,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -287,6 +308,10 @@ where
         let _ = w.join();
     }
     runtime.shutdown_timeout(Duration::from_secs(5));
+    // The input images' folder goes with its last holder; and at the latest here.
+    if let Some(dir) = upload_dir.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
     served
 }
 

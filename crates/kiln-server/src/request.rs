@@ -78,6 +78,57 @@ impl CallFields {
     }
 }
 
+/// The text fields of a form (`multipart/form-data`, as OpenAI's `images/edits` takes) as the JSON
+/// body the same request would have: each call argument read as the command line reads it (a
+/// list comma-separated or repeated as `name[]`; by the argument table, so that one table drives
+/// both), `n` and `seed` as numbers, `loras` as its JSON text, any other field as its text (a
+/// repeated one as a list of texts). An error names the field.
+pub fn form_to_json(texts: Vec<(String, String)>) -> Result<Map<String, Value>, ApiError> {
+    let mut grouped: Vec<(String, Vec<String>)> = Vec::new();
+    for (name, text) in texts {
+        let name = name.strip_suffix("[]").unwrap_or(&name).to_string();
+        match grouped.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, items)) => items.push(text),
+            None => grouped.push((name, vec![text])),
+        }
+    }
+    let mut body = Map::new();
+    for (name, items) in grouped {
+        let value = if let Some(spec) = CallFields::names()
+            .any(|n| n == name)
+            .then(|| kiln_pipelines::arguments::spec(&name))
+            .flatten()
+        {
+            let items: Vec<String> = match spec.shape {
+                kiln_pipelines::arguments::Shape::List => items
+                    .iter()
+                    .flat_map(|i| i.split(','))
+                    .map(|i| i.trim().to_string())
+                    .collect(),
+                _ => items,
+            };
+            let mut call = GenerateCall::default();
+            call.set_items(&name, &items).map_err(|e| argument_error(&e))?;
+            call.to_json().remove(&name).unwrap_or(Value::Null)
+        } else {
+            let one = |text: &String| -> Value {
+                match name.as_str() {
+                    "n" | "seed" => serde_json::from_str::<serde_json::Number>(text.trim())
+                        .map_or_else(|_| Value::String(text.clone()), Value::Number),
+                    "loras" => serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.clone())),
+                    _ => Value::String(text.clone()),
+                }
+            };
+            match items.as_slice() {
+                [single] => one(single),
+                many => Value::Array(many.iter().map(one).collect()),
+            }
+        };
+        body.insert(name, value);
+    }
+    Ok(body)
+}
+
 /// Removes `name` from `body` and reads it as `T` (`None` when absent or null).
 pub fn take<T: serde::de::DeserializeOwned>(body: &mut Map<String, Value>, name: &str) -> Result<Option<T>, ApiError> {
     match body.remove(name) {
@@ -110,12 +161,25 @@ pub struct JobRequest {
     pub fields: CallFields,
     /// One seed per image (image `k` is the image `kiln generate --seed seeds[k]` makes).
     pub seeds: Vec<u64>,
+    /// No size was given and the call has input images: the pipeline sizes the output from them
+    /// as `kiln generate --image` does (`height` and `width` then hold the first image's size,
+    /// which the checks use).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub size_from_input: bool,
 }
 
 impl JobRequest {
     /// The number of denoising steps (the sigmas' count when they are given).
     pub fn steps(&self) -> usize {
         self.fields.steps().unwrap_or(0)
+    }
+
+    /// Whether each image runs as a call of its own, never batched: a call with input images
+    /// draws their latents from its first image's generator (diffusers'), so that in a batch an
+    /// image after the first would not be the one its seed makes alone.
+    pub fn runs_alone(&self) -> bool {
+        let call = self.fields.call();
+        call.image.is_some() || call.mask_image.is_some()
     }
 
     /// What requests must share to run as one batch: everything but the texts and the seeds (a
@@ -193,9 +257,11 @@ impl JobRequest {
             }
             Ok(side)
         };
-        let height = resolve("height", size.0, model.defaults.height)?;
-        let width = resolve("width", size.1, model.defaults.width)?;
-        let steps = call.steps_given().unwrap_or(model.defaults.num_inference_steps);
+        // A call with input images takes the defaults of the class that runs it.
+        let defaults = model.defaults_for(model.kind.for_call(&fields.call()));
+        let height = resolve("height", size.0, defaults.height)?;
+        let width = resolve("width", size.1, defaults.width)?;
+        let steps = call.steps_given().unwrap_or(defaults.num_inference_steps);
         let steps_field = if call.sigmas.is_some() {
             "sigmas"
         } else {
@@ -214,7 +280,7 @@ impl JobRequest {
             fields.set("num_inference_steps", &steps.into())?;
         }
         if call.guidance_scale.is_none() {
-            fields.set("guidance_scale", &model.defaults.guidance_scale.into())?;
+            fields.set("guidance_scale", &defaults.guidance_scale.into())?;
         }
         let request = JobRequest {
             model: model_index,
@@ -223,11 +289,14 @@ impl JobRequest {
             width,
             fields,
             seeds,
+            size_from_input: false,
         };
         // The pipeline's own checks that need no model run: the arguments it takes and the call
         // budget against the device's free memory.
         let call = request.generate_call(std::slice::from_ref(&request));
-        (model.kind.check_arguments(&call)).map_err(|e| bad(e.argument, format!("{e} (model {})", model.name)))?;
+        // (A call with input images runs the folder's image-to-image or inpainting class.)
+        (model.kind.for_call(&call).check_arguments(&call))
+            .map_err(|e| bad(e.argument, format!("{e} (model {})", model.name)))?;
         model
             .check_budget(steps, n, height, width)
             .map_err(|over| bad(over.argument, over.to_string()))?;
@@ -250,10 +319,11 @@ impl JobRequest {
             call.set_json(name, &texts.into())
                 .expect("a list of texts for a text argument");
         }
+        let size = |side: usize| (!self.size_from_input).then_some(side);
         GenerateCall {
             prompt: per_image(&|r| r.prompt.clone()),
-            height: Some(self.height),
-            width: Some(self.width),
+            height: size(self.height),
+            width: size(self.width),
             num_images_per_prompt: None,
             seed: None,
             seeds: Some(batch.iter().flat_map(|r| r.seeds.iter().copied()).collect()),
@@ -321,6 +391,42 @@ mod tests {
     }
 
     #[test]
+    fn form_fields_read_as_the_command_line_reads_them() {
+        let form =
+            |pairs: &[(&str, &str)]| form_to_json(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        let body = form(&[
+            ("prompt", "a cat"),
+            ("n", "2"),
+            ("seed", "-1"),
+            ("num_inference_steps", "3"),
+            ("strength", "0.5"),
+            ("cfg_normalization", "true"),
+            ("sigmas[]", "1.0"),
+            ("sigmas[]", "0.5"),
+            ("negative_prompt", "dark"),
+            ("loras", r#"[{"name": "a", "scale": 0.5}]"#),
+        ])
+        .unwrap();
+        assert_eq!(
+            Value::Object(body.clone()),
+            serde_json::json!({"prompt": "a cat", "n": 2, "seed": -1, "num_inference_steps": 3,
+                "strength": 0.5, "cfg_normalization": true, "sigmas": [1.0, 0.5],
+                "negative_prompt": ["dark"], "loras": [{"name": "a", "scale": 0.5}]})
+        );
+        let mut body = body;
+        let fields = CallFields::take_from(&mut body).unwrap();
+        assert_eq!(fields.call().strength, Some(0.5));
+        assert_eq!(
+            form(&[("sigmas", "1,0.5")]).unwrap()["sigmas"],
+            serde_json::json!([1.0, 0.5])
+        );
+        let e = form(&[("strength", "much")]).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("strength"), "{}", e.message);
+        // What is not a number stays a text, for the field's own check to name.
+        assert_eq!(form(&[("n", "two")]).unwrap()["n"], "two");
+    }
+
+    #[test]
     fn seeds_take_torchs_range() {
         assert_eq!(seed_of("seed", &serde_json::json!(7)).unwrap(), 7);
         assert_eq!(seed_of("seed", &serde_json::json!(-1)).unwrap(), u64::MAX);
@@ -347,7 +453,7 @@ mod tests {
     fn the_call_fields_are_the_tables_rows_served_as_fields() {
         use kiln_pipelines::arguments::Shape;
         let names: Vec<&str> = CallFields::names().collect();
-        assert_eq!(names.len(), 19);
+        assert_eq!(names.len(), 20);
         for api in ["prompt", "height", "width", "seed", "num_images_per_prompt"] {
             assert!(!names.contains(&api), "{api} is the API's own");
         }
@@ -381,6 +487,7 @@ mod tests {
                 width: 64,
                 fields: CallFields::take_from(body.as_object_mut().unwrap()).unwrap(),
                 seeds,
+                size_from_input: false,
             }
         };
         let (a, b) = (request("x", 4, vec![1, 2]), request("y", 4, vec![3]));

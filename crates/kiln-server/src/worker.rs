@@ -9,10 +9,11 @@ use std::time::Instant;
 
 use kiln_pipelines::{GenerateCall, PipelineError, PromptEncoding};
 
-use crate::backend::{Backend, ModelInfo};
+use crate::backend::{Backend, Generated, ModelInfo};
 use crate::jobs::{Image, Job, Queue, Status};
 use crate::metrics::Metrics;
 use crate::prompt_cache::PromptCache;
+use crate::request::JobRequest;
 
 /// The prompt cache a worker uses, and the worker's index (each worker's encodings are its own:
 /// another device may compute other values).
@@ -37,21 +38,21 @@ pub fn run(
     }
 }
 
-/// `call` (the batch's) with the encodings of the jobs' prompts instead of its texts: each job's
+/// `call` (of `requests`) with the encodings of the requests' prompts instead of its texts: each job's
 /// from the cache, else encoded alone and kept, repeated per image of the job. `call` as it is
 /// when the backend does not encode prompts apart.
 fn with_prompt_encodings(
     backend: &mut dyn Backend,
-    batch: &[Arc<Job>],
+    requests: &[JobRequest],
     call: GenerateCall<'static>,
     metrics: &Metrics,
     cache: CacheUse<'_>,
 ) -> Result<GenerateCall<'static>, PipelineError> {
-    let model = batch[0].request.model;
+    let model = requests[0].model;
     let lock = || cache.cache.lock().unwrap_or_else(|e| e.into_inner());
     let mut parts: Vec<(Arc<PromptEncoding>, usize)> = Vec::new();
-    for job in batch {
-        let alone = job.request.encoding_call();
+    for request in requests {
+        let alone = request.encoding_call();
         let Some(key) = backend.prompt_key(model, &alone) else {
             return Ok(call);
         };
@@ -70,7 +71,7 @@ fn with_prompt_encodings(
                 encoding
             }
         };
-        parts.push((encoding, job.request.seeds.len()));
+        parts.push((encoding, request.seeds.len()));
     }
     let parts: Vec<(&PromptEncoding, usize)> = parts.iter().map(|(e, n)| (e.as_ref(), *n)).collect();
     Ok(call.with_prompt_encoding(PromptEncoding::batch(&parts)?))
@@ -121,7 +122,22 @@ pub fn run_batch(
     }
     let model = &models[first.request.model];
     let requests: Vec<_> = batch.iter().map(|j| j.request.clone()).collect();
-    let call = first.request.generate_call(&requests);
+    // One call for the batch; but a call with input images draws the images' latents from its
+    // first image's generator (diffusers' img2img, inpainting), so that an image after the first
+    // would not be the one its seed makes alone: such a job (never batched with others) runs one
+    // call per image.
+    let calls: Vec<Vec<JobRequest>> = if first.request.runs_alone() {
+        (first.request.seeds.iter())
+            .map(|&seed| {
+                vec![JobRequest {
+                    seeds: vec![seed],
+                    ..first.request.clone()
+                }]
+            })
+            .collect()
+    } else {
+        vec![requests]
+    };
     let mut last = Instant::now();
     let mut on_step = |step: usize| {
         metrics.step(last.elapsed());
@@ -140,11 +156,23 @@ pub fn run_batch(
     };
     let started = Instant::now();
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-        let call = match cache {
-            Some(cache) => with_prompt_encodings(backend, &batch, call, metrics, cache)?,
-            None => call,
-        };
-        backend.generate(first.request.model, call, &mut on_step)
+        let mut all: Option<Generated> = None;
+        for requests in &calls {
+            let call = requests[0].generate_call(requests);
+            let call = match cache {
+                Some(cache) => with_prompt_encodings(backend, requests, call, metrics, cache)?,
+                None => call,
+            };
+            let generated = backend.generate(first.request.model, call, &mut on_step)?;
+            match &mut all {
+                None => all = Some(generated),
+                Some(all) => {
+                    all.images.extend(generated.images);
+                    all.size = generated.size;
+                }
+            }
+        }
+        Ok(all.expect("a call at least"))
     }));
     let elapsed = started.elapsed();
     let outcome = match result {

@@ -64,6 +64,7 @@ fn fake_model() -> ModelInfo {
             guidance_scale: 0.0,
             max_sequence_length: 40,
         },
+        image_defaults: Vec::new(),
         default_size: 32,
         uses_guidance: false,
         record: kiln_pipelines::RunRecord {

@@ -92,6 +92,17 @@ pub struct ServeArgs {
     /// Bytes per request body.
     #[arg(long, default_value_t = 64 * 1024, value_name = "BYTES", help_heading = LIMITS)]
     pub max_body_bytes: usize,
+    /// Bytes per request body on the routes that take input images (/v1/images/edits,
+    /// /sdapi/v1/img2img, /kiln/v1/jobs), instead of --max-body-bytes.
+    #[arg(long, default_value_t = 32 << 20, value_name = "BYTES", help_heading = LIMITS)]
+    pub max_upload_bytes: usize,
+    /// Bytes per input image (after base64 decoding).
+    #[arg(long, default_value_t = 16 << 20, value_name = "BYTES", help_heading = LIMITS)]
+    pub max_image_bytes: usize,
+    /// Pixels per input image, read from its header before it is decoded (at most 16777216,
+    /// 4096×4096).
+    #[arg(long, default_value_t = 4096 * 4096, value_name = "PIXELS", help_heading = LIMITS)]
+    pub max_input_pixels: u64,
     /// Seconds a finished job and its images stay (for job status and image URLs).
     #[arg(long, default_value_t = 600, value_name = "SECONDS", help_heading = LIMITS)]
     pub keep_images: u64,
@@ -136,10 +147,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ("--max-prompt-chars", args.max_prompt_chars),
         ("--max-batch", args.max_batch),
         ("--max-body-bytes", args.max_body_bytes),
+        ("--max-upload-bytes", args.max_upload_bytes),
+        ("--max-image-bytes", args.max_image_bytes),
     ] {
         if value == 0 {
             bail!("{flag} must be at least 1");
         }
+    }
+    if !(1..=4096 * 4096).contains(&args.max_input_pixels) {
+        bail!("--max-input-pixels must be 1 to 16777216 (4096×4096)");
     }
     let models = if args.model.is_empty() {
         vec![default_model_folder()
@@ -201,6 +217,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             max_prompt_chars: args.max_prompt_chars,
             max_batch: args.max_batch,
             max_body_bytes: args.max_body_bytes,
+            max_upload_bytes: args.max_upload_bytes,
+            max_image_bytes: args.max_image_bytes,
+            max_input_pixels: args.max_input_pixels,
             queue: args.queue,
         },
         keep_finished: Duration::from_secs(args.keep_images),

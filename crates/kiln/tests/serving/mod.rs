@@ -2,6 +2,8 @@
 //! tiny model and an ephemeral port, and `kiln generate`'s image to compare with.
 #![allow(dead_code)]
 
+pub mod devtools;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -189,4 +191,117 @@ pub fn job_png(served: &Served, job: &Value, k: usize) -> image::RgbImage {
         .read_to_end(&mut bytes)
         .unwrap();
     decode_png(&bytes)
+}
+
+/// The tiny Z-Image model of the oracle (`ZImageImg2ImgPipeline` with an input image).
+pub fn tiny_zimage() -> PathBuf {
+    kiln_fixtures::oracle().join("pipelines/zimage_turbo")
+}
+
+/// Runs `command` for at most `limit`; (success, stdout + stderr), or `None` when it ran too long.
+pub fn run_bounded(command: &mut Command, limit: Duration) -> Option<(bool, String)> {
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().ok()?;
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = out.read_to_string(&mut text);
+        let _ = err.read_to_string(&mut text);
+        text
+    });
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some((status.success(), reader.join().unwrap()));
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The Python of a virtual environment with the official `openai` package, made once per target
+/// folder (the one `serve_clients.rs` makes); `Err` (the reason) when pip cannot install it.
+pub fn openai_python() -> Result<PathBuf, String> {
+    let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    let python = venv.join("bin/python");
+    let has_openai = |python: &Path| {
+        Command::new(python)
+            .args(["-c", "import openai"])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if python.exists() && has_openai(&python) {
+        return Ok(python);
+    }
+    let _ = std::fs::remove_dir_all(&venv);
+    match run_bounded(
+        Command::new("python3").args(["-m", "venv"]).arg(&venv),
+        Duration::from_secs(120),
+    ) {
+        Some((true, _)) => {}
+        Some((false, out)) => return Err(format!("python3 -m venv failed: {out}")),
+        None => return Err("python3 -m venv took over 120 s".into()),
+    }
+    match run_bounded(
+        Command::new(venv.join("bin/pip")).args([
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--timeout",
+            "30",
+            "openai",
+        ]),
+        Duration::from_secs(300),
+    ) {
+        Some((true, _)) if has_openai(&python) => Ok(python),
+        Some((_, out)) => Err(format!("pip could not install openai (is PyPI reachable?): {out}")),
+        None => Err("pip install openai took over 300 s".into()),
+    }
+}
+
+/// One part of a `multipart/form-data` body: a text field, or a file field (name, file name,
+/// bytes).
+pub enum Part<'a> {
+    Text(&'a str, &'a str),
+    File(&'a str, &'a str, &'a [u8]),
+}
+
+/// POSTs `parts` as `multipart/form-data` (as OpenAI's clients send `images/edits`): (status,
+/// JSON body).
+pub fn post_form(url: &str, parts: &[Part<'_>]) -> (u16, Value) {
+    let boundary = "kiln-serve-test-3f9c2a";
+    let mut body = Vec::new();
+    for part in parts {
+        body.extend_from_slice(format!("--{boundary}\r\n").as_bytes());
+        match part {
+            Part::Text(name, text) => {
+                body.extend_from_slice(format!("Content-Disposition: form-data; name=\"{name}\"\r\n\r\n").as_bytes());
+                body.extend_from_slice(text.as_bytes());
+            }
+            Part::File(name, file, bytes) => {
+                body.extend_from_slice(
+                    format!(
+                        "Content-Disposition: form-data; name=\"{name}\"; filename=\"{file}\"\r\nContent-Type: image/png\r\n\r\n"
+                    )
+                    .as_bytes(),
+                );
+                body.extend_from_slice(bytes);
+            }
+        }
+        body.extend_from_slice(b"\r\n");
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    let response = match agent()
+        .post(url)
+        .set("Content-Type", &format!("multipart/form-data; boundary={boundary}"))
+        .send_bytes(&body)
+    {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("POST {url}: {e}"),
+    };
+    (response.status(), response.into_json().unwrap())
 }
