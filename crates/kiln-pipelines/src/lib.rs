@@ -12,6 +12,7 @@
 mod any;
 pub mod arguments;
 pub mod budget;
+pub mod cache;
 pub mod call;
 mod encoding;
 mod error;

@@ -243,7 +243,10 @@ fn every_case_schedule_matches() {
             "FluxPipeline" | "FluxImg2ImgPipeline" | "FluxInpaintPipeline" | "FluxKontextPipeline" => {
                 let seq = as_usize(&derived["image_seq_len"], "image_seq_len");
                 let mu = scheduler.config().calculate_shift(seq);
-                assert_eq!(Some(mu), derived["mu"].as_f64(), "{name}: mu");
+                // (The step-cache cases record no mu; their schedule is compared below.)
+                if let Some(recorded) = derived["mu"].as_f64() {
+                    assert_eq!(mu, recorded, "{name}: mu");
+                }
                 scheduler
                     .set_timesteps(steps, Some(&flux_default_sigmas(steps)), Some(mu))
                     .unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -269,7 +272,9 @@ fn every_case_schedule_matches() {
             "Flux2Pipeline" => {
                 let seq = as_usize(&derived["image_seq_len"], "image_seq_len");
                 let mu = compute_empirical_mu(seq, steps);
-                assert_eq!(Some(mu), derived["mu"].as_f64(), "{name}: mu");
+                if let Some(recorded) = derived["mu"].as_f64() {
+                    assert_eq!(mu, recorded, "{name}: mu");
+                }
                 scheduler
                     .set_timesteps(steps, Some(&flux_default_sigmas(steps)), Some(mu))
                     .unwrap_or_else(|e| panic!("{name}: {e}"));

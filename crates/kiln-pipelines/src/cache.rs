@@ -1,0 +1,454 @@
+//! Step caching as diffusers' hooks define it (`FirstBlockCacheConfig`, `TaylorSeerCacheConfig`,
+//! `MagCacheConfig`, `FasterCacheConfig`): the settings, parsed from `KIND:FIELD=VALUE,...` or a
+//! JSON object, and the decisions that depend on no data — MagCache's, TaylorSeer's and
+//! FasterCache's schedules are functions of the settings and the step (First-Block Cache's
+//! decision reads the first block's residual each step).
+//!
+//! Not done yet: running the transformers with these decisions (the pipelines take no `cache`
+//! argument so far).
+
+use serde_json::{Map, Value};
+
+/// diffusers' shipped FLUX.1 magnitude ratios (`diffusers.hooks.mag_cache.FLUX_MAG_RATIOS`), for
+/// 28 steps: MagCache's default here, as every oracle case passes them.
+pub const FLUX_MAG_RATIOS: [f32; 28] = [
+    1.0, 1.21094, 1.11719, 1.07812, 1.0625, 1.03906, 1.03125, 1.03906, 1.02344, 1.03125, 1.02344, 0.98047, 1.01562,
+    1.00781, 1.0, 1.00781, 1.0, 1.00781, 1.0, 1.0, 0.99609, 0.99609, 0.98047, 0.98828, 0.96484, 0.95703, 0.93359,
+    0.89062,
+];
+
+/// A step cache's settings, with diffusers' field names and defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CacheConfig {
+    /// `FirstBlockCacheConfig`: the remaining blocks run iff the first block's residual changed by
+    /// more than `threshold` (relative mean absolute change) since the last computed call.
+    FirstBlock { threshold: f64 },
+    /// `TaylorSeerCacheConfig`: the attention outputs extrapolated between computed steps.
+    TaylorSeer {
+        cache_interval: usize,
+        disable_cache_before_step: usize,
+        disable_cache_after_step: Option<usize>,
+        max_order: usize,
+        /// `true`: the factors are kept in bfloat16 (diffusers' default), else float32.
+        bfloat16_factors: bool,
+    },
+    /// `MagCacheConfig`: whole calls skipped while the accumulated magnitude-ratio error stays
+    /// under `threshold`.
+    MagCache {
+        threshold: f64,
+        max_skip_steps: usize,
+        retention_ratio: f64,
+        num_inference_steps: usize,
+        mag_ratios: Vec<f32>,
+    },
+    /// `FasterCacheConfig` in its guidance-distilled mode: attention outputs approximated from the
+    /// last two inside the timestep range, recomputed every `block_skip_range` calls.
+    Faster {
+        block_skip_range: usize,
+        timestep_skip_range: (f64, f64),
+        is_guidance_distilled: bool,
+    },
+}
+
+impl CacheConfig {
+    /// `KIND[:FIELD=VALUE,...]` (list values joined with `;`), e.g. `first-block:threshold=0.12`.
+    pub fn parse(text: &str) -> Result<CacheConfig, String> {
+        let (kind, fields) = text.split_once(':').unwrap_or((text, ""));
+        let mut map = Map::new();
+        for field in fields.split(',').filter(|f| !f.trim().is_empty()) {
+            let (name, value) = field
+                .split_once('=')
+                .ok_or_else(|| format!("`{field}` is not FIELD=VALUE"))?;
+            let value = value.trim();
+            let item = |v: &str| -> Value {
+                match v {
+                    "True" | "true" => Value::Bool(true),
+                    "False" | "false" => Value::Bool(false),
+                    "None" | "none" => Value::Null,
+                    _ => v
+                        .parse::<f64>()
+                        .ok()
+                        .and_then(serde_json::Number::from_f64)
+                        .map_or_else(|| Value::String(v.to_string()), Value::Number),
+                }
+            };
+            let value = match value.contains(';') {
+                true => Value::Array(value.split(';').map(|v| item(v.trim())).collect()),
+                false => item(value),
+            };
+            if map.insert(name.trim().to_string(), value).is_some() {
+                return Err(format!("`{}` is given twice", name.trim()));
+            }
+        }
+        CacheConfig::from_fields(kind.trim(), &map)
+    }
+
+    /// `{"kind": KIND, FIELD: VALUE, ...}` (the server's `cache` object).
+    pub fn from_json(value: &Value) -> Result<CacheConfig, String> {
+        let map = value
+            .as_object()
+            .ok_or_else(|| format!("must be an object with `kind`, got {value}"))?;
+        let kind = map
+            .get("kind")
+            .and_then(Value::as_str)
+            .ok_or("needs `kind`: first-block, taylorseer, magcache or faster")?;
+        let mut fields = map.clone();
+        fields.remove("kind");
+        CacheConfig::from_fields(kind, &fields)
+    }
+
+    fn from_fields(kind: &str, fields: &Map<String, Value>) -> Result<CacheConfig, String> {
+        let mut f = Fields {
+            kind,
+            fields,
+            used: Vec::new(),
+        };
+        let config = match kind {
+            "first-block" => CacheConfig::FirstBlock {
+                threshold: f.number("threshold", 0.05)?,
+            },
+            "taylorseer" => {
+                let dtype = f.text("taylor_factors_dtype", "bfloat16")?;
+                let bfloat16_factors = match dtype.trim_start_matches("torch.") {
+                    "bfloat16" => true,
+                    "float32" => false,
+                    other => return Err(format!("`taylor_factors_dtype` is bfloat16 or float32, not {other}")),
+                };
+                CacheConfig::TaylorSeer {
+                    cache_interval: f.count("cache_interval", 5)?,
+                    disable_cache_before_step: f.count("disable_cache_before_step", 3)?,
+                    disable_cache_after_step: f.optional_count("disable_cache_after_step")?,
+                    max_order: f.count("max_order", 1)?,
+                    bfloat16_factors,
+                }
+            }
+            "magcache" => CacheConfig::MagCache {
+                threshold: f.number("threshold", 0.06)?,
+                max_skip_steps: f.count("max_skip_steps", 3)?,
+                retention_ratio: f.number("retention_ratio", 0.2)?,
+                num_inference_steps: f.count("num_inference_steps", 28)?,
+                mag_ratios: f
+                    .numbers("mag_ratios")?
+                    .map_or_else(|| FLUX_MAG_RATIOS.to_vec(), |v| v.iter().map(|&x| x as f32).collect()),
+            },
+            "faster" => {
+                let range = f
+                    .numbers("spatial_attention_timestep_skip_range")?
+                    .unwrap_or(vec![-1.0, 681.0]);
+                let [lo, hi] = range[..] else {
+                    return Err("`spatial_attention_timestep_skip_range` takes two numbers, LOW;HIGH".into());
+                };
+                let _ = f.text("tensor_format", "BCHW")?;
+                CacheConfig::Faster {
+                    block_skip_range: f.count("spatial_attention_block_skip_range", 2)?,
+                    timestep_skip_range: (lo, hi),
+                    is_guidance_distilled: f.flag("is_guidance_distilled", false)?,
+                }
+            }
+            other => {
+                return Err(format!(
+                    "unknown cache kind `{other}`: first-block, taylorseer, magcache or faster"
+                ))
+            }
+        };
+        if let Some(unknown) = fields.keys().find(|k| !f.used.contains(&k.as_str())) {
+            return Err(format!("`{unknown}` is not a field of the {kind} cache"));
+        }
+        config.check()?;
+        Ok(config)
+    }
+
+    /// diffusers' checks of the settings, and the ones its hooks would trip on later.
+    fn check(&self) -> Result<(), String> {
+        match self {
+            CacheConfig::FirstBlock { threshold } if *threshold < 0.0 => {
+                Err(format!("`threshold` must be at least 0, got {threshold}"))
+            }
+            CacheConfig::TaylorSeer { cache_interval: 0, .. } => Err("`cache_interval` must be at least 1".into()),
+            CacheConfig::TaylorSeer {
+                cache_interval,
+                disable_cache_before_step: 0,
+                ..
+            } if *cache_interval > 1 => {
+                Err("`disable_cache_before_step` 0 would extrapolate step 0 from nothing: give at least 1".into())
+            }
+            CacheConfig::MagCache {
+                threshold,
+                retention_ratio,
+                num_inference_steps,
+                mag_ratios,
+                ..
+            } => {
+                if *threshold < 0.0 {
+                    return Err(format!("`threshold` must be at least 0, got {threshold}"));
+                }
+                if !(0.0..=1.0).contains(retention_ratio) {
+                    return Err(format!("`retention_ratio` must be in [0, 1], got {retention_ratio}"));
+                }
+                if *num_inference_steps == 0 || mag_ratios.is_empty() {
+                    return Err("`num_inference_steps` and `mag_ratios` must not be empty or 0".into());
+                }
+                Ok(())
+            }
+            CacheConfig::Faster {
+                block_skip_range: 0, ..
+            } => Err("`spatial_attention_block_skip_range` must be at least 1".into()),
+            CacheConfig::Faster {
+                is_guidance_distilled: false,
+                ..
+            } => Err(
+                "FasterCache's guidance (non-distilled) mode is not implemented: give is_guidance_distilled=True"
+                    .into(),
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// MagCache: its ratios for `num_inference_steps` steps — nearest interpolation,
+    /// `round(i·(L−1)/(n−1))` with ties to even (torch.round).
+    pub fn magcache_ratios(mag_ratios: &[f32], steps: usize) -> Vec<f32> {
+        let len = mag_ratios.len();
+        match (len, steps) {
+            (0, _) => Vec::new(),
+            (_, 1) => vec![mag_ratios[len - 1]],
+            (l, n) if l == n => mag_ratios.to_vec(),
+            (l, n) => {
+                let scale = (l - 1) as f64 / (n - 1) as f64;
+                (0..n)
+                    .map(|i| {
+                        let x = (i as f32) * scale as f32;
+                        mag_ratios[(x.round_ties_even() as usize).min(l - 1)]
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// The steps whose transformer call is served from the cache, when that depends on no data
+    /// (MagCache, TaylorSeer, FasterCache), for a call of `timesteps`; `None` for First-Block
+    /// Cache, whose decision reads the first block's residual.
+    pub fn planned_hits(&self, timesteps: &[f32]) -> Option<Vec<bool>> {
+        let steps = timesteps.len();
+        match self {
+            CacheConfig::FirstBlock { .. } => None,
+            CacheConfig::TaylorSeer {
+                cache_interval,
+                disable_cache_before_step: before,
+                disable_cache_after_step: after,
+                ..
+            } => Some(
+                (0..steps)
+                    .map(|s| {
+                        let computes = s < *before
+                            || (s as i64 - *before as i64 - 1).rem_euclid(*cache_interval as i64) == 0
+                            || after.is_some_and(|a| s >= a);
+                        !computes
+                    })
+                    .collect(),
+            ),
+            CacheConfig::MagCache {
+                threshold,
+                max_skip_steps,
+                retention_ratio,
+                num_inference_steps,
+                mag_ratios,
+            } => {
+                let ratios = CacheConfig::magcache_ratios(mag_ratios, *num_inference_steps);
+                let retention = (retention_ratio * *num_inference_steps as f64 + 0.5) as usize;
+                let (mut acc_ratio, mut acc_steps, mut acc_err) = (1.0f32, 0usize, 0.0f32);
+                let mut has_residual = false;
+                Some(
+                    (0..steps)
+                        .map(|i| {
+                            // The state resets every `num_inference_steps` calls.
+                            let s = i % num_inference_steps;
+                            if s == 0 {
+                                (acc_ratio, acc_steps, acc_err, has_residual) = (1.0, 0, 0.0, false);
+                            }
+                            if s < retention {
+                                has_residual = true;
+                                return false;
+                            }
+                            acc_ratio *= ratios.get(s).copied().unwrap_or(1.0);
+                            acc_steps += 1;
+                            acc_err += (1.0 - acc_ratio).abs();
+                            let skip = has_residual && f64::from(acc_err) <= *threshold && acc_steps <= *max_skip_steps;
+                            if !skip {
+                                (acc_ratio, acc_steps, acc_err) = (1.0, 0, 0.0);
+                                has_residual = true;
+                            }
+                            skip
+                        })
+                        .collect(),
+                )
+            }
+            CacheConfig::Faster {
+                block_skip_range,
+                timestep_skip_range: (lo, hi),
+                ..
+            } => Some(
+                timesteps
+                    .iter()
+                    .enumerate()
+                    .map(|(iteration, &t)| {
+                        let t = f64::from(t);
+                        *lo < t && t < *hi && !(iteration > 0 && iteration % block_skip_range == 0)
+                    })
+                    .collect(),
+            ),
+        }
+    }
+}
+
+/// A cache's fields as given, read by name with their defaults (the names read are kept, so that
+/// an unknown one is an error).
+struct Fields<'a> {
+    kind: &'a str,
+    fields: &'a Map<String, Value>,
+    used: Vec<&'static str>,
+}
+
+impl Fields<'_> {
+    fn get(&mut self, name: &'static str) -> Option<&Value> {
+        self.used.push(name);
+        self.fields.get(name).filter(|v| !v.is_null())
+    }
+
+    fn number(&mut self, name: &'static str, default: f64) -> Result<f64, String> {
+        let kind = self.kind;
+        match self.get(name) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| format!("`{name}` of the {kind} cache must be a number, got {v}")),
+        }
+    }
+
+    fn optional_count(&mut self, name: &'static str) -> Result<Option<usize>, String> {
+        let kind = self.kind;
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x >= 0.0 && x.fract() == 0.0 && x <= 1e9 => Ok(Some(x as usize)),
+                _ => Err(format!(
+                    "`{name}` of the {kind} cache must be a whole number ≥ 0, got {v}"
+                )),
+            },
+        }
+    }
+
+    fn count(&mut self, name: &'static str, default: usize) -> Result<usize, String> {
+        Ok(self.optional_count(name)?.unwrap_or(default))
+    }
+
+    fn numbers(&mut self, name: &'static str) -> Result<Option<Vec<f64>>, String> {
+        let kind = self.kind;
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_f64().filter(|x| x.is_finite()))
+                .collect::<Option<Vec<f64>>>()
+                .map(Some)
+                .ok_or_else(|| format!("`{name}` of the {kind} cache must be numbers (A;B;...)")),
+            Some(v) => Err(format!(
+                "`{name}` of the {kind} cache must be a list of numbers (A;B;...), got {v}"
+            )),
+        }
+    }
+
+    fn flag(&mut self, name: &'static str, default: bool) -> Result<bool, String> {
+        let kind = self.kind;
+        match self.get(name) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(format!("`{name}` of the {kind} cache is True or False, got {v}")),
+        }
+    }
+
+    fn text(&mut self, name: &'static str, default: &str) -> Result<String, String> {
+        match self.get(name) {
+            None => Ok(default.to_string()),
+            Some(Value::String(s)) => Ok(s.clone()),
+            Some(v) => Ok(v.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_parse_with_diffusers_names_and_defaults() {
+        assert_eq!(
+            CacheConfig::parse("first-block:threshold=0.12").unwrap(),
+            CacheConfig::FirstBlock { threshold: 0.12 }
+        );
+        assert_eq!(
+            CacheConfig::parse("taylorseer").unwrap(),
+            CacheConfig::TaylorSeer {
+                cache_interval: 5,
+                disable_cache_before_step: 3,
+                disable_cache_after_step: None,
+                max_order: 1,
+                bfloat16_factors: true,
+            }
+        );
+        let faster = CacheConfig::parse(
+            "faster:spatial_attention_block_skip_range=4,spatial_attention_timestep_skip_range=200;990,is_guidance_distilled=True,tensor_format=BCHW",
+        )
+        .unwrap();
+        assert_eq!(
+            faster,
+            CacheConfig::Faster {
+                block_skip_range: 4,
+                timestep_skip_range: (200.0, 990.0),
+                is_guidance_distilled: true
+            }
+        );
+        let json = serde_json::json!({"kind": "first-block", "threshold": 0.2});
+        assert_eq!(
+            CacheConfig::from_json(&json).unwrap(),
+            CacheConfig::FirstBlock { threshold: 0.2 }
+        );
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        for (text, expected) in [
+            ("tea", "unknown cache kind `tea`"),
+            ("first-block:threshold=-1", "`threshold` must be at least 0"),
+            (
+                "first-block:thresh=1",
+                "`thresh` is not a field of the first-block cache",
+            ),
+            ("first-block:threshold", "`threshold` is not FIELD=VALUE"),
+            (
+                "first-block:threshold=x",
+                "`threshold` of the first-block cache must be a number",
+            ),
+            ("taylorseer:cache_interval=0", "`cache_interval` must be at least 1"),
+            ("taylorseer:max_order=1.5", "must be a whole number"),
+            ("magcache:retention_ratio=2", "`retention_ratio` must be in [0, 1]"),
+            ("faster:is_guidance_distilled=False", "not implemented"),
+            ("first-block:threshold=1,threshold=2", "given twice"),
+        ] {
+            let err = CacheConfig::parse(text).unwrap_err();
+            assert!(err.contains(expected), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn magcache_ratios_interpolate_with_ties_to_even() {
+        let src: Vec<f32> = (0..28).map(|i| i as f32).collect();
+        let ten = CacheConfig::magcache_ratios(&src, 10);
+        assert_eq!(ten, [0.0, 3.0, 6.0, 9.0, 12.0, 15.0, 18.0, 21.0, 24.0, 27.0]);
+        // n = 19: 1.5 → 2, 4.5 → 4 (torch.round).
+        let nineteen = CacheConfig::magcache_ratios(&src, 19);
+        assert_eq!(nineteen[1], 2.0);
+        assert_eq!(nineteen[3], 4.0);
+        assert_eq!(CacheConfig::magcache_ratios(&src, 1), [27.0]);
+    }
+}
