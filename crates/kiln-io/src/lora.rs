@@ -34,6 +34,12 @@
 //! BFL's (shift, scale) rows are swapped into diffusers' (scale, shift) order of
 //! `norm_out.linear` (diffusers' FLUX.2 converter maps it unswapped).
 //!
+//! Z-Image (`ZImageLoraLoaderMixin`, transformer only) reads diffusers/PEFT, kohya
+//! (`lora_unet_layers_0_attention_to_q`), `diffusion_model.` names with `lora_down`/`lora_A`
+//! suffixes, unprefixed names with `default.`/`.alpha`, Anime-Z's dotted `.lora.down.weight`, the
+//! original checkpoint's fused `attention.qkv` / `attention.out`, and LoKr files
+//! ([`LoraModule::kron`]): see `lora/zimage.rs`.
+//!
 //! Keys that no module of the family takes (T5 `lora_te3_…`, kohya names in an SD3 file, DoRA
 //! `dora_scale`, unknown names) are listed in [`LoraFile::ignored`]; where diffusers refuses the
 //! whole file for an unknown name (a kohya `lora_unet_` or ai-toolkit name it has no mapping
@@ -48,9 +54,11 @@ use std::path::{Path, PathBuf};
 use kiln_types::DType;
 use serde_json::Value;
 
-use crate::config::{Flux2TransformerConfig, FluxTransformer2DConfig};
+use crate::config::{Flux2TransformerConfig, FluxTransformer2DConfig, ZImageTransformerConfig};
 use crate::error::IoError;
 use crate::safetensors::SafetensorsFile;
+
+mod zimage;
 
 /// The largest `out × in` of a module: more than any Linear of a supported model (FLUX.2 [dev]'s
 /// fused `to_qkv_mlp_proj` is 55296 × 6144 ≈ 3.4e8), small enough that [`LoraModule::delta`]
@@ -82,6 +90,11 @@ pub enum LoraFamily {
         /// `inner × mlp_ratio` (18432 for FLUX.2 [dev]).
         mlp_hidden: usize,
     },
+    /// Z-Image (`ZImagePipeline`, `ZImageImg2ImgPipeline`): transformer only (LoRA and LoKr).
+    ZImage {
+        /// `n_heads × head_dim` = `dim` (3840 for Z-Image): the rows of each of q, k, v.
+        inner: usize,
+    },
 }
 
 impl LoraFamily {
@@ -102,12 +115,19 @@ impl LoraFamily {
         }
     }
 
+    /// Z-Image with the widths of `config`.
+    pub fn zimage(config: &ZImageTransformerConfig) -> Self {
+        LoraFamily::ZImage {
+            inner: config.head_dim().saturating_mul(config.n_heads),
+        }
+    }
+
     /// The components a LoRA of this family may adapt, as named in a pipeline folder.
     pub fn components(&self) -> &'static [&'static str] {
         match self {
             LoraFamily::Flux1 { .. } => &["transformer", "text_encoder"],
             LoraFamily::Sd3 => &["transformer", "text_encoder", "text_encoder_2"],
-            LoraFamily::Flux2 { .. } => &["transformer"],
+            LoraFamily::Flux2 { .. } | LoraFamily::ZImage { .. } => &["transformer"],
         }
     }
 
@@ -124,6 +144,9 @@ impl LoraFamily {
     }
 
     fn is_linear(&self, component: &str, module: &str) -> bool {
+        if let LoraFamily::ZImage { .. } = self {
+            return component == "transformer" && zimage::is_linear(module);
+        }
         self.linears(component)
             .is_some_and(|names| names.iter().any(|t| match_template(t, module).is_some()))
     }
@@ -132,13 +155,14 @@ impl LoraFamily {
         match self {
             LoraFamily::Flux1 { .. } => FLUX1_BFL,
             LoraFamily::Flux2 { .. } => FLUX2_BFL,
-            LoraFamily::Sd3 => &[],
+            LoraFamily::Sd3 | LoraFamily::ZImage { .. } => &[],
         }
     }
 
     fn widths(&self) -> (usize, usize) {
         match *self {
             LoraFamily::Flux1 { inner, mlp_hidden } | LoraFamily::Flux2 { inner, mlp_hidden } => (inner, mlp_hidden),
+            LoraFamily::ZImage { inner } => (inner, 0),
             LoraFamily::Sd3 => (0, 0),
         }
     }
@@ -150,6 +174,7 @@ impl fmt::Display for LoraFamily {
             LoraFamily::Flux1 { .. } => "FLUX.1",
             LoraFamily::Sd3 => "SD3",
             LoraFamily::Flux2 { .. } => "FLUX.2",
+            LoraFamily::ZImage { .. } => "Z-Image",
         })
     }
 }
@@ -167,8 +192,12 @@ pub enum LoraFormat {
     KohyaDiffusers,
     /// XLabs x-flux: `double_blocks.<i>.processor.{qkv,proj}_lora{1,2}.{down,up}.weight`.
     Xlabs,
-    /// BFL names with PEFT suffixes: `diffusion_model.<bfl.name>.lora_A.weight` (ai-toolkit FLUX.2) or `base_model.model.<bfl.name>.lora_A.weight`.
+    /// BFL names with PEFT suffixes: `diffusion_model.<bfl.name>.lora_A.weight` (ai-toolkit FLUX.2) or `base_model.model.<bfl.name>.lora_A.weight`; Z-Image: `diffusion_model.<diffusers.name>.lora_A.weight`.
     AiToolkit,
+    /// diffusers module names without the component prefix, with `.alpha` keys or `default.` (Z-Image): `layers.0.attention.to_q.lora_A[.default].weight`.
+    Unprefixed,
+    /// LoKr (Z-Image): `<module>.lokr_w1`, `.lokr_w2_a`, `.lokr_w2_b` (Kronecker factors).
+    Lokr,
 }
 
 impl fmt::Display for LoraFormat {
@@ -179,7 +208,9 @@ impl fmt::Display for LoraFormat {
             LoraFormat::Comfy => "ComfyUI",
             LoraFormat::KohyaDiffusers => "kohya-style diffusers names",
             LoraFormat::Xlabs => "XLabs",
-            LoraFormat::AiToolkit => "ai-toolkit (BFL names)",
+            LoraFormat::AiToolkit => "ai-toolkit",
+            LoraFormat::Unprefixed => "unprefixed diffusers names",
+            LoraFormat::Lokr => "LoKr",
         })
     }
 }
@@ -226,6 +257,44 @@ pub struct LoraModule {
     pub up: Vec<f32>,
     /// α/r (α/√r with rsLoRA) for this module; the adapter weight is not included.
     pub scale: f32,
+    /// A LoKr module's factors: then `ΔW = scale · kron(w1, w2)`, `rank` is 0 and `down`, `up`
+    /// are empty.
+    pub kron: Option<Kron>,
+}
+
+/// The Kronecker factors of a LoKr module: `kron(w1, w2)` is `[w1 rows × w2 rows, w1 cols × w2 cols]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Kron {
+    /// `lokr_w1` (or `lokr_w1_a @ lokr_w1_b`), row-major.
+    pub w1: Vec<f32>,
+    /// Its `[rows, cols]`.
+    pub w1_dims: [usize; 2],
+    /// `lokr_w2` (or `lokr_w2_a @ lokr_w2_b`), row-major.
+    pub w2: Vec<f32>,
+    /// Its `[rows, cols]`.
+    pub w2_dims: [usize; 2],
+}
+
+impl Kron {
+    /// `scale · kron(w1, w2)` added to `out` (`[out, in]` row-major).
+    pub fn add_to(&self, out: &mut [f32], scale: f64) {
+        let ([l, m], [k, n]) = (self.w1_dims, self.w2_dims);
+        let cols = m * n;
+        for i in 0..l {
+            for j in 0..m {
+                let a = f64::from(self.w1[i * m + j]) * scale;
+                if a == 0.0 {
+                    continue;
+                }
+                for p in 0..k {
+                    let row = &mut out[(i * k + p) * cols + j * n..][..n];
+                    for (d, &b) in row.iter_mut().zip(&self.w2[p * n..(p + 1) * n]) {
+                        *d += (a * f64::from(b)) as f32;
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl LoraModule {
@@ -235,6 +304,10 @@ impl LoraModule {
         let (rows, cols, rank) = (self.out_features, self.in_features, self.rank);
         let scale = f64::from(self.scale);
         let mut out = vec![0.0f32; rows * cols];
+        if let Some(kron) = &self.kron {
+            kron.add_to(&mut out, scale);
+            return out;
+        }
         let mut acc = vec![0.0f64; cols];
         for (row, dst) in out.chunks_exact_mut(cols.max(1)).enumerate().take(rows) {
             acc.fill(0.0);
@@ -741,13 +814,16 @@ enum Naming {
     Mixture,
     /// `[diffusion_model.]{double,single}_blocks.<i>.processor.<lora>`.
     Xlabs,
+    /// Z-Image, any naming: the group is kept under the diffusers module it adapts
+    /// (`<block>.attention.qkv` for the fused original); `applied`: diffusers puts it there too.
+    ZImage { applied: bool },
 }
 
 impl Naming {
     /// Whether α comes from the group's `.alpha` key as α/r (kohya's rule).
     fn kohya_alpha(self) -> bool {
         match self {
-            Naming::Bfl { .. } | Naming::Clip { .. } | Naming::Mixture => true,
+            Naming::Bfl { .. } | Naming::Clip { .. } | Naming::Mixture | Naming::ZImage { .. } => true,
             Naming::Peft | Naming::Direct { .. } | Naming::Xlabs => false,
         }
     }
@@ -834,6 +910,10 @@ impl Reader<'_> {
             LoraFamily::Flux1 { .. } => self.classify_flux1(&keys)?,
             LoraFamily::Sd3 => self.classify_sd3(&keys)?,
             LoraFamily::Flux2 { .. } => self.classify_flux2(&keys)?,
+            LoraFamily::ZImage { .. } => match self.read_zimage_lokr(&keys)? {
+                Some(file) => return Ok(file),
+                None => self.classify_zimage(&keys)?,
+            },
         };
         self.build(keys.len(), classified)
     }
@@ -1150,6 +1230,10 @@ impl Reader<'_> {
                 })
             }
             Naming::Xlabs => self.resolve_xlabs(stem),
+            Naming::ZImage { applied } => {
+                let (to, _) = zimage::resolve_name(stem)?;
+                Some(("transformer".to_string(), Resolved { to, applied }))
+            }
             Naming::Bfl {
                 prefix_len,
                 underscored,
@@ -1293,6 +1377,7 @@ impl Reader<'_> {
                         down,
                         up,
                         scale: 0.0,
+                        kron: None,
                     },
                     file_scale,
                 });
@@ -1359,7 +1444,7 @@ impl Reader<'_> {
                 _ => "",
             };
             format!(
-                "none of its {n_keys} keys is a LoRA of a {family} module kiln knows{hint} (first keys: {}). Check that the LoRA was made for {family}; kiln reads diffusers/PEFT, kohya, ComfyUI, XLabs and ai-toolkit LoRA files",
+                "none of its {n_keys} keys is a LoRA of a {family} module kiln knows{hint} (first keys: {}). Check that the LoRA was made for {family}; kiln reads diffusers/PEFT, kohya, ComfyUI, XLabs and ai-toolkit LoRA files (and Z-Image LoKr files)",
                 shown.join(", ")
             )
         };
@@ -1553,7 +1638,7 @@ fn diffusers_applies(family: LoraFamily, source: BflSource, place: Place) -> boo
             // `_convert_non_diffusers_flux2_lora_to_diffusers` maps everything, the adaLN unswapped.
             BflSource::DiffusionModel | BflSource::BaseModel => place != Place::FinalAdaLn,
         },
-        LoraFamily::Sd3 => false,
+        LoraFamily::Sd3 | LoraFamily::ZImage { .. } => false,
     }
 }
 
@@ -1620,7 +1705,7 @@ enum SplitKind {
     Linear1,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 enum Target {
     One(String),
     SwapHalves(String),

@@ -980,3 +980,465 @@ fn damaged_files_are_errors_naming_the_file() {
         "{message}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Z-Image: the goldens of fixtures/zimage_lora (tools/fixtures/zimage_lora_fixture.py), then every
+// layout diffusers' `ZImageLoraLoaderMixin` converts, on small files.
+
+const ZIMAGE_CASES: &[&str] = &[
+    "img2img_comfy",
+    "kohya_original_names",
+    "lokr_and_aitoolkit",
+    "peft_all_metadata",
+    "two_adapters",
+];
+
+fn zimage_fixtures() -> PathBuf {
+    kiln_fixtures::oracle_dir().join("../zimage_lora")
+}
+
+fn zimage_family() -> LoraFamily {
+    let config = kiln_fixtures::oracle().join("pipelines/zimage_turbo/transformer/config.json");
+    LoraFamily::zimage(&load_config::<kiln_io::ZImageTransformerConfig>(&config).unwrap())
+}
+
+/// The tiny model's widths: dim 24 (q, k, v 24 rows each), feed-forward 64.
+const ZIMAGE: LoraFamily = LoraFamily::ZImage { inner: 24 };
+
+#[test]
+fn zimage_goldens_give_diffusers_weight_changes() {
+    let family = zimage_family();
+    assert_eq!(family, ZIMAGE);
+    for case in ZIMAGE_CASES {
+        let dir = zimage_fixtures().join(case);
+        let call: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("call.json")).unwrap()).unwrap();
+        let adapters = call["lora"]["adapters"].as_array().unwrap();
+        let mut sums: BTreeMap<String, Summed> = BTreeMap::new();
+        for (i, lora) in call["load_extras"]["loras"].as_array().unwrap().iter().enumerate() {
+            let file = lora["file"].as_str().unwrap();
+            let weight = lora["scale"].as_f64().unwrap();
+            let read = read_lora(&dir.join(file), &family).unwrap_or_else(|e| panic!("{case}: {e}"));
+            let format = match adapters[i]["format"].as_str().unwrap() {
+                "peft" => LoraFormat::Peft,
+                "kohya" => LoraFormat::Kohya,
+                "comfy" => LoraFormat::Comfy,
+                "aitoolkit" => LoraFormat::AiToolkit,
+                "unprefixed_default" => LoraFormat::Unprefixed,
+                "lokr" => LoraFormat::Lokr,
+                other => panic!("unknown format {other}"),
+            };
+            assert_eq!(read.format, format, "{case}/{file}");
+            // Only the kohya file's text-encoder LoRA is dropped (diffusers drops it too).
+            let ignored: Vec<&str> = read.ignored.iter().map(String::as_str).collect();
+            if *case == "kohya_original_names" {
+                assert_eq!(
+                    ignored,
+                    [
+                        "lora_te_layers_0_self_attn_q_proj.alpha",
+                        "lora_te_layers_0_self_attn_q_proj.lora_down.weight",
+                        "lora_te_layers_0_self_attn_q_proj.lora_up.weight",
+                    ]
+                );
+            } else {
+                assert!(ignored.is_empty(), "{case}/{file}: ignored {ignored:?}");
+            }
+            assert!(
+                read.beyond_diffusers.is_empty(),
+                "{case}/{file}: beyond {:?}",
+                read.beyond_diffusers
+            );
+            for m in &read.modules {
+                let name = format!("{}.{}", m.component, m.module);
+                let entry = sums.entry(name.clone()).or_insert_with(|| Summed {
+                    shape: [m.out_features, m.in_features],
+                    delta: vec![0.0; m.out_features * m.in_features],
+                });
+                assert_eq!(entry.shape, [m.out_features, m.in_features], "{case}: {name}");
+                for (acc, d) in entry.delta.iter_mut().zip(m.delta()) {
+                    *acc += weight * f64::from(d);
+                }
+            }
+        }
+        let golden = call["lora"]["modules"].as_object().unwrap();
+        let ours: BTreeSet<&String> = sums.keys().collect();
+        let theirs: BTreeSet<&String> = golden.keys().collect();
+        assert_eq!(ours, theirs, "{case}: module sets differ");
+        for (name, want) in golden {
+            let got = &sums[name];
+            let shape: Vec<usize> = want["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as usize)
+                .collect();
+            assert_eq!(got.shape.to_vec(), shape, "{case}: {name}");
+            let want_fro = want["delta_fro"].as_f64().unwrap();
+            let fro = got.delta.iter().map(|v| v * v).sum::<f64>().sqrt();
+            let rel = (fro - want_fro).abs() / want_fro;
+            assert!(
+                rel <= 1e-4,
+                "{case}: {name}: ‖ΔW‖ {fro} vs diffusers {want_fro} (rel {rel:.2e})"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_zimage_golden_is_tested() {
+    let mut found: Vec<String> = std::fs::read_dir(zimage_fixtures())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("call.json").is_file())
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    found.sort();
+    assert_eq!(found, ZIMAGE_CASES);
+}
+
+#[test]
+fn zimage_peft_names_and_header_metadata() {
+    let mut tensors = Vec::new();
+    tensors.extend(pair("transformer.layers.0.attention.to_q", PEFT, 4, 24, 24, 1));
+    tensors.extend(pair(
+        "transformer.noise_refiner.0.adaLN_modulation.0",
+        PEFT,
+        4,
+        96,
+        24,
+        3,
+    ));
+    tensors.extend(pair(
+        "transformer.all_final_layer.2-1.adaLN_modulation.1",
+        PEFT,
+        4,
+        24,
+        24,
+        5,
+    ));
+    tensors.extend(pair("transformer.t_embedder.mlp.2", PEFT, 2, 24, 1024, 7));
+    // The mixin loads no text-encoder LoRA; a module Z-Image lacks is dropped too.
+    tensors.extend(pair("text_encoder.layers.0.self_attn.q_proj", PEFT, 4, 16, 16, 9));
+    tensors.extend(pair("transformer.siglip_refiner.0.attention.to_q", PEFT, 4, 24, 24, 11));
+    let file = read(&tensors, &[], ZIMAGE).unwrap();
+    assert_eq!(file.format, LoraFormat::Peft);
+    assert_eq!(
+        names(&file),
+        [
+            "transformer.all_final_layer.2-1.adaLN_modulation.1",
+            "transformer.layers.0.attention.to_q",
+            "transformer.noise_refiner.0.adaLN_modulation.0",
+            "transformer.t_embedder.mlp.2",
+        ]
+    );
+    assert!(file.modules.iter().all(|m| m.scale == 1.0));
+    assert_eq!(file.ignored.len(), 4, "{:?}", file.ignored);
+    assert!(file.beyond_diffusers.is_empty());
+    let json =
+        r#"{"transformer.r": 4, "transformer.lora_alpha": 8, "transformer.rank_pattern": {"t_embedder.mlp.2": 2}}"#;
+    let file = read(&tensors, &[("lora_adapter_metadata", json)], ZIMAGE).unwrap();
+    assert_eq!(module(&file, "transformer.layers.0.attention.to_q").scale, 2.0);
+    assert_eq!(module(&file, "transformer.t_embedder.mlp.2").scale, 4.0);
+    let m = module(&file, "transformer.noise_refiner.0.adaLN_modulation.0");
+    let want: Vec<f64> = product(data(&tensors[2]), data(&tensors[3]), 4, 96, 24)
+        .iter()
+        .map(|v| v * 2.0)
+        .collect();
+    assert_close(&m.delta(), &want, "adaLN_modulation.0");
+}
+
+#[test]
+fn zimage_kohya_names_alpha_and_original_fused_modules() {
+    let mut tensors = Vec::new();
+    tensors.extend(pair("lora_unet_layers_0_attention_to_q", KOHYA, 4, 24, 24, 1));
+    tensors.push(scalar("lora_unet_layers_0_attention_to_q.alpha", 2.0));
+    tensors.extend(pair("lora_unet_layers_0_attention_to_out_0", KOHYA, 4, 24, 24, 3));
+    tensors.extend(pair("lora_unet_context_refiner_0_feed_forward_w2", KOHYA, 2, 24, 64, 5));
+    tensors.extend(pair(
+        "lora_unet_noise_refiner_0_adaLN_modulation_0",
+        KOHYA,
+        2,
+        96,
+        24,
+        7,
+    ));
+    tensors.extend(pair("lora_unet_all_x_embedder_2-1", KOHYA, 2, 24, 64, 9));
+    tensors.extend(pair("lora_unet_all_final_layer_2-1_linear", KOHYA, 2, 64, 24, 11));
+    tensors.extend(pair("lora_unet_cap_embedder_1", KOHYA, 2, 24, 16, 13));
+    tensors.extend(pair("lora_unet_t_embedder_mlp_0", KOHYA, 2, 1024, 256, 15));
+    // The original checkpoint's fused qkv (rank 3, α 6: scale 2) and bare out of layers.1.
+    tensors.extend(pair("lora_unet_layers_1_attention_qkv", KOHYA, 3, 72, 24, 17));
+    tensors.push(scalar("lora_unet_layers_1_attention_qkv.alpha", 6.0));
+    tensors.extend(pair("lora_unet_layers_1_attention_out", KOHYA, 2, 24, 24, 19));
+    tensors.push(scalar("lora_unet_layers_1_attention_out.alpha", 1.0));
+    // Next to the split to_k of the noise refiner, its qkv is a duplicate diffusers drops.
+    tensors.extend(pair("lora_unet_noise_refiner_0_attention_qkv", KOHYA, 2, 72, 24, 21));
+    tensors.extend(pair("lora_unet_noise_refiner_0_attention_to_k", KOHYA, 2, 24, 24, 23));
+    // Text encoder (`lora_te_`) and unknown modules: ignored.
+    tensors.extend(pair("lora_te_layers_0_mlp_down_proj", KOHYA, 2, 16, 48, 25));
+    tensors.extend(pair("lora_unet_layers_0_attention_norm_q", KOHYA, 2, 12, 12, 27));
+    let file = read(&tensors, &[], ZIMAGE).unwrap();
+    assert_eq!(file.format, LoraFormat::Kohya);
+    assert_eq!(
+        names(&file),
+        [
+            "transformer.all_final_layer.2-1.linear",
+            "transformer.all_x_embedder.2-1",
+            "transformer.cap_embedder.1",
+            "transformer.context_refiner.0.feed_forward.w2",
+            "transformer.layers.0.attention.to_out.0",
+            "transformer.layers.0.attention.to_q",
+            "transformer.layers.1.attention.to_k",
+            "transformer.layers.1.attention.to_out.0",
+            "transformer.layers.1.attention.to_q",
+            "transformer.layers.1.attention.to_v",
+            "transformer.noise_refiner.0.adaLN_modulation.0",
+            "transformer.noise_refiner.0.attention.to_k",
+            "transformer.t_embedder.mlp.0",
+        ]
+    );
+    assert!(file.beyond_diffusers.is_empty(), "{:?}", file.beyond_diffusers);
+    assert_eq!(file.ignored.len(), 6, "{:?}", file.ignored);
+    assert!(file
+        .ignored
+        .contains(&"lora_unet_noise_refiner_0_attention_qkv.lora_down.weight".to_string()));
+    assert_eq!(module(&file, "transformer.layers.0.attention.to_q").scale, 0.5);
+    assert_eq!(module(&file, "transformer.layers.0.attention.to_out.0").scale, 1.0);
+    assert_eq!(module(&file, "transformer.layers.1.attention.to_out.0").scale, 0.5);
+    let qkv = tensors
+        .iter()
+        .position(|t| t.name == "lora_unet_layers_1_attention_qkv.lora_down.weight")
+        .unwrap();
+    let fused: Vec<f64> = product(data(&tensors[qkv]), data(&tensors[qkv + 1]), 3, 72, 24)
+        .iter()
+        .map(|v| v * 2.0)
+        .collect();
+    for (i, part) in ["to_q", "to_k", "to_v"].iter().enumerate() {
+        let m = module(&file, &format!("transformer.layers.1.attention.{part}"));
+        assert_eq!(m.source, "layers.1.attention.qkv");
+        assert_close(&m.delta(), &fused[i * 24 * 24..(i + 1) * 24 * 24], part);
+    }
+}
+
+#[test]
+fn zimage_diffusion_model_names_in_every_suffix_form() {
+    // ComfyUI-style lora_down/lora_up with alpha, the original `out` read as to_out.0.
+    let mut tensors = Vec::new();
+    tensors.extend(pair("diffusion_model.layers.0.attention.to_v", KOHYA, 4, 24, 24, 1));
+    tensors.push(scalar("diffusion_model.layers.0.attention.to_v.alpha", 8.0));
+    tensors.extend(pair("diffusion_model.layers.1.attention.out", KOHYA, 4, 24, 24, 3));
+    tensors.push(scalar("diffusion_model.layers.1.attention.out.alpha", 2.0));
+    // A fused qkv here: diffusers leaves it unsplit (no such module); kiln splits it, except
+    // next to a split module of its block (a duplicate, as diffusers' kohya path has it).
+    tensors.extend(pair("diffusion_model.layers.1.attention.qkv", KOHYA, 2, 72, 24, 5));
+    tensors.extend(pair("diffusion_model.layers.0.attention.qkv", KOHYA, 2, 72, 24, 7));
+    let file = read(&tensors, &[], ZIMAGE).unwrap();
+    assert_eq!(file.format, LoraFormat::Comfy);
+    assert_eq!(module(&file, "transformer.layers.0.attention.to_v").scale, 2.0);
+    assert_eq!(module(&file, "transformer.layers.1.attention.to_out.0").scale, 0.5);
+    assert_eq!(file.beyond_diffusers, ["layers.1.attention.qkv"]);
+    assert_eq!(file.modules.len(), 5);
+    assert_eq!(file.ignored.len(), 2, "{:?}", file.ignored);
+
+    // ai-toolkit: lora_A/lora_B, α = r unless an `.alpha` key says otherwise.
+    let mut tensors = Vec::new();
+    tensors.extend(pair("diffusion_model.layers.0.feed_forward.w1", PEFT, 4, 64, 24, 1));
+    tensors.extend(pair(
+        "diffusion_model.context_refiner.0.attention.to_q",
+        PEFT,
+        4,
+        24,
+        24,
+        3,
+    ));
+    tensors.push(scalar("diffusion_model.context_refiner.0.attention.to_q.alpha", 1.0));
+    let file = read(&tensors, &[], ZIMAGE).unwrap();
+    assert_eq!(file.format, LoraFormat::AiToolkit);
+    assert_eq!(module(&file, "transformer.layers.0.feed_forward.w1").scale, 1.0);
+    assert_eq!(
+        module(&file, "transformer.context_refiner.0.attention.to_q").scale,
+        0.25
+    );
+    assert!(file.beyond_diffusers.is_empty());
+
+    // PEFT names saved with their adapter name (`default.`), with `diffusion_model.` or none.
+    for prefix in ["diffusion_model.", ""] {
+        let tensors = [
+            t(
+                &format!("{prefix}layers.0.attention.to_k.lora_A.default.weight"),
+                &[2, 24],
+                1,
+            ),
+            t(
+                &format!("{prefix}layers.0.attention.to_k.lora_B.default.weight"),
+                &[24, 2],
+                2,
+            ),
+        ];
+        let file = read(&tensors, &[], ZIMAGE).unwrap();
+        assert_eq!(names(&file), ["transformer.layers.0.attention.to_k"], "{prefix}");
+        assert!(file.beyond_diffusers.is_empty(), "{prefix}");
+    }
+
+    // Anime-Z: dotted `.lora.down.weight`, `to.q`, a redundant qkv next to the split modules.
+    let mut tensors = Vec::new();
+    tensors.extend(pair(
+        "diffusion_model.layers.0.attention.to.q",
+        (".lora.down.weight", ".lora.up.weight"),
+        2,
+        24,
+        24,
+        1,
+    ));
+    tensors.extend(pair(
+        "diffusion_model.layers.0.attention.qkv",
+        (".lora.down.weight", ".lora.up.weight"),
+        2,
+        72,
+        24,
+        3,
+    ));
+    let file = read(&tensors, &[], ZIMAGE).unwrap();
+    assert_eq!(names(&file), ["transformer.layers.0.attention.to_q"]);
+    assert!(file.beyond_diffusers.is_empty());
+    assert_eq!(file.ignored.len(), 2, "{:?}", file.ignored);
+}
+
+#[test]
+fn zimage_names_diffusers_drops_are_applied_beyond_it() {
+    // Unprefixed names without `.alpha` or `default.`: diffusers finds no `transformer.` key.
+    let tensors = pair("layers.0.attention.to_q", PEFT, 2, 24, 24, 1);
+    let file = read(&tensors, &[], ZIMAGE).unwrap();
+    assert_eq!(file.format, LoraFormat::Unprefixed);
+    assert_eq!(names(&file), ["transformer.layers.0.attention.to_q"]);
+    assert_eq!(file.beyond_diffusers, ["layers.0.attention.to_q"]);
+    // The same with `.alpha` goes through diffusers' converter: applied there too, α/r.
+    let mut tensors = pair("layers.0.attention.to_q", PEFT, 2, 24, 24, 1)
+        .into_iter()
+        .collect::<Vec<_>>();
+    tensors.push(scalar("layers.0.attention.to_q.alpha", 1.0));
+    let file = read(&tensors, &[], ZIMAGE).unwrap();
+    assert!(file.beyond_diffusers.is_empty());
+    assert_eq!(file.modules[0].scale, 0.5);
+    // A misspelt separator in the lora_A form: diffusers' peft finds no such module.
+    let tensors = pair("diffusion_model.layers.0.feed_forward_w3", PEFT, 2, 64, 24, 1);
+    let file = read(&tensors, &[], ZIMAGE).unwrap();
+    assert_eq!(names(&file), ["transformer.layers.0.feed_forward.w3"]);
+    assert_eq!(file.beyond_diffusers, ["layers.0.feed_forward.w3"]);
+}
+
+#[test]
+fn zimage_files_diffusers_fails_on_are_errors() {
+    // `transformer.` names with `.alpha`: diffusers' converter prefixes `transformer.` again.
+    let mut tensors = pair("transformer.layers.0.attention.to_q", PEFT, 2, 24, 24, 1)
+        .into_iter()
+        .collect::<Vec<_>>();
+    tensors.push(scalar("transformer.layers.0.attention.to_q.alpha", 1.0));
+    let message = error(&tensors, &[], ZIMAGE);
+    assert!(message.contains("NoMatchingPeftModuleError"), "{message}");
+    assert!(message.contains("transformer.layers.0.attention.to_q"), "{message}");
+    // Keys without `lora` in a diffusers file.
+    let mut tensors = pair("transformer.layers.0.attention.to_q", PEFT, 2, 24, 24, 1)
+        .into_iter()
+        .collect::<Vec<_>>();
+    tensors.push(t("transformer.x_pad_token", &[1, 24], 3));
+    let message = error(&tensors, &[], ZIMAGE);
+    assert!(message.contains("transformer.x_pad_token"), "{message}");
+    // A fused qkv for other widths.
+    let tensors = pair("lora_unet_layers_0_attention_qkv", KOHYA, 2, 96, 24, 1);
+    let message = error(&tensors, &[], ZIMAGE);
+    assert!(message.contains("3 × 24"), "{message}");
+    // A FLUX.1 file read for Z-Image.
+    let tensors = pair("transformer.transformer_blocks.0.attn.to_q", PEFT, 2, 32, 32, 1);
+    let message = error(&tensors, &[], ZIMAGE);
+    assert!(message.contains("Z-Image"), "{message}");
+}
+
+/// `kron(a [l, m], b [k, n])` in f64.
+fn kron(a: &[f32], [l, m]: [usize; 2], b: &[f32], [k, n]: [usize; 2]) -> Vec<f64> {
+    let mut out = vec![0.0; l * k * m * n];
+    for i in 0..l {
+        for j in 0..m {
+            for p in 0..k {
+                for q in 0..n {
+                    out[(i * k + p) * (m * n) + j * n + q] = f64::from(a[i * m + j]) * f64::from(b[p * n + q]);
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn zimage_lokr_factors_and_alpha() {
+    // ai-toolkit: w1 full [4, 4], w2 = w2_a [6, 2] @ w2_b [2, 6], α 4 at rank 2: scale 2.
+    let w1 = t("diffusion_model.layers.0.attention.to_q.lokr_w1", &[4, 4], 1);
+    let w2_a = t("diffusion_model.layers.0.attention.to_q.lokr_w2_a", &[6, 2], 2);
+    let w2_b = t("diffusion_model.layers.0.attention.to_q.lokr_w2_b", &[2, 6], 3);
+    let w2: Vec<f32> = product(data(&w2_b), data(&w2_a), 2, 6, 6)
+        .iter()
+        .map(|&v| v as f32)
+        .collect();
+    let want: Vec<f64> = kron(data(&w1), [4, 4], &w2, [6, 6]).iter().map(|v| v * 2.0).collect();
+    // Full factors of the feed-forward: an `.alpha` next to them scales nothing.
+    let f1 = t("diffusion_model.layers.0.feed_forward.w1.lokr_w1", &[4, 4], 4);
+    let f2 = t("diffusion_model.layers.0.feed_forward.w1.lokr_w2", &[16, 6], 5);
+    let want_ff = kron(data(&f1), [4, 4], data(&f2), [16, 6]);
+    let tensors = vec![
+        w1,
+        w2_a,
+        w2_b,
+        scalar("diffusion_model.layers.0.attention.to_q.alpha", 4.0),
+        f1,
+        f2,
+        scalar("diffusion_model.layers.0.feed_forward.w1.alpha", 4.0),
+    ];
+    let file = read(&tensors, &[], ZIMAGE).unwrap();
+    assert_eq!(file.format, LoraFormat::Lokr);
+    let q = module(&file, "transformer.layers.0.attention.to_q");
+    assert_eq!((q.out_features, q.in_features, q.rank, q.scale), (24, 24, 0, 2.0));
+    assert_close(&q.delta(), &want, "to_q");
+    let ff = module(&file, "transformer.layers.0.feed_forward.w1");
+    assert_eq!((ff.out_features, ff.in_features, ff.scale), (64, 24, 1.0));
+    assert_close(&ff.delta(), &want_ff, "w1");
+    assert_eq!(file.ignored, ["diffusion_model.layers.0.feed_forward.w1.alpha"]);
+
+    // peft names, w1 decomposed too; a module Z-Image lacks is ignored.
+    let tensors = [
+        t("transformer.layers.1.feed_forward.w2.lokr_w1_a", &[4, 1], 1),
+        t("transformer.layers.1.feed_forward.w2.lokr_w1_b", &[1, 4], 2),
+        t("transformer.layers.1.feed_forward.w2.lokr_w2", &[6, 16], 3),
+        t("transformer.siglip_embedder.1.lokr_w1", &[4, 4], 4),
+        t("transformer.siglip_embedder.1.lokr_w2", &[6, 6], 5),
+    ];
+    let file = read(&tensors, &[], ZIMAGE).unwrap();
+    assert_eq!(names(&file), ["transformer.layers.1.feed_forward.w2"]);
+    let m = &file.modules[0];
+    assert_eq!((m.out_features, m.in_features, m.scale), (24, 64, 1.0));
+    assert_eq!(file.ignored.len(), 2);
+
+    // Errors: CP factors, a missing factor, a LoKrConfig header.
+    let message = error(
+        &[
+            t("transformer.layers.1.feed_forward.w2.lokr_w1", &[4, 4], 1),
+            t("transformer.layers.1.feed_forward.w2.lokr_t2", &[2, 2, 3, 3], 2),
+        ],
+        &[],
+        ZIMAGE,
+    );
+    assert!(message.contains("lokr_t2"), "{message}");
+    let message = error(
+        &[t("transformer.layers.1.feed_forward.w2.lokr_w1", &[4, 4], 1)],
+        &[],
+        ZIMAGE,
+    );
+    assert!(message.contains("lokr_w2"), "{message}");
+    let message = error(
+        &[
+            t("transformer.layers.1.feed_forward.w2.lokr_w1", &[4, 4], 1),
+            t("transformer.layers.1.feed_forward.w2.lokr_w2", &[6, 16], 2),
+        ],
+        &[("lora_adapter_metadata", r#"{"transformer.r": 4}"#)],
+        ZIMAGE,
+    );
+    assert!(message.contains("LoKr"), "{message}");
+}

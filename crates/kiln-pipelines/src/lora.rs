@@ -10,6 +10,10 @@
 //! as it was when the adapters change: removing every adapter restores the base weights bit for
 //! bit. On a mesh each device merges its own slice: `B`'s rows of a column-split weight, `A`'s
 //! columns of a row-split one.
+//!
+//! A LoKr module (Z-Image) changes its weight by `w_a · scale_a · kron(W1, W2)`, which has no
+//! small low-rank form: that product is made on the host (f32, the weight's size, only while it
+//! merges) and added on the device.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -292,8 +296,9 @@ impl Merged {
     }
 }
 
-/// `base + Σ w·scale·B·A`, on `base`'s device (each member of a mesh its own slice, `split`: the
-/// dimension and blocks the mesh splits the weight along), in `base`'s dtype and memory.
+/// `base + Σ w·scale·B·A` (`+ Σ w·scale·kron(W1, W2)` for LoKr modules, made on the host), on
+/// `base`'s device (each member of a mesh its own slice, `split`: the dimension and blocks the
+/// mesh splits the weight along), in `base`'s dtype and memory.
 fn merge(base: &Tensor, parts: &Parts<'_>, split: Option<Split>) -> Result<Tensor> {
     let (out, inp) = (parts[0].0.out_features, parts[0].0.in_features);
     let rank: usize = parts.iter().map(|(m, _)| m.rank).sum();
@@ -311,17 +316,24 @@ fn merge(base: &Tensor, parts: &Parts<'_>, split: Option<Split>) -> Result<Tenso
         down.extend_from_slice(&m.down);
         col += m.rank;
     }
+    let mut full: Option<Vec<f32>> = None;
+    for (m, weight) in parts {
+        if let Some(kron) = &m.kron {
+            let sum = full.get_or_insert_with(|| vec![0f32; out * inp]);
+            kron.add_to(sum, *weight * f64::from(m.scale));
+        }
+    }
     let device = base.device();
     if !device.is_mesh() {
-        return merge_on(base, &up, &down, [out, rank, inp], device);
+        return merge_on(base, &up, &down, full.as_deref(), [out, rank, inp], device);
     }
     let members = device.members();
     let n = members.len();
     let shards = base.shards()?;
     let mut merged = Vec::with_capacity(n);
     for (k, (shard, member)) in shards.iter().zip(&members).enumerate() {
-        let (u, d, dims) = match &split {
-            None => (up.clone(), down.clone(), [out, rank, inp]),
+        let (u, d, f, dims) = match &split {
+            None => (up.clone(), down.clone(), full.clone(), [out, rank, inp]),
             Some((dim, blocks)) => {
                 let size = if *dim == 0 { out } else { inp };
                 let ranges = shard_ranges(size, blocks, k, n).map_err(invalid)?;
@@ -330,8 +342,14 @@ fn merge(base: &Tensor, parts: &Parts<'_>, split: Option<Split>) -> Result<Tenso
                         .iter()
                         .flat_map(|r| up[r.start * rank..r.end * rank].iter().copied())
                         .collect();
-                    let rows = u.len() / rank.max(1);
-                    (u, down.clone(), [rows, rank, inp])
+                    let rows: usize = ranges.iter().map(|r| r.len()).sum();
+                    let f = full.as_ref().map(|full| {
+                        ranges
+                            .iter()
+                            .flat_map(|r| full[r.start * inp..r.end * inp].iter().copied())
+                            .collect()
+                    });
+                    (u, down.clone(), f, [rows, rank, inp])
                 } else {
                     let cols: usize = ranges.iter().map(|r| r.len()).sum();
                     let mut d = Vec::with_capacity(rank * cols);
@@ -340,17 +358,34 @@ fn merge(base: &Tensor, parts: &Parts<'_>, split: Option<Split>) -> Result<Tenso
                             d.extend_from_slice(&down[row * inp + r.start..row * inp + r.end]);
                         }
                     }
-                    (up.clone(), d, [out, rank, cols])
+                    let f = full.as_ref().map(|full| {
+                        let mut f = Vec::with_capacity(out * cols);
+                        for row in 0..out {
+                            for r in &ranges {
+                                f.extend_from_slice(&full[row * inp + r.start..row * inp + r.end]);
+                            }
+                        }
+                        f
+                    });
+                    (up.clone(), d, f, [out, rank, cols])
                 }
             }
         };
-        merged.push(merge_on(shard, &u, &d, dims, member)?);
+        merged.push(merge_on(shard, &u, &d, f.as_deref(), dims, member)?);
     }
     Ok(Tensor::from_shards(&merged, device)?.to_memory(base.memory().unwrap_or(MemoryKind::Device))?)
 }
 
-/// `w + up·down` on one device (`dims`: out, rank, in), in `w`'s dtype and memory.
-fn merge_on(w: &Tensor, up: &[f32], down: &[f32], [out, rank, inp]: [usize; 3], device: &Device) -> Result<Tensor> {
+/// `w + up·down (+ full)` on one device (`dims`: out, rank, in; `full`: `[out, in]`), in `w`'s
+/// dtype and memory.
+fn merge_on(
+    w: &Tensor,
+    up: &[f32],
+    down: &[f32],
+    full: Option<&[f32]>,
+    [out, rank, inp]: [usize; 3],
+    device: &Device,
+) -> Result<Tensor> {
     if w.dims() != [out, inp] {
         return Err(invalid(format!(
             "internal error: a LoRA slice of [{out}, {inp}] for a weight slice of {:?}",
@@ -359,8 +394,14 @@ fn merge_on(w: &Tensor, up: &[f32], down: &[f32], [out, rank, inp]: [usize; 3], 
     }
     let memory = w.memory().unwrap_or(MemoryKind::Device);
     let on_device = w.to_memory(MemoryKind::Device)?;
-    let b = Tensor::from_f32(up, DType::F32, [out, rank], device)?;
-    let a = Tensor::from_f32(down, DType::F32, [rank, inp], device)?;
-    let sum = on_device.to_dtype(DType::F32)?.add(&b.matmul(&a)?)?;
+    let mut sum = on_device.to_dtype(DType::F32)?;
+    if rank > 0 {
+        let b = Tensor::from_f32(up, DType::F32, [out, rank], device)?;
+        let a = Tensor::from_f32(down, DType::F32, [rank, inp], device)?;
+        sum = sum.add(&b.matmul(&a)?)?;
+    }
+    if let Some(full) = full {
+        sum = sum.add(&Tensor::from_f32(full, DType::F32, [out, inp], device)?)?;
+    }
     Ok(sum.to_dtype(w.dtype())?.to_memory(memory)?)
 }

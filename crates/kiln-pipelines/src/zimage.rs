@@ -568,6 +568,11 @@ impl Pipeline for ZImagePipeline {
         scale > 0.0
     }
 
+    /// The transformer's LoRA and LoKr adapters (`ZImageLoraLoaderMixin`: no text-encoder LoRA).
+    fn lora_family(&self) -> Option<crate::LoraFamily> {
+        Some(crate::LoraFamily::zimage(&self.transformer_config))
+    }
+
     /// `height or 1024`.
     fn default_size(&self) -> usize {
         1024
