@@ -310,34 +310,56 @@ impl FluxTransformer2DModel {
 
     /// Predicts the flow velocity `[B, S_img, out_channels]`.
     pub fn forward(&self, inputs: &FluxTransformerInputs<'_>) -> Result<Tensor> {
-        let inputs = CallInputs {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled
+            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
+    }
+
+    fn call_inputs(&self, inputs: &FluxTransformerInputs<'_>) -> Result<CallInputs> {
+        Ok(CallInputs {
             hidden_states: inputs.hidden_states.clone(),
             encoder_hidden_states: inputs.encoder_hidden_states.clone(),
             pooled_projections: inputs.pooled_projections.clone(),
             timestep: inputs.timestep.clone(),
             rope: inputs.rope.clone(),
             guidance: guidance_input(self.config.guidance_embeds, inputs.guidance)?,
-        };
-        self.compiled
-            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
+        })
     }
 
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(&self, inputs: &CallInputs) -> Result<Tensor> {
-        let x = &inputs.hidden_states;
-        let dtype = x.dtype();
+        let Embedded { x, ctx, temb_silu } = self.embed(inputs)?;
+        let (x, ctx) = self.double_blocks(0, x, ctx, &temb_silu, &inputs.rope)?;
+        let x = self.single_blocks(x, ctx, &temb_silu, &inputs.rope)?;
+        self.output(&x, &temb_silu)
+    }
+
+    /// The image and text streams entering the first block, and `silu(temb)`.
+    fn embed(&self, inputs: &CallInputs) -> Result<Embedded> {
+        let dtype = inputs.hidden_states.dtype();
         let t = times_1000(&inputs.timestep, dtype)?;
         let g = inputs.guidance.as_ref().map(|g| times_1000(g, dtype)).transpose()?;
         let temb = self
             .time_text_embed
             .forward(&t, g.as_ref(), &inputs.pooled_projections)?;
-        let temb_silu = temb.silu()?;
-        let rope = &inputs.rope;
+        Ok(Embedded {
+            x: self.x_embedder.forward(&inputs.hidden_states)?,
+            ctx: self.context_embedder.forward(&inputs.encoder_hidden_states)?,
+            temb_silu: temb.silu()?,
+        })
+    }
 
-        let mut x = self.x_embedder.forward(x)?;
-        let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?;
-        for i in 0..self.transformer_blocks.len() {
+    /// The double-stream blocks from `first` on: the image and text streams after them.
+    fn double_blocks(
+        &self,
+        first: usize,
+        mut x: Tensor,
+        mut ctx: Tensor,
+        temb_silu: &Tensor,
+        rope: &RopeTables,
+    ) -> Result<(Tensor, Tensor)> {
+        for i in first..self.transformer_blocks.len() {
             let args = (x, ctx, temb_silu.clone(), rope.clone());
             let out = self
                 .transformer_blocks
@@ -346,6 +368,11 @@ impl FluxTransformer2DModel {
                 })?;
             (ctx, x) = out;
         }
+        Ok((x, ctx))
+    }
+
+    /// The single-stream blocks over `[ctx; x]`: the image stream after them.
+    fn single_blocks(&self, x: Tensor, ctx: Tensor, temb_silu: &Tensor, rope: &RopeTables) -> Result<Tensor> {
         let text_len = ctx.dims()[1];
         let mut h = Tensor::cat(&[&ctx, &x], 1)?;
         for i in 0..self.single_transformer_blocks.len() {
@@ -356,10 +383,113 @@ impl FluxTransformer2DModel {
                     block.forward(h, temb, rope)
                 })?;
         }
-        let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;
+        Ok(h.narrow(1, text_len, h.dims()[1] - text_len)?)
+    }
+
+    /// `norm_out` and `proj_out` of the image stream.
+    fn output(&self, x: &Tensor, temb_silu: &Tensor) -> Result<Tensor> {
         // AdaLayerNormContinuous: scale first, then shift.
-        let e = self.norm_out.forward(&temb_silu)?.chunk(2, 1)?;
-        let x = modulate(&LayerNorm::plain(1e-6).forward(&x)?, &e[1], &e[0])?;
+        let e = self.norm_out.forward(temb_silu)?.chunk(2, 1)?;
+        let x = modulate(&LayerNorm::plain(1e-6).forward(x)?, &e[1], &e[0])?;
         self.proj_out.forward(&x)
     }
+
+    /// MagCache's computed call: the prediction and the residual of the whole block stack,
+    /// `image stream after the last block − image stream entering the first` (one program,
+    /// `magcache.compute`, when compiled whole).
+    pub fn forward_magcache_compute(&self, inputs: &FluxTransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
+            let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
+            let x_in = x.clone();
+            let (x, ctx) = m.double_blocks(0, x, ctx, &temb_silu, &inputs.rope)?;
+            let x = m.single_blocks(x, ctx, &temb_silu, &inputs.rope)?;
+            Ok((m.output(&x, &temb_silu)?, x.sub(&x_in)?))
+        })
+    }
+
+    /// MagCache's skipped call: no block runs; the image stream entering the first block plus
+    /// `residual`, through `norm_out` and `proj_out` (`magcache.skip`).
+    pub fn forward_magcache_skip(&self, inputs: &FluxTransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
+        let inputs = (self.call_inputs(inputs)?, residual.clone());
+        self.compiled
+            .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
+                let e = m.embed(inputs)?;
+                m.output(&e.x.add(residual)?, &e.temb_silu)
+            })
+    }
+
+    /// First-Block Cache's first part: the embeddings and the first block
+    /// (`first_block.head`); its residual decides whether the rest runs.
+    pub fn forward_first_block(&self, inputs: &FluxTransformerInputs<'_>) -> Result<FirstBlockOutput> {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
+            let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
+            if m.transformer_blocks.is_empty() {
+                return Err(Error::Config {
+                    component: "transformer".into(),
+                    message: "First-Block Cache needs at least one double-stream block".into(),
+                });
+            }
+            let x_in = x.clone();
+            // A double block returns `(text, image)`.
+            let (text, image) = m.transformer_blocks.run(
+                &m.compiled,
+                0,
+                (x, ctx, temb_silu.clone(), inputs.rope.clone()),
+                |block, (x, ctx, temb, rope)| block.forward(x, ctx, temb, rope),
+            )?;
+            Ok(FirstBlockOutput {
+                residual: image.sub(&x_in)?,
+                image,
+                text,
+                temb_silu,
+            })
+        })
+    }
+
+    /// First-Block Cache's computed rest: every other block after `head`; the prediction and the
+    /// residual `image stream after the last block − after the first` (`first_block.rest`).
+    pub fn forward_after_first_block(&self, head: &FirstBlockOutput, rope: &RopeTables) -> Result<(Tensor, Tensor)> {
+        let inputs = (head.clone(), rope.clone());
+        self.compiled
+            .whole("first_block.rest", self, inputs, |m, (head, rope)| {
+                let (x, ctx) = m.double_blocks(1, head.image.clone(), head.text.clone(), &head.temb_silu, rope)?;
+                let x = m.single_blocks(x, ctx, &head.temb_silu, rope)?;
+                Ok((m.output(&x, &head.temb_silu)?, x.sub(&head.image)?))
+            })
+    }
+
+    /// First-Block Cache's cached rest: the first block's image stream plus the residual of the
+    /// last computed call, through `norm_out` and `proj_out` (`first_block.cached`).
+    pub fn forward_from_first_block(&self, head: &FirstBlockOutput, residual: &Tensor) -> Result<Tensor> {
+        let inputs = (head.clone(), residual.clone());
+        self.compiled
+            .whole("first_block.cached", self, inputs, |m, (head, residual)| {
+                m.output(&head.image.add(residual)?, &head.temb_silu)
+            })
+    }
 }
+
+/// The streams entering the first block.
+struct Embedded {
+    x: Tensor,
+    ctx: Tensor,
+    temb_silu: Tensor,
+}
+
+/// The first block's results a First-Block Cache step goes on from: its image and text streams,
+/// its image residual (`image out − image in`) and `silu(temb)`.
+#[derive(Clone, Debug)]
+pub struct FirstBlockOutput {
+    pub image: Tensor,
+    pub text: Tensor,
+    pub residual: Tensor,
+    pub temb_silu: Tensor,
+}
+impl_tensors!(FirstBlockOutput {
+    image,
+    text,
+    residual,
+    temb_silu
+});

@@ -481,18 +481,24 @@ impl SD3Transformer2DModel {
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]). `skip` is sorted, without duplicates and in
     /// range.
     fn forward_graph(&self, inputs: &CallInputs, skip: &[usize]) -> Result<Tensor> {
-        let [b, _, height, width] = inputs.hidden_states.dims()[..] else {
-            unreachable!("check_inputs requires a rank-4 hidden_states")
-        };
-        let p = self.config.patch_size;
-        let (h, w) = (height / p, width / p);
+        let (x, ctx, temb_silu) = self.embed(inputs)?;
+        let x = self.blocks(x, ctx, &temb_silu, skip)?;
+        self.output(&x, &temb_silu, inputs)
+    }
 
-        let mut x = self.pos_embed.forward(&inputs.hidden_states)?; // [B, h·w, D]
+    /// The image stream entering the first block (patches embedded), the text stream and
+    /// `silu(temb)`.
+    fn embed(&self, inputs: &CallInputs) -> Result<(Tensor, Tensor, Tensor)> {
+        let x = self.pos_embed.forward(&inputs.hidden_states)?; // [B, h·w, D]
         let temb = self
             .time_text_embed
             .forward(&inputs.timestep, &inputs.pooled_projections)?;
-        let temb_silu = temb.silu()?;
-        let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?; // [B, L, D]
+        let ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?; // [B, L, D]
+        Ok((x, ctx, temb.silu()?))
+    }
+
+    /// The blocks not in `skip`: the image stream after them.
+    fn blocks(&self, mut x: Tensor, mut ctx: Tensor, temb_silu: &Tensor, skip: &[usize]) -> Result<Tensor> {
         for i in 0..self.transformer_blocks.len() {
             if skip.binary_search(&i).is_ok() {
                 continue;
@@ -509,16 +515,64 @@ impl SD3Transformer2DModel {
                 ctx = new_ctx;
             }
         }
+        Ok(x)
+    }
 
+    /// `norm_out`, `proj_out` and the unpatchify of the image stream.
+    fn output(&self, x: &Tensor, temb_silu: &Tensor, inputs: &CallInputs) -> Result<Tensor> {
+        let [b, _, height, width] = inputs.hidden_states.dims()[..] else {
+            unreachable!("check_inputs requires a rank-4 hidden_states")
+        };
+        let p = self.config.patch_size;
+        let (h, w) = (height / p, width / p);
         // AdaLayerNormContinuous: scale first, then shift.
-        let e = self.norm_out.forward(&temb_silu)?.chunk(2, 1)?;
-        let x = modulate(&LayerNorm::plain(EPS).forward(&x)?, &e[1], &e[0])?;
+        let e = self.norm_out.forward(temb_silu)?.chunk(2, 1)?;
+        let x = modulate(&LayerNorm::plain(EPS).forward(x)?, &e[1], &e[0])?;
         let x = self.proj_out.forward(&x)?; // [B, h·w, p·p·C]
                                             // Unpatchify, channel innermost: (b, h, w, p, q, c) → (b, c, h, p, w, q).
         let c = self.config.out_channels();
         Ok(x.reshape([b, h, w, p, p, c])?
             .permute(&[0, 5, 1, 3, 2, 4])?
             .reshape([b, c, h * p, w * p])?)
+    }
+
+    fn call_inputs(&self, inputs: &SD3TransformerInputs<'_>) -> Result<CallInputs> {
+        self.check_inputs(inputs)?;
+        if !inputs.skip_layers.is_empty() {
+            return Err(Error::Config {
+                component: "transformer".into(),
+                message: "a step cache with skip-layer guidance is not implemented: leave one out".into(),
+            });
+        }
+        Ok(CallInputs {
+            hidden_states: inputs.hidden_states.clone(),
+            timestep: inputs.timestep.clone(),
+            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
+            pooled_projections: inputs.pooled_projections.clone(),
+        })
+    }
+
+    /// MagCache's computed call: the prediction and the residual of the whole block stack,
+    /// `image stream after the last block − entering the first` (`magcache.compute`).
+    pub fn forward_magcache_compute(&self, inputs: &SD3TransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
+            let (x, ctx, temb_silu) = m.embed(inputs)?;
+            let x_in = x.clone();
+            let x = m.blocks(x, ctx, &temb_silu, &[])?;
+            Ok((m.output(&x, &temb_silu, inputs)?, x.sub(&x_in)?))
+        })
+    }
+
+    /// MagCache's skipped call: no block runs; the embedded image stream plus `residual`
+    /// (`magcache.skip`).
+    pub fn forward_magcache_skip(&self, inputs: &SD3TransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
+        let inputs = (self.call_inputs(inputs)?, residual.clone());
+        self.compiled
+            .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
+                let (x, _, temb_silu) = m.embed(inputs)?;
+                m.output(&x.add(residual)?, &temb_silu, inputs)
+            })
     }
 
     /// Shapes and dtypes of one call, checked before anything runs.

@@ -235,6 +235,26 @@ impl Item for File {
     }
 }
 
+/// A step cache's settings ([`crate::cache::CacheConfig`]): `KIND:FIELD=VALUE,...`, or a JSON
+/// object with `kind`.
+pub struct Cache;
+
+impl Item for Cache {
+    type T = crate::cache::CacheConfig;
+    fn parse(text: &str) -> Result<Self::T, String> {
+        crate::cache::CacheConfig::parse(text)
+    }
+    fn from_json(value: &Value) -> Result<Self::T, String> {
+        match value {
+            Value::String(text) => Self::parse(text),
+            v => crate::cache::CacheConfig::from_json(v),
+        }
+    }
+    fn to_json(value: &Self::T) -> Value {
+        value.to_json()
+    }
+}
+
 impl Item for Bool {
     type T = bool;
     fn parse(text: &str) -> Result<bool, String> {
@@ -741,6 +761,10 @@ call_arguments! {
     /// FLUX.1 Kontext: the output's pixel count; height and width keep their aspect ratio
     /// (default 1048576, 1024²).
     max_area: One<Count>, check checks::at_least_one { group: Group::Draw, value_name: "PIXELS" },
+    /// A step cache (diffusers' hooks): first-block or magcache (FLUX.1 so far), with diffusers'
+    /// config fields, e.g. first-block:threshold=0.12 or magcache:threshold=0.06,num_inference_steps=28
+    /// (lists joined with `;`). A server takes an object: {"kind": "first-block", "threshold": 0.12}.
+    cache: One<Cache> { value_name: "KIND[:FIELD=VALUE,...]" },
     /// A LoRA adapter (`.safetensors`: diffusers/PEFT, kohya, ComfyUI, XLabs or ai-toolkit
     /// names), merged into the weights for this call; repeat it for several. The server names
     /// adapters of its --lora-dir instead (`loras`).
@@ -959,7 +983,7 @@ mod tests {
     #[test]
     fn the_table_and_the_call_have_the_same_arguments() {
         let names: Vec<&str> = ARGUMENTS.iter().map(|a| a.name).collect();
-        assert_eq!(names.len(), 29);
+        assert_eq!(names.len(), 30);
         assert_eq!(names[0], "prompt");
         let mut call = GenerateCall::prompt("a");
         for a in ARGUMENTS {
@@ -969,6 +993,7 @@ mod tests {
                 Shape::List => serde_json::json!([1]),
                 Shape::One if a.name == "cfg_normalization" => serde_json::json!(true),
                 Shape::One if a.value_name == "FILE" => serde_json::json!("m.png"),
+                Shape::One if a.name == "cache" => serde_json::json!({"kind": "first-block"}),
                 Shape::One => serde_json::json!(1),
             };
             call.set_json(a.name, &value).unwrap();

@@ -97,6 +97,61 @@ impl CacheConfig {
         CacheConfig::from_fields(kind, &fields)
     }
 
+    /// The settings as `{"kind": KIND, FIELD: VALUE, ...}` (every field, defaults included).
+    pub fn to_json(&self) -> Value {
+        match self {
+            CacheConfig::FirstBlock { threshold } => serde_json::json!({"kind": "first-block", "threshold": threshold}),
+            CacheConfig::TaylorSeer {
+                cache_interval,
+                disable_cache_before_step,
+                disable_cache_after_step,
+                max_order,
+                bfloat16_factors,
+            } => serde_json::json!({
+                "kind": "taylorseer",
+                "cache_interval": cache_interval,
+                "disable_cache_before_step": disable_cache_before_step,
+                "disable_cache_after_step": disable_cache_after_step,
+                "max_order": max_order,
+                "taylor_factors_dtype": if *bfloat16_factors { "bfloat16" } else { "float32" },
+            }),
+            CacheConfig::MagCache {
+                threshold,
+                max_skip_steps,
+                retention_ratio,
+                num_inference_steps,
+                mag_ratios,
+            } => serde_json::json!({
+                "kind": "magcache",
+                "threshold": threshold,
+                "max_skip_steps": max_skip_steps,
+                "retention_ratio": retention_ratio,
+                "num_inference_steps": num_inference_steps,
+                "mag_ratios": mag_ratios,
+            }),
+            CacheConfig::Faster {
+                block_skip_range,
+                timestep_skip_range: (lo, hi),
+                is_guidance_distilled,
+            } => serde_json::json!({
+                "kind": "faster",
+                "spatial_attention_block_skip_range": block_skip_range,
+                "spatial_attention_timestep_skip_range": [lo, hi],
+                "is_guidance_distilled": is_guidance_distilled,
+            }),
+        }
+    }
+
+    /// The hook's name as the command line gives it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CacheConfig::FirstBlock { .. } => "first-block",
+            CacheConfig::TaylorSeer { .. } => "taylorseer",
+            CacheConfig::MagCache { .. } => "magcache",
+            CacheConfig::Faster { .. } => "faster",
+        }
+    }
+
     fn from_fields(kind: &str, fields: &Map<String, Value>) -> Result<CacheConfig, String> {
         let mut f = Fields {
             kind,
@@ -450,5 +505,64 @@ mod tests {
         assert_eq!(nineteen[1], 2.0);
         assert_eq!(nineteen[3], 4.0);
         assert_eq!(CacheConfig::magcache_ratios(&src, 1), [27.0]);
+    }
+}
+
+/// A call's step cache as it runs: the settings, the planned decisions (when they depend on no
+/// data) and one state per branch (diffusers' `cache_context`: `cond`, `uncond`), fresh for
+/// every pipeline call, with the count of transformer calls served from the cache.
+pub(crate) struct CacheRun {
+    pub config: CacheConfig,
+    planned: Option<Vec<bool>>,
+    branches: [BranchState; 2],
+    pub served: usize,
+    pub calls: usize,
+}
+
+/// One branch's state: its call count and the residuals it keeps.
+#[derive(Default)]
+pub(crate) struct BranchState {
+    pub step: usize,
+    /// MagCache: the block stack's residual; First-Block Cache: the rest's (after the first block).
+    pub residual: Option<kiln_tensor::Tensor>,
+    /// First-Block Cache: the first block's residual of the last computed call.
+    pub head_residual: Option<kiln_tensor::Tensor>,
+}
+
+impl CacheRun {
+    /// The run of `config` over a call's `timesteps` (the steps that run).
+    pub fn new(config: CacheConfig, timesteps: &[f32]) -> CacheRun {
+        CacheRun {
+            planned: config.planned_hits(timesteps),
+            config,
+            branches: Default::default(),
+            served: 0,
+            calls: 0,
+        }
+    }
+
+    /// The state of `branch` and whether its next call is planned to be served from the cache.
+    pub fn next(&mut self, branch: crate::pipeline::Branch) -> (&CacheConfig, bool, &mut BranchState) {
+        let state = &mut self.branches[branch as usize];
+        let planned = self
+            .planned
+            .as_ref()
+            .is_some_and(|p| p.get(state.step).copied().unwrap_or(false));
+        self.calls += 1;
+        (&self.config, planned, state)
+    }
+
+    /// First-Block Cache's measure: `mean|r − r_prev| / mean|r_prev|`, in float32.
+    pub fn relative_change(r: &kiln_tensor::Tensor, previous: &kiln_tensor::Tensor) -> kiln_nn::Result<f64> {
+        let mean_abs = |t: &kiln_tensor::Tensor| -> kiln_nn::Result<kiln_tensor::Tensor> {
+            let n = t.dims().iter().product::<usize>();
+            Ok(t.to_dtype(kiln_tensor::DType::F32)?
+                .reshape([n])?
+                .abs()?
+                .mean(&[0], false)?)
+        };
+        let diff = mean_abs(&r.sub(previous)?)?;
+        let base = mean_abs(previous)?;
+        Ok(diff.div(&base)?.to_scalar()?)
     }
 }

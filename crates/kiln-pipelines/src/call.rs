@@ -61,6 +61,8 @@ pub struct PipelineOutput {
     pub timings: Timings,
     /// Warnings diffusers would have logged (also sent to `tracing`).
     pub warnings: Vec<String>,
+    /// With a step cache: the transformer calls served from it, of all.
+    pub served_from_cache: Option<(usize, usize)>,
 }
 
 /// `FlowMatchEulerDiscreteScheduler.step`: `x + dt·v` with the sample upcast to f32 (`dt` an f32
@@ -169,6 +171,7 @@ pub(crate) fn finish_call(
         size,
         timings,
         warnings,
+        served_from_cache: None,
     })
 }
 
@@ -492,6 +495,7 @@ macro_rules! pipeline_call {
                     callback: &mut self.callback,
                     decodes: self.output_type == $crate::OutputType::Image,
                     blend: None,
+                    steps_outside_programs: false,
                 }
             }
 

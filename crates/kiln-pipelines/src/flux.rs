@@ -10,9 +10,11 @@ use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInput
 use kiln_schedulers::{flux_default_sigmas, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
+use std::cell::RefCell;
 use std::time::Instant;
 
 use crate::arguments::GenerateCall;
+use crate::cache::{CacheConfig, CacheRun};
 use crate::call::{
     check_packed_size, check_same_shape, finish_call, pipeline_call, scalar, schedule, starting_latents, texts,
     Encoded, PipelineOutput,
@@ -23,7 +25,7 @@ use crate::images::{
     first_step, image_latents, image_tensor, mask_tensors, one_image, read_input, scale_noise, InpaintBlend,
 };
 use crate::loading::{CallGenerators, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, Guided, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, Branch, Guided, PipelineCore, PipelineParts};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
 pipeline_call! {
@@ -42,6 +44,8 @@ pipeline_call! {
         pub strength: f64 = 0.6,
         /// FLUX.1 Kontext: the output's pixel count (height and width give only the aspect ratio).
         pub max_area: usize = 1024 * 1024,
+        /// A step cache (First-Block Cache or MagCache).
+        pub cache: Option<crate::cache::CacheConfig> = None,
     }
 }
 
@@ -59,19 +63,19 @@ fn load(model: &str, options: &LoadOptions) -> Result<Box<dyn Pipeline>> {
 
 /// The classes a `FluxPipeline` folder runs, in the registry.
 pub static CLASS: PipelineClass = PipelineClass::new("FluxPipeline", FluxCall::call_defaults, load)
-    .takes(&["true_cfg_scale"], &[])
+    .takes(&["true_cfg_scale", "cache"], &[])
     .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"])
     .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
 pub static IMG2IMG_CLASS: PipelineClass = PipelineClass::new("FluxImg2ImgPipeline", image_defaults, load)
-    .takes(&["true_cfg_scale", "image", "strength"], &[])
+    .takes(&["true_cfg_scale", "image", "strength", "cache"], &[])
     .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"])
     .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
 /// `FluxKontextPipeline`: FLUX.1 Kontext, editing `image` (or drawing without one).
 pub static KONTEXT_CLASS: PipelineClass = PipelineClass::new("FluxKontextPipeline", FluxCall::call_defaults, load)
-    .takes(&["true_cfg_scale", "image", "max_area"], &[])
+    .takes(&["true_cfg_scale", "image", "max_area", "cache"], &[])
     .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"]);
 pub static INPAINT_CLASS: PipelineClass = PipelineClass::new("FluxInpaintPipeline", image_defaults, load)
-    .takes(&["true_cfg_scale", "image", "mask_image", "strength"], &[])
+    .takes(&["true_cfg_scale", "image", "mask_image", "strength", "cache"], &[])
     .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"])
     .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
 
@@ -393,27 +397,33 @@ impl FluxPipeline {
                 None => None,
             },
         };
+        let cache = args.cache.take().map(|c| RefCell::new(CacheRun::new(c, &timesteps)));
         let mut denoising = args.denoising(&scheduler, &timesteps, latents);
         denoising.blend = blend;
+        denoising.steps_outside_programs = cache.is_some();
         let step = ("flux", total, dtype);
         let (latents, steps) = self.core.denoise_guided(
             ("transformer", &models.transformer),
             denoising,
             &guided,
             step,
-            |tr, [latents, timestep], (guidance, rope, condition), (embeds, pooled)| {
+            |tr, [latents, timestep], (guidance, rope, condition), (embeds, pooled), branch| {
                 let hidden_states = match condition {
                     Some(image) => Tensor::cat(&[latents, image], 1)?,
                     None => latents.clone(),
                 };
-                let out = tr.forward(&FluxTransformerInputs {
+                let inputs = FluxTransformerInputs {
                     hidden_states: &hidden_states,
                     encoder_hidden_states: embeds,
                     pooled_projections: pooled,
                     timestep,
                     guidance: guidance.as_ref(),
                     rope,
-                })?;
+                };
+                let out = match &cache {
+                    None => tr.forward(&inputs)?,
+                    Some(run) => cached_forward(tr, &inputs, &mut run.borrow_mut(), branch)?,
+                };
                 match condition {
                     Some(_) => Ok(out.narrow(1, 0, latents.dims()[1])?),
                     None => Ok(out),
@@ -426,6 +436,10 @@ impl FluxPipeline {
             self.decode(l, h, w)
         })?;
         out.timings.image_encoding = image_encoding;
+        out.served_from_cache = cache.map(|c| {
+            let c = c.into_inner();
+            (c.served, c.calls)
+        });
         Ok(out)
     }
 
@@ -467,12 +481,14 @@ impl FluxPipeline {
 impl Pipeline for FluxPipeline {
     fn generate(&mut self, c: GenerateCall<'_>, d: &CallDefaults, e: Option<Embeddings>) -> Result<PipelineOutput> {
         let (true_cfg_scale, strength, max_area) = (c.true_cfg_scale, c.strength, c.max_area);
+        let cache = c.cache.clone();
         let image = one_image(c.image.as_deref(), "FLUX.1's image-to-image")?;
         let mask_image = c.mask_image.as_ref().map(|m| read_input("mask_image", m)).transpose()?;
         let mut c = FluxCall::from_generate(c, d, e);
         c.true_cfg_scale = true_cfg_scale.unwrap_or(c.true_cfg_scale);
         c.strength = strength.unwrap_or(c.strength);
         c.max_area = max_area.unwrap_or(c.max_area);
+        c.cache = cache;
         c.image = image;
         c.mask_image = mask_image;
         self.call(c)
@@ -531,6 +547,58 @@ impl Pipeline for FluxPipeline {
     fn vae_scale_factor(&self) -> usize {
         1 << self.vae_config.block_out_channels.len().saturating_sub(1)
     }
+}
+
+/// One transformer call under a step cache, with the state of its `branch` (diffusers' hooks on
+/// `FluxTransformer2DModel`): MagCache skips every block on its planned steps (the stack's last
+/// residual added to the embedded image stream); First-Block Cache runs the first block and the
+/// rest only when the first block's residual changed by more than the threshold since the last
+/// computed call (else the rest's last residual is added to the first block's output).
+fn cached_forward(
+    tr: &FluxTransformer2DModel,
+    inputs: &FluxTransformerInputs<'_>,
+    run: &mut CacheRun,
+    branch: Branch,
+) -> kiln_nn::Result<Tensor> {
+    let (config, planned, state) = run.next(branch);
+    state.step += 1;
+    let served = match config {
+        CacheConfig::MagCache { .. } => match (&state.residual, planned) {
+            (Some(residual), true) => Some(tr.forward_magcache_skip(inputs, residual)?),
+            _ => {
+                let (out, residual) = tr.forward_magcache_compute(inputs)?;
+                state.residual = Some(residual);
+                return Ok(out);
+            }
+        },
+        CacheConfig::FirstBlock { threshold } => {
+            let head = tr.forward_first_block(inputs)?;
+            let compute = match (&state.head_residual, &state.residual) {
+                (Some(previous), Some(_)) => CacheRun::relative_change(&head.residual, previous)? > *threshold,
+                _ => true,
+            };
+            match (compute, &state.residual) {
+                (false, Some(residual)) => Some(tr.forward_from_first_block(&head, residual)?),
+                _ => {
+                    let (out, residual) = tr.forward_after_first_block(&head, inputs.rope)?;
+                    state.head_residual = Some(head.residual);
+                    state.residual = Some(residual);
+                    return Ok(out);
+                }
+            }
+        }
+        other => {
+            return Err(kiln_nn::Error::Config {
+                component: "transformer".into(),
+                message: format!(
+                    "the {} cache does not run in kiln yet (first-block and magcache do)",
+                    other.kind()
+                ),
+            })
+        }
+    };
+    run.served += 1;
+    Ok(served.expect("a served call has its output"))
 }
 
 /// FLUX.1 Kontext's output size: `height × width` (only their aspect ratio counts) rescaled to

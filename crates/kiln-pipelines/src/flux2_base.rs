@@ -449,7 +449,7 @@ impl Flux2Base {
             denoising,
             &guided,
             ("flux2", total, dtype),
-            |tr, [latents, timestep], (guidance, references), (encoder_hidden_states, rope)| {
+            |tr, [latents, timestep], (guidance, references), (encoder_hidden_states, rope), _| {
                 let joined = match references {
                     Some(r) => Some(Tensor::cat(&[latents, r], 1)?),
                     None => None,

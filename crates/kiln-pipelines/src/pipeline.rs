@@ -114,6 +114,14 @@ pub(crate) struct Guided<T, S> {
 }
 impl_tensors!([T, S] Guided<T, S> { cond, shared, uncond });
 
+/// Which call of a guided step a prediction is (diffusers' `cache_context` names): a step cache
+/// keeps one state per branch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Branch {
+    Cond,
+    Uncond,
+}
+
 /// A denoising step's results: the scheduler's next latents and the guided prediction.
 struct StepOutputs {
     latents: Tensor,
@@ -132,6 +140,9 @@ pub(crate) struct Denoising<'s, 'c, 'a> {
     pub decodes: bool,
     /// Inpainting: the blend of the latents with the re-noised image after every step.
     pub blend: Option<crate::images::InpaintBlend>,
+    /// Run each step as ops (its model's own compiled programs inside) rather than as one step
+    /// program: a step cache decides on the host between the model's programs.
+    pub steps_outside_programs: bool,
 }
 
 /// What every pipeline holds the same way: its folder, dtype, checkpoints, run configuration,
@@ -314,7 +325,7 @@ impl<C: Components> PipelineCore<C> {
                 Ok(StepOutputs { latents, noise_pred })
             };
             let out = self.run_then(name, model, next, |m| {
-                if m.compile_mode() != CompileMode::Full {
+                if m.compile_mode() != CompileMode::Full || run.steps_outside_programs {
                     return Ok(step(m, &inputs)?);
                 }
                 let out = self.steps.call(&variant, m, inputs, step)?;
@@ -361,7 +372,7 @@ impl<C: Components> PipelineCore<C> {
         run: Denoising<'_, '_, '_>,
         guided: &Guided<T, S>,
         (name, rows, dtype): (&str, usize, DType),
-        predict: impl Fn(&M, [&Tensor; 2], &S, &T) -> kiln_nn::Result<Tensor>,
+        predict: impl Fn(&M, [&Tensor; 2], &S, &T, Branch) -> kiln_nn::Result<Tensor>,
     ) -> Result<(Tensor, Vec<Duration>)> {
         let variant = if guided.uncond.is_some() {
             format!("{name}.cfg")
@@ -372,11 +383,11 @@ impl<C: Components> PipelineCore<C> {
         let prepare = |_, t| Ok((variant.clone(), timestep_tensor(t, rows, dtype, &device)?));
         self.denoise(denoiser, run, guided, prepare, |m, s| {
             let g = &s.constants;
-            let cond = predict(m, [&s.latents, &s.step], &g.shared, &g.cond)?;
+            let cond = predict(m, [&s.latents, &s.step], &g.shared, &g.cond, Branch::Cond)?;
             match &g.uncond {
                 None => Ok(cond),
                 Some((uncond, scale)) => Ok(cfg(
-                    &predict(m, [&s.latents, &s.step], &g.shared, uncond)?,
+                    &predict(m, [&s.latents, &s.step], &g.shared, uncond, Branch::Uncond)?,
                     &cond,
                     scale,
                 )?),

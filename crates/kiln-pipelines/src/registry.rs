@@ -100,6 +100,7 @@ mod tests {
             let value = match row.shape {
                 crate::arguments::Shape::One if row.value_name == "true|false" => serde_json::json!(true),
                 crate::arguments::Shape::One if row.value_name == "FILE" => serde_json::json!("m.png"),
+                crate::arguments::Shape::One if row.name == "cache" => serde_json::json!({"kind": "magcache"}),
                 crate::arguments::Shape::One => serde_json::json!(1),
                 _ => serde_json::json!([]),
             };
@@ -108,7 +109,7 @@ mod tests {
             }
         }
         let given = everything.given();
-        assert_eq!(given.len(), 29);
+        assert_eq!(given.len(), 30);
         for argument in given {
             assert!(
                 PipelineKind::all().iter().any(|k| k.takes(argument)),

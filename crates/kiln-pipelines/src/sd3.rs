@@ -2,6 +2,7 @@
 //! given an input image (and a mask) `StableDiffusion3Img2ImgPipeline`
 //! (`StableDiffusion3InpaintPipeline`), as diffusers' `AutoPipelineFor…` map the folder.
 
+use std::cell::RefCell;
 use std::time::Instant;
 
 use kiln_io::{AutoencoderKLConfig, ClipTextConfig, SD3Transformer2DConfig, T5Config};
@@ -15,6 +16,7 @@ use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, T5Tokenizer};
 
 use crate::arguments::GenerateCall;
+use crate::cache::{CacheConfig, CacheRun};
 use crate::call::{
     check_finite, check_same_shape, finish_call, guided, mul_scale, pipeline_call, scalar, schedule, shown,
     starting_latents, PipelineOutput,
@@ -60,6 +62,8 @@ pipeline_call! {
         pub mask_image: Option<kiln_image::InputImage> = None,
         /// Image-to-image: the share of the steps that run.
         pub strength: f64 = 0.6,
+        /// A step cache (MagCache).
+        pub cache: Option<crate::cache::CacheConfig> = None,
     }
 }
 
@@ -81,7 +85,14 @@ const NEGATIVE_TEXTS: &[&str] = &["negative_prompt", "negative_prompt_2", "negat
 /// `StableDiffusion3Img2ImgPipeline`.
 pub static IMG2IMG_CLASS: PipelineClass = PipelineClass::new("StableDiffusion3Img2ImgPipeline", image_defaults, load)
     .takes(
-        &["prompt_3", "negative_prompt_3", "clip_skip", "image", "strength"],
+        &[
+            "prompt_3",
+            "negative_prompt_3",
+            "clip_skip",
+            "image",
+            "strength",
+            "cache",
+        ],
         &[],
     )
     .encodes(TEXTS, NEGATIVE_TEXTS)
@@ -96,6 +107,7 @@ pub static INPAINT_CLASS: PipelineClass = PipelineClass::new("StableDiffusion3In
             "image",
             "mask_image",
             "strength",
+            "cache",
         ],
         &[],
     )
@@ -120,6 +132,7 @@ pub static CLASS: PipelineClass =
                 "skip_layer_guidance_start",
                 "skip_layer_guidance_stop",
                 "clip_skip",
+                "cache",
             ],
             &[],
         )
@@ -366,8 +379,10 @@ impl StableDiffusion3Pipeline {
             (args.skip_layer_guidance_start, args.skip_layer_guidance_stop),
         );
         let skips = do_cfg && args.skip_guidance_layers.is_some();
+        let cache = args.cache.take().map(|c| RefCell::new(CacheRun::new(c, &timesteps)));
         let mut denoising = args.denoising(&scheduler, &timesteps, latents);
         denoising.blend = blend;
+        denoising.steps_outside_programs = cache.is_some();
         let prepare = |i: usize, t: f32| -> Result<(String, Step)> {
             let timestep = Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?;
             // diffusers: strict inequalities on the float products.
@@ -392,13 +407,18 @@ impl StableDiffusion3Pipeline {
         let (latents, steps) = self.core.denoise(transformer, denoising, &guidance, prepare, |tr, s| {
             let predict =
                 |hidden_states: &Tensor, timestep: &Tensor, text: &Tensor, pooled: &Tensor, skip: &[usize]| {
-                    tr.forward(&SD3TransformerInputs {
+                    let inputs = SD3TransformerInputs {
                         hidden_states,
                         timestep,
                         encoder_hidden_states: text,
                         pooled_projections: pooled,
                         skip_layers: skip,
-                    })
+                    };
+                    match &cache {
+                        // (One state: SD3 runs its guidance as one batched call.)
+                        Some(run) if skip.is_empty() => magcache_forward(tr, &inputs, &mut run.borrow_mut()),
+                        _ => tr.forward(&inputs),
+                    }
                 };
             let (g, latents, timestep) = (&s.constants, &s.latents, &s.step.timestep);
             let Some(scale) = &g.scale else {
@@ -430,6 +450,10 @@ impl StableDiffusion3Pipeline {
             }
         })?;
         out.timings.image_encoding = image_encoding;
+        out.served_from_cache = cache.map(|c| {
+            let c = c.into_inner();
+            (c.served, c.calls)
+        });
         Ok(out)
     }
 
@@ -478,6 +502,21 @@ impl StableDiffusion3Pipeline {
             }
         }
         // diffusers quirk: the `prompt_3` message shows `prompt_2`.
+        match &args.cache {
+            None | Some(CacheConfig::MagCache { .. }) => {}
+            // diffusers 0.42.1 runs no other hook on SD3 (its transformer sets no cache context).
+            Some(c) => {
+                return Err(invalid(format!(
+                    "`cache`: SD3 takes magcache (diffusers runs no other cache on it), not {}",
+                    c.kind()
+                )))
+            }
+        }
+        if args.cache.is_some() && args.skip_guidance_layers.is_some() {
+            return Err(invalid(
+                "`cache` with `skip_guidance_layers` is not implemented: leave one of them out",
+            ));
+        }
         if args.mask_image.is_some() && args.image.is_none() {
             return Err(invalid(
                 "`mask_image` is given without `image`: inpainting needs the image it repaints",
@@ -531,8 +570,9 @@ impl Pipeline for StableDiffusion3Pipeline {
     fn generate(&mut self, c: GenerateCall<'_>, d: &CallDefaults, e: Option<Embeddings>) -> Result<PipelineOutput> {
         let image = one_image(c.image.as_deref(), "SD3's image-to-image")?;
         let mask_image = c.mask_image.as_ref().map(|m| read_input("mask_image", m)).transpose()?;
-        let strength = c.strength;
+        let (strength, cache) = (c.strength, c.cache.clone());
         let mut call = sd3_call(c, d, e);
+        call.cache = cache;
         call.image = image;
         call.mask_image = mask_image;
         call.strength = strength.unwrap_or(call.strength);
@@ -588,4 +628,24 @@ fn sd3_call<'a>(mut c: GenerateCall<'a>, defaults: &CallDefaults, e: Option<Embe
         skip_layer_guidance_stop: c.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
         ..StableDiffusion3Call::from_generate(c, defaults, e)
     }
+}
+
+/// One transformer call under MagCache (diffusers' `apply_mag_cache` on `SD3Transformer2DModel`):
+/// on its planned steps no block runs and the block stack's last residual is added to the
+/// embedded image stream; else every block runs and the residual is kept.
+fn magcache_forward(
+    tr: &SD3Transformer2DModel,
+    inputs: &SD3TransformerInputs<'_>,
+    run: &mut CacheRun,
+) -> kiln_nn::Result<Tensor> {
+    let (_, planned, state) = run.next(crate::pipeline::Branch::Cond);
+    state.step += 1;
+    if let (Some(residual), true) = (&state.residual, planned) {
+        let out = tr.forward_magcache_skip(inputs, residual)?;
+        run.served += 1;
+        return Ok(out);
+    }
+    let (out, residual) = tr.forward_magcache_compute(inputs)?;
+    state.residual = Some(residual);
+    Ok(out)
 }

@@ -453,7 +453,7 @@ mod tests {
     fn the_call_fields_are_the_tables_rows_served_as_fields() {
         use kiln_pipelines::arguments::Shape;
         let names: Vec<&str> = CallFields::names().collect();
-        assert_eq!(names.len(), 20);
+        assert_eq!(names.len(), 21);
         for api in ["prompt", "height", "width", "seed", "num_images_per_prompt"] {
             assert!(!names.contains(&api), "{api} is the API's own");
         }
@@ -465,6 +465,7 @@ mod tests {
                     Shape::Repeated => Value::from("text"),
                     Shape::List => serde_json::json!([1]),
                     Shape::One if a.value_name == "true|false" => Value::from(true),
+                    Shape::One if a.name == "cache" => serde_json::json!({"kind": "magcache"}),
                     Shape::One => Value::from(1),
                 };
                 (a.name.to_string(), value)

@@ -103,6 +103,7 @@ impl Pipeline for FakePipeline {
             size: (height, width),
             timings: Timings::default(),
             warnings: Vec::new(),
+            served_from_cache: None,
         })
     }
 
@@ -157,6 +158,10 @@ fn sample(shape: Shape) -> (&'static str, Value) {
 fn sample_of(spec: &kiln_pipelines::ArgSpec) -> (&'static str, Value) {
     match spec.value_name {
         "true|false" => ("true", json!(true)),
+        "KIND[:FIELD=VALUE,...]" => (
+            "first-block:threshold=0.5",
+            json!({"kind": "first-block", "threshold": 0.5}),
+        ),
         _ => sample(spec.shape),
     }
 }

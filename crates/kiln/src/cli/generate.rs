@@ -340,6 +340,9 @@ fn load_and_call(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
     let record = pipe.record().clone();
     timed_calls(s, (guidance, record), || {
         let out = pipe.call(call.generate_call()).map_err(on_the_command_line)?;
+        if let Some((served, calls)) = out.served_from_cache {
+            eprintln!("step cache: {served} of {calls} transformer calls served from the cache");
+        }
         Ok((out.images, out.size, out.timings))
     })
 }
