@@ -69,15 +69,15 @@ fn checkpoint(app: &crate::App, name: Option<&Value>, field: &str) -> Result<usi
 }
 
 /// What an A1111 request gives besides its input images, as txt2img and img2img share it.
-struct A1111Request {
-    draw: Draw,
-    batch_size: usize,
-    n_iter: usize,
+pub(crate) struct A1111Request {
+    pub draw: Draw,
+    pub batch_size: usize,
+    pub n_iter: usize,
 }
 
 /// The fields of an A1111 `txt2img` (or `img2img`) body; the others have no meaning here
 /// (saving, scripts, face restoration...) and are left in `body`.
-fn a1111_request(app: &crate::App, body: &mut Map<String, Value>) -> Result<A1111Request, ApiError> {
+pub(crate) fn a1111_request(app: &crate::App, body: &mut Map<String, Value>) -> Result<A1111Request, ApiError> {
     let prompt: String = take(body, "prompt")?.unwrap_or_default();
     // A1111's `<lora:NAME:WEIGHT>` tags leave the prompt and name adapters of --lora-dir.
     let (prompt, tagged) = crate::loras::take_prompt_tags(&prompt)?;
@@ -315,7 +315,7 @@ async fn a1111_response(
     parameters: Value,
     (batch_size, n_iter): (usize, usize),
 ) -> Result<Json<Value>, ApiError> {
-    let job = app.submit(request, inputs)?;
+    let job = app.submit(request, inputs, "a1111")?;
     let guard = CancelOnDrop::new(app, &job);
     let images = images_of(&job).await?;
     guard.disarm();
@@ -369,7 +369,7 @@ async fn a1111_response(
 
 /// `e` with the field it names written as A1111's (`steps` for `num_inference_steps`, by the
 /// table's `a1111` names, and `batch_size` for `n`).
-fn a1111_named(e: ApiError) -> ApiError {
+pub(crate) fn a1111_named(e: ApiError) -> ApiError {
     let Some(name) = e.param.as_deref() else {
         return e;
     };

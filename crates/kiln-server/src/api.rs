@@ -43,6 +43,7 @@ pub(crate) fn router(app: Shared) -> Router {
         .route("/kiln/v1/jobs/{id}/images/{file}", get(job_image))
         .merge(crate::a1111::routes(upload_limit))
         .fallback(|| async { ApiError::not_found("no such route") })
+        .layer(axum::middleware::from_fn_with_state(app.clone(), refuse_while_draining))
         .layer(axum::middleware::from_fn_with_state(app.clone(), authorize))
         .layer(axum::extract::DefaultBodyLimit::max(app.limits.max_body_bytes))
         .with_state(app)
@@ -73,11 +74,61 @@ async fn authorize(State(app): State<Shared>, request: Request, next: Next) -> R
     }
 }
 
+/// The routes that make a job.
+const JOB_ROUTES: &[&str] = &[
+    "/v1/images/generations",
+    "/v1/images/edits",
+    "/kiln/v1/jobs",
+    "/sdapi/v1/txt2img",
+    "/sdapi/v1/img2img",
+];
+
+/// While the server shuts down, a request for a new job is answered 503 with `Retry-After` before
+/// its body is read.
+async fn refuse_while_draining(State(app): State<Shared>, request: Request, next: Next) -> Response {
+    if app.closing.load(Ordering::Acquire)
+        && request.method() == axum::http::Method::POST
+        && JOB_ROUTES.contains(&request.uri().path())
+    {
+        app.metrics.rejected("draining");
+        return crate::http::draining().into_response();
+    }
+    next.run(request).await
+}
+
+/// What answers while the models load and warm up: `/health` says `warming` (503), every other
+/// route 503 with `Retry-After`.
+pub(crate) fn warming_router() -> Router {
+    Router::new()
+        .route(
+            "/health",
+            get(|| async {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Json(json!({"status": "warming", "state": "warming", "queued": 0, "running": 0, "models": []})),
+                )
+            }),
+        )
+        .fallback(|| async {
+            ApiError {
+                retry_after: Some(crate::http::DRAINING_RETRY_AFTER),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the server is loading and warming up its models; try again shortly",
+                )
+            }
+        })
+}
+
+/// `GET /health`: `state` is `warming` (loading the models; 503), `loaded` (serving; 200) or
+/// `draining` (shutting down: no new job; 503). `status` says the same as it always has: `ok`
+/// or `shutting_down` (`warming` while warming).
 async fn health(State(app): State<Shared>) -> Response {
     let (waiting, running) = app.queue.lengths();
     let closing = app.closing.load(Ordering::Acquire);
     let body = json!({
         "status": if closing { "shutting_down" } else { "ok" },
+        "state": if closing { "draining" } else { "loaded" },
         "queued": waiting,
         "running": running,
         "models": app.models.iter().map(|m| m.name.clone()).collect::<Vec<_>>(),
@@ -147,13 +198,17 @@ fn take_seed(body: &mut Map<String, Value>) -> Result<Option<u64>, ApiError> {
 
 /// What an OpenAI images request gives besides its input images, as generations and edits share
 /// it (edits' form fields read into the same JSON: [`crate::request::form_to_json`]).
-struct OpenAiRequest {
-    draw: Draw,
-    response_format: String,
+pub(crate) struct OpenAiRequest {
+    pub draw: Draw,
+    pub response_format: String,
 }
 
 /// The fields of an OpenAI images request (every field of `body` taken, the unknown refused).
-fn openai_request(app: &App, body: &mut Map<String, Value>, ignored: &[&str]) -> Result<OpenAiRequest, ApiError> {
+pub(crate) fn openai_request(
+    app: &App,
+    body: &mut Map<String, Value>,
+    ignored: &[&str],
+) -> Result<OpenAiRequest, ApiError> {
     let model_name: Option<String> = take(body, "model")?;
     let model = app.model_index(model_name.as_deref(), "model")?;
     let prompt: String =
@@ -197,7 +252,7 @@ fn openai_request(app: &App, body: &mut Map<String, Value>, ignored: &[&str]) ->
 }
 
 /// An error naming `height` or `width` as `size` (OpenAI's clients give the size as `size`).
-fn as_size(e: ApiError) -> ApiError {
+pub(crate) fn as_size(e: ApiError) -> ApiError {
     match e.param.as_deref() {
         Some("height" | "width") => ApiError {
             param: Some("size".into()),
@@ -217,7 +272,7 @@ async fn openai_response(
     response_format: &str,
 ) -> Result<Response, ApiError> {
     let (height, width) = (request.height, request.width);
-    let job = app.submit(request, inputs)?;
+    let job = app.submit(request, inputs, "openai")?;
     let guard = CancelOnDrop::new(app, &job);
     let images = images_of(&job).await?;
     guard.disarm();
@@ -301,7 +356,24 @@ async fn edits(
         )
     })?;
     let (mut images, mut mask, mut texts) = (Vec::new(), None, Vec::new());
-    while let Some(field) = multipart.next_field().await.map_err(multipart_error)? {
+    let mut parts = 0usize;
+    while let Some(field) = multipart.next_field().await.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            app.metrics.rejected("max_upload_bytes");
+        }
+        multipart_error(e)
+    })? {
+        parts += 1;
+        if parts > app.limits.max_form_parts {
+            app.metrics.rejected("max_form_parts");
+            return Err(ApiError::bad_request(
+                None,
+                format!(
+                    "the form has more than {} parts; this server takes at most {} (--max-form-parts)",
+                    app.limits.max_form_parts, app.limits.max_form_parts
+                ),
+            ));
+        }
         let name = field.name().unwrap_or_default().to_string();
         match name.as_str() {
             "image" | "image[]" => images.push((name, field.bytes().await.map_err(multipart_error)?.to_vec())),
@@ -386,18 +458,33 @@ fn take_base64_inputs(body: &mut Map<String, Value>) -> Result<Sent, ApiError> {
 /// `POST /kiln/v1/jobs`: queues a job, answers 202 with its id at once. Input images come as
 /// base64 in `image` (one, or a list) and `mask_image`.
 async fn create_job(State(app): State<Shared>, UploadBody(mut body): UploadBody) -> Result<Response, ApiError> {
-    let model_name: Option<String> = take(&mut body, "model")?;
+    let (draw, sent) = jobs_request(&app, &mut body)?;
+    let (request, inputs) = app.request_with_inputs(draw, sent).await?;
+    let job = app.submit(request, &inputs, "jobs")?;
+    let location = format!("/kiln/v1/jobs/{}", job.id);
+    Ok((
+        StatusCode::ACCEPTED,
+        [(header::LOCATION, location)],
+        Json(job_json(&app, &job)),
+    )
+        .into_response())
+}
+
+/// The fields of a jobs API body (every field taken, the unknown refused): the request and its
+/// input images, not read yet.
+pub(crate) fn jobs_request(app: &App, body: &mut Map<String, Value>) -> Result<(Draw, Sent), ApiError> {
+    let model_name: Option<String> = take(body, "model")?;
     let model = app.model_index(model_name.as_deref(), "model")?;
     let prompt: String =
-        take(&mut body, "prompt")?.ok_or_else(|| ApiError::bad_request(Some("prompt"), "`prompt` is required"))?;
-    let n: usize = take(&mut body, "n")?.unwrap_or(1);
-    let height: Option<usize> = take(&mut body, "height")?;
-    let width: Option<usize> = take(&mut body, "width")?;
-    let seed = take_seed(&mut body)?;
-    let sent = take_base64_inputs(&mut body)?;
-    let mut fields = CallFields::take_from(&mut body)?;
-    let loras = crate::loras::take_loras(&mut body)?;
-    refuse_unknown(&body)?;
+        take(body, "prompt")?.ok_or_else(|| ApiError::bad_request(Some("prompt"), "`prompt` is required"))?;
+    let n: usize = take(body, "n")?.unwrap_or(1);
+    let height: Option<usize> = take(body, "height")?;
+    let width: Option<usize> = take(body, "width")?;
+    let seed = take_seed(body)?;
+    let sent = take_base64_inputs(body)?;
+    let mut fields = CallFields::take_from(body)?;
+    let loras = crate::loras::take_loras(body)?;
+    refuse_unknown(body)?;
     app.loras.apply(&loras, &mut fields, "loras")?;
     let seeds = app.seeds(n, seed, "n")?;
     let draw = Draw {
@@ -407,15 +494,7 @@ async fn create_job(State(app): State<Shared>, UploadBody(mut body): UploadBody)
         fields,
         seeds,
     };
-    let (request, inputs) = app.request_with_inputs(draw, sent).await?;
-    let job = app.submit(request, &inputs)?;
-    let location = format!("/kiln/v1/jobs/{}", job.id);
-    Ok((
-        StatusCode::ACCEPTED,
-        [(header::LOCATION, location)],
-        Json(job_json(&app, &job)),
-    )
-        .into_response())
+    Ok((draw, sent))
 }
 
 /// A job as `GET /kiln/v1/jobs/{id}` shows it.
@@ -470,6 +549,13 @@ pub(crate) fn job_json(app: &App, job: &Arc<Job>) -> Value {
 fn find(app: &App, id: &str) -> Result<Arc<Job>, ApiError> {
     app.jobs
         .get(id)
+        .or_else(|| {
+            // A finished job the server no longer holds (it holds at most so many) is read back
+            // from the store until it expires.
+            let store = app.store.as_ref()?;
+            let stored = tokio::task::block_in_place(|| store.finished(id)).ok()??;
+            Some(crate::finished_job(app, stored))
+        })
         .ok_or_else(|| ApiError::not_found(format!("no job {id:?} (finished jobs are kept for a while only)")))
 }
 
@@ -498,7 +584,8 @@ async fn cancel_job(State(app): State<Shared>, Path(id): Path<String>) -> Result
 
 /// `GET /kiln/v1/jobs/{id}/events`: every event of the job from its start, in order, as
 /// server-sent events (`queued`, `running`, one `step` per step, then `done`, `failed` or
-/// `cancelled`, after which the stream ends).
+/// `cancelled`, after which the stream ends; or `requeued` when a shutting-down server leaves the
+/// job to the next one on its `--jobs-db`).
 async fn job_events(
     State(app): State<Shared>,
     Path(id): Path<String>,
@@ -510,7 +597,7 @@ async fn job_events(
         loop {
             let event = job.state().events.get(next).cloned();
             if let Some(event) = event {
-                let last = matches!(event.event, "done" | "failed" | "cancelled");
+                let last = matches!(event.event, "done" | "failed" | "cancelled" | "requeued");
                 let sse = SseEvent::default()
                     .event(event.event)
                     .json_data(&event)

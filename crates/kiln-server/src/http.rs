@@ -24,36 +24,64 @@ pub(crate) struct Body(pub Map<String, Value>);
 /// `--max-upload-bytes` (the route's own body limit).
 pub(crate) struct UploadBody(pub Map<String, Value>);
 
-impl<S: Send + Sync> FromRequest<S> for Body {
+impl FromRequest<Shared> for Body {
     type Rejection = ApiError;
 
-    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        json_object(request, state, "--max-body-bytes").await.map(Body)
+    async fn from_request(request: Request, state: &Shared) -> Result<Self, Self::Rejection> {
+        json_object(request, state, "max_body_bytes").await.map(Body)
     }
 }
 
-impl<S: Send + Sync> FromRequest<S> for UploadBody {
+impl FromRequest<Shared> for UploadBody {
     type Rejection = ApiError;
 
-    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
-        json_object(request, state, "--max-upload-bytes").await.map(UploadBody)
+    async fn from_request(request: Request, state: &Shared) -> Result<Self, Self::Rejection> {
+        json_object(request, state, "max_upload_bytes").await.map(UploadBody)
     }
 }
 
-/// The request's body as a JSON object; `flag` is the limit that bounds it.
-async fn json_object<S: Send + Sync>(request: Request, state: &S, flag: &str) -> Result<Map<String, Value>, ApiError> {
-    let bytes = Bytes::from_request(request, state).await.map_err(|e| {
-        let status = e.status();
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                status,
-                format!("the request body is larger than this server takes ({flag})"),
-            )
-        } else {
-            ApiError::new(status, format!("cannot read the request body: {e}"))
+/// Whether JSON text `bytes` nests arrays and objects deeper than `max` (read without parsing:
+/// brackets outside strings).
+pub(crate) fn nests_deeper(bytes: &[u8], max: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in bytes {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
         }
-    })?;
-    match serde_json::from_slice::<Value>(&bytes) {
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// A request body's bytes as a JSON object, checked against `limits` (an error names the flag
+/// and, when one is at fault, the field); `limit` is the bytes limit that bounds it.
+pub(crate) fn parse_json_object(bytes: &[u8], limits: &crate::Limits) -> Result<Map<String, Value>, ApiError> {
+    if nests_deeper(bytes, limits.max_json_depth) {
+        return Err(ApiError::bad_request(
+            None,
+            format!(
+                "the request body nests arrays and objects more than {} deep (--max-json-depth)",
+                limits.max_json_depth
+            ),
+        ));
+    }
+    match serde_json::from_slice::<Value>(bytes) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(ApiError::bad_request(None, "the request body must be a JSON object")),
         Err(e) => Err(ApiError::bad_request(
@@ -61,6 +89,30 @@ async fn json_object<S: Send + Sync>(request: Request, state: &S, flag: &str) ->
             format!("the request body is not valid JSON: {e}"),
         )),
     }
+}
+
+/// The request's body as a JSON object; `limit` is the bytes limit that bounds it.
+async fn json_object(request: Request, app: &Shared, limit: &'static str) -> Result<Map<String, Value>, ApiError> {
+    let bytes = Bytes::from_request(request, app).await.map_err(|e| {
+        let status = e.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            app.metrics.rejected(limit);
+            ApiError::new(
+                status,
+                format!(
+                    "the request body is larger than this server takes (--{})",
+                    limit.replace('_', "-")
+                ),
+            )
+        } else {
+            ApiError::new(status, format!("cannot read the request body: {e}"))
+        }
+    })?;
+    parse_json_object(&bytes, &app.limits).inspect_err(|e| {
+        if e.message.contains("--max-json-depth") {
+            app.metrics.rejected("max_json_depth");
+        }
+    })
 }
 
 impl App {
@@ -77,15 +129,56 @@ impl App {
     }
 
     /// Queues a checked request whose call reads the input images `inputs` (the job holds their
-    /// files); a full queue is a 429 with `Retry-After`.
-    pub(crate) fn submit(&self, request: JobRequest, inputs: &Inputs) -> Result<Arc<Job>, ApiError> {
+    /// files); a full queue is a 429 with `Retry-After`. A `durable` job (the jobs API's) is
+    /// written to the store, when the server has one, before it is queued.
+    pub(crate) fn submit(&self, request: JobRequest, inputs: &Inputs, api: &'static str) -> Result<Arc<Job>, ApiError> {
+        let durable = api == "jobs";
         let job = Job::with_inputs(request, inputs.uploads());
-        match self.queue.push(job.clone()) {
+        job.count_in(api, self.metrics.clone());
+        if let Some(store) = &self.store {
+            let model = self.models[job.request.model].name.clone();
+            if durable && !self.queue.is_closed() {
+                let written = tokio::task::block_in_place(|| -> Result<(), String> {
+                    let inputs = job
+                        .inputs
+                        .iter()
+                        .map(|u| std::fs::read(&u.path).map(|bytes| (u.sha256.clone(), bytes)))
+                        .collect::<std::io::Result<Vec<_>>>()
+                        .map_err(|e| e.to_string())?;
+                    let request = serde_json::to_string(&job.request).map_err(|e| e.to_string())?;
+                    let created = job
+                        .created
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_secs() as i64);
+                    store
+                        .accept(&job.id, &model, &request, created, &inputs)
+                        .map_err(|e| e.to_string())
+                });
+                if let Err(e) = written {
+                    return Err(ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        format!("the server could not keep the job (--jobs-db): {e}"),
+                    ));
+                }
+            }
+            job.persist(crate::jobs::Persist {
+                store: store.clone(),
+                durable,
+                model,
+            });
+        }
+        let refused = match self.queue.push(job.clone()) {
             Ok(()) => {
                 self.jobs.insert(job.clone());
-                Ok(job)
+                return Ok(job);
             }
-            Err(Refused::Full) => {
+            Err(refused) => refused,
+        };
+        if let Some(store) = self.store.as_ref().filter(|_| job.durable()) {
+            let _ = tokio::task::block_in_place(|| store.delete(std::slice::from_ref(&job.id)));
+        }
+        match refused {
+            Refused::Full => {
                 self.metrics.rejected_full();
                 let (waiting, running) = self.queue.lengths();
                 let per_job = self.metrics.mean_job_seconds().unwrap_or(1.0);
@@ -101,10 +194,10 @@ impl App {
                     )
                 })
             }
-            Err(Refused::Closed) => Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the server is shutting down",
-            )),
+            Refused::Closed => {
+                self.metrics.rejected("draining");
+                Err(draining())
+            }
         }
     }
 
@@ -123,6 +216,20 @@ impl App {
         Ok((0..n as u64).map(|k| seed.wrapping_add(k)).collect())
     }
 }
+
+/// The answer to a new job while the server shuts down: 503 with `Retry-After`.
+pub(crate) fn draining() -> ApiError {
+    ApiError {
+        retry_after: Some(DRAINING_RETRY_AFTER),
+        ..ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is shutting down (draining): it takes no new job; try again shortly (on its next start)",
+        )
+    }
+}
+
+/// The `Retry-After` seconds of a draining server's 503s.
+pub(crate) const DRAINING_RETRY_AFTER: u64 = 5;
 
 /// Cancels its job when dropped before [`CancelOnDrop::disarm`]: a client that goes away does
 /// not leave its job to run.

@@ -142,6 +142,12 @@ impl Uploads {
         Ok(made)
     }
 
+    /// Stores the bytes of an input image a former server checked (a queued job read back from
+    /// `--jobs-db`).
+    pub fn restore(&self, bytes: &[u8]) -> std::io::Result<Arc<Upload>> {
+        store(&self.folder()?, bytes)
+    }
+
     /// The files stored now.
     #[cfg(test)]
     pub fn count(&self) -> usize {
@@ -549,7 +555,7 @@ impl crate::App {
 }
 
 /// Sets the call's `image` (when any) and `mask_image`.
-fn set_inputs(fields: &mut CallFields, images: Vec<FileRef>, mask: Option<FileRef>) -> Result<(), ApiError> {
+pub(crate) fn set_inputs(fields: &mut CallFields, images: Vec<FileRef>, mask: Option<FileRef>) -> Result<(), ApiError> {
     use kiln_pipelines::arguments::{File, Item};
     if !images.is_empty() {
         fields.set("image", &Value::Array(images.iter().map(File::to_json).collect()))?;

@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
 use kiln_image::GenerationParams;
@@ -11,6 +11,7 @@ use tokio::sync::watch;
 
 use crate::inputs::Upload;
 use crate::request::JobRequest;
+use crate::store::{Ending, Store};
 
 /// Where a job is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -61,6 +62,16 @@ pub struct JobState {
     pub finished: Option<Instant>,
 }
 
+/// Where a job is written as it goes (see [`crate::store`]).
+pub struct Persist {
+    pub store: Arc<Store>,
+    /// A job of the jobs API: written when accepted, queued again by the next server. A job of a
+    /// synchronous route is written only when done (for its `url` images).
+    pub durable: bool,
+    /// Its model's name (the next server may serve its models in another order).
+    pub model: String,
+}
+
 pub struct Job {
     pub id: String,
     pub request: JobRequest,
@@ -68,6 +79,12 @@ pub struct Job {
     pub inputs: Vec<Arc<Upload>>,
     pub created: SystemTime,
     cancel: AtomicBool,
+    /// Stopped by a shutdown to be run by the next server (a durable job): its end puts it back
+    /// in the queue on disk instead of cancelling it.
+    requeue: AtomicBool,
+    persist: OnceLock<Persist>,
+    /// The API it came through, and where its outcome is counted.
+    counted: OnceLock<(&'static str, Arc<crate::metrics::Metrics>)>,
     state: Mutex<JobState>,
     /// Bumped on every change (a new event): what the HTTP side waits on.
     changed: watch::Sender<u64>,
@@ -80,29 +97,70 @@ impl Job {
 
     /// A job whose call reads the files `inputs`.
     pub fn with_inputs(request: JobRequest, inputs: Vec<Arc<Upload>>) -> Arc<Job> {
+        Job::restored(new_id(), SystemTime::now(), request, inputs, None)
+    }
+
+    /// A job of id `id` (one a former server accepted), queued, or in the state `state`.
+    pub fn restored(
+        id: String,
+        created: SystemTime,
+        request: JobRequest,
+        inputs: Vec<Arc<Upload>>,
+        state: Option<JobState>,
+    ) -> Arc<Job> {
         let steps = request.steps();
+        let state = state.unwrap_or_else(|| JobState {
+            status: Status::Queued,
+            step: 0,
+            events: vec![Event {
+                event: "queued",
+                step: None,
+                steps,
+                error: None,
+            }],
+            images: Vec::new(),
+            error: None,
+            started: None,
+            finished: None,
+        });
         Arc::new(Job {
-            id: new_id(),
+            id,
             request,
             inputs,
-            created: SystemTime::now(),
+            created,
             cancel: AtomicBool::new(false),
-            state: Mutex::new(JobState {
-                status: Status::Queued,
-                step: 0,
-                events: vec![Event {
-                    event: "queued",
-                    step: None,
-                    steps,
-                    error: None,
-                }],
-                images: Vec::new(),
-                error: None,
-                started: None,
-                finished: None,
-            }),
+            requeue: AtomicBool::new(false),
+            persist: OnceLock::new(),
+            counted: OnceLock::new(),
+            state: Mutex::new(state),
             changed: watch::channel(0).0,
         })
+    }
+
+    /// Writes the job to `persist`'s store from now on.
+    pub fn persist(&self, persist: Persist) {
+        let _ = self.persist.set(persist);
+    }
+
+    /// Counts the job's outcome in `metrics` under `api`.
+    pub fn count_in(&self, api: &'static str, metrics: Arc<crate::metrics::Metrics>) {
+        let _ = self.counted.set((api, metrics));
+    }
+
+    /// Whether the job is on disk from its acceptance (a jobs API job with a store).
+    pub fn durable(&self) -> bool {
+        self.persist.get().is_some_and(|p| p.durable)
+    }
+
+    /// A shutdown stops the job to leave it to the next server (it stays queued on disk).
+    fn leave_for_next_server(&self) {
+        self.requeue.store(true, Ordering::Release);
+        self.request_cancel();
+    }
+
+    /// The job was put back in the queue on disk by a shutdown (its events end there).
+    pub fn requeued(&self) -> bool {
+        self.requeue.load(Ordering::Acquire)
     }
 
     pub fn state(&self) -> MutexGuard<'_, JobState> {
@@ -128,6 +186,11 @@ impl Job {
     }
 
     pub fn start(&self) {
+        if let Some(p) = self.persist.get().filter(|p| p.durable) {
+            if let Err(e) = p.store.start(&self.id) {
+                tracing::warn!("--jobs-db: job {}: {e}", self.id);
+            }
+        }
         let steps = self.request.steps();
         self.update(|s| {
             s.status = Status::Running;
@@ -160,10 +223,60 @@ impl Job {
     /// Ends the job (a job ends once: later calls change nothing).
     pub fn finish(&self, status: Status, images: Vec<Arc<Image>>, error: Option<(u16, String)>) {
         let steps = self.request.steps();
+        if status == Status::Cancelled && self.requeued() {
+            // Stopped by a shutdown: queued again on disk, for the next server.
+            if let Some(p) = self.persist.get() {
+                if let Err(e) = p.store.requeue(&self.id) {
+                    tracing::warn!("--jobs-db: job {}: {e}", self.id);
+                }
+            }
+            self.update(|s| {
+                if s.status.is_final() {
+                    return;
+                }
+                s.status = Status::Queued;
+                s.step = 0;
+                s.events.push(Event {
+                    event: "requeued",
+                    step: None,
+                    steps,
+                    error: Some("the server shut down; the job waits for the next server on its --jobs-db".into()),
+                });
+            });
+            return;
+        }
+        if let Some(p) = self.persist.get().filter(|p| p.durable || status == Status::Done) {
+            if self.state().status.is_final() {
+                return;
+            }
+            let seconds = self.state().started.map(|t| t.elapsed().as_secs_f64());
+            let step = self.state().step;
+            let ending = Ending {
+                status,
+                error: error.as_ref(),
+                step,
+                seconds,
+                images: images
+                    .iter()
+                    .map(|i| (i.png.as_slice(), serde_json::to_string(&i.params).unwrap_or_default()))
+                    .collect(),
+            };
+            let request = serde_json::to_string(&self.request).unwrap_or_default();
+            let created = self
+                .created
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs() as i64);
+            let insert = (!p.durable).then_some((p.model.as_str(), request.as_str(), created));
+            if let Err(e) = p.store.finish(&self.id, ending, insert) {
+                tracing::warn!("--jobs-db: job {}: {e}", self.id);
+            }
+        }
+        let mut ended = false;
         self.update(|s| {
             if s.status.is_final() {
                 return;
             }
+            ended = true;
             s.status = status;
             s.images = images;
             s.finished = Some(Instant::now());
@@ -179,6 +292,9 @@ impl Job {
             });
             s.error = error;
         });
+        if let Some((api, metrics)) = self.counted.get().filter(|_| ended) {
+            metrics.outcome(api, status);
+        }
     }
 }
 
@@ -225,6 +341,54 @@ impl Queue {
 
     fn lock(&self) -> MutexGuard<'_, QueueInner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a job a former server accepted (beyond the capacity: it was accepted already).
+    pub fn push_restored(&self, job: Arc<Job>) {
+        let mut q = self.lock();
+        q.waiting.push_back(job);
+        self.ready.notify_all();
+    }
+
+    /// Whether the queue takes no more jobs.
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    /// A shutdown with a store: stops taking jobs; the waiting durable jobs leave the queue now
+    /// (they stay queued on disk for the next server); with `stop_running` the running durable
+    /// jobs stop at their next step and are queued again on disk, and the other jobs (of the
+    /// synchronous routes, whose clients wait) are cancelled; without it they run to their end.
+    pub fn drain(&self, stop_running: bool) {
+        let (left, cancelled, running) = {
+            let mut q = self.lock();
+            q.closed = true;
+            self.ready.notify_all();
+            let (left, kept): (Vec<_>, Vec<_>) = q.waiting.drain(..).partition(|j| j.durable());
+            let cancelled = if stop_running {
+                kept
+            } else {
+                q.waiting.extend(kept);
+                Vec::new()
+            };
+            let running = if stop_running { q.running.clone() } else { Vec::new() };
+            (left, cancelled, running)
+        };
+        for job in left {
+            job.leave_for_next_server();
+            job.finish(Status::Cancelled, Vec::new(), None);
+        }
+        for job in cancelled {
+            job.request_cancel();
+            job.finish(Status::Cancelled, Vec::new(), None);
+        }
+        for job in running {
+            if job.durable() {
+                job.leave_for_next_server();
+            } else {
+                job.request_cancel();
+            }
+        }
     }
 
     pub fn push(&self, job: Arc<Job>) -> Result<(), Refused> {
@@ -333,6 +497,8 @@ pub struct Registry {
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     keep: Duration,
     max_finished: usize,
+    /// Where the dropped jobs are removed from too.
+    store: Option<Arc<Store>>,
 }
 
 impl Registry {
@@ -341,6 +507,15 @@ impl Registry {
             jobs: Mutex::new(HashMap::new()),
             keep,
             max_finished,
+            store: None,
+        }
+    }
+
+    /// A registry whose dropped jobs leave `store` too.
+    pub fn with_store(keep: Duration, max_finished: usize, store: Option<Arc<Store>>) -> Registry {
+        Registry {
+            store,
+            ..Registry::new(keep, max_finished)
         }
     }
 
@@ -350,17 +525,18 @@ impl Registry {
 
     pub fn insert(&self, job: Arc<Job>) {
         let mut jobs = self.lock();
-        Self::evict(&mut jobs, self.keep, self.max_finished);
+        self.evict(&mut jobs);
         jobs.insert(job.id.clone(), job);
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Job>> {
         let mut jobs = self.lock();
-        Self::evict(&mut jobs, self.keep, self.max_finished);
+        self.evict(&mut jobs);
         jobs.get(id).cloned()
     }
 
-    fn evict(jobs: &mut HashMap<String, Arc<Job>>, keep: Duration, max_finished: usize) {
+    fn evict(&self, jobs: &mut HashMap<String, Arc<Job>>) {
+        let (keep, max_finished) = (self.keep, self.max_finished);
         let now = Instant::now();
         let mut finished: Vec<(Instant, String)> = jobs
             .values()
@@ -368,9 +544,20 @@ impl Registry {
             .collect();
         finished.sort();
         let over = finished.len().saturating_sub(max_finished);
+        // (With a store, a job dropped for the count only stays there until it expires.)
+        let mut dropped = Vec::new();
         for (k, (at, id)) in finished.into_iter().enumerate() {
-            if k < over || now.duration_since(at) > keep {
+            let expired = now.duration_since(at) > keep;
+            if k < over || expired {
                 jobs.remove(&id);
+                if expired {
+                    dropped.push(id);
+                }
+            }
+        }
+        if let Some(store) = &self.store {
+            if let Err(e) = store.delete(&dropped) {
+                tracing::warn!("--jobs-db: removing {} finished jobs: {e}", dropped.len());
             }
         }
     }

@@ -12,6 +12,8 @@ mod a1111;
 mod api;
 pub mod backend;
 mod error;
+#[cfg(test)]
+mod fuzz;
 mod http;
 mod inputs;
 mod jobs;
@@ -19,6 +21,7 @@ pub mod loras;
 mod metrics;
 pub mod prompt_cache;
 mod request;
+mod store;
 mod web;
 mod worker;
 
@@ -56,6 +59,11 @@ pub struct Limits {
     pub max_input_pixels: u64,
     /// Jobs that may wait in the queue (beyond it: 429).
     pub queue: usize,
+    /// How deep a JSON body may nest arrays and objects (a deeper one is refused before it is
+    /// parsed).
+    pub max_json_depth: usize,
+    /// Parts per `multipart/form-data` body (`/v1/images/edits`).
+    pub max_form_parts: usize,
 }
 
 impl Default for Limits {
@@ -71,6 +79,8 @@ impl Default for Limits {
             max_image_bytes: 16 << 20,
             max_input_pixels: inputs::MAX_INPUT_PIXELS,
             queue: 16,
+            max_json_depth: 32,
+            max_form_parts: 64,
         }
     }
 }
@@ -149,6 +159,8 @@ pub(crate) struct App {
     pub loras: loras::LoraDir,
     /// Where the input images of the live jobs are kept (see `inputs`).
     pub uploads: inputs::Uploads,
+    /// The jobs kept across restarts (`--jobs-db`; see `store`).
+    pub store: Option<Arc<store::Store>>,
 }
 
 pub(crate) fn key_hash(key: &str) -> [u8; 32] {
@@ -166,6 +178,19 @@ pub fn serve<L>(config: ServerConfig, loaders: Vec<L>) -> Result<()>
 where
     L: FnOnce() -> Result<(Box<dyn Backend>, Vec<ModelInfo>)> + Send + 'static,
 {
+    serve_with_jobs_db(config, None, loaders)
+}
+
+/// [`serve`], with the jobs API's queue and every job's finished images kept in the SQLite file
+/// `jobs_db` (made when missing; one server at a time): the jobs a former server on it accepted
+/// and did not end are run, its finished jobs' images served until they expire. A shutdown then
+/// drains: no new job is taken (503 with `Retry-After`), the queued jobs of the jobs API stay on
+/// disk for the next server, the running batch finishes (`OnShutdown::Finish`) or stops at its
+/// next step, its jobs of the jobs API queued again on disk (`OnShutdown::Cancel`).
+pub fn serve_with_jobs_db<L>(config: ServerConfig, jobs_db: Option<std::path::PathBuf>, loaders: Vec<L>) -> Result<()>
+where
+    L: FnOnce() -> Result<(Box<dyn Backend>, Vec<ModelInfo>)> + Send + 'static,
+{
     let limits = config.limits.clone();
     if limits.queue == 0 || limits.max_images == 0 || limits.max_batch == 0 || limits.max_steps == 0 {
         bail!("--queue, --max-images, --max-batch and --max-steps must be at least 1");
@@ -176,6 +201,13 @@ where
     if limits.max_upload_bytes == 0 || limits.max_image_bytes == 0 || limits.max_input_pixels == 0 {
         bail!("--max-upload-bytes, --max-image-bytes and --max-input-pixels must be at least 1");
     }
+    if limits.max_json_depth < 2 || limits.max_form_parts == 0 {
+        bail!("--max-json-depth must be at least 2 and --max-form-parts at least 1");
+    }
+    let store = match &jobs_db {
+        Some(path) => Some(Arc::new(store::Store::open(path, config.keep_finished)?)),
+        None => None,
+    };
     let uploads = inputs::Uploads::new();
     let upload_dir = uploads.made();
     let queue = Arc::new(jobs::Queue::new(limits.queue));
@@ -185,6 +217,29 @@ where
             config.prompt_cache_bytes,
         )))
     });
+    // One server on the listener for the whole run: while the models load and warm up it answers
+    // as the warming router does (`/health` says `warming` with 503, every other route 503 with
+    // `Retry-After`); once they are ready the API's router takes every new request. (Swapping
+    // routers, not servers, drops no connection at the hand-over.)
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    config.listener.set_nonblocking(true)?;
+    let active = Arc::new(std::sync::RwLock::new(api::warming_router()));
+    let (ready, ready_rx) = tokio::sync::watch::channel(Ready::Loading);
+    let on_shutdown = config.on_shutdown;
+    let server = {
+        let listener = config.listener.try_clone()?;
+        let active = active.clone();
+        let stop = config.stop.clone();
+        runtime.spawn(serve_until_stopped(listener, active, ready_rx, stop, on_shutdown))
+    };
+    // Loading failed: the server stops at once.
+    let stop_server = |ready: &tokio::sync::watch::Sender<Ready>, server: tokio::task::JoinHandle<Result<()>>| {
+        let _ = ready.send(Ready::Failed);
+        let _ = runtime.block_on(server);
+    };
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Loaded>();
     let mut workers = Vec::new();
     for (index, load) in loaders.into_iter().enumerate() {
@@ -229,10 +284,12 @@ where
             Ok(Ok(models)) => loaded.push(models),
             Ok(Err(e)) => {
                 stop_workers(workers);
+                stop_server(&ready, server);
                 return Err(e);
             }
             Err(_) => {
                 stop_workers(workers);
+                stop_server(&ready, server);
                 bail!("a worker thread stopped while loading the models");
             }
         }
@@ -243,6 +300,7 @@ where
         let names = |m: &[ModelInfo]| m.iter().map(|i| i.name.clone()).collect::<Vec<_>>();
         if names(other) != names(&models) {
             stop_workers(workers);
+            stop_server(&ready, server);
             bail!(
                 "the workers loaded different models: {:?} and {:?}",
                 names(&models),
@@ -252,11 +310,12 @@ where
     }
     if models.is_empty() {
         stop_workers(workers);
+        stop_server(&ready, server);
         bail!("no model to serve");
     }
     let app = Arc::new(App {
         queue: queue.clone(),
-        jobs: jobs::Registry::new(config.keep_finished, limits.queue * 4 + 64),
+        jobs: jobs::Registry::with_store(config.keep_finished, limits.queue * 4 + 64, store.clone()),
         models,
         limits,
         api_key: config.api_key.as_deref().map(key_hash),
@@ -265,45 +324,44 @@ where
         closing: AtomicBool::new(false),
         loras: loras::LoraDir::new(config.lora_dir.clone()),
         uploads,
+        store: store.clone(),
     });
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let on_shutdown = config.on_shutdown;
-    let stop = config.stop.clone();
-    let served = runtime.block_on(async move {
-        config.listener.set_nonblocking(true)?;
-        let listener = tokio::net::TcpListener::from_std(config.listener)?;
-        let addr = listener.local_addr()?;
-        let router = api::router(app.clone());
-        {
-            use std::io::Write;
-            let mut out = std::io::stdout();
-            let _ = writeln!(out, "kiln serve: listening on http://{addr}");
-            let _ = out.flush();
-        }
-        let shutdown = async move {
-            wait_for_stop(stop).await;
-            eprintln!(
-                "kiln serve: shutting down ({} the jobs in flight)",
-                match on_shutdown {
-                    OnShutdown::Finish => "finishing",
-                    OnShutdown::Cancel => "cancelling",
-                }
-            );
-            app.closing.store(true, std::sync::atomic::Ordering::Release);
-            // No new connection is taken from here on; the open ones end as their jobs do, and
-            // the worker runs (or cancels) what was queued before it stops.
-            app.queue.close(on_shutdown == OnShutdown::Cancel);
+    if let Some(store) = &store {
+        let restored = restore(&app, store).context("--jobs-db: reading the jobs back");
+        let (queued, kept) = match restored {
+            Ok(counts) => counts,
+            Err(e) => {
+                stop_workers(workers);
+                stop_server(&ready, server);
+                return Err(e);
+            }
         };
-        axum::serve(listener, router.into_make_service_with_connect_info::<SocketAddr>())
-            .with_graceful_shutdown(shutdown)
-            .await
-            .context("serving")
-    });
+        eprintln!(
+            "kiln serve: jobs kept in {}: {queued} queued again, {kept} finished",
+            store.path().display()
+        );
+    }
+    let durable = store.is_some();
+    *active.write().unwrap_or_else(|e| e.into_inner()) = api::router(app.clone());
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout();
+        if let Ok(addr) = config.listener.local_addr() {
+            let _ = writeln!(out, "kiln serve: listening on http://{addr}");
+        }
+        let _ = out.flush();
+    }
+    let _ = ready.send(Ready::Serving(app, durable));
+    let served = match runtime.block_on(server) {
+        Ok(served) => served,
+        Err(e) => Err(anyhow::anyhow!("the server task ended: {e}")),
+    };
     // The queue is closed (or the server failed): the workers end once it is empty.
-    queue.close(served.is_err());
+    if durable && served.is_err() {
+        queue.drain(true);
+    } else {
+        queue.close(served.is_err());
+    }
     for w in workers {
         let _ = w.join();
     }
@@ -313,6 +371,243 @@ where
         let _ = std::fs::remove_dir_all(dir);
     }
     served
+}
+
+/// Where the start of the server stands, for the one task that serves the listener.
+enum Ready {
+    Loading,
+    Failed,
+    /// The app, and whether its jobs are durable (a store).
+    Serving(Arc<App>, bool),
+}
+
+/// Serves `listener` with the router in `active` (swapped once the models are ready) until the
+/// start fails, or until a stop once serving: then no new job is taken (`/health` says
+/// `draining`, new jobs get 503 with Retry-After) while the jobs in flight end — or are
+/// cancelled — and the listener closes.
+async fn serve_until_stopped(
+    listener: std::net::TcpListener,
+    active: Arc<std::sync::RwLock<axum::Router>>,
+    mut ready: tokio::sync::watch::Receiver<Ready>,
+    stop: Option<Arc<tokio::sync::Notify>>,
+    on_shutdown: OnShutdown,
+) -> Result<()> {
+    use tower::ServiceExt;
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let dispatch = tower::service_fn(move |request: axum::extract::Request| {
+        let router = active.read().unwrap_or_else(|e| e.into_inner()).clone();
+        async move { router.oneshot(request).await }
+    });
+    let outer = axum::Router::new().fallback_service(dispatch);
+    let shutdown = async move {
+        let serving = loop {
+            match &*ready.borrow_and_update() {
+                Ready::Failed => return,
+                Ready::Serving(app, durable) => break (app.clone(), *durable),
+                Ready::Loading => {}
+            }
+            if ready.changed().await.is_err() {
+                return;
+            }
+        };
+        let (app, durable) = serving;
+        wait_for_stop(stop).await;
+        eprintln!(
+            "kiln serve: shutting down ({} the jobs in flight)",
+            match on_shutdown {
+                OnShutdown::Finish => "finishing",
+                OnShutdown::Cancel => "cancelling",
+            }
+        );
+        app.closing.store(true, std::sync::atomic::Ordering::Release);
+        // The worker runs (or cancels) what was queued before it stops. With a store the jobs
+        // API's queued jobs stay on disk for the next server instead.
+        if durable {
+            app.queue.drain(on_shutdown == OnShutdown::Cancel);
+        } else {
+            app.queue.close(on_shutdown == OnShutdown::Cancel);
+        }
+        while app.queue.lengths() != (0, 0) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    axum::serve(listener, outer.into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("serving")
+}
+
+/// Reads back the jobs of `store` a former server left: the unfinished ones queued again (one
+/// that was running when its server was killed [`store::MAX_ATTEMPTS`] times fails instead), the
+/// finished ones kept until they expire. (queued, finished).
+fn restore(app: &App, store: &Arc<store::Store>) -> Result<(usize, usize)> {
+    use jobs::{Job, Persist, Status};
+    use std::time::UNIX_EPOCH;
+    let (mut queued, mut kept) = (0, 0);
+    for s in store.load()? {
+        let created = UNIX_EPOCH + Duration::from_secs(u64::try_from(s.created).unwrap_or(0));
+        let model = app.models.iter().position(|m| m.name == s.model);
+        let parsed = serde_json::from_str::<request::JobRequest>(&s.request)
+            .map_err(|e| e.to_string())
+            .and_then(|mut r| {
+                r.fields = r.fields.checked()?;
+                Ok(r)
+            });
+        let placeholder = placeholder_request;
+        let persist = || Persist {
+            store: store.clone(),
+            durable: s.durable,
+            model: s.model.clone(),
+        };
+        if s.status.is_final() {
+            app.jobs.insert(finished_job(app, s));
+            kept += 1;
+            continue;
+        }
+        // Queued, or running when its server was killed: run it (again), or say why not.
+        let mut why_not = None;
+        let mut request = match (parsed, model) {
+            (Ok(mut request), Some(index)) => {
+                request.model = index;
+                request
+            }
+            (Ok(_), None) => {
+                why_not = Some(format!(
+                    "model {:?} is not one this server runs (it was restarted with other models)",
+                    s.model
+                ));
+                placeholder()
+            }
+            (Err(e), _) => {
+                why_not = Some(format!("the job kept in --jobs-db cannot be read: {e}"));
+                placeholder()
+            }
+        };
+        let mut uploads = Vec::new();
+        if why_not.is_none() {
+            let call = request.fields.call();
+            let images = call.image.as_ref().map_or(0, Vec::len);
+            let mask = call.mask_image.is_some();
+            if s.inputs.len() != images + usize::from(mask) {
+                why_not = Some("its input images were not kept in --jobs-db".into());
+            } else {
+                match s
+                    .inputs
+                    .iter()
+                    .map(|b| app.uploads.restore(b))
+                    .collect::<std::io::Result<Vec<_>>>()
+                {
+                    Ok(restored) => {
+                        let refs = restored[..images].iter().map(|u| u.file_ref()).collect();
+                        let mask = mask.then(|| restored[images].file_ref());
+                        if let Err(e) = inputs::set_inputs(&mut request.fields, refs, mask) {
+                            why_not = Some(format!("its input images: {}", e.message));
+                        }
+                        uploads = restored;
+                    }
+                    Err(e) => why_not = Some(format!("its input images could not be stored again: {e}")),
+                }
+            }
+        }
+        if s.status == Status::Running && s.attempts >= store::MAX_ATTEMPTS {
+            why_not = Some(format!(
+                "the server stopped (killed or crashed) while running this job, {} times: it is not run again",
+                s.attempts
+            ));
+        }
+        let job = Job::restored(s.id, created, request, uploads, None);
+        job.persist(persist());
+        job.count_in(if s.durable { "jobs" } else { "openai" }, app.metrics.clone());
+        match why_not {
+            Some(why) => {
+                job.finish(Status::Failed, Vec::new(), Some((500, why)));
+                kept += 1;
+            }
+            None => {
+                app.queue.push_restored(job.clone());
+                queued += 1;
+            }
+        }
+        app.jobs.insert(job);
+    }
+    Ok((queued, kept))
+}
+
+/// A finished job read back from the store.
+pub(crate) fn finished_job(app: &App, s: store::StoredJob) -> Arc<jobs::Job> {
+    use jobs::{Event, Image, Job, JobState, Status};
+    use std::time::{Instant, SystemTime, UNIX_EPOCH};
+    let created = UNIX_EPOCH + Duration::from_secs(u64::try_from(s.created).unwrap_or(0));
+    let model = app.models.iter().position(|m| m.name == s.model);
+    let mut request = serde_json::from_str::<request::JobRequest>(&s.request)
+        .ok()
+        .and_then(|mut r| {
+            r.fields = r.fields.checked().ok()?;
+            Some(r)
+        })
+        .unwrap_or_else(placeholder_request);
+    request.model = model.unwrap_or(0);
+    let age = s
+        .finished_ms
+        .and_then(|ms| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH + Duration::from_millis(ms as u64))
+                .ok()
+        })
+        .unwrap_or_default();
+    let finished = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
+    let started = s
+        .seconds
+        .filter(|t| t.is_finite() && *t >= 0.0)
+        .and_then(|t| finished.checked_sub(Duration::from_secs_f64(t)));
+    let steps = request.steps();
+    let images = s
+        .images
+        .into_iter()
+        .map(|(png, params)| {
+            Arc::new(Image {
+                png,
+                params: serde_json::from_str(&params).unwrap_or_default(),
+            })
+        })
+        .collect();
+    let event = |event: &'static str, step, error| Event {
+        event,
+        step,
+        steps,
+        error,
+    };
+    let last = match s.status {
+        Status::Done => "done",
+        Status::Failed => "failed",
+        _ => "cancelled",
+    };
+    let state = JobState {
+        status: s.status,
+        step: s.step,
+        events: vec![
+            event("queued", None, None),
+            event(last, Some(s.step), s.error.as_ref().map(|e| e.1.clone())),
+        ],
+        images,
+        error: s.error,
+        started,
+        finished: Some(finished),
+    };
+    Job::restored(s.id, created, request, Vec::new(), Some(state))
+}
+
+/// The request of a job whose own cannot be read back (it is shown failed).
+fn placeholder_request() -> request::JobRequest {
+    request::JobRequest {
+        model: 0,
+        prompt: String::new(),
+        height: 0,
+        width: 0,
+        fields: request::CallFields::default(),
+        seeds: Vec::new(),
+        size_from_input: false,
+    }
 }
 
 /// SIGTERM, Ctrl-C or `stop`.

@@ -1,5 +1,6 @@
 //! `GET /metrics`: the queue, the jobs and the time per step, in Prometheus' text format.
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -24,7 +25,25 @@ pub struct Metrics {
     /// (sum of seconds, count) of denoising steps and of whole jobs.
     steps: Mutex<(f64, u64)>,
     jobs: Mutex<(f64, u64)>,
+    /// Requests refused by a limit, by the limit.
+    rejected: Mutex<BTreeMap<&'static str, u64>>,
+    /// Jobs that ended, by the API they came through and how they ended.
+    outcomes: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
 }
+
+/// The limits whose refusals are counted (`kiln_rejected_total{limit=...}`): the flags', the
+/// full queue's and a draining server's.
+pub const LIMITS: &[&str] = &[
+    "max_body_bytes",
+    "max_upload_bytes",
+    "max_json_depth",
+    "max_form_parts",
+    "queue",
+    "draining",
+];
+
+/// The APIs a job comes through (`kiln_job_outcomes_total{api=...}`).
+pub const APIS: &[&str] = &["jobs", "openai", "a1111"];
 
 impl Metrics {
     pub fn step(&self, took: Duration) {
@@ -66,6 +85,32 @@ impl Metrics {
 
     pub fn rejected_full(&self) {
         self.rejected_full.fetch_add(1, Ordering::Relaxed);
+        self.rejected("queue");
+    }
+
+    /// A request refused by `limit` (one of [`LIMITS`]).
+    pub fn rejected(&self, limit: &'static str) {
+        *self
+            .rejected
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(limit)
+            .or_default() += 1;
+    }
+
+    /// A job of `api` (one of [`APIS`]) ended as `status`.
+    pub fn outcome(&self, api: &'static str, status: Status) {
+        let how = match status {
+            Status::Done => "done",
+            Status::Failed => "failed",
+            _ => "cancelled",
+        };
+        *self
+            .outcomes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((api, how))
+            .or_default() += 1;
     }
 
     /// The mean seconds a finished job took (what a full queue's `Retry-After` is estimated from).
@@ -123,6 +168,41 @@ impl Metrics {
             "counter",
             "Requests answered 429 because the queue was full.",
             &[("", load(&self.rejected_full))],
+        );
+        let rejected = self.rejected.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let values: Vec<(String, String)> = LIMITS
+            .iter()
+            .map(|l| {
+                (
+                    format!("{{limit=\"{l}\"}}"),
+                    rejected.get(l).copied().unwrap_or(0).to_string(),
+                )
+            })
+            .collect();
+        let values: Vec<(&str, String)> = values.iter().map(|(l, v)| (l.as_str(), v.clone())).collect();
+        metric(
+            "kiln_rejected_total",
+            "counter",
+            "Requests refused by a limit (413, 400 or 429) or while draining (503), by the limit.",
+            &values,
+        );
+        let outcomes = self.outcomes.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let values: Vec<(String, String)> = APIS
+            .iter()
+            .flat_map(|api| ["done", "failed", "cancelled"].map(|how| (*api, how)))
+            .map(|(api, how)| {
+                (
+                    format!("{{api=\"{api}\",status=\"{how}\"}}"),
+                    outcomes.get(&(api, how)).copied().unwrap_or(0).to_string(),
+                )
+            })
+            .collect();
+        let values: Vec<(&str, String)> = values.iter().map(|(l, v)| (l.as_str(), v.clone())).collect();
+        metric(
+            "kiln_job_outcomes_total",
+            "counter",
+            "Jobs that ended, by the API they came through and how they ended.",
+            &values,
         );
         metric(
             "kiln_prompt_cache_hits_total",

@@ -1,7 +1,7 @@
 //! A request in kiln's own terms ([`JobRequest`]), whichever API it came through: diffusers' call
 //! arguments, one seed per image, every field checked before it is queued.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use kiln_image::GenerationParams;
@@ -16,7 +16,7 @@ use crate::Limits;
 /// pipelines' argument table the server takes as a field of its JSON ([`Served::Field`]), by
 /// diffusers' keyword (as vLLM-Omni takes them). Which a model takes depends on its pipeline
 /// ([`kiln_pipelines::PipelineKind::takes`]). Held as the table's JSON, checked when set.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CallFields(Map<String, Value>);
 
 /// An argument error as a request shows it: the field named, in backticks.
@@ -48,6 +48,12 @@ impl CallFields {
         call.set_json(name, value).map_err(|e| argument_error(&e))?;
         self.0 = call.to_json();
         Ok(())
+    }
+
+    /// Fields read back from a store, checked as a request's are (an error says why not).
+    pub fn checked(self) -> Result<CallFields, String> {
+        GenerateCall::from_json(&self.0).map_err(|e| e.to_string())?;
+        Ok(self)
     }
 
     /// The call of these arguments.
@@ -150,7 +156,7 @@ pub fn random_seed() -> u64 {
 }
 
 /// One request, in kiln's terms: checked, with the size, the steps and the guidance resolved.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JobRequest {
     /// An index into the server's models.
     pub model: usize,
@@ -164,7 +170,7 @@ pub struct JobRequest {
     /// No size was given and the call has input images: the pipeline sizes the output from them
     /// as `kiln generate --image` does (`height` and `width` then hold the first image's size,
     /// which the checks use).
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub size_from_input: bool,
 }
 

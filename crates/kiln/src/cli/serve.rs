@@ -66,9 +66,17 @@ pub struct ServeArgs {
     /// Listen on a non-loopback --host without an --api-key: anyone who reaches it can use it.
     #[arg(long, help_heading = NETWORK)]
     pub insecure_public: bool,
-    /// On SIGTERM or Ctrl-C: finish the jobs accepted (running and queued), or cancel them.
+    /// On SIGTERM or Ctrl-C: finish the jobs accepted (running and queued), or cancel them. With
+    /// a --jobs-db the jobs API's queued jobs stay on disk for the next server instead, and
+    /// `cancel` stops the running batch and queues its jobs API jobs again on disk.
     #[arg(long, default_value = "finish", value_name = "finish|cancel", help_heading = NETWORK)]
     pub on_shutdown: String,
+    /// The SQLite file that keeps the jobs API's queue and the finished jobs' images across
+    /// restarts (one server at a time). Default: KILN_CACHE_DIR (else $XDG_CACHE_HOME/kiln, else
+    /// ~/.cache/kiln)/serve/jobs-HOST-PORT.sqlite for a fixed --port; none with --port 0 (a
+    /// restart would listen elsewhere) or `off`.
+    #[arg(long, value_name = "PATH|off", help_heading = NETWORK)]
+    pub jobs_db: Option<String>,
 
     /// Jobs that may wait in the queue; beyond it requests are answered 429 with Retry-After.
     #[arg(long, default_value_t = 16, value_name = "N", help_heading = LIMITS)]
@@ -103,9 +111,50 @@ pub struct ServeArgs {
     /// 4096×4096).
     #[arg(long, default_value_t = 4096 * 4096, value_name = "PIXELS", help_heading = LIMITS)]
     pub max_input_pixels: u64,
-    /// Seconds a finished job and its images stay (for job status and image URLs).
+    /// How deep a JSON body may nest arrays and objects (a deeper one is a 400 before it is
+    /// parsed).
+    #[arg(long, default_value_t = 32, value_name = "N", help_heading = LIMITS)]
+    pub max_json_depth: usize,
+    /// Parts per multipart/form-data body (/v1/images/edits).
+    #[arg(long, default_value_t = 64, value_name = "N", help_heading = LIMITS)]
+    pub max_form_parts: usize,
+    /// Seconds a finished job and its images stay (for job status and image URLs; with a
+    /// --jobs-db across restarts too).
     #[arg(long, default_value_t = 600, value_name = "SECONDS", help_heading = LIMITS)]
     pub keep_images: u64,
+}
+
+/// kiln's cache folder (as the program cache picks it): KILN_CACHE_DIR, else
+/// `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`; `None` when KILN_CACHE_DIR is `off`.
+fn cache_dir() -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    if let Some(dir) = std::env::var_os("KILN_CACHE_DIR") {
+        if dir == "off" || dir.is_empty() {
+            return None;
+        }
+        return Some(PathBuf::from(dir));
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(dir).join("kiln"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln"))
+}
+
+/// The jobs store's file: `--jobs-db`, else the cache folder's one for this address (none for
+/// port 0).
+fn jobs_db(given: Option<&str>, host: &str, port: u16) -> Option<std::path::PathBuf> {
+    match given {
+        Some("off") => None,
+        Some(path) => Some(path.into()),
+        None if port == 0 => None,
+        None => {
+            let host: String = host
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '_' })
+                .collect();
+            cache_dir().map(|d| d.join("serve").join(format!("jobs-{host}-{port}.sqlite")))
+        }
+    }
 }
 
 /// `WIDTHxHEIGHT` as (width, height).
@@ -149,6 +198,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ("--max-body-bytes", args.max_body_bytes),
         ("--max-upload-bytes", args.max_upload_bytes),
         ("--max-image-bytes", args.max_image_bytes),
+        ("--max-form-parts", args.max_form_parts),
     ] {
         if value == 0 {
             bail!("{flag} must be at least 1");
@@ -221,6 +271,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
             max_image_bytes: args.max_image_bytes,
             max_input_pixels: args.max_input_pixels,
             queue: args.queue,
+            max_json_depth: args.max_json_depth,
+            max_form_parts: args.max_form_parts,
         },
         keep_finished: Duration::from_secs(args.keep_images),
         on_shutdown,
@@ -229,7 +281,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         prompt_cache_bytes: args.prompt_cache_mib.saturating_mul(1 << 20),
         lora_dir: args.lora_dir.clone(),
     };
-    kiln_server::serve(config, loaders)
+    let jobs_db = jobs_db(args.jobs_db.as_deref(), &args.host, args.port);
+    kiln_server::serve_with_jobs_db(config, jobs_db, loaders)
 }
 
 #[cfg(test)]
@@ -245,6 +298,16 @@ mod tests {
             assert!(arg.get_help_heading().is_some(), "{} has no heading", arg.get_id());
         }
         cmd.debug_assert();
+    }
+
+    #[test]
+    fn the_jobs_db_is_given_off_or_per_fixed_address() {
+        assert_eq!(jobs_db(Some("off"), "127.0.0.1", 7860), None);
+        assert_eq!(jobs_db(None, "127.0.0.1", 0), None);
+        assert_eq!(jobs_db(Some("/x/j.db"), "h", 0), Some("/x/j.db".into()));
+        if let Some(path) = jobs_db(None, "::1", 7860) {
+            assert!(path.ends_with("serve/jobs-__1-7860.sqlite"), "{}", path.display());
+        }
     }
 
     #[test]
