@@ -461,33 +461,45 @@ impl Flux2Transformer2DModel {
 
     /// Predicts the flow velocity `[B, S_img, patch_size²·out_channels]`.
     pub fn forward(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<Tensor> {
-        let inputs = CallInputs {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled
+            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
+    }
+
+    fn call_inputs(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<CallInputs> {
+        Ok(CallInputs {
             hidden_states: inputs.hidden_states.clone(),
             encoder_hidden_states: inputs.encoder_hidden_states.clone(),
             timestep: inputs.timestep.clone(),
             rope: inputs.rope.clone(),
             guidance: guidance_input(self.config.guidance_embeds, inputs.guidance)?,
-        };
-        self.compiled
-            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
+        })
     }
 
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(&self, inputs: &CallInputs) -> Result<Tensor> {
-        let x = &inputs.hidden_states;
-        let dtype = x.dtype();
+        let (x, temb_silu) = self.embed_image(inputs)?;
+        let x = self.blocks(x, &temb_silu, inputs)?;
+        self.output(&x, &temb_silu)
+    }
+
+    /// The image stream entering the first block and `silu(temb)`.
+    fn embed_image(&self, inputs: &CallInputs) -> Result<(Tensor, Tensor)> {
+        let dtype = inputs.hidden_states.dtype();
         let t = times_1000(&inputs.timestep, dtype)?;
         let g = inputs.guidance.as_ref().map(|g| times_1000(g, dtype)).transpose()?;
         let temb = self.time_guidance_embed.forward(&t, g.as_ref(), dtype)?;
-        let temb_silu = temb.silu()?;
-        // One modulation per forward, shared by every block of a kind.
-        let mod_img = self.double_stream_modulation_img.forward(&temb_silu)?;
-        let mod_txt = self.double_stream_modulation_txt.forward(&temb_silu)?;
-        let mod_single = self.single_stream_modulation.forward(&temb_silu)?;
-        let rope = &inputs.rope;
+        Ok((self.x_embedder.forward(&inputs.hidden_states)?, temb.silu()?))
+    }
 
-        let mut x = self.x_embedder.forward(x)?;
+    /// Every block from the image stream `x`: the image stream after the last one.
+    fn blocks(&self, mut x: Tensor, temb_silu: &Tensor, inputs: &CallInputs) -> Result<Tensor> {
+        // One modulation per forward, shared by every block of a kind.
+        let mod_img = self.double_stream_modulation_img.forward(temb_silu)?;
+        let mod_txt = self.double_stream_modulation_txt.forward(temb_silu)?;
+        let mod_single = self.single_stream_modulation.forward(temb_silu)?;
+        let rope = &inputs.rope;
         let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?;
         for i in 0..self.transformer_blocks.len() {
             let args = (x, ctx, mod_img.clone(), mod_txt.clone(), rope.clone());
@@ -508,11 +520,37 @@ impl Flux2Transformer2DModel {
                     block.forward(h, modulation, rope)
                 })?;
         }
-        let x = h.narrow(1, text_len, h.dims()[1] - text_len)?;
+        Ok(h.narrow(1, text_len, h.dims()[1] - text_len)?)
+    }
+
+    /// `norm_out` and `proj_out` of the image stream.
+    fn output(&self, x: &Tensor, temb_silu: &Tensor) -> Result<Tensor> {
         // AdaLayerNormContinuous: scale first, then shift.
-        let e = self.norm_out.forward(&temb_silu)?.chunk(2, 1)?;
-        let x = modulate(&LayerNorm::plain(self.config.eps).forward(&x)?, &e[1], &e[0])?;
+        let e = self.norm_out.forward(temb_silu)?.chunk(2, 1)?;
+        let x = modulate(&LayerNorm::plain(self.config.eps).forward(x)?, &e[1], &e[0])?;
         self.proj_out.forward(&x)
+    }
+
+    /// MagCache's computed call: the prediction and the residual of the block stack over the
+    /// image tokens, `out[:, −S:] − image stream entering the first block` (`magcache.compute`).
+    pub fn forward_magcache_compute(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
+            let (x_in, temb_silu) = m.embed_image(inputs)?;
+            let x = m.blocks(x_in.clone(), &temb_silu, inputs)?;
+            Ok((m.output(&x, &temb_silu)?, x.sub(&x_in)?))
+        })
+    }
+
+    /// MagCache's skipped call: no block runs; the embedded image stream plus `residual`
+    /// (`magcache.skip`).
+    pub fn forward_magcache_skip(&self, inputs: &Flux2TransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
+        let inputs = (self.call_inputs(inputs)?, residual.clone());
+        self.compiled
+            .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
+                let (x, temb_silu) = m.embed_image(inputs)?;
+                m.output(&x.add(residual)?, &temb_silu)
+            })
     }
 }
 

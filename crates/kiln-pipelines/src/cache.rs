@@ -566,3 +566,23 @@ impl CacheRun {
         Ok(diff.div(&base)?.to_scalar()?)
     }
 }
+
+/// One transformer call of `branch` under MagCache: `skip` with the block stack's last residual
+/// on the planned steps (no block runs), else `compute` (the prediction and the residual, kept).
+pub(crate) fn magcache_call(
+    run: &mut CacheRun,
+    branch: crate::pipeline::Branch,
+    compute: impl FnOnce() -> kiln_nn::Result<(kiln_tensor::Tensor, kiln_tensor::Tensor)>,
+    skip: impl FnOnce(&kiln_tensor::Tensor) -> kiln_nn::Result<kiln_tensor::Tensor>,
+) -> kiln_nn::Result<kiln_tensor::Tensor> {
+    let (_, planned, state) = run.next(branch);
+    state.step += 1;
+    if let (Some(residual), true) = (&state.residual, planned) {
+        let out = skip(residual)?;
+        run.served += 1;
+        return Ok(out);
+    }
+    let (out, residual) = compute()?;
+    state.residual = Some(residual);
+    Ok(out)
+}

@@ -560,33 +560,16 @@ fn cached_forward(
     run: &mut CacheRun,
     branch: Branch,
 ) -> kiln_nn::Result<Tensor> {
-    let (config, planned, state) = run.next(branch);
-    state.step += 1;
-    let served = match config {
-        CacheConfig::MagCache { .. } => match (&state.residual, planned) {
-            (Some(residual), true) => Some(tr.forward_magcache_skip(inputs, residual)?),
-            _ => {
-                let (out, residual) = tr.forward_magcache_compute(inputs)?;
-                state.residual = Some(residual);
-                return Ok(out);
-            }
-        },
-        CacheConfig::FirstBlock { threshold } => {
-            let head = tr.forward_first_block(inputs)?;
-            let compute = match (&state.head_residual, &state.residual) {
-                (Some(previous), Some(_)) => CacheRun::relative_change(&head.residual, previous)? > *threshold,
-                _ => true,
-            };
-            match (compute, &state.residual) {
-                (false, Some(residual)) => Some(tr.forward_from_first_block(&head, residual)?),
-                _ => {
-                    let (out, residual) = tr.forward_after_first_block(&head, inputs.rope)?;
-                    state.head_residual = Some(head.residual);
-                    state.residual = Some(residual);
-                    return Ok(out);
-                }
-            }
+    let threshold = match &run.config {
+        CacheConfig::MagCache { .. } => {
+            return crate::cache::magcache_call(
+                run,
+                branch,
+                || tr.forward_magcache_compute(inputs),
+                |residual| tr.forward_magcache_skip(inputs, residual),
+            )
         }
+        CacheConfig::FirstBlock { threshold } => *threshold,
         other => {
             return Err(kiln_nn::Error::Config {
                 component: "transformer".into(),
@@ -597,8 +580,22 @@ fn cached_forward(
             })
         }
     };
-    run.served += 1;
-    Ok(served.expect("a served call has its output"))
+    let (_, _, state) = run.next(branch);
+    state.step += 1;
+    let head = tr.forward_first_block(inputs)?;
+    let compute = match (&state.head_residual, &state.residual) {
+        (Some(previous), Some(_)) => CacheRun::relative_change(&head.residual, previous)? > threshold,
+        _ => true,
+    };
+    if let (false, Some(residual)) = (compute, &state.residual) {
+        let out = tr.forward_from_first_block(&head, residual)?;
+        run.served += 1;
+        return Ok(out);
+    }
+    let (out, residual) = tr.forward_after_first_block(&head, inputs.rope)?;
+    state.head_residual = Some(head.residual);
+    state.residual = Some(residual);
+    Ok(out)
 }
 
 /// FLUX.1 Kontext's output size: `height × width` (only their aspect ratio counts) rescaled to

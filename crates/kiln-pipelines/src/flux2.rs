@@ -23,7 +23,7 @@ pub static CLASS: PipelineClass = PipelineClass::new("Flux2Pipeline", Flux2Call:
     Ok(Box::new(Flux2Pipeline::from_pretrained(model, options)?))
 })
 .takes(
-    &["image", "text_encoder_out_layers"],
+    &["image", "text_encoder_out_layers", "cache"],
     &["prompt_2", "negative_prompt", "negative_prompt_2"],
 );
 

@@ -43,6 +43,8 @@ pipeline_call! {
         /// own and appended to the image tokens with time id `10 + 10·i`. Without
         /// `height`/`width` the output has the first reference's processed size.
         pub image: Vec<InputImage> = Vec::new(),
+        /// A step cache (MagCache; klein's guidance keeps one state per branch).
+        pub cache: Option<crate::cache::CacheConfig> = None,
     }
 }
 
@@ -442,25 +444,39 @@ impl Flux2Base {
                 None => None,
             },
         };
-        let denoising = args.denoising(&scheduler, &timesteps, latents);
+        let cache = args
+            .cache
+            .take()
+            .map(|c| std::cell::RefCell::new(crate::cache::CacheRun::new(c, &timesteps)));
+        let mut denoising = args.denoising(&scheduler, &timesteps, latents);
+        denoising.steps_outside_programs = cache.is_some();
         let transformer = ("transformer", &models.transformer);
         let (latents, steps) = self.core.denoise_guided(
             transformer,
             denoising,
             &guided,
             ("flux2", total, dtype),
-            |tr, [latents, timestep], (guidance, references), (encoder_hidden_states, rope), _| {
+            |tr, [latents, timestep], (guidance, references), (encoder_hidden_states, rope), branch| {
                 let joined = match references {
                     Some(r) => Some(Tensor::cat(&[latents, r], 1)?),
                     None => None,
                 };
-                let prediction = tr.forward(&Flux2TransformerInputs {
+                let inputs = Flux2TransformerInputs {
                     hidden_states: joined.as_ref().unwrap_or(latents),
                     encoder_hidden_states,
                     timestep,
                     guidance: guidance.as_ref(),
                     rope,
-                })?;
+                };
+                let prediction = match &cache {
+                    None => tr.forward(&inputs)?,
+                    Some(run) => crate::cache::magcache_call(
+                        &mut run.borrow_mut(),
+                        branch,
+                        || tr.forward_magcache_compute(&inputs),
+                        |residual| tr.forward_magcache_skip(&inputs, residual),
+                    )?,
+                };
                 match joined {
                     Some(_) => Ok(prediction.narrow(1, 0, seq)?),
                     None => Ok(prediction),
@@ -469,14 +485,19 @@ impl Flux2Base {
         )?;
 
         let times = (start, text_encoding, steps);
-        finish_call(
+        let mut out = finish_call(
             args.output_type,
             latents,
             (2 * gh * vsf, 2 * gw * vsf),
             times,
             warnings,
             |l| self.decode(l, gh, gw),
-        )
+        )?;
+        out.served_from_cache = cache.map(|c| {
+            let c = c.into_inner();
+            (c.served, c.calls)
+        });
+        Ok(out)
     }
 
     /// `prepare_image_latents` for a placed pipeline (see the pipelines' own).
@@ -581,6 +602,14 @@ impl Flux2Base {
         cfg: bool,
         warnings: &mut Vec<String>,
     ) -> Result<()> {
+        if let Some(c) = &args.cache {
+            if !matches!(c, crate::cache::CacheConfig::MagCache { .. }) {
+                return Err(invalid(format!(
+                    "`cache`: FLUX.2 takes magcache in kiln so far, not {}",
+                    c.kind()
+                )));
+            }
+        }
         let given = [
             ("prompt_2", args.prompt_2.is_some()),
             ("negative_prompt", args.negative_prompt.is_some()),
@@ -777,9 +806,11 @@ macro_rules! flux2_pipeline_methods {
         ) -> $crate::Result<$crate::PipelineOutput> {
             let layers = c.text_encoder_out_layers.take();
             let image = $crate::flux2_base::read_references(c.image.as_deref())?;
+            let cache = c.cache.take();
             let mut call = $call::from_generate(c, defaults, e);
             call.text_encoder_out_layers = layers.unwrap_or(call.text_encoder_out_layers);
             call.image = image;
+            call.cache = cache;
             self.call(call)
         }
 

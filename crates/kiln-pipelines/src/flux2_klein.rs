@@ -31,7 +31,7 @@ pub static CLASS: PipelineClass =
         Ok(Box::new(Flux2KleinPipeline::from_pretrained(model, options)?))
     })
     .takes(
-        &["image", "text_encoder_out_layers"],
+        &["image", "text_encoder_out_layers", "cache"],
         &["prompt_2", "negative_prompt", "negative_prompt_2"],
     );
 
@@ -52,10 +52,12 @@ pipeline_call! {
         pub text_encoder_out_layers: Vec<usize> = TextSide::Qwen3.out_layers().to_vec(),
         /// Reference images (`image=`), as FLUX.2 [dev] takes them ([`Flux2Call::image`]).
         pub image: Vec<kiln_image::InputImage> = Vec::new(),
+        /// A step cache (MagCache; one state per CFG branch).
+        pub cache: Option<crate::cache::CacheConfig> = None,
     }
 }
 
-pipeline_call!(@convert Flux2KleinCall => Flux2Call { text_encoder_out_layers, image });
+pipeline_call!(@convert Flux2KleinCall => Flux2Call { text_encoder_out_layers, image, cache });
 
 /// The call arguments every pipeline call struct has that `Flux2KleinPipeline.__call__` does not
 /// take.

@@ -416,7 +416,12 @@ impl StableDiffusion3Pipeline {
                     };
                     match &cache {
                         // (One state: SD3 runs its guidance as one batched call.)
-                        Some(run) if skip.is_empty() => magcache_forward(tr, &inputs, &mut run.borrow_mut()),
+                        Some(run) if skip.is_empty() => crate::cache::magcache_call(
+                            &mut run.borrow_mut(),
+                            crate::pipeline::Branch::Cond,
+                            || tr.forward_magcache_compute(&inputs),
+                            |residual| tr.forward_magcache_skip(&inputs, residual),
+                        ),
                         _ => tr.forward(&inputs),
                     }
                 };
@@ -628,24 +633,4 @@ fn sd3_call<'a>(mut c: GenerateCall<'a>, defaults: &CallDefaults, e: Option<Embe
         skip_layer_guidance_stop: c.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
         ..StableDiffusion3Call::from_generate(c, defaults, e)
     }
-}
-
-/// One transformer call under MagCache (diffusers' `apply_mag_cache` on `SD3Transformer2DModel`):
-/// on its planned steps no block runs and the block stack's last residual is added to the
-/// embedded image stream; else every block runs and the residual is kept.
-fn magcache_forward(
-    tr: &SD3Transformer2DModel,
-    inputs: &SD3TransformerInputs<'_>,
-    run: &mut CacheRun,
-) -> kiln_nn::Result<Tensor> {
-    let (_, planned, state) = run.next(crate::pipeline::Branch::Cond);
-    state.step += 1;
-    if let (Some(residual), true) = (&state.residual, planned) {
-        let out = tr.forward_magcache_skip(inputs, residual)?;
-        run.served += 1;
-        return Ok(out);
-    }
-    let (out, residual) = tr.forward_magcache_compute(inputs)?;
-    state.residual = Some(residual);
-    Ok(out)
 }

@@ -1,5 +1,5 @@
-//! Step caches through `kiln generate --cache`: every FLUX.1 and SD3 oracle case of the hooks kiln
-//! runs (First-Block Cache, MagCache) gives diffusers' image and serves the same calls from the cache,
+//! Step caches through `kiln generate --cache`: every FLUX.1, SD3 and FLUX.2 oracle case of the
+//! hooks kiln runs (First-Block Cache, MagCache) gives diffusers' image and serves the same calls from the cache,
 //! eager and compiled (whole: the cache decides between the model's programs; by blocks).
 
 mod golden;
@@ -43,7 +43,7 @@ fn recorded_hits(case: &std::path::Path) -> usize {
 #[test]
 fn first_block_and_magcache_give_diffusers_images_and_decisions() {
     let dir = temp_dir("step-cache");
-    let cases: Vec<_> = oracle_cases(&["cache_flux1", "cache_sd3"])
+    let cases: Vec<_> = oracle_cases(&["cache_flux1", "cache_sd3", "cache_flux2"])
         .into_iter()
         .filter(|c| {
             matches!(
@@ -52,7 +52,7 @@ fn first_block_and_magcache_give_diffusers_images_and_decisions() {
             )
         })
         .collect();
-    assert_eq!(cases.len(), 5, "{cases:?}");
+    assert_eq!(cases.len(), 6, "{cases:?}");
     for case in &cases {
         let flag = cache_flag(case);
         for (tag, mode) in [("eager", "none"), ("full", "full"), ("blocks", "blocks")] {
@@ -100,6 +100,40 @@ fn caches_kiln_does_not_run_are_refused_before_any_work() {
     assert!(
         !ok && stderr.contains("--cache is not an argument of ZImagePipeline"),
         "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Where the goldens do not reach (MagCache on FLUX.2 [klein] base, whose guidance runs two
+/// calls a step, one cache state each): a cache that never skips gives kiln's uncached image,
+/// and the default settings serve calls of both branches.
+#[test]
+fn magcache_on_klein_base_keeps_one_state_per_branch() {
+    let dir = temp_dir("step-cache-klein");
+    let case = kiln_fixtures::oracle().join("cases/flux2_klein_base/cfg_square");
+    let steps = call_json(&case)["call_kwargs"]["num_inference_steps"].as_u64().unwrap();
+    let (ok, stderr) = generate(&dir, &case_flags(&case, "plain.png"));
+    assert!(ok, "{stderr}");
+    let mut flags = case_flags(&case, "never.png");
+    flags.extend([
+        "--cache".into(),
+        format!("magcache:max_skip_steps=0,num_inference_steps={steps}"),
+    ]);
+    let (ok, stderr) = generate(&dir, &flags);
+    assert!(ok && stderr.contains("step cache: 0 of"), "{stderr}");
+    golden::assert_matches_golden(&dir.join("never.png"), &dir.join("plain.png"));
+    let mut flags = case_flags(&case, "cached.png");
+    flags.extend([
+        "--cache".into(),
+        format!("magcache:threshold=1,num_inference_steps={steps}"),
+    ]);
+    let (ok, stderr) = generate(&dir, &flags);
+    assert!(ok, "{stderr}");
+    let line = stderr.lines().find(|l| l.starts_with("step cache:")).unwrap();
+    let served: usize = line.split_whitespace().nth(2).unwrap().parse().unwrap();
+    assert!(
+        served > 0 && served.is_multiple_of(2),
+        "both branches skip the same steps: {line}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
