@@ -25,6 +25,7 @@ pub mod defaults;
 
 pub use kiln_image::{encode_png, read_png_parameters, save_png, GenerationParams};
 pub use kiln_nn::{CompileMode, Module};
+pub use kiln_pipelines::{cache::CacheConfig, ZImageCall, ZImagePipeline};
 pub use kiln_pipelines::{
     check_prompt_text, AnyPipeline, ArgError, CallBudget, CallDefaults, DiffusionPipeline, FileRef, Flux2Call,
     Flux2KleinCall, Flux2KleinPipeline, Flux2Pipeline, FluxCall, FluxPipeline, GenerateCall, LoadOptions, OffloadMode,

@@ -61,6 +61,10 @@ pub struct BenchArgs {
     /// bench then also reports the VAE encode's time (`image_encoding_s_median`).
     #[arg(long, value_name = "FILE")]
     pub init_image: Option<String>,
+    /// A step cache every call runs with (as `kiln generate --cache`); the bench then reports the
+    /// transformer calls it served (`cache_served`, `cache_calls`).
+    #[arg(long, value_name = "KIND[:FIELD=VALUE,...]", value_parser = crate::CacheConfig::parse)]
+    pub cache: Option<crate::CacheConfig>,
     /// With --init-image: the share of the steps that run (default: the pipeline's, 0.6).
     #[arg(long, value_name = "FRACTION")]
     pub strength: Option<f64>,
@@ -69,6 +73,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub text_encoder_only: bool,
 }
+
+/// The last call's transformer calls served from the step cache, of all.
+static SERVED: std::sync::Mutex<Option<(usize, usize)>> = std::sync::Mutex::new(None);
 
 fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
@@ -108,8 +115,12 @@ fn call(pipe: &mut AnyPipeline, args: &BenchArgs) -> Result<(Vec<RgbImage>, Timi
         lora_scale: (!args.lora_scale.is_empty()).then(|| args.lora_scale.clone()),
         image: args.init_image.as_ref().map(|f| vec![crate::FileRef::new(f)]),
         strength: args.strength,
+        cache: args.cache.clone(),
         ..GenerateCall::prompt(args.prompt.clone())
     })?;
+    if let Some(served) = out.served_from_cache {
+        *SERVED.lock().unwrap_or_else(|e| e.into_inner()) = Some(served);
+    }
     Ok((out.images, out.timings))
 }
 
@@ -241,6 +252,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "text_encoding_s_median": median(text_s),
         "decoding_s_median": median(decode_s),
         "steps_run_per_call": step_s.len() / args.runs.max(1),
+        "cache_served": SERVED.lock().unwrap_or_else(|e| e.into_inner()).map(|s| s.0),
+        "cache_calls": SERVED.lock().unwrap_or_else(|e| e.into_inner()).map(|s| s.1),
         "image_encoding_s_median": args.init_image.is_some().then(|| median(image_encoding_s.clone())),
         "peak_rss_mib": peak_rss_mib(),
         "lora_merge_ms": lora_merge_ms,
