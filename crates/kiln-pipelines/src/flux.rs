@@ -21,9 +21,7 @@ use crate::call::{
 };
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
-use crate::images::{
-    first_step, image_latents, image_tensor, mask_tensors, one_image, read_input, scale_noise, InpaintBlend,
-};
+use crate::images::{image_and_mask, image_latents, image_tensor, start_from_image, InpaintBlend};
 use crate::loading::{CallGenerators, LoadOptions, ModelFolder};
 use crate::pipeline::{components, pipeline_parts, Branch, Guided, PipelineCore, PipelineParts};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
@@ -329,30 +327,25 @@ impl FluxPipeline {
                     "`latents` and `image` are both given: image-to-image starts from the image's latents; give one",
                 )),
                 Some(image) => {
-                    let t_start = first_step(timesteps.len(), args.strength, true)?;
-                    timesteps.drain(..t_start);
-                    scheduler.set_begin_index(t_start);
-                    // Draws: the posterior's sample, then the noise (then inpainting's masked-image
-                    // encode draws once more, unused by this transformer: nothing follows it).
                     let mut generator = CallGenerators::new(args.seed, args.seeds.as_deref());
-                    let encoding = Instant::now();
-                    let pixels = image_tensor(&image, (h * vsf, w * vsf), device)?.to_dtype(dtype)?;
-                    let posterior = self.core.run("vae", &models.vae, |vae| Ok(vae.encode(&pixels)?))?;
-                    let image_latents = image_latents(&posterior, Some(&mut generator), &self.vae_config, total)?;
-                    image_latents.wait()?;
-                    image_encoding = encoding.elapsed();
-                    let noise = generator.randn(&noise_shape, dtype, device)?;
-                    let start = scale_noise(&scheduler, t_start, &image_latents, &noise)?;
-                    if let Some(mask) = args.mask_image.take() {
-                        let (_, latent) = mask_tensors(&mask, (h * vsf, w * vsf), (h, w), device)?;
-                        let mask = latent.to_dtype(dtype)?.broadcast_to(noise_shape)?;
-                        blend = Some(InpaintBlend {
-                            image_latents: pack_latents(&image_latents)?,
-                            noise: pack_latents(&noise)?,
-                            mask: pack_latents(&mask)?,
-                        });
-                    }
-                    pack_latents(&start)?
+                    let start = start_from_image(
+                        (&mut scheduler, &mut timesteps),
+                        (&image, args.mask_image.as_ref(), args.strength),
+                        ((h * vsf, w * vsf), noise_shape, dtype),
+                        (&mut generator, &self.vae_config, device),
+                        |x| self.core.run("vae", &models.vae, |vae| Ok(vae.encode(x)?)),
+                    )?;
+                    image_encoding = start.encoding;
+                    // FLUX.1 blends in packed space.
+                    blend = match start.blend {
+                        Some(b) => Some(InpaintBlend {
+                            image_latents: pack_latents(&b.image_latents)?,
+                            noise: pack_latents(&b.noise)?,
+                            mask: pack_latents(&b.mask)?,
+                        }),
+                        None => None,
+                    };
+                    pack_latents(&start.latents)?
                 }
             };
         let ids = |first: f64, (rows, cols): (usize, usize)| -> Vec<f64> {
@@ -482,8 +475,7 @@ impl Pipeline for FluxPipeline {
     fn generate(&mut self, c: GenerateCall<'_>, d: &CallDefaults, e: Option<Embeddings>) -> Result<PipelineOutput> {
         let (true_cfg_scale, strength, max_area) = (c.true_cfg_scale, c.strength, c.max_area);
         let cache = c.cache.clone();
-        let image = one_image(c.image.as_deref(), "FLUX.1's image-to-image")?;
-        let mask_image = c.mask_image.as_ref().map(|m| read_input("mask_image", m)).transpose()?;
+        let (image, mask_image) = image_and_mask(&c, "FLUX.1's image-to-image")?;
         let mut c = FluxCall::from_generate(c, d, e);
         c.true_cfg_scale = true_cfg_scale.unwrap_or(c.true_cfg_scale);
         c.strength = strength.unwrap_or(c.strength);

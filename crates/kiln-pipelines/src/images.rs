@@ -46,6 +46,17 @@ pub fn one_image(images: Option<&[FileRef]>, class: &str) -> Result<Option<Input
     }
 }
 
+/// The call's `image` (one, see [`one_image`]) and `mask_image`, read.
+pub fn image_and_mask(call: &crate::GenerateCall<'_>, class: &str) -> Result<(Option<InputImage>, Option<InputImage>)> {
+    let image = one_image(call.image.as_deref(), class)?;
+    let mask = call
+        .mask_image
+        .as_ref()
+        .map(|m| read_input("mask_image", m))
+        .transpose()?;
+    Ok((image, mask))
+}
+
 /// `VaeImageProcessor.preprocess` of an image for the VAE encoder: Lanczos-resized to
 /// `width × height` unless it has that size, `x/255·2 − 1`, `[1, 3, h, w]` f32. diffusers keeps
 /// the file's mode (`do_convert_rgb=False`), which breaks on anything but RGB; kiln converts.
@@ -58,13 +69,13 @@ pub fn image_tensor(image: &InputImage, (height, width): (usize, usize), device:
 /// The mask processor (`do_normalize=False, do_binarize=True, do_convert_grayscale=True`):
 /// resized in the mask's own mode, then `convert("L")`, `/255`, `0 if x < 0.5 else 1`; then
 /// `interpolate(mask, size=(h, w))` (nearest: each latent cell takes the top-left pixel of its
-/// block). The pixel mask `[1, 1, H, W]` and the latent one `[1, 1, h, w]`, f32.
-pub fn mask_tensors(
+/// block). The latent mask `[1, 1, h, w]`, f32.
+pub fn latent_mask(
     mask: &InputImage,
     (height, width): (usize, usize),
     (h, w): (usize, usize),
     device: &Device,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<Tensor> {
     let luma = mask.resize_lanczos(width as u32, height as u32).to_luma();
     let binary: Vec<f32> = luma
         .to_planar_f32()
@@ -78,10 +89,56 @@ pub fn mask_tensors(
             (0..w).map(move |j| binary[row * width + j * width / w])
         })
         .collect();
-    Ok((
-        Tensor::from_f32(&binary, DType::F32, [1, 1, height, width], device)?,
-        Tensor::from_f32(&latent, DType::F32, [1, 1, h, w], device)?,
-    ))
+    Ok(Tensor::from_f32(&latent, DType::F32, [1, 1, h, w], device)?)
+}
+
+/// Where an image-to-image or inpainting call starts: its latents (`[N, C, h, w]`, unpacked), the
+/// inpainting blend when a mask is given, and the time the VAE encode took.
+pub(crate) struct ImageStart {
+    pub latents: Tensor,
+    pub blend: Option<InpaintBlend>,
+    pub encoding: std::time::Duration,
+}
+
+/// diffusers' image-to-image start (`get_timesteps` and `prepare_latents` of the FLUX.1 and SD3
+/// img2img / inpaint pipelines): the schedule cut at `strength`'s first step, the image (resized
+/// to `pixels`) encoded by `encode` and its posterior sampled, then the noise drawn — in that
+/// order, from the call's generators — and `scale_noise` of the two. With a mask, the blend of
+/// every step (inpainting's masked-image encode draws last and is unused by these
+/// transformers, so it is not run).
+pub(crate) fn start_from_image(
+    (scheduler, timesteps): (&mut FlowMatchEulerDiscreteScheduler, &mut Vec<f32>),
+    (image, mask, strength): (&InputImage, Option<&InputImage>, f64),
+    (pixels, shape, dtype): ((usize, usize), [usize; 4], DType),
+    (generator, vae_config, device): (&mut CallGenerators, &AutoencoderKLConfig, &Device),
+    encode: impl FnOnce(&Tensor) -> Result<DiagonalGaussianDistribution>,
+) -> Result<ImageStart> {
+    let t_start = first_step(timesteps.len(), strength, true)?;
+    timesteps.drain(..t_start);
+    scheduler.set_begin_index(t_start);
+    let started = std::time::Instant::now();
+    let x = image_tensor(image, pixels, device)?.to_dtype(dtype)?;
+    let image_latents = image_latents(&encode(&x)?, Some(generator), vae_config, shape[0])?;
+    image_latents.wait()?;
+    let encoding = started.elapsed();
+    let noise = generator.randn(&shape, dtype, device)?;
+    let latents = scale_noise(scheduler, t_start, &image_latents, &noise)?;
+    let blend = match mask {
+        None => None,
+        Some(mask) => {
+            let latent = latent_mask(mask, pixels, (shape[2], shape[3]), device)?;
+            Some(InpaintBlend {
+                mask: latent.to_dtype(dtype)?.broadcast_to(shape)?,
+                image_latents,
+                noise,
+            })
+        }
+    };
+    Ok(ImageStart {
+        latents,
+        blend,
+        encoding,
+    })
 }
 
 /// An encoded input image's latents `(z − shift_factor)·scaling_factor` in the VAE's dtype, `z`

@@ -23,9 +23,7 @@ use crate::call::{
 };
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
-use crate::images::{
-    first_step, image_latents, image_tensor, mask_tensors, one_image, read_input, scale_noise, InpaintBlend,
-};
+use crate::images::{image_and_mask, start_from_image};
 use crate::loading::{CallGenerators, LoadOptions, ModelFolder};
 use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
@@ -333,34 +331,22 @@ impl StableDiffusion3Pipeline {
                 ))
             }
             Some(image) => {
-                let t_start = first_step(timesteps.len(), args.strength, true)?;
-                timesteps.drain(..t_start);
-                scheduler.set_begin_index(t_start);
-                // Draws: the posterior's sample, then the noise (then inpainting's masked-image
-                // encode draws once more, unused by a 16-channel transformer: nothing follows).
-                let mut generator = CallGenerators::new(args.seed, args.seeds.as_deref());
-                let encoding = Instant::now();
-                let pixels = image_tensor(&image, (height, width), device)?.to_dtype(dtype)?;
-                let posterior = self.core.run("vae", &models.vae, |vae| Ok(vae.encode(&pixels)?))?;
-                let image_latents = image_latents(&posterior, Some(&mut generator), &self.vae_config, total)?;
-                image_latents.wait()?;
-                image_encoding = encoding.elapsed();
-                let noise = generator.randn(&shape, dtype, device)?;
-                let start = scale_noise(&scheduler, t_start, &image_latents, &noise)?;
-                if let Some(mask) = args.mask_image.take() {
-                    if channels != 16 {
-                        return Err(invalid(format!(
-                            "this transformer takes {channels} input channels; kiln inpaints with 16-channel SD3 transformers only"
-                        )));
-                    }
-                    let (_, latent) = mask_tensors(&mask, (height, width), (h, w), device)?;
-                    blend = Some(InpaintBlend {
-                        image_latents,
-                        noise,
-                        mask: latent.to_dtype(dtype)?.broadcast_to(shape)?,
-                    });
+                if args.mask_image.is_some() && channels != 16 {
+                    return Err(invalid(format!(
+                        "this transformer takes {channels} input channels; kiln inpaints with 16-channel SD3 transformers only"
+                    )));
                 }
-                start
+                let mut generator = CallGenerators::new(args.seed, args.seeds.as_deref());
+                let start = start_from_image(
+                    (&mut scheduler, &mut timesteps),
+                    (&image, args.mask_image.as_ref(), args.strength),
+                    ((height, width), shape, dtype),
+                    (&mut generator, &self.vae_config, device),
+                    |x| self.core.run("vae", &models.vae, |vae| Ok(vae.encode(x)?)),
+                )?;
+                image_encoding = start.encoding;
+                blend = start.blend;
+                start.latents
             }
         };
         let num_inference_steps = timesteps.len() as f64;
@@ -573,8 +559,7 @@ impl_tensors!(Step { timestep, skip });
 
 impl Pipeline for StableDiffusion3Pipeline {
     fn generate(&mut self, c: GenerateCall<'_>, d: &CallDefaults, e: Option<Embeddings>) -> Result<PipelineOutput> {
-        let image = one_image(c.image.as_deref(), "SD3's image-to-image")?;
-        let mask_image = c.mask_image.as_ref().map(|m| read_input("mask_image", m)).transpose()?;
+        let (image, mask_image) = image_and_mask(&c, "SD3's image-to-image")?;
         let (strength, cache) = (c.strength, c.cache.clone());
         let mut call = sd3_call(c, d, e);
         call.cache = cache;

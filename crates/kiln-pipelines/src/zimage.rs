@@ -24,7 +24,7 @@ use crate::arguments::GenerateCall;
 use crate::call::{check_finite, finish_call, mul_scale, pipeline_call, schedule, PipelineOutput};
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
-use crate::images::{image_tensor, one_image};
+use crate::images::{first_step, image_tensor, one_image};
 use crate::loading::{CallGenerators, LoadOptions, ModelFolder};
 use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts, StepInputs};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
@@ -315,15 +315,8 @@ impl ZImagePipeline {
             (None, Some(img)) => {
                 // img2img: t_start = int(n − min(n·strength, n)); the posterior sample is drawn
                 // before the noise, from the same generator.
-                let init = (steps as f64 * args.strength).min(steps as f64);
-                let t_start = (steps as f64 - init).max(0.0) as usize;
-                if steps - t_start < 1 {
-                    return Err(invalid(format!(
-                        "After adjusting the num_inference_steps by strength parameter: {}, the number of pipeline steps is {} which is < 1 and not appropriate for this pipeline.",
-                        args.strength,
-                        steps - t_start
-                    )));
-                }
+                // (`strength` was checked above, with Z-Image's message.)
+                let t_start = first_step(steps, args.strength, true)?;
                 timesteps = timesteps[t_start..].to_vec();
                 scheduler.set_begin_index(t_start);
                 let image_latents = self.encode_image(&img, (height, width), total, &mut generator)?;
