@@ -59,22 +59,25 @@ fn load(model: &str, options: &LoadOptions) -> Result<Box<dyn Pipeline>> {
     Ok(Box::new(FluxPipeline::from_pretrained(model, options)?))
 }
 
+const TEXTS: &[&str] = &["prompt", "prompt_2"];
+const NEGATIVE_TEXTS: &[&str] = &["negative_prompt", "negative_prompt_2"];
+
 /// The classes a `FluxPipeline` folder runs, in the registry.
 pub static CLASS: PipelineClass = PipelineClass::new("FluxPipeline", FluxCall::call_defaults, load)
     .takes(&["true_cfg_scale", "cache"], &[])
-    .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"])
+    .encodes(TEXTS, NEGATIVE_TEXTS)
     .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
 pub static IMG2IMG_CLASS: PipelineClass = PipelineClass::new("FluxImg2ImgPipeline", image_defaults, load)
     .takes(&["true_cfg_scale", "image", "strength", "cache"], &[])
-    .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"])
+    .encodes(TEXTS, NEGATIVE_TEXTS)
     .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
 /// `FluxKontextPipeline`: FLUX.1 Kontext, editing `image` (or drawing without one).
 pub static KONTEXT_CLASS: PipelineClass = PipelineClass::new("FluxKontextPipeline", FluxCall::call_defaults, load)
     .takes(&["true_cfg_scale", "image", "max_area", "cache"], &[])
-    .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"]);
+    .encodes(TEXTS, NEGATIVE_TEXTS);
 pub static INPAINT_CLASS: PipelineClass = PipelineClass::new("FluxInpaintPipeline", image_defaults, load)
     .takes(&["true_cfg_scale", "image", "mask_image", "strength", "cache"], &[])
-    .encodes(&["prompt", "prompt_2"], &["negative_prompt", "negative_prompt_2"])
+    .encodes(TEXTS, NEGATIVE_TEXTS)
     .with_image_classes(Some(&IMG2IMG_CLASS), Some(&INPAINT_CLASS));
 
 /// The models, once loaded on a device, in the order a call runs them.

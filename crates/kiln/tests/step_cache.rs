@@ -58,6 +58,8 @@ fn first_block_and_magcache_give_diffusers_images_and_decisions() {
         for (tag, mode) in [("eager", "none"), ("full", "full"), ("blocks", "blocks")] {
             check_case(&dir, case, tag, &["--cache", &flag, "--compile", mode]);
         }
+        // Sequential offload streams only the blocks that run.
+        check_case(&dir, case, "sequential", &["--cache", &flag, "--offload", "sequential"]);
         // The same calls served from the cache as diffusers'.
         let mut flags = case_flags(case, "count.png");
         flags.extend(["--cache".to_string(), flag.clone()]);

@@ -133,3 +133,57 @@ pub fn check_case(dir: &Path, case: &Path, tag: &str, extra: &[&str]) {
         assert_matches_golden(&dir.join(file), &case.join(format!("image_{k}.png")));
     }
 }
+
+/// The oracle's Z-Image folder with a text encoder that splits over 2 devices: its single KV head
+/// stored twice (`num_key_value_heads` 2). Each query head then reads its own copy of the same
+/// keys and values, so the model computes what the original does, and the goldens still hold.
+pub fn zimage_with_two_kv_heads(dir: &Path) -> PathBuf {
+    let oracle = kiln_fixtures::oracle().join("pipelines/zimage_turbo");
+    let model = dir.join("zimage_kv2");
+    std::fs::create_dir_all(model.join("text_encoder")).unwrap();
+    for entry in std::fs::read_dir(&oracle).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap();
+        if name != "text_encoder" {
+            std::os::unix::fs::symlink(path.canonicalize().unwrap(), model.join(name)).unwrap();
+        }
+    }
+    let te = oracle.join("text_encoder");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(te.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["num_key_value_heads"], 1,
+        "the oracle's text encoder has one KV head"
+    );
+    config["num_key_value_heads"] = 2.into();
+    std::fs::write(model.join("text_encoder/config.json"), config.to_string()).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = Vec::new();
+    for entry in std::fs::read_dir(&te).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, view) in file.tensors() {
+            let mut shape = view.shape().to_vec();
+            let mut data = view.data().to_vec();
+            if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
+                shape[0] *= 2;
+                data = [data.clone(), data].concat();
+            }
+            tensors.push((name, shape, view.dtype(), data));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, dtype, data)| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &model.join("text_encoder/model.safetensors")).unwrap();
+    model
+}
