@@ -6,6 +6,7 @@
 //! too many form parts are refused and counted. `crates/kiln/tests/serve_durable.rs` restarts
 //! `kiln serve` itself after SIGTERM and SIGKILL.
 
+mod common;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -13,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use kiln_image::RgbImage;
-use kiln_pipelines::{CallDefaults, GenerateCall, PipelineError, PipelineKind};
-use kiln_server::{Backend, Generated, Limits, ModelInfo, OnShutdown, ServerConfig};
+use kiln_pipelines::{GenerateCall, PipelineError};
+use kiln_server::{Backend, Generated, Limits, OnShutdown, ServerConfig};
 use serde_json::{json, Value};
 
 struct Fake {
@@ -58,28 +59,6 @@ impl Backend for Fake {
     }
 }
 
-fn fake_model() -> ModelInfo {
-    ModelInfo {
-        name: "fake".into(),
-        kind: PipelineKind::named("ZImagePipeline").unwrap(),
-        defaults: CallDefaults {
-            height: 32,
-            width: 32,
-            num_inference_steps: 4,
-            guidance_scale: 0.0,
-            max_sequence_length: 40,
-        },
-        image_defaults: Vec::new(),
-        default_size: 32,
-        uses_guidance: false,
-        record: kiln_pipelines::RunRecord {
-            model: "fake".into(),
-            ..Default::default()
-        },
-        device: None,
-    }
-}
-
 struct Server {
     base: String,
     stop: Arc<tokio::sync::Notify>,
@@ -119,7 +98,12 @@ impl Server {
         };
         let fake = {
             let calls = calls.clone();
-            move || Ok((Box::new(Fake { step, calls }) as Box<dyn Backend>, vec![fake_model()]))
+            move || {
+                Ok((
+                    Box::new(Fake { step, calls }) as Box<dyn Backend>,
+                    vec![common::fake_model("fake", "ZImagePipeline", 4)],
+                ))
+            }
         };
         let db = db.map(Path::to_path_buf);
         let thread = std::thread::spawn(move || kiln_server::serve_with_jobs_db(config, db, vec![fake]));
@@ -380,7 +364,7 @@ fn a_second_server_on_the_same_store_is_refused() {
                 step: Duration::ZERO,
                 calls,
             }) as Box<dyn Backend>,
-            vec![fake_model()],
+            vec![common::fake_model("fake", "ZImagePipeline", 4)],
         ))
     };
     let e = kiln_server::serve_with_jobs_db(config, Some(db.clone()), vec![fake])

@@ -4,6 +4,7 @@
 //! naming their field before anything is queued; the files go with their jobs.
 //! `crates/kiln/tests/serve_edits.rs` runs the real pipeline.
 
+mod common;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -11,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use kiln_image::RgbImage;
-use kiln_pipelines::{CallDefaults, GenerateCall, PipelineError, PipelineKind};
-use kiln_server::{Backend, Generated, Limits, ModelInfo, OnShutdown, ServerConfig};
+use kiln_pipelines::{GenerateCall, PipelineError};
+use kiln_server::{Backend, Generated, Limits, OnShutdown, ServerConfig};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -80,28 +81,6 @@ impl Backend for Fake {
     }
 }
 
-fn fake_model(name: &str, class: &str) -> ModelInfo {
-    ModelInfo {
-        name: name.into(),
-        kind: PipelineKind::named(class).unwrap(),
-        defaults: CallDefaults {
-            height: 32,
-            width: 32,
-            num_inference_steps: 2,
-            guidance_scale: 0.0,
-            max_sequence_length: 40,
-        },
-        image_defaults: Vec::new(),
-        default_size: 32,
-        uses_guidance: false,
-        record: kiln_pipelines::RunRecord {
-            model: name.into(),
-            ..Default::default()
-        },
-        device: None,
-    }
-}
-
 struct Server {
     base: String,
     stop: Arc<tokio::sync::Notify>,
@@ -139,8 +118,8 @@ fn start(limits: Limits, keep: Duration) -> Server {
     let fake_seen = seen.clone();
     let loader = move || {
         let models = vec![
-            fake_model("img2img", "ZImagePipeline"),
-            fake_model("inpaint", "FluxInpaintPipeline"),
+            common::fake_model("img2img", "ZImagePipeline", 2),
+            common::fake_model("inpaint", "FluxInpaintPipeline", 2),
         ];
         Ok((Box::new(Fake { seen: fake_seen }) as Box<dyn Backend>, models))
     };

@@ -2,6 +2,7 @@
 //! each step a short sleep), so that the queue, cancellation, events, limits, keys, errors and
 //! shutdown are tested fast. `crates/kiln/tests/serve.rs` runs the real pipeline.
 
+mod common;
 use std::io::{BufRead, BufReader};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -9,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use kiln_image::RgbImage;
-use kiln_pipelines::{CallDefaults, GenerateCall, PipelineError, PipelineKind};
-use kiln_server::{Backend, Generated, Limits, ModelInfo, OnShutdown, ServerConfig};
+use kiln_pipelines::{GenerateCall, PipelineError};
+use kiln_server::{Backend, Generated, Limits, OnShutdown, ServerConfig};
 use serde_json::{json, Value};
 
 /// The fake model's images: every pixel `[seed, seed >> 8, prompt length]`.
@@ -51,28 +52,6 @@ impl Backend for Fake {
 
 fn image_pixel(seed: u64, prompt: &str) -> image::Rgb<u8> {
     image::Rgb([seed as u8, (seed >> 8) as u8, prompt.len() as u8])
-}
-
-fn fake_model() -> ModelInfo {
-    ModelInfo {
-        name: "fake".into(),
-        kind: PipelineKind::named("FluxPipeline").unwrap(),
-        defaults: CallDefaults {
-            height: 32,
-            width: 32,
-            num_inference_steps: 4,
-            guidance_scale: 0.0,
-            max_sequence_length: 40,
-        },
-        image_defaults: Vec::new(),
-        default_size: 32,
-        uses_guidance: false,
-        record: kiln_pipelines::RunRecord {
-            model: "fake".into(),
-            ..Default::default()
-        },
-        device: None,
-    }
 }
 
 struct Server {
@@ -126,7 +105,12 @@ fn start(options: Options) -> Server {
     let loaders: Vec<_> = (0..options.workers)
         .map(|_| {
             let (step, batches) = (options.step, batches.clone());
-            move || Ok((Box::new(Fake { step, batches }) as Box<dyn Backend>, vec![fake_model()]))
+            move || {
+                Ok((
+                    Box::new(Fake { step, batches }) as Box<dyn Backend>,
+                    vec![common::fake_model("fake", "FluxPipeline", 4)],
+                ))
+            }
         })
         .collect();
     let thread = std::thread::spawn(move || kiln_server::serve(config, loaders));
