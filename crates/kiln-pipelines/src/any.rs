@@ -24,6 +24,8 @@ use crate::seam::{CallDefaults, Pipeline, PipelineKind};
 pub struct AnyPipeline {
     kind: PipelineKind,
     defaults: CallDefaults,
+    /// The defaults of the classes a call with input images runs (image-to-image, inpainting).
+    image_defaults: Vec<(PipelineKind, CallDefaults)>,
     pipe: Box<dyn Pipeline>,
     record: RunRecord,
     loras: LoraCache,
@@ -36,10 +38,20 @@ impl AnyPipeline {
     pub fn from_pretrained(model: &str, options: &LoadOptions) -> Result<AnyPipeline> {
         let (root, kind) = PipelineKind::of_model(model, options.revision.as_deref())?;
         let defaults = kind.model_defaults(&root)?;
+        let class = kind.class();
+        let image_defaults = [class.image_to_image, class.inpainting]
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                let k = PipelineKind::of_class(c);
+                Ok((k, k.model_defaults(&root)?))
+            })
+            .collect::<Result<_>>()?;
         let pipe = (kind.class().load)(model, options)?;
         Ok(AnyPipeline {
             kind,
             defaults,
+            image_defaults,
             pipe,
             record: RunRecord::default(),
             loras: LoraCache::default(),
@@ -71,7 +83,7 @@ impl AnyPipeline {
     /// before any work.
     pub fn call(&mut self, mut call: GenerateCall<'_>) -> Result<PipelineOutput> {
         self.check(&call)?;
-        let defaults = self.call_defaults(&call)?;
+        let defaults = self.call_defaults(&call).clone();
         self.check_budget(&call)?;
         let adapters = self.adapters(&call)?;
         self.pipe.set_adapters(&adapters)?;
@@ -117,11 +129,22 @@ impl AnyPipeline {
 
     /// The defaults `call` runs with: the model's, or those of the class that runs it
     /// ([`AnyPipeline::call_kind`]; a folder's `kiln_defaults.json` still wins).
-    pub fn call_defaults(&self, call: &GenerateCall<'_>) -> Result<CallDefaults> {
-        match self.call_kind(call) {
-            kind if kind == self.kind => Ok(self.defaults.clone()),
-            kind => kind.model_defaults(self.root()),
-        }
+    pub fn call_defaults(&self, call: &GenerateCall<'_>) -> &CallDefaults {
+        self.defaults_of(self.call_kind(call))
+    }
+
+    /// The defaults of class `kind` for this model: the model's own, or those of its
+    /// image-to-image or inpainting class (read once, at load).
+    pub fn defaults_of(&self, kind: PipelineKind) -> &CallDefaults {
+        self.image_defaults
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or(&self.defaults, |(_, d)| d)
+    }
+
+    /// The image-to-image and inpainting classes this model runs, with their defaults.
+    pub fn image_defaults(&self) -> &[(PipelineKind, CallDefaults)] {
+        &self.image_defaults
     }
 
     /// The arguments the class that runs `call` takes and [`GenerateCall::check`].
@@ -134,15 +157,14 @@ impl AnyPipeline {
     /// free, before any work.
     pub fn check_budget(&self, call: &GenerateCall<'_>) -> Result<()> {
         let free = self.device().and_then(crate::offload::free_bytes);
-        call.budget(&self.call_defaults(call)?)
+        call.budget(self.call_defaults(call))
             .check_memory(self.default_size(), free)
             .map_err(PipelineError::OverBudget)
     }
 
     /// The guidance scale `call` runs with, when the model uses one (see [`Pipeline::uses_guidance`]).
     pub fn guidance_scale(&self, call: &GenerateCall<'_>) -> Option<f64> {
-        let defaults = self.call_defaults(call).unwrap_or_else(|_| self.defaults.clone());
-        let scale = call.guidance_scale.unwrap_or(defaults.guidance_scale);
+        let scale = call.guidance_scale.unwrap_or(self.call_defaults(call).guidance_scale);
         self.pipe.uses_guidance(scale).then_some(scale)
     }
 

@@ -8,6 +8,7 @@ use kiln_io::AutoencoderKLConfig;
 use kiln_models::autoencoder_kl::DiagonalGaussianDistribution;
 use kiln_schedulers::FlowMatchEulerDiscreteScheduler;
 use kiln_tensor::{DType, Device, Tensor};
+use sha2::Digest;
 
 use crate::arguments::FileRef;
 use crate::error::{invalid, Result};
@@ -17,20 +18,33 @@ use crate::loading::CallGenerators;
 /// from its header before it is decoded.
 pub const MAX_INPUT_PIXELS: u64 = 4096 * 4096;
 
+/// The most bytes an input file may have (a 4096×4096 RGBA image stored uncompressed is 64 MiB).
+pub const MAX_INPUT_FILE_BYTES: u64 = 256 << 20;
+
 /// The input file `file` of argument `argument`, as Pillow opens it; an error names both. A file
-/// whose record gives its sha256 (`--from`) must still have it.
+/// whose record gives its sha256 (`--from`, the server) must still have it: its bytes are read
+/// once, hashed and decoded.
 pub fn read_input(argument: &str, file: &FileRef) -> Result<InputImage> {
     let path = std::path::Path::new(&file.path);
-    if let Some(want) = &file.sha256 {
-        let got = crate::lora::file_sha256(path).map_err(|e| invalid(format!("`{argument}` {}: {e}", file.path)))?;
-        if &got != want {
-            return Err(invalid(format!(
-                "`{argument}` {} changed: its sha256 is {got}, the record says {want}; give the file the image was made with",
-                file.path
-            )));
-        }
+    let bad = |e: &dyn std::fmt::Display| invalid(format!("`{argument}` {}: {e}", file.path));
+    let Some(want) = &file.sha256 else {
+        return InputImage::open(path, MAX_INPUT_PIXELS).map_err(|e| bad(&e));
+    };
+    let size = std::fs::metadata(path).map_err(|e| bad(&e))?.len();
+    if size > MAX_INPUT_FILE_BYTES {
+        return Err(bad(&format!(
+            "it has {size} bytes, more than the {MAX_INPUT_FILE_BYTES} an input image may have"
+        )));
     }
-    InputImage::open(path, MAX_INPUT_PIXELS).map_err(|e| invalid(format!("`{argument}` {}: {e}", file.path)))
+    let bytes = std::fs::read(path).map_err(|e| bad(&e))?;
+    let got = format!("{:x}", sha2::Sha256::digest(&bytes));
+    if &got != want {
+        return Err(invalid(format!(
+            "`{argument}` {} changed: its sha256 is {got}, the record says {want}; give the file the image was made with",
+            file.path
+        )));
+    }
+    InputImage::decode(&bytes, &file.path, MAX_INPUT_PIXELS).map_err(|e| bad(&e))
 }
 
 /// The call's one `image` (img2img, inpainting, Kontext), if given; more than one is an error

@@ -150,7 +150,7 @@ impl PipelineBackend {
                 name,
                 kind: pipe.kind(),
                 defaults: pipe.defaults().clone(),
-                image_defaults: image_class_defaults(&pipe)?,
+                image_defaults: pipe.image_defaults().to_vec(),
                 default_size: pipe.default_size(),
                 uses_guidance: pipe.guidance_scale(&GenerateCall::default()).is_some(),
                 record: pipe.record().clone(),
@@ -194,18 +194,4 @@ impl Backend for PipelineBackend {
     fn encode_prompt(&mut self, model: usize, call: &GenerateCall<'static>) -> Result<PromptEncoding, PipelineError> {
         self.pipes[model].encode_prompt(call)
     }
-}
-
-/// The defaults of the classes `pipe`'s folder runs with input images.
-fn image_class_defaults(pipe: &AnyPipeline) -> anyhow::Result<Vec<(PipelineKind, CallDefaults)>> {
-    let class = pipe.kind().class();
-    let mut all = Vec::new();
-    for mapped in [class.image_to_image, class.inpainting].into_iter().flatten() {
-        let kind = PipelineKind::of_class(mapped);
-        all.push((
-            kind,
-            kind.model_defaults(kiln_pipelines::DiffusionPipeline::root(pipe))?,
-        ));
-    }
-    Ok(all)
 }
