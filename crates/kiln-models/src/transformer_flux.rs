@@ -337,17 +337,24 @@ impl FluxTransformer2DModel {
 
     /// The image and text streams entering the first block, and `silu(temb)`.
     fn embed(&self, inputs: &CallInputs) -> Result<Embedded> {
+        let (x, temb_silu) = self.embed_image(inputs)?;
+        Ok(Embedded {
+            x,
+            ctx: self.context_embedder.forward(&inputs.encoder_hidden_states)?,
+            temb_silu,
+        })
+    }
+
+    /// The image stream entering the first block and `silu(temb)` (all a call that runs no
+    /// block needs).
+    fn embed_image(&self, inputs: &CallInputs) -> Result<(Tensor, Tensor)> {
         let dtype = inputs.hidden_states.dtype();
         let t = times_1000(&inputs.timestep, dtype)?;
         let g = inputs.guidance.as_ref().map(|g| times_1000(g, dtype)).transpose()?;
         let temb = self
             .time_text_embed
             .forward(&t, g.as_ref(), &inputs.pooled_projections)?;
-        Ok(Embedded {
-            x: self.x_embedder.forward(&inputs.hidden_states)?,
-            ctx: self.context_embedder.forward(&inputs.encoder_hidden_states)?,
-            temb_silu: temb.silu()?,
-        })
+        Ok((self.x_embedder.forward(&inputs.hidden_states)?, temb.silu()?))
     }
 
     /// The double-stream blocks from `first` on: the image and text streams after them.
@@ -414,8 +421,8 @@ impl FluxTransformer2DModel {
         let inputs = (self.call_inputs(inputs)?, residual.clone());
         self.compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
-                let e = m.embed(inputs)?;
-                m.output(&e.x.add(residual)?, &e.temb_silu)
+                let (x, temb_silu) = m.embed_image(inputs)?;
+                m.output(&x.add(residual)?, &temb_silu)
             })
     }
 

@@ -489,12 +489,18 @@ impl SD3Transformer2DModel {
     /// The image stream entering the first block (patches embedded), the text stream and
     /// `silu(temb)`.
     fn embed(&self, inputs: &CallInputs) -> Result<(Tensor, Tensor, Tensor)> {
+        let (x, temb_silu) = self.embed_image(inputs)?;
+        let ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?; // [B, L, D]
+        Ok((x, ctx, temb_silu))
+    }
+
+    /// The embedded image stream and `silu(temb)` (all a call that runs no block needs).
+    fn embed_image(&self, inputs: &CallInputs) -> Result<(Tensor, Tensor)> {
         let x = self.pos_embed.forward(&inputs.hidden_states)?; // [B, h·w, D]
         let temb = self
             .time_text_embed
             .forward(&inputs.timestep, &inputs.pooled_projections)?;
-        let ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?; // [B, L, D]
-        Ok((x, ctx, temb.silu()?))
+        Ok((x, temb.silu()?))
     }
 
     /// The blocks not in `skip`: the image stream after them.
@@ -570,7 +576,7 @@ impl SD3Transformer2DModel {
         let inputs = (self.call_inputs(inputs)?, residual.clone());
         self.compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
-                let (x, _, temb_silu) = m.embed(inputs)?;
+                let (x, temb_silu) = m.embed_image(inputs)?;
                 m.output(&x.add(residual)?, &temb_silu, inputs)
             })
     }
