@@ -29,6 +29,15 @@ pub enum IoError {
         reason: String,
     },
 
+    /// A single-file checkpoint (original naming or GGUF) that does not fit the model.
+    #[error("{}: {message}", file.display())]
+    SingleFile {
+        /// The file.
+        file: PathBuf,
+        /// What is wrong and what to do.
+        message: String,
+    },
+
     /// A safetensors header entry that describes an impossible tensor.
     #[error(
         "{}: the header entry of tensor `{tensor}` is invalid: {reason} (the file is damaged; download it again)",
@@ -229,6 +238,71 @@ pub enum IoError {
         revision: String,
         /// Every place looked at, in order.
         looked_in: Vec<PathBuf>,
+    },
+
+    /// A file that does not start with the GGUF magic.
+    #[error(
+        "{} is not a GGUF file: it starts with {found} instead of the magic `GGUF` (pass a .gguf file, or load safetensors weights as such)",
+        file.display()
+    )]
+    NotGguf {
+        /// The file.
+        file: PathBuf,
+        /// Its first bytes, as text.
+        found: String,
+    },
+
+    /// A GGUF file whose header, metadata or tensor table is malformed.
+    #[error(
+        "{} is not a valid GGUF file: {reason} (the file is truncated or damaged; download it again)",
+        file.display()
+    )]
+    CorruptGguf {
+        /// The GGUF file.
+        file: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A GGUF file of a version kiln does not read.
+    #[error(
+        "{}: GGUF version {version} is not supported ({hint}); convert the model again with a current llama.cpp or gguf-py",
+        file.display()
+    )]
+    UnsupportedGgufVersion {
+        /// The GGUF file.
+        file: PathBuf,
+        /// The version field as read (little endian).
+        version: u32,
+        /// What kiln reads, or what the field suggests.
+        hint: &'static str,
+    },
+
+    /// A GGUF tensor stored in a ggml type that kiln cannot decode.
+    #[error(
+        "unsupported GGUF quantization type {name} (id {type_id}) for tensor `{tensor}` in {}; supported: {supported} (use a file quantized to one of these types)",
+        file.display()
+    )]
+    UnsupportedGgufType {
+        /// The GGUF file.
+        file: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// The ggml type id as stored.
+        type_id: u32,
+        /// ggml's name for the type (`Q4_0_4_4`, `IQ2_XS`, ...), or `unknown`.
+        name: String,
+        /// The types kiln decodes, comma-separated.
+        supported: &'static str,
+    },
+
+    /// GGUF tensor bytes handed to a dequantizer with a length or output that does not fit.
+    #[error("cannot dequantize {ggml_type} data: {reason}")]
+    GgufDequantize {
+        /// The ggml type's name.
+        ggml_type: &'static str,
+        /// What does not fit.
+        reason: String,
     },
 }
 

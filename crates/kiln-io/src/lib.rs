@@ -5,20 +5,27 @@
 //! - [`config`]: `config.json` structs with diffusers'/transformers' field names and defaults.
 //! - [`model_index`]: `model_index.json` and the supported-class checks.
 //! - [`lora`]: LoRA adapter files, their keys converted to diffusers' module names.
+//! - [`gguf`]: GGUF files (validated header, every common quant type decoded as ggml or as
+//!   diffusers does).
+//! - [`single_file`]: a component from one original-naming `.safetensors` or GGUF file,
+//!   converted to diffusers' names at load.
 //! - [`hub`]: turning a folder or an `ORG/NAME` repo id into a folder, offline, through the
 //!   Hugging Face cache.
 //!
-//! The only `unsafe` is the one memory-map call in [`SafetensorsFile::open`].
+//! The only `unsafe` are the memory-map calls of [`SafetensorsFile::open`] and
+//! [`gguf::GgufFile::open`].
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
 
 pub mod config;
 mod error;
+pub mod gguf;
 pub mod hub;
 mod json;
 pub mod lora;
 pub mod model_index;
 pub mod safetensors;
+pub mod single_file;
 
 pub use config::{
     load_config, parse_config, Activation, AutoencoderKLConfig, AutoencoderKLFlux2Config, ClipTextConfig,

@@ -502,7 +502,7 @@ enum Place {
 
 /// What an original module becomes in diffusers.
 #[derive(Clone, Copy, Debug)]
-enum BflTo {
+pub(crate) enum BflTo {
     One(&'static str),
     /// One module whose B rows are BFL's (shift, scale): swapped to diffusers' (scale, shift).
     SwapHalves(&'static str),
@@ -513,9 +513,9 @@ enum BflTo {
 }
 
 #[derive(Clone, Copy, Debug)]
-struct BflEntry {
-    bfl: &'static str,
-    to: BflTo,
+pub(crate) struct BflEntry {
+    pub(crate) bfl: &'static str,
+    pub(crate) to: BflTo,
     place: Place,
 }
 
@@ -523,7 +523,7 @@ const fn bfl(bfl: &'static str, to: BflTo, place: Place) -> BflEntry {
     BflEntry { bfl, to, place }
 }
 
-const FLUX1_BFL: &[BflEntry] = &[
+pub(crate) const FLUX1_BFL: &[BflEntry] = &[
     bfl(
         "double_blocks.{i}.img_attn.qkv",
         BflTo::Qkv([
@@ -642,7 +642,7 @@ const FLUX1_BFL: &[BflEntry] = &[
     ),
 ];
 
-const FLUX2_BFL: &[BflEntry] = &[
+pub(crate) const FLUX2_BFL: &[BflEntry] = &[
     bfl(
         "double_blocks.{i}.img_attn.qkv",
         BflTo::Qkv([
@@ -747,7 +747,7 @@ const FLUX2_BFL: &[BflEntry] = &[
 ];
 
 /// Matches `name` against a template with at most one `{i}` (a decimal index); returns the index.
-fn match_template(template: &str, name: &str) -> Option<Option<usize>> {
+pub(crate) fn match_template(template: &str, name: &str) -> Option<Option<usize>> {
     match template.split_once("{i}") {
         None => (template == name).then_some(None),
         Some((pre, post)) => {
@@ -765,7 +765,7 @@ fn match_underscored(template: &str, name: &str) -> Option<Option<usize>> {
     match_template(&template.replace('.', "_"), name)
 }
 
-fn fill(template: &str, index: Option<usize>) -> String {
+pub(crate) fn fill(template: &str, index: Option<usize>) -> String {
     match index {
         Some(i) => template.replace("{i}", &i.to_string()),
         None => template.to_string(),

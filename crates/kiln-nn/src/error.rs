@@ -19,6 +19,7 @@ pub enum Error {
     WeightShape {
         component: String,
         name: String,
+        /// The file; for a single file in the original naming, followed by the tensor's key there.
         file: PathBuf,
         found: Shape,
         expected: Shape,

@@ -242,8 +242,11 @@ impl Weights {
         if view.shape != expected {
             return Err(Error::WeightShape {
                 component: self.shared.component.clone(),
+                file: match ckpt.original_name(&full) {
+                    Some(key) => format!("{} (its tensor `{key}`)", file.display()).into(),
+                    None => file,
+                },
                 name: full,
-                file,
                 found: view.shape.clone(),
                 expected,
             });

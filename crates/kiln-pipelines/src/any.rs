@@ -65,11 +65,23 @@ impl AnyPipeline {
         let load = LoadOptions {
             dtype: options.dtype,
             revision: options.revision.clone(),
+            component_files: options.component_files.clone(),
         };
         let mut pipe = AnyPipeline::from_pretrained(model, &load)?;
         pipe.set_offload(options.offload, &options.device)?;
         pipe.compile(options.compile);
         pipe.record = RunRecord::new(model, pipe.root(), pipe.kind.class_name(), options);
+        // A component read from a file is recorded by its absolute path and its bytes' sha256
+        // (which `--from` checks).
+        for (component, file) in &options.component_files {
+            let bad = |e: std::io::Error| crate::error::invalid(format!("{}: {e}", file.display()));
+            let absolute = file.canonicalize().map_err(bad)?;
+            let sha = crate::lora::file_sha256(&absolute).map_err(bad)?;
+            pipe.record
+                .extras
+                .insert(component.clone(), absolute.display().to_string());
+            pipe.record.extras.insert(format!("{component}_sha256"), sha);
+        }
         Ok(pipe)
     }
 

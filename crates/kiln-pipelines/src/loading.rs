@@ -1,5 +1,6 @@
 //! Finding and checking the components of a diffusers model folder.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -19,6 +20,10 @@ pub struct LoadOptions {
     pub dtype: DType,
     /// A revision (branch, tag or commit) when the model is a Hugging Face repo id.
     pub revision: Option<String>,
+    /// Components read from single files instead of the folder, by component name
+    /// (`transformer`, `text_encoder_2`): original-naming `.safetensors` or GGUF (diffusers'
+    /// `from_single_file`).
+    pub component_files: BTreeMap<String, PathBuf>,
 }
 
 impl Default for LoadOptions {
@@ -26,6 +31,7 @@ impl Default for LoadOptions {
         LoadOptions {
             dtype: DType::F32,
             revision: None,
+            component_files: BTreeMap::new(),
         }
     }
 }
@@ -34,6 +40,8 @@ impl Default for LoadOptions {
 pub(crate) struct ModelFolder {
     pub root: PathBuf,
     pub index: ModelIndex,
+    /// Components read from single files (see [`LoadOptions::component_files`]).
+    component_files: BTreeMap<String, PathBuf>,
 }
 
 impl ModelFolder {
@@ -51,12 +59,34 @@ impl ModelFolder {
                 options.dtype
             )));
         }
-        let folder = ModelFolder::open(model, options.revision.as_deref())?;
+        let mut folder = ModelFolder::open(model, options.revision.as_deref())?;
         folder.index.require_pipeline(classes)?;
         let scheduler = ("scheduler", &["FlowMatchEulerDiscreteScheduler"][..]);
         for (name, supported) in std::iter::once(&scheduler).chain(components) {
             folder.index.require_component(name, supported)?;
         }
+        for (component, file) in &options.component_files {
+            let class = components
+                .iter()
+                .find(|(name, _)| name == component)
+                .and_then(|_| folder.index.component(component))
+                .map(|spec| spec.class.as_str());
+            let Some(class) = class else {
+                let names: Vec<&str> = components.iter().map(|(n, _)| *n).collect();
+                return Err(crate::error::invalid(format!(
+                    "{}: this pipeline has no component `{component}` to read from a file (its components: {})",
+                    file.display(),
+                    names.join(", ")
+                )));
+            };
+            if kiln_io::single_file::SingleFileModel::of_class(class).is_none() {
+                return Err(crate::error::invalid(format!(
+                    "{}: kiln cannot read a {class} (`{component}`) from a single file yet; use the folder's `{component}/`",
+                    file.display()
+                )));
+            }
+        }
+        folder.component_files = options.component_files.clone();
         Ok(folder)
     }
 
@@ -79,6 +109,12 @@ impl ModelFolder {
     /// The opened (memory-mapped, header-checked) weights of component `name`: `model.safetensors`
     /// for a transformers class, `diffusion_pytorch_model.safetensors` for a diffusers one.
     pub fn checkpoint(&self, name: &str) -> Result<Arc<Checkpoint>> {
+        if let Some(file) = self.component_files.get(name) {
+            let class = self.index.component(name).map(|spec| spec.class.as_str()).unwrap_or("");
+            let model = kiln_io::single_file::SingleFileModel::of_class(class)
+                .expect("open_pipeline checked the class of every component file");
+            return Ok(Arc::new(kiln_io::single_file::open_single_file(file, model)?));
+        }
         let base = match self.index.component(name) {
             Some(spec) if spec.library == "transformers" => "model",
             _ => "diffusion_pytorch_model",
@@ -89,7 +125,11 @@ impl ModelFolder {
     pub fn open(path_or_repo_id: &str, revision: Option<&str>) -> Result<Self> {
         let root = kiln_io::resolve_model(path_or_repo_id, revision)?;
         let index = ModelIndex::load(&root)?;
-        Ok(ModelFolder { root, index })
+        Ok(ModelFolder {
+            root,
+            index,
+            component_files: BTreeMap::new(),
+        })
     }
 
     /// The folder of a component, which must exist.

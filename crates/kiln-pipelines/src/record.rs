@@ -23,6 +23,8 @@ pub struct RunOptions {
     pub device: Device,
     pub offload: OffloadMode,
     pub compile: CompileMode,
+    /// Components read from single files (see [`crate::LoadOptions::component_files`]).
+    pub component_files: BTreeMap<String, std::path::PathBuf>,
 }
 
 /// How a model ran, as its images record it.

@@ -13,7 +13,7 @@ fn pipeline(mode: CompileMode) -> FluxPipeline {
         folder.to_str().unwrap(),
         &LoadOptions {
             dtype: DType::F32,
-            revision: None,
+            ..Default::default()
         },
     )
     .unwrap()

@@ -67,10 +67,16 @@ fn run_case_on(case: &Path, mode: CompileMode, d: &kiln_tensor::Device) {
     };
     eprintln!("case {} (compile: {mode}, on {d})", case.display());
     let folder = oracle().join(call_json["pipeline_dir"].as_str().unwrap());
-    let mut pipe = FluxPipeline::from_pretrained(folder.to_str().unwrap(), &LoadOptions { dtype, revision: None })
-        .unwrap()
-        .to(d)
-        .unwrap();
+    let mut pipe = FluxPipeline::from_pretrained(
+        folder.to_str().unwrap(),
+        &LoadOptions {
+            dtype,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .to(d)
+    .unwrap();
     pipe.compile(mode);
     let seed = call_json["seed"].as_u64().unwrap();
     let kwargs = &call_json["call_kwargs"];

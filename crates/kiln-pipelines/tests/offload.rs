@@ -41,7 +41,14 @@ fn flux_cases() -> Vec<PathBuf> {
 
 fn flux(folder: &str, dtype: DType) -> FluxPipeline {
     let path = oracle().join(folder);
-    FluxPipeline::from_pretrained(path.to_str().unwrap(), &LoadOptions { dtype, revision: None }).unwrap()
+    FluxPipeline::from_pretrained(
+        path.to_str().unwrap(),
+        &LoadOptions {
+            dtype,
+            ..Default::default()
+        },
+    )
+    .unwrap()
 }
 
 /// (final latents, images) bytes by (case, offload mode).

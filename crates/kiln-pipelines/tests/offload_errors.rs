@@ -34,7 +34,7 @@ fn flux() -> FluxPipeline {
         path.to_str().unwrap(),
         &LoadOptions {
             dtype: DType::F32,
-            revision: None,
+            ..Default::default()
         },
     )
     .unwrap()

@@ -15,6 +15,7 @@ fn an_encoding_of_captions_of_different_lengths_gives_the_texts_images() {
         device: device(),
         offload: OffloadMode::None,
         compile: CompileMode::None,
+        component_files: Default::default(),
     };
     let mut pipe = AnyPipeline::load(folder.to_str().unwrap(), &options).unwrap();
     let call = || GenerateCall {

@@ -214,7 +214,7 @@ fn bundled_model_follows_its_prompts() {
         dir.to_str().unwrap(),
         &LoadOptions {
             dtype: DType::BF16,
-            revision: None,
+            ..Default::default()
         },
     )
     .unwrap()

@@ -240,6 +240,15 @@ impl Checkpoint {
         })
     }
 
+    /// The key tensor `name` has in the file it was converted from (a single file in the
+    /// original naming, see [`crate::single_file`]), when it has another one.
+    pub fn original_name(&self, name: &str) -> Option<&str> {
+        let file = self.file_of(name)?;
+        file.metadata()
+            .get(&format!("{}{name}", crate::single_file::ORIGINAL_KEY))
+            .map(String::as_str)
+    }
+
     /// The file opened: the `.safetensors` file or the index.
     pub fn source(&self) -> &Path {
         &self.source

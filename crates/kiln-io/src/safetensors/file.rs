@@ -174,6 +174,28 @@ impl SafetensorsFile {
         self.view(name, float, WEIGHT_DTYPES)
     }
 
+    /// The stored bytes of tensor `name` whatever its dtype (float8 included), with its header
+    /// entry: for converters that decode the dtype themselves.
+    pub fn stored(&self, name: &str) -> Result<(&TensorInfo, &[u8])> {
+        let Some(info) = self.header.tensors.get(name) else {
+            return Err(IoError::MissingTensor {
+                name: name.to_string(),
+                file: self.path.clone(),
+            });
+        };
+        let (begin, end) = info.data_offsets;
+        let data = self
+            .bytes
+            .as_slice()
+            .get(self.header.data_start + begin..self.header.data_start + end)
+            .ok_or_else(|| IoError::CorruptTensor {
+                file: self.path.clone(),
+                tensor: name.to_string(),
+                reason: "its data lies outside the file".to_string(),
+            })?;
+        Ok((info, data))
+    }
+
     /// The bytes of `tensor.narrow(dim, range.start, range.len())`, row-major; borrowed from the
     /// file when contiguous, gathered otherwise. Only the selected bytes are read.
     pub fn read_slice(&self, name: &str, dim: usize, range: Range<usize>) -> Result<Cow<'_, [u8]>> {

@@ -170,8 +170,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .map_err(|e: String| anyhow::anyhow!("--offload: {e}"))?;
     let t_load = Instant::now();
     if args.text_encoder_only {
-        let pipe = AnyPipeline::from_pretrained(&args.model, &LoadOptions { dtype, revision: None })
-            .with_context(|| format!("loading {}", args.model))?;
+        let pipe = AnyPipeline::from_pretrained(
+            &args.model,
+            &LoadOptions {
+                dtype,
+                ..Default::default()
+            },
+        )
+        .with_context(|| format!("loading {}", args.model))?;
         return text_encoder_only(&pipe, &args, &device, dtype, secs(t_load.elapsed()));
     }
     let options = RunOptions {
@@ -180,6 +186,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         device: device.clone(),
         offload,
         compile,
+        component_files: Default::default(),
     };
     let mut pipe = AnyPipeline::load(&args.model, &options).with_context(|| format!("loading {}", args.model))?;
     let pipeline = pipe.kind();

@@ -3,7 +3,7 @@
 mod call;
 mod from_png;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -35,6 +35,17 @@ pub struct GenerateArgs {
     /// Revision of a Hugging Face repo id (branch, tag or commit).
     #[arg(long, help_heading = RUN)]
     pub revision: Option<String>,
+    /// Read the transformer from FILE instead of the folder's `transformer/`: a single
+    /// .safetensors in the original naming (BFL's FLUX.1 / FLUX.2, SD3.5's
+    /// `model.diffusion_model.*`; bf16, f16, f32 or float8_e4m3fn) or a city96 GGUF (F16, BF16,
+    /// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K), as diffusers' `from_single_file` reads it.
+    /// The folder's `transformer/config.json` still gives the architecture.
+    #[arg(long, value_name = "FILE", help_heading = RUN)]
+    pub transformer: Option<PathBuf>,
+    /// Read FLUX.1's T5 encoder (`text_encoder_2`) from a llama.cpp `t5encoder` GGUF FILE; the
+    /// folder's `text_encoder_2/config.json` gives the architecture.
+    #[arg(long, value_name = "FILE", help_heading = RUN)]
+    pub text_encoder_2: Option<PathBuf>,
     /// f32, bf16 or f16.
     #[arg(long, default_value = "f32", help_heading = RUN)]
     pub dtype: String,
@@ -94,6 +105,8 @@ impl Given {
 pub struct Load {
     pub model: Option<String>,
     pub revision: Option<String>,
+    /// Components read from single files, by component name.
+    pub component_files: BTreeMap<String, PathBuf>,
     pub dtype: String,
     pub device: String,
     pub tp: usize,
@@ -105,12 +118,21 @@ impl Load {
         Load {
             model: args.model.clone(),
             revision: args.revision.clone(),
+            component_files: component_files(&args.transformer, &args.text_encoder_2),
             dtype: args.dtype.clone(),
             device: args.device.clone(),
             tp: args.tp,
             compile: args.compile.clone(),
         }
     }
+}
+
+/// The components `--transformer` and `--text-encoder-2` read from single files.
+pub fn component_files(transformer: &Option<PathBuf>, text_encoder_2: &Option<PathBuf>) -> BTreeMap<String, PathBuf> {
+    [("transformer", transformer), ("text_encoder_2", text_encoder_2)]
+        .into_iter()
+        .filter_map(|(component, file)| Some((component.to_string(), file.clone()?)))
+        .collect()
 }
 
 fn output_paths(output: &Path, n: usize) -> Result<Vec<PathBuf>> {
@@ -418,6 +440,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
             dtype,
             revision: load.revision.clone(),
             device: device.clone(),
+            component_files: load.component_files.clone(),
             offload,
             compile,
         },

@@ -22,6 +22,14 @@ pub struct ServeArgs {
     /// Revision of the Hugging Face repo ids (branch, tag or commit).
     #[arg(long, help_heading = MODELS)]
     pub revision: Option<String>,
+    /// Read the model's transformer from FILE (as `kiln generate --transformer`: an
+    /// original-naming .safetensors or a GGUF); only with one --model.
+    #[arg(long, value_name = "FILE", help_heading = MODELS)]
+    pub transformer: Option<std::path::PathBuf>,
+    /// Read the model's T5 encoder from a GGUF FILE (as `kiln generate --text-encoder-2`); only
+    /// with one --model.
+    #[arg(long, value_name = "FILE", help_heading = MODELS)]
+    pub text_encoder_2: Option<std::path::PathBuf>,
     /// f32, bf16 or f16.
     #[arg(long, default_value = "f32", help_heading = MODELS)]
     pub dtype: String,
@@ -232,6 +240,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
         devices.push(device);
     }
+    let component_files = crate::cli::generate::component_files(&args.transformer, &args.text_encoder_2);
+    if !component_files.is_empty() && models.len() != 1 {
+        bail!("--transformer and --text-encoder-2 name one model's component: give them with one --model");
+    }
     let specs = |device: &crate::Device| -> Vec<ModelSpec> {
         models
             .iter()
@@ -243,6 +255,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
                     device: device.clone(),
                     offload,
                     compile,
+                    component_files: component_files.clone(),
                 },
             })
             .collect()

@@ -100,6 +100,14 @@ pub fn case_flags(case: &Path, output: &str) -> Vec<String> {
             other => flags.extend([flag, other.to_string()]),
         }
     }
+    // Components read from single files: `"load_extras": {"transformer": {"file": F}}` (the
+    // other load extras, e.g. `cache`, are the tests' own business).
+    for component in ["transformer", "text_encoder_2"] {
+        if call["load_extras"][component]["file"].is_string() {
+            let value = &call["load_extras"][component];
+            flags.extend([format!("--{}", component.replace('_', "-")), file(value)]);
+        }
+    }
     flags
 }
 

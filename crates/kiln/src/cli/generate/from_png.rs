@@ -54,6 +54,7 @@ pub fn read(png: &Path, args: &GenerateArgs, given: &Given) -> Result<FromPng> {
         } else {
             Some(params.model.clone())
         },
+        component_files: recorded_component_files(png, &params.extras, args, given)?,
         revision: if given.contains("revision") {
             args.revision.clone()
         } else {
@@ -71,4 +72,38 @@ pub fn read(png: &Path, args: &GenerateArgs, given: &Given) -> Result<FromPng> {
         image_index: params.image_index,
         image_count: stored.image_count(),
     })
+}
+
+/// The components the PNG's run read from single files, each checked against its recorded
+/// sha256; a file given on the command line replaces the recorded one.
+fn recorded_component_files(
+    png: &Path,
+    extras: &std::collections::BTreeMap<String, String>,
+    args: &GenerateArgs,
+    given: &Given,
+) -> Result<std::collections::BTreeMap<String, std::path::PathBuf>> {
+    let mut files = super::component_files(&args.transformer, &args.text_encoder_2);
+    for component in ["transformer", "text_encoder_2"] {
+        if given.contains(component) {
+            continue;
+        }
+        let Some(path) = extras.get(component) else {
+            continue;
+        };
+        let flag = format!("--{}", component.replace('_', "-"));
+        let sha = kiln_pipelines::lora::file_sha256(Path::new(path)).map_err(|e| {
+            anyhow!(
+                "{}: the run read its {component} from {path}, which cannot be read now ({e}); pass {flag} FILE",
+                png.display()
+            )
+        })?;
+        if extras.get(&format!("{component}_sha256")) != Some(&sha) {
+            bail!(
+                "{}: {path} is not the file the run read its {component} from (its sha256 changed); pass {flag} FILE to use it anyway",
+                png.display()
+            );
+        }
+        files.insert(component.to_string(), path.into());
+    }
+    Ok(files)
 }

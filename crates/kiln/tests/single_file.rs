@@ -1,0 +1,181 @@
+//! Components read from single files (`--transformer FILE`, `--text-encoder-2 FILE`): the
+//! oracle's original-naming safetensors and GGUF cases (../shared/oracle/README-quant.md) against
+//! diffusers' images, eager and compiled, `--from` reloading the file, and bad files refused.
+
+mod golden;
+
+use std::path::{Path, PathBuf};
+
+use golden::{check_case, generate, oracle_cases, temp_dir};
+
+const GROUPS: [&str; 4] = ["single_file_flux1", "single_file_sd3", "gguf_flux1", "gguf_sd3"];
+
+#[test]
+fn every_single_file_case_matches_diffusers_eager() {
+    let dir = temp_dir("single-file-eager");
+    let cases = oracle_cases(&GROUPS);
+    assert!(cases.len() >= 16, "the oracle's single-file cases: {cases:?}");
+    for case in &cases {
+        check_case(&dir, case, "eager", &["--compile", "none"]);
+    }
+}
+
+#[test]
+fn single_file_cases_match_diffusers_compiled() {
+    let dir = temp_dir("single-file-full");
+    // One case of each file kind: original naming (fp8 with a prefix), SD3 naming, a 32-block
+    // quant, a K-quant, SD3 GGUF and the T5 GGUF.
+    let root = kiln_fixtures::oracle().join("cases");
+    for case in [
+        "single_file_flux1/fp8_e4m3fn_comfy_prefix",
+        "single_file_sd3/bf16_sd35_names",
+        "gguf_flux1/q5_1",
+        "gguf_flux1/q3_k",
+        "gguf_sd3/q8_0",
+        "gguf_flux1/t5_encoder_q8_0",
+    ] {
+        check_case(&dir, &root.join(case), "full", &["--compile", "full"]);
+    }
+    // The converted weights stream and split like a folder's.
+    let case = root.join("gguf_flux1/q4_k");
+    check_case(
+        &dir,
+        &case,
+        "sequential",
+        &["--compile", "none", "--offload", "sequential"],
+    );
+    check_case(&dir, &case, "tp2", &["--compile", "full", "--tp", "2"]);
+}
+
+fn case(name: &str) -> PathBuf {
+    kiln_fixtures::oracle().join("cases").join(name)
+}
+
+fn flux1_quant() -> String {
+    kiln_fixtures::oracle()
+        .join("pipelines/flux1_quant")
+        .display()
+        .to_string()
+}
+
+fn run(dir: &Path, args: &[&str]) -> (bool, String) {
+    let mut all: Vec<String> = vec!["--model".into(), flux1_quant()];
+    all.extend(["--steps", "1", "--width", "32", "--height", "32", "--prompt", "a fox"].map(String::from));
+    all.extend(args.iter().map(|s| s.to_string()));
+    generate(dir, &all)
+}
+
+#[test]
+fn from_reloads_the_recorded_file_and_notices_a_changed_one() {
+    let dir = temp_dir("single-file-from");
+    let file = dir.join("transformer.gguf");
+    std::fs::copy(case("gguf_flux1/q4_0").join("transformer-Q4_0.gguf"), &file).unwrap();
+    let (ok, stderr) = run(&dir, &["--transformer", file.to_str().unwrap(), "--output", "a.png"]);
+    assert!(ok, "{stderr}");
+    let (ok, stderr) = generate(
+        &dir,
+        &["--from".into(), "a.png".into(), "--output".into(), "b.png".into()],
+    );
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        golden::pixels(&dir.join("a.png")).as_raw(),
+        golden::pixels(&dir.join("b.png")).as_raw()
+    );
+    // Another file in its place: --from says so instead of making another image.
+    std::fs::copy(case("gguf_flux1/q8_0").join("transformer-Q8_0.gguf"), &file).unwrap();
+    let (ok, stderr) = generate(
+        &dir,
+        &["--from".into(), "a.png".into(), "--output".into(), "c.png".into()],
+    );
+    assert!(!ok);
+    assert!(
+        stderr.contains("transformer.gguf") && stderr.contains("sha256"),
+        "{stderr}"
+    );
+    assert!(!dir.join("c.png").exists());
+}
+
+/// `kiln generate` with `--transformer FILE` fails, naming the file and saying `what`.
+fn refused(dir: &Path, file: &Path, what: &[&str]) {
+    let (ok, stderr) = run(dir, &["--transformer", file.to_str().unwrap(), "--output", "x.png"]);
+    assert!(!ok, "{} was accepted", file.display());
+    let name = file.file_name().unwrap().to_str().unwrap();
+    assert!(stderr.contains(name), "the error names the file: {stderr}");
+    for w in what {
+        assert!(stderr.contains(w), "the error says `{w}`: {stderr}");
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!dir.join("x.png").exists());
+}
+
+#[test]
+fn bad_files_are_refused_before_any_work() {
+    let dir = temp_dir("single-file-bad");
+    let gguf = std::fs::read(case("gguf_flux1/q8_0").join("transformer-Q8_0.gguf")).unwrap();
+
+    let truncated = dir.join("truncated.gguf");
+    std::fs::write(&truncated, &gguf[..gguf.len() / 2]).unwrap();
+    refused(&dir, &truncated, &["truncated"]);
+
+    let header_only = dir.join("header-only.gguf");
+    std::fs::write(&header_only, &gguf[..40]).unwrap();
+    refused(&dir, &header_only, &[]);
+
+    // An SD3 file given to a FLUX.1 folder.
+    refused(
+        &dir,
+        &case("single_file_sd3/bf16_sd35_names").join("transformer-bf16.safetensors"),
+        &["not part of a FLUX.1 transformer", "holds the SD3 transformer"],
+    );
+
+    // A FLUX.1 file whose widths are not the folder's: the model's loader names the tensor.
+    let wide = dir.join("wide.safetensors");
+    write_widened_flux1(&wide);
+    refused(
+        &dir,
+        &wide,
+        &["x_embedder.weight", "wide.safetensors (its tensor `img_in.weight`)"],
+    );
+
+    // A component this pipeline does not read from a file.
+    let (ok, stderr) = run(
+        &dir,
+        &[
+            "--text-encoder-2",
+            case("gguf_flux1/q8_0").join("transformer-Q8_0.gguf").to_str().unwrap(),
+            "--output",
+            "x.png",
+        ],
+    );
+    assert!(!ok);
+    assert!(stderr.contains("transformer-Q8_0.gguf"), "{stderr}");
+}
+
+/// The oracle's BFL-named FLUX.1 file with `img_in` twice as wide as the folder's config.
+fn write_widened_flux1(path: &Path) {
+    let bytes = std::fs::read(case("single_file_flux1/bf16_bfl_names").join("transformer-bf16.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = Vec::new();
+    for (name, view) in file.tensors() {
+        let mut shape = view.shape().to_vec();
+        let mut data = view.data().to_vec();
+        if name == "img_in.weight" {
+            shape[1] *= 2;
+            data = data
+                .chunks(data.len() / shape[0])
+                .flat_map(|row| [row, row].concat())
+                .collect();
+        }
+        tensors.push((name, shape, view.dtype(), data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, dtype, data)| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
