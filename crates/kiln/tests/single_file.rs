@@ -47,6 +47,16 @@ fn single_file_cases_match_diffusers_compiled() {
     check_case(&dir, &case, "tp2", &["--compile", "full", "--tp", "2"]);
 }
 
+/// FLUX.2 in BFL's naming (not among the oracle's cases): `tools/fixtures/make_flux2_single_file.py`
+/// made the file from the oracle's klein folder and diffusers' image from it.
+#[test]
+fn a_flux2_file_in_bfl_naming_matches_diffusers() {
+    let dir = temp_dir("single-file-flux2");
+    let case = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/single_file/flux2_klein_bfl");
+    check_case(&dir, &case, "eager", &["--compile", "none"]);
+    check_case(&dir, &case, "full", &["--compile", "full"]);
+}
+
 fn case(name: &str) -> PathBuf {
     kiln_fixtures::oracle().join("cases").join(name)
 }
