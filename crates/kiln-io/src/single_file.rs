@@ -1,6 +1,7 @@
-//! One model component from one file in its original naming: BFL's FLUX.1 / FLUX.2 and
-//! Stability's SD3.5 transformers (`.safetensors`, optionally under `model.diffusion_model.`; bf16,
-//! f16, f32 or float8_e4m3fn) and city96's GGUF files of them, and llama.cpp's T5 encoder GGUF.
+//! One model component from one file in its original naming: BFL's FLUX.1 / FLUX.2, Stability's
+//! SD3.5 and Tongyi's Z-Image transformers (`.safetensors`, optionally under
+//! `model.diffusion_model.`; bf16, f16, f32 or float8_e4m3fn) and city96's GGUF files of them, and
+//! llama.cpp's T5 encoder GGUF.
 //!
 //! [`open_single_file`] converts the keys as diffusers' `from_single_file` (and transformers'
 //! `gguf_file=`) do — fused q/k/v and FLUX.1's `linear1` split by rows, BFL's (shift, scale)
@@ -36,6 +37,9 @@ pub enum SingleFileModel {
     Sd3Transformer,
     /// `T5EncoderModel` from llama.cpp's `t5encoder` GGUF naming.
     T5Encoder,
+    /// `ZImageTransformer2DModel` from Tongyi's naming (fused `attention.qkv`, `x_embedder`,
+    /// `final_layer`; diffusers' `convert_z_image_transformer_checkpoint_to_diffusers`).
+    ZImageTransformer,
 }
 
 impl SingleFileModel {
@@ -46,6 +50,7 @@ impl SingleFileModel {
             "Flux2Transformer2DModel" => SingleFileModel::Flux2Transformer,
             "SD3Transformer2DModel" => SingleFileModel::Sd3Transformer,
             "T5EncoderModel" => SingleFileModel::T5Encoder,
+            "ZImageTransformer2DModel" => SingleFileModel::ZImageTransformer,
             _ => return None,
         })
     }
@@ -57,14 +62,16 @@ impl SingleFileModel {
             SingleFileModel::Flux2Transformer => "FLUX.2 transformer",
             SingleFileModel::Sd3Transformer => "SD3 transformer",
             SingleFileModel::T5Encoder => "T5 encoder",
+            SingleFileModel::ZImageTransformer => "Z-Image transformer",
         }
     }
 
-    const ALL: [SingleFileModel; 4] = [
+    const ALL: [SingleFileModel; 5] = [
         SingleFileModel::Flux1Transformer,
         SingleFileModel::Flux2Transformer,
         SingleFileModel::Sd3Transformer,
         SingleFileModel::T5Encoder,
+        SingleFileModel::ZImageTransformer,
     ];
 
     /// How GGUF blocks are decoded: as diffusers (transformers) decodes them.
@@ -90,6 +97,15 @@ impl SingleFileModel {
                 .collect(),
             SingleFileModel::Sd3Transformer => SD3.to_vec(),
             SingleFileModel::T5Encoder => T5.iter().map(|&(from, to)| (from, BflTo::One(to))).collect(),
+            SingleFileModel::ZImageTransformer => zimage_rules(),
+        }
+    }
+
+    /// Keys of the file diffusers drops.
+    fn dropped(self) -> &'static [&'static str] {
+        match self {
+            SingleFileModel::ZImageTransformer => &["norm_final.weight"],
+            _ => &[],
         }
     }
 }
@@ -247,6 +263,60 @@ const T5: &[(&str, &str)] = &[
 
 /// The converted checkpoint's metadata key prefix that records each tensor's key in the file.
 pub(crate) const ORIGINAL_KEY: &str = "kiln.original.";
+
+/// Z-Image's blocks: the three stacks share one layout.
+const ZIMAGE_STACKS: [&str; 3] = ["layers", "noise_refiner", "context_refiner"];
+
+/// Tongyi's Z-Image names: the fused q/k/v, `attention.out`, `q_norm`/`k_norm`, `x_embedder` and
+/// `final_layer` renamed; every other module keeps its name.
+fn zimage_rules() -> Vec<(&'static str, BflTo)> {
+    static RULES: std::sync::OnceLock<Vec<(&'static str, BflTo)>> = std::sync::OnceLock::new();
+    RULES.get_or_init(build_zimage_rules).clone()
+}
+
+fn build_zimage_rules() -> Vec<(&'static str, BflTo)> {
+    // (stack-relative original module, diffusers module); `{i}` is the block index.
+    const BLOCK: &[(&str, &str)] = &[
+        ("attention.out", "attention.to_out.0"),
+        ("attention.q_norm", "attention.norm_q"),
+        ("attention.k_norm", "attention.norm_k"),
+        ("attention_norm1", "attention_norm1"),
+        ("attention_norm2", "attention_norm2"),
+        ("ffn_norm1", "ffn_norm1"),
+        ("ffn_norm2", "ffn_norm2"),
+        ("feed_forward.w1", "feed_forward.w1"),
+        ("feed_forward.w2", "feed_forward.w2"),
+        ("feed_forward.w3", "feed_forward.w3"),
+        ("adaLN_modulation.0", "adaLN_modulation.0"),
+    ];
+    // Built once (a static), so the few names made here live for the program.
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    let mut rules: Vec<(&'static str, BflTo)> = vec![
+        ("x_embedder", BflTo::One("all_x_embedder.2-1")),
+        ("final_layer.linear", BflTo::One("all_final_layer.2-1.linear")),
+        (
+            "final_layer.adaLN_modulation.1",
+            BflTo::One("all_final_layer.2-1.adaLN_modulation.1"),
+        ),
+        ("t_embedder.mlp.0", BflTo::One("t_embedder.mlp.0")),
+        ("t_embedder.mlp.2", BflTo::One("t_embedder.mlp.2")),
+        ("cap_embedder.0", BflTo::One("cap_embedder.0")),
+        ("cap_embedder.1", BflTo::One("cap_embedder.1")),
+        ("x_pad_token", BflTo::One("x_pad_token")),
+        ("cap_pad_token", BflTo::One("cap_pad_token")),
+    ];
+    for stack in ZIMAGE_STACKS {
+        let qkv = ["to_q", "to_k", "to_v"].map(|p| leak(format!("{stack}.{{i}}.attention.{p}")));
+        rules.push((leak(format!("{stack}.{{i}}.attention.qkv")), BflTo::Qkv(qkv)));
+        for (from, to) in BLOCK {
+            rules.push((
+                leak(format!("{stack}.{{i}}.{from}")),
+                BflTo::One(leak(format!("{stack}.{{i}}.{to}"))),
+            ));
+        }
+    }
+    rules
+}
 
 /// The prefixes whole-checkpoint files put before the transformer's keys.
 const PREFIXES: [&str; 2] = ["model.diffusion_model.", "diffusion_model."];
@@ -428,6 +498,9 @@ fn try_plan(path: &Path, sources: &[Source], model: SingleFileModel) -> std::res
         |key: &str, message: String| Unmapped::Error(single_file_error(path, format!("tensor `{key}`: {message}")));
     let mut targets = Vec::new();
     for (index, source) in sources.iter().enumerate() {
+        if model.dropped().contains(&source.name.as_str()) {
+            continue;
+        }
         let (module, param) = module_and_param(&source.name);
         let found = rules
             .iter()

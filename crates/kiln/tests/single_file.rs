@@ -47,14 +47,17 @@ fn single_file_cases_match_diffusers_compiled() {
     check_case(&dir, &case, "tp2", &["--compile", "full", "--tp", "2"]);
 }
 
-/// FLUX.2 in BFL's naming (not among the oracle's cases): `tools/fixtures/make_flux2_single_file.py`
-/// made the file from the oracle's klein folder and diffusers' image from it.
+/// FLUX.2 in BFL's naming and Z-Image in Tongyi's (bf16 and a Q8_0 GGUF), not among the oracle's
+/// cases: `tools/fixtures/make_single_file_cases.py` made the files from the oracle's folders and
+/// diffusers' images from them.
 #[test]
-fn a_flux2_file_in_bfl_naming_matches_diffusers() {
-    let dir = temp_dir("single-file-flux2");
-    let case = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/single_file/flux2_klein_bfl");
-    check_case(&dir, &case, "eager", &["--compile", "none"]);
-    check_case(&dir, &case, "full", &["--compile", "full"]);
+fn flux2_and_zimage_files_match_diffusers() {
+    let dir = temp_dir("single-file-more");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/single_file");
+    for case in ["flux2_klein_bfl", "zimage_original_bf16", "zimage_gguf_q8_0"] {
+        check_case(&dir, &root.join(case), "eager", &["--compile", "none"]);
+        check_case(&dir, &root.join(case), "full", &["--compile", "full"]);
+    }
 }
 
 fn case(name: &str) -> PathBuf {

@@ -37,9 +37,9 @@ pub struct GenerateArgs {
     pub revision: Option<String>,
     /// Read the transformer from FILE instead of the folder's `transformer/`: a single
     /// .safetensors in the original naming (BFL's FLUX.1 / FLUX.2, SD3.5's
-    /// `model.diffusion_model.*`; bf16, f16, f32 or float8_e4m3fn) or a city96 GGUF (F16, BF16,
-    /// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K), as diffusers' `from_single_file` reads it.
-    /// The folder's `transformer/config.json` still gives the architecture.
+    /// `model.diffusion_model.*`, Z-Image's; bf16, f16, f32 or float8_e4m3fn) or a GGUF (F16,
+    /// BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K), as diffusers' `from_single_file` reads
+    /// it. The folder's `transformer/config.json` still gives the architecture.
     #[arg(long, value_name = "FILE", help_heading = RUN)]
     pub transformer: Option<PathBuf>,
     /// Read FLUX.1's T5 encoder (`text_encoder_2`) from a llama.cpp `t5encoder` GGUF FILE; the
