@@ -37,6 +37,9 @@ pub enum SingleFileModel {
     Sd3Transformer,
     /// `T5EncoderModel` from llama.cpp's `t5encoder` GGUF naming.
     T5Encoder,
+    /// `CLIPTextModel` / `CLIPTextModelWithProjection`, in transformers' naming (ComfyUI's
+    /// `clip_l.safetensors`, `clip_g.safetensors`).
+    ClipText,
     /// `ZImageTransformer2DModel` from Tongyi's naming (fused `attention.qkv`, `x_embedder`,
     /// `final_layer`; diffusers' `convert_z_image_transformer_checkpoint_to_diffusers`).
     ZImageTransformer,
@@ -51,6 +54,7 @@ impl SingleFileModel {
             "SD3Transformer2DModel" => SingleFileModel::Sd3Transformer,
             "T5EncoderModel" => SingleFileModel::T5Encoder,
             "ZImageTransformer2DModel" => SingleFileModel::ZImageTransformer,
+            "CLIPTextModel" | "CLIPTextModelWithProjection" => SingleFileModel::ClipText,
             _ => return None,
         })
     }
@@ -63,21 +67,23 @@ impl SingleFileModel {
             SingleFileModel::Sd3Transformer => "SD3 transformer",
             SingleFileModel::T5Encoder => "T5 encoder",
             SingleFileModel::ZImageTransformer => "Z-Image transformer",
+            SingleFileModel::ClipText => "CLIP text encoder",
         }
     }
 
-    const ALL: [SingleFileModel; 5] = [
+    const ALL: [SingleFileModel; 6] = [
         SingleFileModel::Flux1Transformer,
         SingleFileModel::Flux2Transformer,
         SingleFileModel::Sd3Transformer,
         SingleFileModel::T5Encoder,
         SingleFileModel::ZImageTransformer,
+        SingleFileModel::ClipText,
     ];
 
     /// How GGUF blocks are decoded: as diffusers (transformers) decodes them.
     fn arithmetic(self) -> Arithmetic {
         match self {
-            SingleFileModel::T5Encoder => Arithmetic::F32,
+            SingleFileModel::T5Encoder | SingleFileModel::ClipText => Arithmetic::F32,
             _ => Arithmetic::DiffusersF16,
         }
     }
@@ -98,6 +104,8 @@ impl SingleFileModel {
             SingleFileModel::Sd3Transformer => SD3.to_vec(),
             SingleFileModel::T5Encoder => T5.iter().map(|&(from, to)| (from, BflTo::One(to))).collect(),
             SingleFileModel::ZImageTransformer => zimage_rules(),
+            // transformers' own names only (see `in_own_names`).
+            SingleFileModel::ClipText => Vec::new(),
         }
     }
 
@@ -288,6 +296,13 @@ fn build_zimage_rules() -> Vec<(&'static str, BflTo)> {
         ("feed_forward.w2", "feed_forward.w2"),
         ("feed_forward.w3", "feed_forward.w3"),
         ("adaLN_modulation.0", "adaLN_modulation.0"),
+        // Most names are diffusers' already: a file in diffusers' names maps as well.
+        ("attention.to_q", "attention.to_q"),
+        ("attention.to_k", "attention.to_k"),
+        ("attention.to_v", "attention.to_v"),
+        ("attention.to_out.0", "attention.to_out.0"),
+        ("attention.norm_q", "attention.norm_q"),
+        ("attention.norm_k", "attention.norm_k"),
     ];
     // Built once (a static), so the few names made here live for the program.
     let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
@@ -296,6 +311,12 @@ fn build_zimage_rules() -> Vec<(&'static str, BflTo)> {
         ("final_layer.linear", BflTo::One("all_final_layer.2-1.linear")),
         (
             "final_layer.adaLN_modulation.1",
+            BflTo::One("all_final_layer.2-1.adaLN_modulation.1"),
+        ),
+        ("all_x_embedder.2-1", BflTo::One("all_x_embedder.2-1")),
+        ("all_final_layer.2-1.linear", BflTo::One("all_final_layer.2-1.linear")),
+        (
+            "all_final_layer.2-1.adaLN_modulation.1",
             BflTo::One("all_final_layer.2-1.adaLN_modulation.1"),
         ),
         ("t_embedder.mlp.0", BflTo::One("t_embedder.mlp.0")),
@@ -450,12 +471,19 @@ fn plan(path: &Path, sources: &[Source], model: SingleFileModel) -> Result<Vec<T
     match try_plan(path, sources, model) {
         Ok(targets) => Ok(targets),
         Err(Unmapped::Error(e)) => Err(e),
+        Err(Unmapped::Tensor(_)) if in_own_names(sources, model) && looks_like(path, sources, model).is_none() => {
+            Ok(sources
+                .iter()
+                .enumerate()
+                .map(|(index, source)| Target {
+                    name: source.name.clone(),
+                    source: index,
+                    rows: vec![0..source.rows()],
+                })
+                .collect())
+        }
         Err(Unmapped::Tensor(key)) => {
-            let looks_like = SingleFileModel::ALL
-                .into_iter()
-                .filter(|&other| other != model)
-                .find(|&other| try_plan(path, sources, other).is_ok());
-            let hint = match looks_like {
+            let hint = match looks_like(path, sources, model) {
                 Some(other) => format!(
                     "the file holds the {} instead; give it to a pipeline of that model",
                     other.name()
@@ -471,6 +499,33 @@ fn plan(path: &Path, sources: &[Source], model: SingleFileModel) -> Result<Vec<T
             ))
         }
     }
+}
+
+/// Another model whose original naming takes every tensor of the file.
+fn looks_like(path: &Path, sources: &[Source], model: SingleFileModel) -> Option<SingleFileModel> {
+    SingleFileModel::ALL
+        .into_iter()
+        .filter(|&other| other != model)
+        .find(|&other| try_plan(path, sources, other).is_ok())
+}
+
+/// Whether the file is in the model's own (diffusers / transformers) names rather than an
+/// original naming: fewer than half its tensors have an original name of the model (a
+/// transformers T5 or CLIP file, as ComfyUI's `t5xxl_*.safetensors` and `clip_l.safetensors`; a
+/// diffusers transformer saved as one file; SD3's `context_embedder` is named alike in both).
+/// The model's loader then checks every name and shape.
+fn in_own_names(sources: &[Source], model: SingleFileModel) -> bool {
+    let rules = model.rules();
+    let original = sources
+        .iter()
+        .filter(|s| {
+            let (module, _) = module_and_param(&s.name);
+            rules
+                .iter()
+                .any(|(template, _)| match_template(template, module).is_some())
+        })
+        .count();
+    2 * original < sources.len()
 }
 
 enum Unmapped {

@@ -66,11 +66,7 @@ impl ModelFolder {
             folder.index.require_component(name, supported)?;
         }
         for (component, file) in &options.component_files {
-            let class = components
-                .iter()
-                .find(|(name, _)| name == component)
-                .and_then(|_| folder.index.component(component))
-                .map(|spec| spec.class.as_str());
+            let class = folder.index.component(component).map(|spec| spec.class.as_str());
             let Some(class) = class else {
                 let names: Vec<&str> = components.iter().map(|(n, _)| *n).collect();
                 return Err(crate::error::invalid(format!(

@@ -60,6 +60,36 @@ fn flux2_and_zimage_files_match_diffusers() {
     }
 }
 
+/// Text encoders from single files in transformers' names (ComfyUI's `clip_l.safetensors`,
+/// `clip_g.safetensors`, `t5xxl_*.safetensors`): the folder's own weights under other file names
+/// give the folder's image.
+#[test]
+fn text_encoders_from_single_files_give_the_folders_image() {
+    let dir = temp_dir("single-file-encoders");
+    let oracle = kiln_fixtures::oracle();
+    for (case, encoders) in [
+        ("flux1_dev/basic_guidance", &["text_encoder", "text_encoder_2"][..]),
+        (
+            "sd3/cfg_basic",
+            &["text_encoder", "text_encoder_2", "text_encoder_3"][..],
+        ),
+    ] {
+        let case = oracle.join("cases").join(case);
+        let pipeline = oracle.join(golden::call_json(&case)["pipeline_dir"].as_str().unwrap());
+        let mut flags: Vec<String> = Vec::new();
+        for encoder in encoders {
+            let file = dir.join(format!(
+                "{}-{encoder}.safetensors",
+                pipeline.file_name().unwrap().to_str().unwrap()
+            ));
+            std::fs::copy(pipeline.join(encoder).join("model.safetensors"), &file).unwrap();
+            flags.extend([format!("--{}", encoder.replace('_', "-")), file.display().to_string()]);
+        }
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        check_case(&dir, &case, "encoders", &flags);
+    }
+}
+
 fn case(name: &str) -> PathBuf {
     kiln_fixtures::oracle().join("cases").join(name)
 }

@@ -35,17 +35,8 @@ pub struct GenerateArgs {
     /// Revision of a Hugging Face repo id (branch, tag or commit).
     #[arg(long, help_heading = RUN)]
     pub revision: Option<String>,
-    /// Read the transformer from FILE instead of the folder's `transformer/`: a single
-    /// .safetensors in the original naming (BFL's FLUX.1 / FLUX.2, SD3.5's
-    /// `model.diffusion_model.*`, Z-Image's; bf16, f16, f32 or float8_e4m3fn) or a GGUF (F16,
-    /// BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K), as diffusers' `from_single_file` reads
-    /// it. The folder's `transformer/config.json` still gives the architecture.
-    #[arg(long, value_name = "FILE", help_heading = RUN)]
-    pub transformer: Option<PathBuf>,
-    /// Read FLUX.1's T5 encoder (`text_encoder_2`) from a llama.cpp `t5encoder` GGUF FILE; the
-    /// folder's `text_encoder_2/config.json` gives the architecture.
-    #[arg(long, value_name = "FILE", help_heading = RUN)]
-    pub text_encoder_2: Option<PathBuf>,
+    #[command(flatten)]
+    pub component_files: ComponentFileArgs,
     /// f32, bf16 or f16.
     #[arg(long, default_value = "f32", help_heading = RUN)]
     pub dtype: String,
@@ -118,7 +109,7 @@ impl Load {
         Load {
             model: args.model.clone(),
             revision: args.revision.clone(),
-            component_files: component_files(&args.transformer, &args.text_encoder_2),
+            component_files: args.component_files.files(),
             dtype: args.dtype.clone(),
             device: args.device.clone(),
             tp: args.tp,
@@ -127,12 +118,48 @@ impl Load {
     }
 }
 
-/// The components `--transformer` and `--text-encoder-2` read from single files.
-pub fn component_files(transformer: &Option<PathBuf>, text_encoder_2: &Option<PathBuf>) -> BTreeMap<String, PathBuf> {
-    [("transformer", transformer), ("text_encoder_2", text_encoder_2)]
-        .into_iter()
-        .filter_map(|(component, file)| Some((component.to_string(), file.clone()?)))
-        .collect()
+/// Components read from single files instead of the model folder (diffusers' `from_single_file`).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct ComponentFileArgs {
+    /// Read the transformer from FILE instead of the folder's `transformer/`: a single
+    /// .safetensors in the original naming (BFL's FLUX.1 / FLUX.2, SD3.5's
+    /// `model.diffusion_model.*`, Z-Image's) or in diffusers' (bf16, f16, f32 or float8_e4m3fn),
+    /// or a GGUF (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K), as diffusers'
+    /// `from_single_file` reads it. The folder's `transformer/config.json` still gives the
+    /// architecture.
+    #[arg(long, value_name = "FILE", help_heading = RUN)]
+    pub transformer: Option<PathBuf>,
+    /// Read the (first) CLIP text encoder from FILE: transformers' names, as ComfyUI's
+    /// `clip_l.safetensors` (bf16, f16, f32 or float8_e4m3fn).
+    #[arg(long, value_name = "FILE", help_heading = RUN)]
+    pub text_encoder: Option<PathBuf>,
+    /// Read `text_encoder_2` from FILE: FLUX.1's T5 (a llama.cpp `t5encoder` GGUF, or a
+    /// .safetensors in transformers' names as ComfyUI's `t5xxl_*.safetensors`) or SD3's CLIP-G.
+    #[arg(long, value_name = "FILE", help_heading = RUN)]
+    pub text_encoder_2: Option<PathBuf>,
+    /// Read SD3's T5 (`text_encoder_3`) from FILE, as --text-encoder-2 reads FLUX.1's.
+    #[arg(long, value_name = "FILE", help_heading = RUN)]
+    pub text_encoder_3: Option<PathBuf>,
+}
+
+impl ComponentFileArgs {
+    /// The flags' ids (clap's, = the component names).
+    pub const COMPONENTS: [&'static str; 4] = ["transformer", "text_encoder", "text_encoder_2", "text_encoder_3"];
+
+    /// The files given, by component name.
+    pub fn files(&self) -> BTreeMap<String, PathBuf> {
+        let given = [
+            &self.transformer,
+            &self.text_encoder,
+            &self.text_encoder_2,
+            &self.text_encoder_3,
+        ];
+        Self::COMPONENTS
+            .into_iter()
+            .zip(given)
+            .filter_map(|(component, file)| Some((component.to_string(), file.clone()?)))
+            .collect()
+    }
 }
 
 fn output_paths(output: &Path, n: usize) -> Result<Vec<PathBuf>> {

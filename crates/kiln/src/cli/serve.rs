@@ -22,14 +22,10 @@ pub struct ServeArgs {
     /// Revision of the Hugging Face repo ids (branch, tag or commit).
     #[arg(long, help_heading = MODELS)]
     pub revision: Option<String>,
-    /// Read the model's transformer from FILE (as `kiln generate --transformer`: an
-    /// original-naming .safetensors or a GGUF); only with one --model.
-    #[arg(long, value_name = "FILE", help_heading = MODELS)]
-    pub transformer: Option<std::path::PathBuf>,
-    /// Read the model's T5 encoder from a GGUF FILE (as `kiln generate --text-encoder-2`); only
-    /// with one --model.
-    #[arg(long, value_name = "FILE", help_heading = MODELS)]
-    pub text_encoder_2: Option<std::path::PathBuf>,
+    /// Components of the model read from single files (as `kiln generate --transformer FILE`,
+    /// `--text-encoder FILE`, ...); only with one --model.
+    #[command(flatten)]
+    pub component_files: crate::cli::generate::ComponentFileArgs,
     /// f32, bf16 or f16.
     #[arg(long, default_value = "f32", help_heading = MODELS)]
     pub dtype: String,
@@ -240,9 +236,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
         devices.push(device);
     }
-    let component_files = crate::cli::generate::component_files(&args.transformer, &args.text_encoder_2);
+    let component_files = args.component_files.files();
     if !component_files.is_empty() && models.len() != 1 {
-        bail!("--transformer and --text-encoder-2 name one model's component: give them with one --model");
+        bail!("--transformer and --text-encoder* name one model's component: give them with one --model");
     }
     let specs = |device: &crate::Device| -> Vec<ModelSpec> {
         models

@@ -82,8 +82,8 @@ fn recorded_component_files(
     args: &GenerateArgs,
     given: &Given,
 ) -> Result<std::collections::BTreeMap<String, std::path::PathBuf>> {
-    let mut files = super::component_files(&args.transformer, &args.text_encoder_2);
-    for component in ["transformer", "text_encoder_2"] {
+    let mut files = args.component_files.files();
+    for component in super::ComponentFileArgs::COMPONENTS {
         if given.contains(component) {
             continue;
         }
