@@ -40,6 +40,9 @@ pub struct BenchArgs {
     /// none, model or sequential (as `kiln generate --offload`).
     #[arg(long, default_value = "none")]
     pub offload: String,
+    /// Components read from single files (as `kiln generate --transformer FILE`, ...).
+    #[command(flatten)]
+    pub component_files: crate::cli::generate::ComponentFileArgs,
     /// Timed calls after one warm-up call.
     #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = crate::cli::generate::count)]
     pub runs: usize,
@@ -174,6 +177,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             &args.model,
             &LoadOptions {
                 dtype,
+                component_files: args.component_files.files(),
                 ..Default::default()
             },
         )
@@ -186,7 +190,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         device: device.clone(),
         offload,
         compile,
-        component_files: Default::default(),
+        component_files: args.component_files.files(),
     };
     let mut pipe = AnyPipeline::load(&args.model, &options).with_context(|| format!("loading {}", args.model))?;
     let pipeline = pipe.kind();
