@@ -269,15 +269,46 @@ impl<F> JointStreams<F> {
     }
 
     /// `m`, `c`: the image's and the text's (shift, scale, gate) for attention, then for the
-    /// feed-forward (`feed_forward` runs one); `ln`: the layer norm of both streams. Returns the
-    /// new (text, image) streams.
-    pub(crate) fn forward(
+    /// feed-forward (`feed_forward` runs one); `ln`: the layer norm of both streams. The
+    /// attention module's outputs (diffusers' `attn`: the image's and the text's after `to_out`
+    /// / `to_add_out`) are computed, or `given` (a step cache's prediction; the attention then
+    /// does not run). Returns the new (text, image) streams and the attention's (image, text)
+    /// outputs used.
+    pub(crate) fn forward_with(
         &self,
         (x, ctx): (&Tensor, &Tensor),
         (m, c): (&[Tensor], &[Tensor]),
         ln: &LayerNorm,
         rope: &RopeTables,
+        given: Option<(&Tensor, &Tensor)>,
         feed_forward: impl Fn(&F, &Tensor) -> Result<Tensor>,
+    ) -> Result<(Tensor, Tensor, (Tensor, Tensor))> {
+        let (a_x, a_ctx) = match given {
+            Some((a_x, a_ctx)) => (a_x.clone(), a_ctx.clone()),
+            None => self.attention((x, ctx), (m, c), ln, rope)?,
+        };
+        let x_new = gated_residual(x, &m[2], &a_x)?;
+        let ff_in = modulate(&ln.forward(&x_new)?, &m[3], &m[4])?;
+        let x_new = gated_residual(&x_new, &m[5], &feed_forward(&self.ff, &ff_in)?)?;
+
+        let ctx_new = gated_residual(ctx, &c[2], &a_ctx)?;
+        let ff_in = modulate(&ln.forward(&ctx_new)?, &c[3], &c[4])?;
+        let mut ctx_new = gated_residual(&ctx_new, &c[5], &feed_forward(&self.ff_context, &ff_in)?)?;
+        if ctx_new.dtype() == DType::F16 {
+            // diffusers clips only the text stream of the double block in fp16.
+            ctx_new = ctx_new.clamp(-65504.0, 65504.0)?;
+        }
+        Ok((ctx_new, x_new, (a_x, a_ctx)))
+    }
+
+    /// The attention module: joint attention over [text, image] of the modulated streams, then
+    /// `to_out` (image) and `to_add_out` (text). Returns the (image, text) outputs.
+    fn attention(
+        &self,
+        (x, ctx): (&Tensor, &Tensor),
+        (m, c): (&[Tensor], &[Tensor]),
+        ln: &LayerNorm,
+        rope: &RopeTables,
     ) -> Result<(Tensor, Tensor)> {
         let nx = modulate(&ln.forward(x)?, &m[0], &m[1])?;
         let nc = modulate(&ln.forward(ctx)?, &c[0], &c[1])?;
@@ -291,18 +322,6 @@ impl<F> JointStreams<F> {
         let text_len = ctx.dims()[1];
         let parts = o.split_sizes(&[text_len, x.dims()[1]], 1)?;
         let (o_ctx, o_x) = (&parts[0], &parts[1]);
-
-        let x = gated_residual(x, &m[2], &self.to_out.forward(o_x)?)?;
-        let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
-        let x = gated_residual(&x, &m[5], &feed_forward(&self.ff, &ff_in)?)?;
-
-        let ctx = gated_residual(ctx, &c[2], &self.to_add_out.forward(o_ctx)?)?;
-        let ff_in = modulate(&ln.forward(&ctx)?, &c[3], &c[4])?;
-        let mut ctx = gated_residual(&ctx, &c[5], &feed_forward(&self.ff_context, &ff_in)?)?;
-        if ctx.dtype() == DType::F16 {
-            // diffusers clips only the text stream of the double block in fp16.
-            ctx = ctx.clamp(-65504.0, 65504.0)?;
-        }
-        Ok((ctx, x))
+        Ok((self.to_out.forward(o_x)?, self.to_add_out.forward(o_ctx)?))
     }
 }

@@ -91,12 +91,26 @@ impl FluxTransformerBlock {
 
     /// Returns the new (text, image) streams.
     fn forward(&self, x: &Tensor, ctx: &Tensor, temb_silu: &Tensor, rope: &RopeTables) -> Result<(Tensor, Tensor)> {
+        let (ctx, x, _) = self.forward_with(x, ctx, temb_silu, rope, None)?;
+        Ok((ctx, x))
+    }
+
+    /// [`Self::forward`] with the attention's (image, text) outputs computed or `given` (see
+    /// [`JointStreams::forward_with`]); also returns the outputs used.
+    fn forward_with(
+        &self,
+        x: &Tensor,
+        ctx: &Tensor,
+        temb_silu: &Tensor,
+        rope: &RopeTables,
+        given: Option<(&Tensor, &Tensor)>,
+    ) -> Result<(Tensor, Tensor, (Tensor, Tensor))> {
         let ln = LayerNorm::plain(1e-6);
         // AdaLayerNormZero: shift, scale, gate (attention), shift, scale, gate (MLP).
         let m = self.norm1.forward(temb_silu)?.chunk(6, 1)?;
         let c = self.norm1_context.forward(temb_silu)?.chunk(6, 1)?;
         self.streams
-            .forward((x, ctx), (&m, &c), &ln, rope, FeedForward::forward)
+            .forward_with((x, ctx), (&m, &c), &ln, rope, given, FeedForward::forward)
     }
 }
 
@@ -127,18 +141,36 @@ impl FluxSingleTransformerBlock {
     }
 
     fn forward(&self, h: &Tensor, temb_silu: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+        Ok(self.forward_with(h, temb_silu, rope, None)?.0)
+    }
+
+    /// [`Self::forward`] with the attention module's output (the joint attention before
+    /// `proj_out`, `[B, S, D]`) computed or `given` (a step cache's prediction; the attention
+    /// then does not run, the MLP does). Returns the new stream and the attention output used.
+    fn forward_with(
+        &self,
+        h: &Tensor,
+        temb_silu: &Tensor,
+        rope: &RopeTables,
+        given: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
         // AdaLayerNormZeroSingle: shift, scale, gate.
         let m = self.norm.forward(temb_silu)?.chunk(3, 1)?;
         let n = modulate(&LayerNorm::plain(1e-6).forward(h)?, &m[0], &m[1])?;
         let mlp = self.proj_mlp.forward(&n)?.gelu_tanh()?;
-        let [q, k, v] = self.qkv.forward(&n)?;
-        let a = rope_attention(&q, &k, &v, rope)?;
+        let a = match given {
+            Some(a) => a.clone(),
+            None => {
+                let [q, k, v] = self.qkv.forward(&n)?;
+                rope_attention(&q, &k, &v, rope)?
+            }
+        };
         let joined = Tensor::cat(&[&a, &mlp], 2)?;
         let mut h = gated_residual(h, &m[2], &self.proj_out.forward(&joined)?)?;
         if h.dtype() == DType::F16 {
             h = h.clamp(-65504.0, 65504.0)?;
         }
-        Ok(h)
+        Ok((h, a))
     }
 }
 
@@ -361,34 +393,98 @@ impl FluxTransformer2DModel {
     fn double_blocks(
         &self,
         first: usize,
-        mut x: Tensor,
-        mut ctx: Tensor,
+        x: Tensor,
+        ctx: Tensor,
         temb_silu: &Tensor,
         rope: &RopeTables,
     ) -> Result<(Tensor, Tensor)> {
-        for i in first..self.transformer_blocks.len() {
+        self.double_blocks_with(first, x, ctx, (temb_silu, rope), AttentionMode::Plain, &mut Vec::new())
+    }
+
+    /// [`Self::double_blocks`] with the attention modules run as `mode` says; recorded outputs
+    /// (image, text per block) are appended to `recorded`.
+    fn double_blocks_with(
+        &self,
+        first: usize,
+        mut x: Tensor,
+        mut ctx: Tensor,
+        (temb_silu, rope): (&Tensor, &RopeTables),
+        mode: AttentionMode<'_>,
+        recorded: &mut Vec<Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let list = &self.transformer_blocks;
+        for i in first..list.len() {
             let args = (x, ctx, temb_silu.clone(), rope.clone());
-            let out = self
-                .transformer_blocks
-                .run(&self.compiled, i, args, |block, (x, ctx, temb, rope)| {
+            (ctx, x) = match mode {
+                AttentionMode::Plain => list.run(&self.compiled, i, args, |block, (x, ctx, temb, rope)| {
                     block.forward(x, ctx, temb, rope)
-                })?;
-            (ctx, x) = out;
+                })?,
+                AttentionMode::Record => {
+                    let (ctx, x, (a_x, a_ctx)) =
+                        list.run_variant(&self.compiled, RECORD, i, args, |block, (x, ctx, temb, rope)| {
+                            block.forward_with(x, ctx, temb, rope, None)
+                        })?;
+                    recorded.extend([a_x, a_ctx]);
+                    (ctx, x)
+                }
+                AttentionMode::Given(given) => {
+                    let (a_x, a_ctx) = (given[2 * i].clone(), given[2 * i + 1].clone());
+                    let args = (args.0, args.1, args.2, args.3, (a_x, a_ctx));
+                    list.run_variant(
+                        &self.compiled,
+                        GIVEN,
+                        i,
+                        args,
+                        |block, (x, ctx, temb, rope, (a_x, a_ctx))| {
+                            let (ctx, x, _) = block.forward_with(x, ctx, temb, rope, Some((a_x, a_ctx)))?;
+                            Ok((ctx, x))
+                        },
+                    )?
+                }
+            };
         }
         Ok((x, ctx))
     }
 
     /// The single-stream blocks over `[ctx; x]`: the image stream after them.
     fn single_blocks(&self, x: Tensor, ctx: Tensor, temb_silu: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+        self.single_blocks_with(x, ctx, (temb_silu, rope), AttentionMode::Plain, &mut Vec::new())
+    }
+
+    /// [`Self::single_blocks`] with the attention modules run as `mode` says (block `j`'s given
+    /// output is `given[2·double + j]`); recorded outputs are appended to `recorded`.
+    fn single_blocks_with(
+        &self,
+        x: Tensor,
+        ctx: Tensor,
+        (temb_silu, rope): (&Tensor, &RopeTables),
+        mode: AttentionMode<'_>,
+        recorded: &mut Vec<Tensor>,
+    ) -> Result<Tensor> {
         let text_len = ctx.dims()[1];
         let mut h = Tensor::cat(&[&ctx, &x], 1)?;
-        for i in 0..self.single_transformer_blocks.len() {
+        let list = &self.single_transformer_blocks;
+        let base = 2 * self.transformer_blocks.len();
+        for i in 0..list.len() {
             let args = (h, temb_silu.clone(), rope.clone());
-            h = self
-                .single_transformer_blocks
-                .run(&self.compiled, i, args, |block, (h, temb, rope)| {
+            h = match mode {
+                AttentionMode::Plain => list.run(&self.compiled, i, args, |block, (h, temb, rope)| {
                     block.forward(h, temb, rope)
-                })?;
+                })?,
+                AttentionMode::Record => {
+                    let (h, a) = list.run_variant(&self.compiled, RECORD, i, args, |block, (h, temb, rope)| {
+                        block.forward_with(h, temb, rope, None)
+                    })?;
+                    recorded.push(a);
+                    h
+                }
+                AttentionMode::Given(given) => {
+                    let args = (args.0, args.1, args.2, given[base + i].clone());
+                    list.run_variant(&self.compiled, GIVEN, i, args, |block, (h, temb, rope, a)| {
+                        Ok(block.forward_with(h, temb, rope, Some(a))?.0)
+                    })?
+                }
+            };
         }
         Ok(h.narrow(1, text_len, h.dims()[1] - text_len)?)
     }
@@ -423,6 +519,47 @@ impl FluxTransformer2DModel {
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
                 m.output(&x.add(residual)?, &temb_silu)
+            })
+    }
+
+    /// How many attention modules' outputs a step cache on the attention (TaylorSeer,
+    /// FasterCache) keeps: the image's and the text's of every double block
+    /// (`transformer_blocks.{i}.attn`), then one per single block
+    /// (`single_transformer_blocks.{j}.attn`, the joint attention before `proj_out`).
+    pub fn attention_outputs(&self) -> usize {
+        2 * self.transformer_blocks.len() + self.single_transformer_blocks.len()
+    }
+
+    /// A step cache's computed call (TaylorSeer, FasterCache): the prediction and every attention
+    /// module's outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute` when
+    /// compiled whole; each block's `attention_record` program by blocks).
+    pub fn forward_recording_attention(&self, inputs: &FluxTransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled
+            .whole("attention_cache.compute", self, inputs, |m, inputs| {
+                let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
+                let mut recorded = Vec::with_capacity(m.attention_outputs());
+                let shared = (&temb_silu, &inputs.rope);
+                let (x, ctx) = m.double_blocks_with(0, x, ctx, shared, AttentionMode::Record, &mut recorded)?;
+                let x = m.single_blocks_with(x, ctx, shared, AttentionMode::Record, &mut recorded)?;
+                Ok((m.output(&x, &temb_silu)?, recorded))
+            })
+    }
+
+    /// A step cache's cached call: every block runs with its attention module's outputs taken
+    /// from `attention` (in [`Self::attention_outputs`]' order) instead of computed
+    /// (`attention_cache.given`; each block's `attention_given` program by blocks).
+    pub fn forward_with_attention(&self, inputs: &FluxTransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
+        check_attention_outputs(attention.len(), self.attention_outputs())?;
+        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
+        self.compiled
+            .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
+                let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
+                let shared = (&temb_silu, &inputs.rope);
+                let mode = AttentionMode::Given(attention);
+                let (x, ctx) = m.double_blocks_with(0, x, ctx, shared, mode, &mut Vec::new())?;
+                let x = m.single_blocks_with(x, ctx, shared, mode, &mut Vec::new())?;
+                m.output(&x, &temb_silu)
             })
     }
 
@@ -475,6 +612,30 @@ impl FluxTransformer2DModel {
             .whole("first_block.cached", self, inputs, |m, (head, residual)| {
                 m.output(&head.image.add(residual)?, &head.temb_silu)
             })
+    }
+}
+
+/// What the blocks do with their attention modules: run them, run them and keep their outputs,
+/// or take the outputs given (a step cache's prediction) instead of running them.
+#[derive(Clone, Copy)]
+pub(crate) enum AttentionMode<'a> {
+    Plain,
+    Record,
+    Given(&'a [Tensor]),
+}
+
+/// The block programs of [`AttentionMode::Record`] and [`AttentionMode::Given`].
+pub(crate) const RECORD: &str = "attention_record";
+pub(crate) const GIVEN: &str = "attention_given";
+
+/// A step cache's attention outputs must be one per hooked module output.
+pub(crate) fn check_attention_outputs(given: usize, wanted: usize) -> Result<()> {
+    match given == wanted {
+        true => Ok(()),
+        false => Err(Error::Config {
+            component: "transformer".into(),
+            message: format!("a step cache gave {given} attention outputs, the model has {wanted}"),
+        }),
     }
 }
 

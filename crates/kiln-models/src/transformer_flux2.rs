@@ -28,6 +28,7 @@ use crate::mmdit::{
     gated_residual, guidance_input, modulate, rope_attention, sinusoid, split_heads, times_1000, timestep_frequencies,
     JointStreams, Mlp,
 };
+use crate::transformer_flux::{AttentionMode, GIVEN, RECORD};
 
 fn input_error(op: &'static str, message: String) -> Error {
     Error::Tensor(kiln_tensor::Error::Invalid { op, message })
@@ -95,12 +96,26 @@ impl Flux2TransformerBlock {
         mod_txt: &Tensor,
         rope: &RopeTables,
     ) -> Result<(Tensor, Tensor)> {
+        let (ctx, x, _) = self.forward_with(x, ctx, (mod_img, mod_txt), rope, None)?;
+        Ok((ctx, x))
+    }
+
+    /// [`Self::forward`] with the attention's (image, text) outputs computed or `given` (see
+    /// [`JointStreams::forward_with`]); also returns the outputs used.
+    fn forward_with(
+        &self,
+        x: &Tensor,
+        ctx: &Tensor,
+        (mod_img, mod_txt): (&Tensor, &Tensor),
+        rope: &RopeTables,
+        given: Option<(&Tensor, &Tensor)>,
+    ) -> Result<(Tensor, Tensor, (Tensor, Tensor))> {
         let ln = LayerNorm::plain(self.eps);
         // (shift, scale, gate) for attention, then for the MLP.
         let m = mod_params(mod_img, 2)?;
         let c = mod_params(mod_txt, 2)?;
         self.streams
-            .forward((x, ctx), (&m, &c), &ln, rope, Flux2FeedForward::forward)
+            .forward_with((x, ctx), (&m, &c), &ln, rope, given, Flux2FeedForward::forward)
     }
 }
 
@@ -141,7 +156,34 @@ impl Flux2SingleTransformerBlock {
 
     /// `modulation`: the shared single-stream modulation `[B, 3D]`.
     fn forward(&self, h: &Tensor, modulation: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+        Ok(self.forward_with(h, modulation, rope, None)?.0)
+    }
+
+    /// [`Self::forward`] with the attention module's output (diffusers'
+    /// `Flux2ParallelSelfAttention`: the fused projection, attention, SwiGLU and `to_out`)
+    /// computed or `given` (a step cache's prediction; then only the gated residual runs).
+    /// Returns the new stream and the module output used.
+    fn forward_with(
+        &self,
+        h: &Tensor,
+        modulation: &Tensor,
+        rope: &RopeTables,
+        given: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
         let m = mod_params(modulation, 1)?;
+        let out = match given {
+            Some(out) => out.clone(),
+            None => self.parallel_attention(h, &m, rope)?,
+        };
+        let mut h = gated_residual(h, &m[2], &out)?;
+        if h.dtype() == DType::F16 {
+            h = h.clamp(-65504.0, 65504.0)?;
+        }
+        Ok((h, out))
+    }
+
+    /// The attention module on the modulated stream: `to_out(cat(attention, swiglu))`.
+    fn parallel_attention(&self, h: &Tensor, m: &[Tensor], rope: &RopeTables) -> Result<Tensor> {
         let n = modulate(&LayerNorm::plain(self.eps).forward(h)?, &m[0], &m[1])?;
         let p = self.to_qkv_mlp_proj.forward(&n)?;
         // As diffusers' processor: [q | k | v] then [gate | up], in proportion to the widths so
@@ -167,11 +209,7 @@ impl Flux2SingleTransformerBlock {
         let a = rope_attention(&q, &k, &v, rope)?;
         let mlp = swiglu(&parts[1])?;
         let joined = Tensor::cat(&[&a, &mlp], 2)?;
-        let mut h = gated_residual(h, &m[2], &self.to_out.forward(&joined)?)?;
-        if h.dtype() == DType::F16 {
-            h = h.clamp(-65504.0, 65504.0)?;
-        }
-        Ok(h)
+        self.to_out.forward(&joined)
     }
 }
 
@@ -494,31 +532,91 @@ impl Flux2Transformer2DModel {
     }
 
     /// Every block from the image stream `x`: the image stream after the last one.
-    fn blocks(&self, mut x: Tensor, temb_silu: &Tensor, inputs: &CallInputs) -> Result<Tensor> {
+    fn blocks(&self, x: Tensor, temb_silu: &Tensor, inputs: &CallInputs) -> Result<Tensor> {
+        self.blocks_with(x, temb_silu, inputs, AttentionMode::Plain, &mut Vec::new())
+    }
+
+    /// [`Self::blocks`] with the attention modules run as `mode` says (double block `i`'s
+    /// outputs are `2i` (image) and `2i + 1` (text), single block `j`'s is `2·double + j`);
+    /// recorded outputs are appended to `recorded`.
+    fn blocks_with(
+        &self,
+        mut x: Tensor,
+        temb_silu: &Tensor,
+        inputs: &CallInputs,
+        mode: AttentionMode<'_>,
+        recorded: &mut Vec<Tensor>,
+    ) -> Result<Tensor> {
         // One modulation per forward, shared by every block of a kind.
         let mod_img = self.double_stream_modulation_img.forward(temb_silu)?;
         let mod_txt = self.double_stream_modulation_txt.forward(temb_silu)?;
         let mod_single = self.single_stream_modulation.forward(temb_silu)?;
         let rope = &inputs.rope;
         let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?;
-        for i in 0..self.transformer_blocks.len() {
+        let list = &self.transformer_blocks;
+        for i in 0..list.len() {
             let args = (x, ctx, mod_img.clone(), mod_txt.clone(), rope.clone());
-            let out =
-                self.transformer_blocks
-                    .run(&self.compiled, i, args, |block, (x, ctx, mod_img, mod_txt, rope)| {
+            (ctx, x) = match mode {
+                AttentionMode::Plain => {
+                    list.run(&self.compiled, i, args, |block, (x, ctx, mod_img, mod_txt, rope)| {
                         block.forward(x, ctx, mod_img, mod_txt, rope)
-                    })?;
-            (ctx, x) = out;
+                    })?
+                }
+                AttentionMode::Record => {
+                    let (ctx, x, (a_x, a_ctx)) = list.run_variant(
+                        &self.compiled,
+                        RECORD,
+                        i,
+                        args,
+                        |block, (x, ctx, mod_img, mod_txt, rope)| {
+                            block.forward_with(x, ctx, (mod_img, mod_txt), rope, None)
+                        },
+                    )?;
+                    recorded.extend([a_x, a_ctx]);
+                    (ctx, x)
+                }
+                AttentionMode::Given(given) => {
+                    let a = (given[2 * i].clone(), given[2 * i + 1].clone());
+                    let args = (args.0, args.1, (args.2, args.3), args.4, a);
+                    list.run_variant(
+                        &self.compiled,
+                        GIVEN,
+                        i,
+                        args,
+                        |block, (x, ctx, (mod_img, mod_txt), rope, (a_x, a_ctx))| {
+                            let (ctx, x, _) =
+                                block.forward_with(x, ctx, (mod_img, mod_txt), rope, Some((a_x, a_ctx)))?;
+                            Ok((ctx, x))
+                        },
+                    )?
+                }
+            };
         }
         let text_len = ctx.dims()[1];
         let mut h = Tensor::cat(&[&ctx, &x], 1)?;
-        for i in 0..self.single_transformer_blocks.len() {
+        let list = &self.single_transformer_blocks;
+        let base = 2 * self.transformer_blocks.len();
+        for i in 0..list.len() {
             let args = (h, mod_single.clone(), rope.clone());
-            h = self
-                .single_transformer_blocks
-                .run(&self.compiled, i, args, |block, (h, modulation, rope)| {
+            h = match mode {
+                AttentionMode::Plain => list.run(&self.compiled, i, args, |block, (h, modulation, rope)| {
                     block.forward(h, modulation, rope)
-                })?;
+                })?,
+                AttentionMode::Record => {
+                    let (h, a) =
+                        list.run_variant(&self.compiled, RECORD, i, args, |block, (h, modulation, rope)| {
+                            block.forward_with(h, modulation, rope, None)
+                        })?;
+                    recorded.push(a);
+                    h
+                }
+                AttentionMode::Given(given) => {
+                    let args = (args.0, args.1, args.2, given[base + i].clone());
+                    list.run_variant(&self.compiled, GIVEN, i, args, |block, (h, modulation, rope, a)| {
+                        Ok(block.forward_with(h, modulation, rope, Some(a))?.0)
+                    })?
+                }
+            };
         }
         Ok(h.narrow(1, text_len, h.dims()[1] - text_len)?)
     }
@@ -529,6 +627,42 @@ impl Flux2Transformer2DModel {
         let e = self.norm_out.forward(temb_silu)?.chunk(2, 1)?;
         let x = modulate(&LayerNorm::plain(self.config.eps).forward(x)?, &e[1], &e[0])?;
         self.proj_out.forward(&x)
+    }
+
+    /// How many attention modules' outputs a step cache on the attention (TaylorSeer,
+    /// FasterCache) keeps: the image's and the text's of every double block
+    /// (`transformer_blocks.{i}.attn`), then one per single block
+    /// (`single_transformer_blocks.{j}.attn`, the fused parallel module: its output replaces the
+    /// block's attention and MLP).
+    pub fn attention_outputs(&self) -> usize {
+        2 * self.transformer_blocks.len() + self.single_transformer_blocks.len()
+    }
+
+    /// A step cache's computed call (TaylorSeer, FasterCache): the prediction and every attention
+    /// module's outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute`).
+    pub fn forward_recording_attention(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled
+            .whole("attention_cache.compute", self, inputs, |m, inputs| {
+                let (x, temb_silu) = m.embed_image(inputs)?;
+                let mut recorded = Vec::with_capacity(m.attention_outputs());
+                let x = m.blocks_with(x, &temb_silu, inputs, AttentionMode::Record, &mut recorded)?;
+                Ok((m.output(&x, &temb_silu)?, recorded))
+            })
+    }
+
+    /// A step cache's cached call: every block runs with its attention module's outputs taken
+    /// from `attention` instead of computed (`attention_cache.given`).
+    pub fn forward_with_attention(&self, inputs: &Flux2TransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
+        crate::transformer_flux::check_attention_outputs(attention.len(), self.attention_outputs())?;
+        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
+        self.compiled
+            .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
+                let (x, temb_silu) = m.embed_image(inputs)?;
+                let mode = AttentionMode::Given(attention);
+                let x = m.blocks_with(x, &temb_silu, inputs, mode, &mut Vec::new())?;
+                m.output(&x, &temb_silu)
+            })
     }
 
     /// MagCache's computed call: the prediction and the residual of the block stack over the

@@ -106,6 +106,21 @@ impl<M: Module + Clone> Blocks<M> {
         let block = self.get(i, &inputs)?;
         compiled.block(&self.program(i), &*block, inputs, forward)
     }
+
+    /// [`Self::run`] for another forward of the block (a step cache's variant that takes or
+    /// returns more than the plain forward): in [`crate::CompileMode::RepeatedBlocks`] its own
+    /// program, `name.variant` (per block type), shared by every block of the type.
+    pub fn run_variant<I: Tensors, O: Tensors>(
+        &self,
+        compiled: &Compiled,
+        variant: &str,
+        i: usize,
+        inputs: I,
+        forward: impl FnOnce(&M, &I) -> Result<O>,
+    ) -> Result<O> {
+        let block = self.get(i, &inputs)?;
+        compiled.block(&join_name(&self.program(i), variant), &*block, inputs, forward)
+    }
 }
 
 impl<M: Module> Module for Blocks<M> {

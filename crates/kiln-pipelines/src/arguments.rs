@@ -761,7 +761,8 @@ call_arguments! {
     /// FLUX.1 Kontext: the output's pixel count; height and width keep their aspect ratio
     /// (default 1048576, 1024²).
     max_area: One<Count>, check checks::at_least_one { group: Group::Draw, value_name: "PIXELS" },
-    /// A step cache (diffusers' hooks): first-block or magcache (FLUX.1 so far), with diffusers'
+    /// A step cache (diffusers' hooks): first-block, taylorseer, magcache or faster (FasterCache's
+    /// guidance-distilled mode), as diffusers runs them on FLUX.1, FLUX.2 and SD3, with diffusers'
     /// config fields, e.g. first-block:threshold=0.12 or magcache:threshold=0.06,num_inference_steps=28
     /// (lists joined with `;`). A server takes an object: {"kind": "first-block", "threshold": 0.12}.
     cache: One<Cache> { value_name: "KIND[:FIELD=VALUE,...]" },

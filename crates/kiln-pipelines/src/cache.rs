@@ -4,8 +4,9 @@
 //! FasterCache's schedules are functions of the settings and the step (First-Block Cache's
 //! decision reads the first block's residual each step).
 //!
-//! Not done yet: running the transformers with these decisions (the pipelines take no `cache`
-//! argument so far).
+//! [`CacheRun`] runs them: one state per CFG branch (diffusers' `cache_context`), the residuals
+//! (First-Block Cache, MagCache), the Taylor factors (TaylorSeer) and the last two attention
+//! outputs (FasterCache) the cached calls are served from.
 
 use serde_json::{Map, Value};
 
@@ -515,8 +516,95 @@ pub(crate) struct CacheRun {
     pub config: CacheConfig,
     planned: Option<Vec<bool>>,
     branches: [BranchState; 2],
+    /// The call's timesteps (FasterCache compares each call's with its range).
+    timesteps: Vec<f32>,
+    /// FasterCache's state, kept on diffusers' hooks and so shared by the branches.
+    faster: FasterState,
     pub served: usize,
     pub calls: usize,
+}
+
+/// FasterCache's state (per attention module in diffusers; every module's counts alike): the
+/// calls so far and the last two outputs of every attention module, `(prev, last)`.
+#[derive(Default)]
+struct FasterState {
+    iteration: usize,
+    outputs: Vec<(kiln_tensor::Tensor, kiln_tensor::Tensor)>,
+}
+
+/// TaylorSeer's state of one branch (per attention module in diffusers; every module's steps
+/// alike): the step of the last computed call, and per attention output its factors (order
+/// 0, 1, ...; in the factor dtype) and its dtype.
+#[derive(Default)]
+pub(crate) struct TaylorState {
+    last_update: Option<usize>,
+    factors: Vec<Vec<kiln_tensor::Tensor>>,
+    dtypes: Vec<kiln_tensor::DType>,
+}
+
+impl TaylorState {
+    /// A computed call `step`'s attention outputs: the new factors, `new[0] = F`,
+    /// `new[j+1] = (new[j] − stored[j]) / (step − last_update)` while a stored factor of order
+    /// `j` (of F's shape) exists, up to `max_order`; kept rounded to the factor dtype.
+    fn update(
+        &mut self,
+        outputs: Vec<kiln_tensor::Tensor>,
+        step: usize,
+        max_order: usize,
+        factor_dtype: kiln_tensor::DType,
+    ) -> kiln_nn::Result<()> {
+        let stored = std::mem::take(&mut self.factors);
+        self.dtypes = outputs.iter().map(|f| f.dtype()).collect();
+        for (i, f) in outputs.into_iter().enumerate() {
+            let mut new = vec![f];
+            if let (Some(last), Some(old)) = (self.last_update, stored.get(i)) {
+                let delta = (step - last) as f64;
+                for j in 0..max_order {
+                    let Some(previous) = old.get(j).filter(|p| p.dims() == new[j].dims()) else {
+                        break;
+                    };
+                    let next = new[j].sub(&previous.to_dtype(new[j].dtype())?)?.div_scalar_f32(delta)?;
+                    new.push(next);
+                }
+            }
+            let new = new
+                .iter()
+                .map(|t| t.to_dtype(factor_dtype))
+                .collect::<kiln_tensor::Result<Vec<_>>>()?;
+            self.factors.push(new);
+        }
+        self.last_update = Some(step);
+        Ok(())
+    }
+
+    /// The attention outputs predicted for `step`: `Σ_k factor_k · off^k / k!` with
+    /// `off = step − last_update`, in the outputs' dtype.
+    fn predict(&self, step: usize) -> kiln_nn::Result<Vec<kiln_tensor::Tensor>> {
+        let Some(last) = self.last_update else {
+            return Err(kiln_nn::Error::Config {
+                component: "transformer".into(),
+                message: format!(
+                    "the taylorseer cache would predict step {step} before any computed step \
+                     (disable_cache_before_step must be at least 1)"
+                ),
+            });
+        };
+        let off = (step - last) as f64;
+        self.factors
+            .iter()
+            .zip(&self.dtypes)
+            .map(|(factors, &dtype)| {
+                let mut out = factors[0].to_dtype(dtype)?;
+                let mut factorial = 1.0;
+                for (k, f) in factors.iter().enumerate().skip(1) {
+                    factorial *= k as f64;
+                    let coefficient = off.powi(k as i32) / factorial;
+                    out = out.add(&f.to_dtype(dtype)?.mul_scalar_f32(coefficient)?)?;
+                }
+                Ok(out)
+            })
+            .collect()
+    }
 }
 
 /// One branch's state: its call count and the residuals it keeps.
@@ -527,6 +615,8 @@ pub(crate) struct BranchState {
     pub residual: Option<kiln_tensor::Tensor>,
     /// First-Block Cache: the first block's residual of the last computed call.
     pub head_residual: Option<kiln_tensor::Tensor>,
+    /// TaylorSeer: the Taylor factors of the attention outputs.
+    pub taylor: TaylorState,
 }
 
 impl CacheRun {
@@ -536,6 +626,8 @@ impl CacheRun {
             planned: config.planned_hits(timesteps),
             config,
             branches: Default::default(),
+            timesteps: timesteps.to_vec(),
+            faster: FasterState::default(),
             served: 0,
             calls: 0,
         }
@@ -585,4 +677,96 @@ pub(crate) fn magcache_call(
     let (out, residual) = compute()?;
     state.residual = Some(residual);
     Ok(out)
+}
+
+/// One transformer call of `branch` under a cache of the attention modules' outputs (TaylorSeer,
+/// FasterCache): `compute` runs the model and gives the prediction with every attention output
+/// (in the model's order); on a cached call `given` runs it with the attention outputs predicted
+/// (TaylorSeer: the branch's Taylor series; FasterCache: `last + (last − prev) · 0.5`) and the
+/// attention modules do not run. Everything else in the blocks runs on every call.
+pub(crate) fn attention_cache_call(
+    run: &mut CacheRun,
+    branch: crate::pipeline::Branch,
+    compute: impl FnOnce() -> kiln_nn::Result<(kiln_tensor::Tensor, Vec<kiln_tensor::Tensor>)>,
+    given: impl FnOnce(&[kiln_tensor::Tensor]) -> kiln_nn::Result<kiln_tensor::Tensor>,
+) -> kiln_nn::Result<kiln_tensor::Tensor> {
+    let config = run.config.clone();
+    let (_, planned, state) = run.next(branch);
+    let step = state.step;
+    state.step += 1;
+    match config {
+        CacheConfig::TaylorSeer {
+            max_order,
+            bfloat16_factors,
+            ..
+        } => {
+            if planned {
+                let predicted = state.taylor.predict(step)?;
+                run.served += 1;
+                return given(&predicted);
+            }
+            let (out, outputs) = compute()?;
+            let factor_dtype = match bfloat16_factors {
+                true => kiln_tensor::DType::BF16,
+                false => kiln_tensor::DType::F32,
+            };
+            state.taylor.update(outputs, step, max_order, factor_dtype)?;
+            Ok(out)
+        }
+        CacheConfig::Faster {
+            block_skip_range,
+            timestep_skip_range: (lo, hi),
+            ..
+        } => {
+            // The state is the hooks' own, not the branch's: every call counts.
+            let t = f64::from(run.timesteps.get(step).copied().unwrap_or(f32::NAN));
+            let iteration = run.faster.iteration;
+            run.faster.iteration += 1;
+            let skip = lo < t && t < hi && !(iteration > 0 && iteration.is_multiple_of(block_skip_range));
+            if skip {
+                if run.faster.outputs.is_empty() {
+                    return Err(kiln_nn::Error::Config {
+                        component: "transformer".into(),
+                        message: format!(
+                            "the faster cache would approximate the first call (timestep {t} lies inside \
+                             spatial_attention_timestep_skip_range ({lo}, {hi})) from nothing: the range must \
+                             end below the first timestep"
+                        ),
+                    });
+                }
+                let approximated = run
+                    .faster
+                    .outputs
+                    .iter()
+                    .map(|(prev, last)| Ok(last.add(&last.sub(prev)?.mul_scalar_f32(0.5)?)?))
+                    .collect::<kiln_nn::Result<Vec<_>>>()?;
+                let out = given(&approximated)?;
+                run.faster.outputs = std::mem::take(&mut run.faster.outputs)
+                    .into_iter()
+                    .zip(approximated)
+                    .map(|((_, last), new)| (last, new))
+                    .collect();
+                run.served += 1;
+                return Ok(out);
+            }
+            let (out, outputs) = compute()?;
+            let previous = std::mem::take(&mut run.faster.outputs);
+            run.faster.outputs = match previous.is_empty() {
+                true => outputs.into_iter().map(|o| (o.clone(), o)).collect(),
+                false => previous
+                    .into_iter()
+                    .zip(outputs)
+                    .map(|((_, last), new)| (last, new))
+                    .collect(),
+            };
+            Ok(out)
+        }
+        other => Err(kiln_nn::Error::Config {
+            component: "transformer".into(),
+            message: format!(
+                "internal error: the {} cache does not cache attention outputs",
+                other.kind()
+            ),
+        }),
+    }
 }

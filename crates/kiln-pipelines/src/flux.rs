@@ -42,7 +42,7 @@ pipeline_call! {
         pub strength: f64 = 0.6,
         /// FLUX.1 Kontext: the output's pixel count (height and width give only the aspect ratio).
         pub max_area: usize = 1024 * 1024,
-        /// A step cache (First-Block Cache or MagCache).
+        /// A step cache (First-Block Cache, TaylorSeer, MagCache or FasterCache).
         pub cache: Option<crate::cache::CacheConfig> = None,
     }
 }
@@ -548,7 +548,8 @@ impl Pipeline for FluxPipeline {
 /// `FluxTransformer2DModel`): MagCache skips every block on its planned steps (the stack's last
 /// residual added to the embedded image stream); First-Block Cache runs the first block and the
 /// rest only when the first block's residual changed by more than the threshold since the last
-/// computed call (else the rest's last residual is added to the first block's output).
+/// computed call (else the rest's last residual is added to the first block's output);
+/// TaylorSeer and FasterCache replace every attention module's output on their cached calls.
 fn cached_forward(
     tr: &FluxTransformer2DModel,
     inputs: &FluxTransformerInputs<'_>,
@@ -564,16 +565,15 @@ fn cached_forward(
                 |residual| tr.forward_magcache_skip(inputs, residual),
             )
         }
-        CacheConfig::FirstBlock { threshold } => *threshold,
-        other => {
-            return Err(kiln_nn::Error::Config {
-                component: "transformer".into(),
-                message: format!(
-                    "the {} cache does not run in kiln yet (first-block and magcache do)",
-                    other.kind()
-                ),
-            })
+        CacheConfig::TaylorSeer { .. } | CacheConfig::Faster { .. } => {
+            return crate::cache::attention_cache_call(
+                run,
+                branch,
+                || tr.forward_recording_attention(inputs),
+                |attention| tr.forward_with_attention(inputs, attention),
+            )
         }
+        CacheConfig::FirstBlock { threshold } => *threshold,
     };
     let (_, _, state) = run.next(branch);
     state.step += 1;

@@ -43,7 +43,8 @@ pipeline_call! {
         /// own and appended to the image tokens with time id `10 + 10·i`. Without
         /// `height`/`width` the output has the first reference's processed size.
         pub image: Vec<InputImage> = Vec::new(),
-        /// A step cache (MagCache; klein's guidance keeps one state per branch).
+        /// A step cache (MagCache, FasterCache, and on [klein] TaylorSeer; klein's guidance keeps
+        /// one state per branch, FasterCache one for both).
         pub cache: Option<crate::cache::CacheConfig> = None,
     }
 }
@@ -470,12 +471,24 @@ impl Flux2Base {
                 };
                 let prediction = match &cache {
                     None => tr.forward(&inputs)?,
-                    Some(run) => crate::cache::magcache_call(
-                        &mut run.borrow_mut(),
-                        branch,
-                        || tr.forward_magcache_compute(&inputs),
-                        |residual| tr.forward_magcache_skip(&inputs, residual),
-                    )?,
+                    Some(run) => {
+                        let run = &mut *run.borrow_mut();
+                        match run.config {
+                            crate::cache::CacheConfig::MagCache { .. } => crate::cache::magcache_call(
+                                run,
+                                branch,
+                                || tr.forward_magcache_compute(&inputs),
+                                |residual| tr.forward_magcache_skip(&inputs, residual),
+                            )?,
+                            // TaylorSeer, FasterCache (check_inputs refuses First-Block Cache).
+                            _ => crate::cache::attention_cache_call(
+                                run,
+                                branch,
+                                || tr.forward_recording_attention(&inputs),
+                                |attention| tr.forward_with_attention(&inputs, attention),
+                            )?,
+                        }
+                    }
                 };
                 match joined {
                     Some(_) => Ok(prediction.narrow(1, 0, seq)?),
@@ -602,13 +615,29 @@ impl Flux2Base {
         cfg: bool,
         warnings: &mut Vec<String>,
     ) -> Result<()> {
-        if let Some(c) = &args.cache {
-            if !matches!(c, crate::cache::CacheConfig::MagCache { .. }) {
+        // What diffusers runs on FLUX.2: First-Block Cache fails on both pipelines (klein: its
+        // tail block returns one joint tensor; dev: no cache context), TaylorSeer needs the cache
+        // context that only Flux2KleinPipeline sets. MagCache and FasterCache need none.
+        match &args.cache {
+            Some(crate::cache::CacheConfig::FirstBlock { .. }) => {
                 return Err(invalid(format!(
-                    "`cache`: FLUX.2 takes magcache in kiln so far, not {}",
-                    c.kind()
-                )));
+                    "`cache`: first-block does not run on FLUX.2 (diffusers fails on it: on Flux2KleinPipeline \
+                     the last single block returns the joint sequence, Flux2Pipeline sets no cache context); {} \
+                     takes magcache{}",
+                    self.class,
+                    match self.class {
+                        "Flux2Pipeline" => " or faster",
+                        _ => ", taylorseer or faster",
+                    }
+                )))
             }
+            Some(crate::cache::CacheConfig::TaylorSeer { .. }) if self.class == "Flux2Pipeline" => {
+                return Err(invalid(
+                    "`cache`: taylorseer does not run on Flux2Pipeline (diffusers' pipeline sets no cache context, \
+                     which its hooks need); it takes magcache or faster",
+                ))
+            }
+            _ => {}
         }
         let given = [
             ("prompt_2", args.prompt_2.is_some()),
