@@ -380,11 +380,18 @@ enum Opened {
 /// Opens `path` (`.safetensors` or `.gguf`, told apart by their first bytes) as the `model`
 /// component and returns its tensors in diffusers' names. Every tensor of the file must map to
 /// the model; a file of another model is an error naming it (and what it looks like).
-pub fn open_single_file(path: &Path, model: SingleFileModel) -> Result<Checkpoint> {
+///
+/// With `keep_quantized`, a transformer's block-quantized GGUF matrices stay quantized: each
+/// `X.weight` is `q + 128` (u8; for the 4-bit types two nibbles per byte, see
+/// [`crate::gguf::pack_nibbles`]) with `X.weight_scale` (and `X.weight_offset`), f16 per group,
+/// as [`crate::gguf::decompose`] makes them; the model's linear layers dequantize them where
+/// they are used. Other models ignore it (their reference decodes in float32).
+pub fn open_single_file(path: &Path, model: SingleFileModel, keep_quantized: bool) -> Result<Checkpoint> {
     let opened = open(path)?;
     let sources = sources(path, &opened)?;
     let targets = plan(path, &sources, model)?;
-    let bytes = materialize(path, &opened, &sources, &targets, model.arithmetic())?;
+    let keep = keep_quantized && model.arithmetic() == Arithmetic::DiffusersF16;
+    let bytes = materialize(path, &opened, &sources, &targets, model.arithmetic(), keep)?;
     Checkpoint::from_file(SafetensorsFile::from_bytes(path.to_path_buf(), bytes)?)
 }
 
@@ -710,6 +717,7 @@ fn materialize(
     sources: &[Source],
     targets: &[Target],
     arithmetic: Arithmetic,
+    keep_quantized: bool,
 ) -> Result<Vec<u8>> {
     let mut header = serde_json::Map::new();
     let originals: serde_json::Map<String, serde_json::Value> = targets
@@ -724,8 +732,45 @@ fn materialize(
     header.insert("__metadata__".to_string(), originals.into());
     let mut layout = Vec::with_capacity(targets.len());
     let mut offset = 0usize;
+    let mut entry = |name: String, dtype: &str, shape: Vec<usize>, bytes: usize| {
+        header.insert(
+            name,
+            serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes] }),
+        );
+        offset += bytes;
+        offset - bytes
+    };
     for t in targets {
         let source = &sources[t.source];
+        if let Some(group) = kept_quantized(keep_quantized, t, source) {
+            let rows: usize = t.rows.iter().map(|r| r.len()).sum();
+            let cols = source.shape[1];
+            let groups = cols / group;
+            let module = t.name.strip_suffix(".weight").expect("kept_quantized checks the name");
+            // The 4-bit types keep two elements per byte.
+            let q_cols = match source.stored {
+                Stored::Gguf(ty) if gguf::nibble_bias(ty).is_some() => cols / 2,
+                _ => cols,
+            };
+            let q = entry(t.name.clone(), "U8", vec![rows, q_cols], rows * q_cols);
+            let scale = entry(
+                format!("{module}.weight_scale"),
+                "F16",
+                vec![rows, groups],
+                2 * rows * groups,
+            );
+            let offset = match source.stored {
+                Stored::Gguf(ty) if gguf::has_offset(ty) => Some(entry(
+                    format!("{module}.weight_offset"),
+                    "F16",
+                    vec![rows, groups],
+                    2 * rows * groups,
+                )),
+                _ => None,
+            };
+            layout.push(Layout::Quantized { q, scale, offset });
+            continue;
+        }
         let (dtype, size) = output_dtype(source.stored, arithmetic).ok_or_else(|| {
             let Stored::Safetensors(d) = source.stored else {
                 unreachable!("every GGUF type has an output dtype")
@@ -746,12 +791,8 @@ fn materialize(
             *first = rows;
         }
         let bytes = rows * row_elements * size;
-        header.insert(
-            t.name.clone(),
-            serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes] }),
-        );
-        layout.push((offset, bytes));
-        offset += bytes;
+        let at = entry(t.name.clone(), dtype, shape, bytes);
+        layout.push(Layout::Rows { at, bytes });
     }
     let mut header = serde_json::to_vec(&header).expect("a JSON map serializes");
     header.resize(header.len().next_multiple_of(8), b' ');
@@ -766,12 +807,65 @@ fn materialize(
     out.extend_from_slice(&(header.len() as u64).to_le_bytes());
     out.extend_from_slice(&header);
     out.resize(start + offset, 0);
-    for (t, &(at, bytes)) in targets.iter().zip(&layout) {
+    for (t, layout) in targets.iter().zip(&layout) {
         let source = &sources[t.source];
-        let dst = &mut out[start + at..start + at + bytes];
-        write_rows(path, opened, source, &t.rows, arithmetic, dst)?;
+        match *layout {
+            Layout::Rows { at, bytes } => {
+                let dst = &mut out[start + at..start + at + bytes];
+                write_rows(path, opened, source, &t.rows, arithmetic, dst)?;
+            }
+            Layout::Quantized { q, scale, offset } => {
+                let Stored::Gguf(ty) = source.stored else {
+                    unreachable!("kept_quantized checks the source")
+                };
+                let (data, row_bytes) = stored_bytes(path, opened, source)?;
+                let mut at = [q, scale, offset.unwrap_or(0)].map(|a| start + a);
+                for range in &t.rows {
+                    let parts = gguf::decompose(ty, &data[range.start * row_bytes..range.end * row_bytes])
+                        .map_err(|e| single_file_error(path, format!("tensor `{}`: {e}", source.key)))?;
+                    let q = match gguf::nibble_bias(ty) {
+                        Some(bias) => gguf::pack_nibbles(&parts.q, source.shape[1], bias),
+                        None => parts.q,
+                    };
+                    out[at[0]..at[0] + q.len()].copy_from_slice(&q);
+                    at[0] += q.len();
+                    for v in &parts.scale {
+                        out[at[1]..at[1] + 2].copy_from_slice(&v.to_le_bytes());
+                        at[1] += 2;
+                    }
+                    for v in parts.offset.iter().flatten() {
+                        out[at[2]..at[2] + 2].copy_from_slice(&v.to_le_bytes());
+                        at[2] += 2;
+                    }
+                }
+            }
+        }
     }
     Ok(out)
+}
+
+/// Where a target's bytes go in the converted file.
+enum Layout {
+    /// Its rows in its output dtype.
+    Rows { at: usize, bytes: usize },
+    /// Kept quantized: the offsets of its `q`, scales and offsets.
+    Quantized {
+        q: usize,
+        scale: usize,
+        offset: Option<usize>,
+    },
+}
+
+/// The group size when target `t` stays quantized: a block-quantized GGUF matrix (`.weight`,
+/// 2-D) while `keep` is asked for.
+fn kept_quantized(keep: bool, t: &Target, source: &Source) -> Option<usize> {
+    let Stored::Gguf(ty) = source.stored else {
+        return None;
+    };
+    if !keep || source.shape.len() != 2 || !t.name.ends_with(".weight") {
+        return None;
+    }
+    gguf::group_of(ty)
 }
 
 /// Decodes `rows` of `source` into `dst` (the target's dtype, see [`output_dtype`]).

@@ -215,6 +215,7 @@ impl SpatialSelfAttention {
             weight: Tensor::cat(&[&self.to_q.weight, &self.to_k.weight, &self.to_v.weight], 0)?,
             bias: Some(Tensor::cat(&[&bq, &bk, &bv], 0)?),
             all_reduce: false,
+            quant: None,
         })
     }
 

@@ -133,7 +133,7 @@ impl T5DenseReluDense {
             h = h.mul(&wi_1.forward(hidden_states)?)?;
         }
         // transformers casts the activations to `wo`'s dtype.
-        self.wo.forward(&h.to_dtype(self.wo.weight.dtype())?)
+        self.wo.forward(&h.to_dtype(self.wo.dtype())?)
     }
 }
 

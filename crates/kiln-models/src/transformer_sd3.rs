@@ -584,7 +584,7 @@ impl SD3Transformer2DModel {
     /// Shapes and dtypes of one call, checked before anything runs.
     fn check_inputs(&self, inputs: &SD3TransformerInputs<'_>) -> Result<()> {
         let cfg = &self.config;
-        let dtype = self.proj_out.weight.dtype();
+        let dtype = self.proj_out.dtype();
         let x = inputs.hidden_states;
         if x.rank() != 4 || x.dims()[1] != cfg.in_channels || x.numel() == 0 {
             return Err(input_error(format!(

@@ -392,7 +392,7 @@ impl TimestepEmbedder {
 
     /// `t`: `[B]` f32, already times `t_scale`.
     fn forward(&self, t: &Tensor) -> Result<Tensor> {
-        let proj = sinusoid(t, &self.frequencies)?.to_dtype(self.linear_1.weight.dtype())?;
+        let proj = sinusoid(t, &self.frequencies)?.to_dtype(self.linear_1.dtype())?;
         self.linear_2.forward(&self.linear_1.forward(&proj)?.silu()?)
     }
 }

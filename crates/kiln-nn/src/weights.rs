@@ -216,8 +216,38 @@ impl Weights {
 
     /// Loads `name` with the expected shape, converted to `dtype`.
     pub fn get_as(&self, name: &str, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        self.load_named(name, shape.into(), Some(dtype))
+    }
+
+    /// Loads `name` with the expected shape in the dtype it is stored in, which may be an integer
+    /// one (the blocks of a weight kept quantized, see [`crate::layers::Linear`]).
+    pub fn get_stored(&self, name: &str, shape: impl Into<Shape>) -> Result<Tensor> {
+        self.load_named(name, shape.into(), None)
+    }
+
+    /// [`Self::get_stored`] if present.
+    pub fn get_opt_stored(&self, name: &str, shape: impl Into<Shape>) -> Result<Option<Tensor>> {
+        match self.contains(name) {
+            true => Ok(Some(self.get_stored(name, shape)?)),
+            false => Ok(None),
+        }
+    }
+
+    /// The full name of `name` under this view (for messages).
+    pub fn name_of(&self, name: &str) -> String {
+        self.full_name(name)
+    }
+
+    /// The stored shape of `name`, if the checkpoint has it.
+    pub fn stored_shape(&self, name: &str) -> Option<Shape> {
+        self.shared
+            .checkpoint
+            .info(&self.full_name(name))
+            .map(|info| info.shape.clone())
+    }
+
+    fn load_named(&self, name: &str, expected: Shape, dtype: Option<DType>) -> Result<Tensor> {
         let full = self.full_name(name);
-        let expected = shape.into();
         let ckpt = &self.shared.checkpoint;
         let file = ckpt
             .file_of(&full)
@@ -231,7 +261,7 @@ impl Weights {
             });
         }
         let view = ckpt.tensor(&full)?;
-        if !view.dtype.is_float() || view.dtype == DType::F64 {
+        if dtype.is_some() && (!view.dtype.is_float() || view.dtype == DType::F64) {
             return Err(Error::WeightDType {
                 component: self.shared.component.clone(),
                 name: full,
@@ -239,6 +269,7 @@ impl Weights {
                 found: view.dtype,
             });
         }
+        let dtype = dtype.unwrap_or(view.dtype);
         if view.shape != expected {
             return Err(Error::WeightShape {
                 component: self.shared.component.clone(),

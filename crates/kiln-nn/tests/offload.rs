@@ -43,6 +43,7 @@ fn linear(seed: usize, d: &Device) -> Linear {
         weight: Tensor::from_f32(&w, DType::F32, [WIDTH, WIDTH], d).unwrap(),
         bias: Some(Tensor::from_f32(&b, DType::F32, [WIDTH], d).unwrap()),
         all_reduce: false,
+        quant: None,
     }
 }
 

@@ -62,15 +62,26 @@ impl AnyPipeline {
     /// weights placed on `options.device` with its offload mode, then compiled as its compile
     /// mode; [`AnyPipeline::record`] says how it runs.
     pub fn load(model: &str, options: &RunOptions) -> Result<AnyPipeline> {
+        if options.keep_quantized && options.device.mesh_size() > 1 {
+            return Err(crate::error::invalid(
+                "--keep-quantized and --tp cannot be combined yet: tensor parallelism does not split quantized weights; drop one of them",
+            ));
+        }
         let load = LoadOptions {
             dtype: options.dtype,
             revision: options.revision.clone(),
             component_files: options.component_files.clone(),
+            keep_quantized: options.keep_quantized,
         };
         let mut pipe = AnyPipeline::from_pretrained(model, &load)?;
         pipe.set_offload(options.offload, &options.device)?;
         pipe.compile(options.compile);
         pipe.record = RunRecord::new(model, pipe.root(), pipe.kind.class_name(), options);
+        if options.keep_quantized {
+            pipe.record
+                .extras
+                .insert("keep_quantized".to_string(), "true".to_string());
+        }
         // A component read from a file is recorded by its absolute path and its bytes' sha256
         // (which `--from` checks).
         for (component, file) in &options.component_files {

@@ -24,6 +24,9 @@ pub struct LoadOptions {
     /// (`transformer`, `text_encoder_2`): original-naming `.safetensors` or GGUF (diffusers'
     /// `from_single_file`).
     pub component_files: BTreeMap<String, PathBuf>,
+    /// A transformer read from a GGUF file keeps its block-quantized matrices quantized on the
+    /// device (about the file's size instead of the dtype's), dequantized where they are used.
+    pub keep_quantized: bool,
 }
 
 impl Default for LoadOptions {
@@ -32,6 +35,7 @@ impl Default for LoadOptions {
             dtype: DType::F32,
             revision: None,
             component_files: BTreeMap::new(),
+            keep_quantized: false,
         }
     }
 }
@@ -42,6 +46,8 @@ pub(crate) struct ModelFolder {
     pub index: ModelIndex,
     /// Components read from single files (see [`LoadOptions::component_files`]).
     component_files: BTreeMap<String, PathBuf>,
+    /// See [`LoadOptions::keep_quantized`].
+    keep_quantized: bool,
 }
 
 impl ModelFolder {
@@ -83,6 +89,7 @@ impl ModelFolder {
             }
         }
         folder.component_files = options.component_files.clone();
+        folder.keep_quantized = options.keep_quantized;
         Ok(folder)
     }
 
@@ -109,7 +116,11 @@ impl ModelFolder {
             let class = self.index.component(name).map(|spec| spec.class.as_str()).unwrap_or("");
             let model = kiln_io::single_file::SingleFileModel::of_class(class)
                 .expect("open_pipeline checked the class of every component file");
-            return Ok(Arc::new(kiln_io::single_file::open_single_file(file, model)?));
+            return Ok(Arc::new(kiln_io::single_file::open_single_file(
+                file,
+                model,
+                self.keep_quantized,
+            )?));
         }
         let base = match self.index.component(name) {
             Some(spec) if spec.library == "transformers" => "model",
@@ -125,6 +136,7 @@ impl ModelFolder {
             root,
             index,
             component_files: BTreeMap::new(),
+            keep_quantized: false,
         })
     }
 

@@ -301,6 +301,12 @@ impl Merged {
 /// mesh splits the weight along), in `base`'s dtype and memory.
 fn merge(base: &Tensor, parts: &Parts<'_>, split: Option<Split>) -> Result<Tensor> {
     let (out, inp) = (parts[0].0.out_features, parts[0].0.in_features);
+    if !base.dtype().is_float() {
+        return Err(invalid(format!(
+            "LoRA adapters cannot merge into `{}.weight`: the transformer is kept quantized (--keep-quantized); drop that flag to use adapters",
+            parts[0].0.module
+        )));
+    }
     let rank: usize = parts.iter().map(|(m, _)| m.rank).sum();
     // B (every adapter's, its columns scaled by its weight · α/r) beside each other, A stacked.
     let mut up = vec![0f32; out * rank];

@@ -25,6 +25,8 @@ pub struct RunOptions {
     pub compile: CompileMode,
     /// Components read from single files (see [`crate::LoadOptions::component_files`]).
     pub component_files: BTreeMap<String, std::path::PathBuf>,
+    /// See [`crate::LoadOptions::keep_quantized`].
+    pub keep_quantized: bool,
 }
 
 /// How a model ran, as its images record it.

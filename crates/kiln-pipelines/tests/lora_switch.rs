@@ -38,6 +38,7 @@ fn switching_adapters_compiles_no_step_and_unloading_restores_the_base_bit_for_b
         offload: OffloadMode::None,
         compile: CompileMode::Full,
         component_files: Default::default(),
+        keep_quantized: false,
     };
     let mut pipe = AnyPipeline::load(folder.to_str().unwrap(), &options).unwrap();
     let base = pipe.call(call(&[])).unwrap().images;

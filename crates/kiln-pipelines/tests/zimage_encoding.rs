@@ -16,6 +16,7 @@ fn an_encoding_of_captions_of_different_lengths_gives_the_texts_images() {
         offload: OffloadMode::None,
         compile: CompileMode::None,
         component_files: Default::default(),
+        keep_quantized: false,
     };
     let mut pipe = AnyPipeline::load(folder.to_str().unwrap(), &options).unwrap();
     let call = || GenerateCall {

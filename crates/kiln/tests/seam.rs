@@ -272,6 +272,7 @@ fn every_argument_of_the_table_is_a_flag_a_server_field_and_in_the_record() {
             offload: OffloadMode::None,
             compile: kiln::CompileMode::None,
             component_files: Default::default(),
+            keep_quantized: false,
         },
     };
     let listener = kiln_server::bind("127.0.0.1", 0, false, false).unwrap();

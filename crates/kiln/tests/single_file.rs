@@ -90,6 +90,104 @@ fn text_encoders_from_single_files_give_the_folders_image() {
     }
 }
 
+/// `--keep-quantized`: every GGUF transformer case gives diffusers' image with its matrices kept
+/// quantized on the device, eager and compiled, and the weights take that much less memory.
+#[test]
+fn kept_quantized_gives_diffusers_images_in_less_memory() {
+    let dir = temp_dir("single-file-kept");
+    let mut cases = oracle_cases(&["gguf_flux1", "gguf_sd3"]);
+    cases.retain(|c| !c.ends_with("t5_encoder_q8_0"));
+    cases.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/single_file/zimage_gguf_q8_0"));
+    for case in &cases {
+        check_case(&dir, case, "kept", &["--keep-quantized", "--compile", "none"]);
+    }
+    for case in ["gguf_flux1/q4_k", "gguf_flux1/q5_1", "gguf_sd3/q8_0"] {
+        check_case(
+            &dir,
+            &self::case(case),
+            "kept-full",
+            &["--keep-quantized", "--compile", "full"],
+        );
+    }
+
+    // The device bytes the weights take, each file's transformer decoded to f32 and kept: the
+    // difference is exactly what its quantized matrices save (4 bytes an element as f32; kept, a
+    // byte per element (half for the 4-bit types) and an f16 scale (and offset) per group), and
+    // kept they take at most 1.15× their bytes in the file (Q4_K: 1.11×).
+    let device = kiln::Device::cpu().unwrap();
+    for (case, name) in [
+        ("gguf_flux1/q8_0", "Q8_0"),
+        ("gguf_flux1/q4_0", "Q4_0"),
+        ("gguf_flux1/q4_k", "Q4_K"),
+    ] {
+        let file = self::case(case).join(format!("transformer-{name}.gguf"));
+        let loaded_bytes = |keep: bool| {
+            let before = device.memory().live_bytes;
+            let options = kiln::RunOptions {
+                dtype: kiln::DType::F32,
+                revision: None,
+                device: device.clone(),
+                offload: kiln::OffloadMode::None,
+                compile: kiln::CompileMode::None,
+                component_files: [("transformer".to_string(), file.clone())].into(),
+                keep_quantized: keep,
+            };
+            let pipe = kiln::AnyPipeline::load(&flux1_quant(), &options).unwrap();
+            let bytes = device.memory().live_bytes - before;
+            drop(pipe);
+            bytes
+        };
+        let (decoded, kept) = (loaded_bytes(false), loaded_bytes(true));
+        let gguf = kiln_io::gguf::GgufFile::open(&file).unwrap();
+        let (mut saved, mut kept_bytes, mut file_bytes) = (0, 0, 0);
+        for t in gguf.tensors().iter().filter(|t| t.ggml_type.is_quantized()) {
+            let (n, ty) = (t.numel(), t.ggml_type);
+            let group = kiln_io::gguf::group_of(ty).unwrap();
+            let scales = if kiln_io::gguf::has_offset(ty) { 2 } else { 1 };
+            let q = if kiln_io::gguf::nibble_bias(ty).is_some() {
+                n / 2
+            } else {
+                n
+            };
+            let bytes = q + scales * 2 * n / group;
+            saved += 4 * n - bytes;
+            kept_bytes += bytes;
+            file_bytes += t.byte_len;
+        }
+        assert!(file_bytes > 0, "{name}");
+        assert_eq!(
+            decoded - kept,
+            saved as u64,
+            "{name}: decoded {decoded} B, kept {kept} B"
+        );
+        let ratio = kept_bytes as f64 / file_bytes as f64;
+        assert!(
+            ratio <= 1.15,
+            "{name}: kept {kept_bytes} B for {file_bytes} B in the file"
+        );
+    }
+
+    // What cannot use quantized weights yet says so before any image.
+    let file = self::case("gguf_flux1/q8_0")
+        .join("transformer-Q8_0.gguf")
+        .display()
+        .to_string();
+    let lora = self::case("lora_flux1/comfy_diffusion_model").join("lora_comfy.safetensors");
+    for (extra, says) in [
+        (vec!["--tp", "2"], "--keep-quantized and --tp cannot be combined"),
+        (
+            vec!["--lora", lora.to_str().unwrap()],
+            "the transformer is kept quantized",
+        ),
+    ] {
+        let mut args = vec!["--transformer", &file, "--keep-quantized", "--output", "x.png"];
+        args.extend(extra);
+        let (ok, stderr) = run(&dir, &args);
+        assert!(!ok && stderr.contains(says), "{stderr}");
+        assert!(!dir.join("x.png").exists());
+    }
+}
+
 fn case(name: &str) -> PathBuf {
     kiln_fixtures::oracle().join("cases").join(name)
 }

@@ -11,6 +11,7 @@
 //! Shapes are in torch order (outermost first); ggml's `ne[0]`, the row along which blocks run,
 //! is the last dim.
 
+mod decompose;
 mod dequant;
 mod header;
 mod types;
@@ -22,6 +23,7 @@ use std::path::{Path, PathBuf};
 
 use kiln_types::f16;
 
+pub use decompose::{decompose, group_of, has_offset, nibble_bias, pack_nibbles, Decomposed, QUANT_BIAS};
 pub use dequant::{dequantize, dequantize_f16};
 pub use types::{ggml_type_name, Arithmetic, GgmlType, SUPPORTED_GGML_TYPES};
 

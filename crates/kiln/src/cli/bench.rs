@@ -191,6 +191,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         offload,
         compile,
         component_files: args.component_files.files(),
+        keep_quantized: args.component_files.keep_quantized,
     };
     let mut pipe = AnyPipeline::load(&args.model, &options).with_context(|| format!("loading {}", args.model))?;
     let pipeline = pipe.kind();

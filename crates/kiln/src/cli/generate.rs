@@ -98,6 +98,8 @@ pub struct Load {
     pub revision: Option<String>,
     /// Components read from single files, by component name.
     pub component_files: BTreeMap<String, PathBuf>,
+    /// `--keep-quantized`.
+    pub keep_quantized: bool,
     pub dtype: String,
     pub device: String,
     pub tp: usize,
@@ -110,6 +112,7 @@ impl Load {
             model: args.model.clone(),
             revision: args.revision.clone(),
             component_files: args.component_files.files(),
+            keep_quantized: args.component_files.keep_quantized,
             dtype: args.dtype.clone(),
             device: args.device.clone(),
             tp: args.tp,
@@ -140,6 +143,11 @@ pub struct ComponentFileArgs {
     /// Read SD3's T5 (`text_encoder_3`) from FILE, as --text-encoder-2 reads FLUX.1's.
     #[arg(long, value_name = "FILE", help_heading = RUN)]
     pub text_encoder_3: Option<PathBuf>,
+    /// With a GGUF --transformer: keep its quantized matrices quantized on the device (about the
+    /// file's size instead of --dtype's), dequantized next to each product in diffusers'
+    /// float16 arithmetic. Not with --tp or LoRA adapters yet.
+    #[arg(long, help_heading = RUN)]
+    pub keep_quantized: bool,
 }
 
 impl ComponentFileArgs {
@@ -468,6 +476,7 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
             revision: load.revision.clone(),
             device: device.clone(),
             component_files: load.component_files.clone(),
+            keep_quantized: load.keep_quantized,
             offload,
             compile,
         },

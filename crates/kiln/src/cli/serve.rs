@@ -252,6 +252,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
                     offload,
                     compile,
                     component_files: component_files.clone(),
+                    keep_quantized: args.component_files.keep_quantized,
                 },
             })
             .collect()

@@ -55,6 +55,10 @@ pub fn read(png: &Path, args: &GenerateArgs, given: &Given) -> Result<FromPng> {
             Some(params.model.clone())
         },
         component_files: recorded_component_files(png, &params.extras, args, given)?,
+        keep_quantized: match given.contains("keep_quantized") {
+            true => args.component_files.keep_quantized,
+            false => params.extras.get("keep_quantized").is_some_and(|v| v == "true"),
+        },
         revision: if given.contains("revision") {
             args.revision.clone()
         } else {

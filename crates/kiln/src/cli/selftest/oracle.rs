@@ -67,6 +67,7 @@ fn run_case(dev: &Device, oracle: &Path, case: &Path, mode: CompileMode) -> Resu
         offload: OffloadMode::None,
         compile: mode,
         component_files: Default::default(),
+        keep_quantized: false,
     };
     let mut pipe = AnyPipeline::load(&pipeline_dir.to_string_lossy(), &options)?;
     let out = pipe.call(generate_call(&call)?)?;
