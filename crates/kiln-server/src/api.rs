@@ -44,7 +44,9 @@ pub(crate) fn router(app: Shared) -> Router {
         .merge(crate::a1111::routes(upload_limit))
         .fallback(|| async { ApiError::not_found("no such route") })
         .layer(axum::middleware::from_fn_with_state(app.clone(), refuse_while_draining))
+        .layer(axum::middleware::from_fn_with_state(app.clone(), limit_per_client))
         .layer(axum::middleware::from_fn_with_state(app.clone(), authorize))
+        .layer(axum::middleware::from_fn_with_state(app.clone(), measure))
         .layer(axum::extract::DefaultBodyLimit::max(app.limits.max_body_bytes))
         .with_state(app)
 }
@@ -72,6 +74,68 @@ async fn authorize(State(app): State<Shared>, request: Request, next: Next) -> R
         )
         .into_response(),
     }
+}
+
+/// Observes each request's seconds, from its head read to its response's head (or to the client
+/// going away), in the latency histogram of its route.
+async fn measure(State(app): State<Shared>, request: Request, next: Next) -> Response {
+    /// Records on drop: a request whose client went away is observed too.
+    struct Observe {
+        app: Shared,
+        route: String,
+        method: &'static str,
+        started: std::time::Instant,
+    }
+    impl Drop for Observe {
+        fn drop(&mut self) {
+            self.app
+                .metrics
+                .request(&self.route, self.method, self.started.elapsed());
+        }
+    }
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("unmatched", |p| p.as_str())
+        .to_string();
+    let _observe = Observe {
+        app: app.clone(),
+        route,
+        method: crate::metrics::method_label(request.method()),
+        started: std::time::Instant::now(),
+    };
+    next.run(request).await
+}
+
+/// With an API key, a client (a remote address) has at most `--max-requests-per-client`
+/// requests in flight (every route but `/health`); one more is answered 429 with `Retry-After`.
+async fn limit_per_client(State(app): State<Shared>, request: Request, next: Next) -> Response {
+    let max = app.limits.max_requests_per_client;
+    let client = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip().to_canonical());
+    let (Some(client), Some(_), true) = (client, app.api_key, max > 0) else {
+        return next.run(request).await;
+    };
+    if request.uri().path() == "/health" {
+        return next.run(request).await;
+    }
+    let Some(_slot) = crate::http::InFlight::enter(&app, client, max) else {
+        app.metrics.rejected("max_requests_per_client");
+        let wait = app.metrics.mean_job_seconds().unwrap_or(1.0).ceil().max(1.0);
+        return ApiError {
+            retry_after: Some(wait as u64),
+            ..ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "this client ({client}) has {max} requests in flight: this server takes at most {max} at once per client (--max-requests-per-client); try again when one has ended"
+                ),
+            )
+        }
+        .into_response();
+    };
+    next.run(request).await
 }
 
 /// The routes that make a job.
@@ -355,42 +419,47 @@ async fn edits(
             ),
         )
     })?;
-    let (mut images, mut mask, mut texts) = (Vec::new(), None, Vec::new());
-    let mut parts = 0usize;
-    while let Some(field) = multipart.next_field().await.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            app.metrics.rejected("max_upload_bytes");
-        }
-        multipart_error(e)
-    })? {
-        parts += 1;
-        if parts > app.limits.max_form_parts {
-            app.metrics.rejected("max_form_parts");
-            return Err(ApiError::bad_request(
-                None,
-                format!(
-                    "the form has more than {} parts; this server takes at most {} (--max-form-parts)",
-                    app.limits.max_form_parts, app.limits.max_form_parts
-                ),
-            ));
-        }
-        let name = field.name().unwrap_or_default().to_string();
-        match name.as_str() {
-            "image" | "image[]" => images.push((name, field.bytes().await.map_err(multipart_error)?.to_vec())),
-            "mask" => {
-                if mask.is_some() {
-                    return Err(ApiError::bad_request(Some("mask"), "`mask` is given twice: give one"));
+    // The whole form is read within --body-timeout.
+    let (images, mask, texts) = crate::http::within_body_timeout(&app, async {
+        let (mut images, mut mask, mut texts) = (Vec::new(), None, Vec::new());
+        let mut parts = 0usize;
+        while let Some(field) = multipart.next_field().await.map_err(|e| {
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                app.metrics.rejected("max_upload_bytes");
+            }
+            multipart_error(e)
+        })? {
+            parts += 1;
+            if parts > app.limits.max_form_parts {
+                app.metrics.rejected("max_form_parts");
+                return Err(ApiError::bad_request(
+                    None,
+                    format!(
+                        "the form has more than {} parts; this server takes at most {} (--max-form-parts)",
+                        app.limits.max_form_parts, app.limits.max_form_parts
+                    ),
+                ));
+            }
+            let name = field.name().unwrap_or_default().to_string();
+            match name.as_str() {
+                "image" | "image[]" => images.push((name, field.bytes().await.map_err(multipart_error)?.to_vec())),
+                "mask" => {
+                    if mask.is_some() {
+                        return Err(ApiError::bad_request(Some("mask"), "`mask` is given twice: give one"));
+                    }
+                    mask = Some((name, field.bytes().await.map_err(multipart_error)?.to_vec()));
                 }
-                mask = Some((name, field.bytes().await.map_err(multipart_error)?.to_vec()));
-            }
-            _ => {
-                let text = field.text().await.map_err(|e| {
-                    ApiError::bad_request(Some(&name), format!("`{name}` is not a text field: {}", e.body_text()))
-                })?;
-                texts.push((name, text));
+                _ => {
+                    let text = field.text().await.map_err(|e| {
+                        ApiError::bad_request(Some(&name), format!("`{name}` is not a text field: {}", e.body_text()))
+                    })?;
+                    texts.push((name, text));
+                }
             }
         }
-    }
+        Ok((images, mask, texts))
+    })
+    .await?;
     let mut body = crate::request::form_to_json(texts)?;
     let OpenAiRequest { draw, response_format } = openai_request(&app, &mut body, OPENAI_EDITS_IGNORED)?;
     let image_field = images

@@ -70,6 +70,12 @@ impl IntoResponse for ApiError {
         if let Some(seconds) = self.retry_after {
             response.headers_mut().insert("retry-after", HeaderValue::from(seconds));
         }
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            // The rest of a late body is not read: the connection cannot carry another request.
+            response
+                .headers_mut()
+                .insert("connection", HeaderValue::from_static("close"));
+        }
         if self.status == StatusCode::UNAUTHORIZED {
             response
                 .headers_mut()

@@ -51,6 +51,7 @@ fn app() -> App {
         loras: crate::loras::LoraDir::new(None),
         uploads: crate::inputs::Uploads::new(),
         store: None,
+        clients: crate::http::InFlight::default(),
     }
 }
 

@@ -91,23 +91,47 @@ pub(crate) fn parse_json_object(bytes: &[u8], limits: &crate::Limits) -> Result<
     }
 }
 
+/// `read` (of a request's body), bounded by `--body-timeout`: past it the request is answered 408
+/// (its connection closed) and counted.
+pub(crate) async fn within_body_timeout<T>(
+    app: &App,
+    read: impl std::future::Future<Output = Result<T, ApiError>>,
+) -> Result<T, ApiError> {
+    match tokio::time::timeout(app.limits.body_timeout, read).await {
+        Ok(read) => read,
+        Err(_) => {
+            app.metrics.rejected("body_timeout");
+            Err(ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the request body did not arrive within {} s (--body-timeout); the connection is closed",
+                    app.limits.body_timeout.as_secs_f64()
+                ),
+            ))
+        }
+    }
+}
+
 /// The request's body as a JSON object; `limit` is the bytes limit that bounds it.
 async fn json_object(request: Request, app: &Shared, limit: &'static str) -> Result<Map<String, Value>, ApiError> {
-    let bytes = Bytes::from_request(request, app).await.map_err(|e| {
-        let status = e.status();
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            app.metrics.rejected(limit);
-            ApiError::new(
-                status,
-                format!(
-                    "the request body is larger than this server takes (--{})",
-                    limit.replace('_', "-")
-                ),
-            )
-        } else {
-            ApiError::new(status, format!("cannot read the request body: {e}"))
-        }
-    })?;
+    let bytes = within_body_timeout(app, async {
+        Bytes::from_request(request, app).await.map_err(|e| {
+            let status = e.status();
+            if status == StatusCode::PAYLOAD_TOO_LARGE {
+                app.metrics.rejected(limit);
+                ApiError::new(
+                    status,
+                    format!(
+                        "the request body is larger than this server takes (--{})",
+                        limit.replace('_', "-")
+                    ),
+                )
+            } else {
+                ApiError::new(status, format!("cannot read the request body: {e}"))
+            }
+        })
+    })
+    .await?;
     parse_json_object(&bytes, &app.limits).inspect_err(|e| {
         if e.message.contains("--max-json-depth") {
             app.metrics.rejected("max_json_depth");
@@ -279,5 +303,126 @@ pub(crate) async fn images_of(job: &Arc<Job>) -> Result<Vec<Arc<Image>>, ApiErro
         if changed.changed().await.is_err() {
             return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the job was lost"));
         }
+    }
+}
+
+/// The requests in flight per client (its remote address), for `--max-requests-per-client`.
+#[derive(Default)]
+pub(crate) struct InFlight(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+/// A request in flight of `client`: counted until dropped.
+pub(crate) struct ClientSlot {
+    app: Shared,
+    client: std::net::IpAddr,
+}
+
+impl InFlight {
+    /// A slot for one more request of `client`, unless it has `max` in flight.
+    pub(crate) fn enter(app: &Shared, client: std::net::IpAddr, max: usize) -> Option<ClientSlot> {
+        let mut counts = app.clients.0.lock().unwrap_or_else(|e| e.into_inner());
+        let count = counts.entry(client).or_default();
+        if *count >= max {
+            return None;
+        }
+        *count += 1;
+        Some(ClientSlot {
+            app: app.clone(),
+            client,
+        })
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut counts = self.app.clients.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = counts.get_mut(&self.client) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.client);
+            }
+        }
+    }
+}
+
+/// A connection's stream that tells whether the client has sent bytes since the server last
+/// wrote (so that a header read timeout is told from the close of an idle kept-alive
+/// connection).
+pub(crate) struct HeadWatch {
+    stream: tokio::net::TcpStream,
+    reading: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl HeadWatch {
+    pub(crate) fn new(stream: tokio::net::TcpStream) -> (HeadWatch, Arc<std::sync::atomic::AtomicBool>) {
+        let reading = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        (
+            HeadWatch {
+                stream,
+                reading: reading.clone(),
+            },
+            reading,
+        )
+    }
+}
+
+impl tokio::io::AsyncRead for HeadWatch {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut this.stream).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.reading.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
+impl tokio::io::AsyncWrite for HeadWatch {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = std::pin::Pin::new(&mut this.stream).poll_write(cx, buf);
+        if matches!(polled, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            this.reading.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = std::pin::Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        if matches!(polled, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            this.reading.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
 }

@@ -5,7 +5,10 @@
 //!
 //! Every request is checked before it is queued (each error names the field); a request names no
 //! file or folder (input images come in the request and are kept in the server's own folder
-//! while their jobs live); with an API key every route but `/health` needs it.
+//! while their jobs live); with an API key every route but `/health` needs it, and a client (a
+//! remote address) has at most [`Limits::max_requests_per_client`] requests in flight. A client
+//! that sends its request head or body too slowly has its connection closed before anything is
+//! queued ([`Limits::header_timeout`], [`Limits::body_timeout`]).
 #![forbid(unsafe_code)]
 
 mod a1111;
@@ -64,6 +67,16 @@ pub struct Limits {
     pub max_json_depth: usize,
     /// Parts per `multipart/form-data` body (`/v1/images/edits`).
     pub max_form_parts: usize,
+    /// How long a client may take to send a request's head (its request line and headers, from
+    /// the connection's start or the end of its last response): past it the connection is closed
+    /// (slowloris). An idle kept-alive connection is closed after it too.
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request's body once its head is read: past it the
+    /// request is answered 408 and its connection closed, before anything is queued.
+    pub body_timeout: Duration,
+    /// With an API key: requests one client (one remote address) may have in flight at once
+    /// (beyond them: 429 with `Retry-After`); 0: no bound.
+    pub max_requests_per_client: usize,
 }
 
 impl Default for Limits {
@@ -81,6 +94,9 @@ impl Default for Limits {
             queue: 16,
             max_json_depth: 32,
             max_form_parts: 64,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
+            max_requests_per_client: 4,
         }
     }
 }
@@ -161,6 +177,8 @@ pub(crate) struct App {
     pub uploads: inputs::Uploads,
     /// The jobs kept across restarts (`--jobs-db`; see `store`).
     pub store: Option<Arc<store::Store>>,
+    /// The requests in flight per client (`--max-requests-per-client`, with an API key).
+    pub clients: http::InFlight,
 }
 
 pub(crate) fn key_hash(key: &str) -> [u8; 32] {
@@ -204,6 +222,13 @@ where
     if limits.max_json_depth < 2 || limits.max_form_parts == 0 {
         bail!("--max-json-depth must be at least 2 and --max-form-parts at least 1");
     }
+    let day = Duration::from_secs(86_400);
+    if [limits.header_timeout, limits.body_timeout]
+        .iter()
+        .any(|t| t.is_zero() || *t > day)
+    {
+        bail!("--header-timeout and --body-timeout must be more than 0 seconds and at most a day");
+    }
     let store = match &jobs_db {
         Some(path) => Some(Arc::new(store::Store::open(path, config.keep_finished)?)),
         None => None,
@@ -233,7 +258,18 @@ where
         let listener = config.listener.try_clone()?;
         let active = active.clone();
         let stop = config.stop.clone();
-        runtime.spawn(serve_until_stopped(listener, active, ready_rx, stop, on_shutdown))
+        let connections = Connections {
+            header_timeout: limits.header_timeout,
+            metrics: metrics.clone(),
+        };
+        runtime.spawn(serve_until_stopped(
+            listener,
+            active,
+            ready_rx,
+            stop,
+            on_shutdown,
+            connections,
+        ))
     };
     // Loading failed: the server stops at once.
     let stop_server = |ready: &tokio::sync::watch::Sender<Ready>, server: tokio::task::JoinHandle<Result<()>>| {
@@ -325,6 +361,7 @@ where
         loras: loras::LoraDir::new(config.lora_dir.clone()),
         uploads,
         store: store.clone(),
+        clients: http::InFlight::default(),
     });
     if let Some(store) = &store {
         let restored = restore(&app, store).context("--jobs-db: reading the jobs back");
@@ -381,24 +418,32 @@ enum Ready {
     Serving(Arc<App>, bool),
 }
 
+/// How the connections are served: the header read timeout, and the metrics its closes are
+/// counted in.
+struct Connections {
+    header_timeout: Duration,
+    metrics: Arc<metrics::Metrics>,
+}
+
 /// Serves `listener` with the router in `active` (swapped once the models are ready) until the
 /// start fails, or until a stop once serving: then no new job is taken (`/health` says
 /// `draining`, new jobs get 503 with Retry-After) while the jobs in flight end — or are
 /// cancelled — and the listener closes.
+///
+/// Each connection is served by hyper's HTTP/1 server (as `axum::serve` does), with a timer so
+/// that its header read timeout holds: a client that sends its request head slowly (slowloris)
+/// has its connection closed and never reaches a handler, let alone the queue. Each request
+/// carries its client's address (`ConnectInfo<SocketAddr>`).
 async fn serve_until_stopped(
     listener: std::net::TcpListener,
     active: Arc<std::sync::RwLock<axum::Router>>,
     mut ready: tokio::sync::watch::Receiver<Ready>,
     stop: Option<Arc<tokio::sync::Notify>>,
     on_shutdown: OnShutdown,
+    connections: Connections,
 ) -> Result<()> {
     use tower::ServiceExt;
     let listener = tokio::net::TcpListener::from_std(listener)?;
-    let dispatch = tower::service_fn(move |request: axum::extract::Request| {
-        let router = active.read().unwrap_or_else(|e| e.into_inner()).clone();
-        async move { router.oneshot(request).await }
-    });
-    let outer = axum::Router::new().fallback_service(dispatch);
     let shutdown = async move {
         let serving = loop {
             match &*ready.borrow_and_update() {
@@ -431,10 +476,57 @@ async fn serve_until_stopped(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    axum::serve(listener, outer.into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown(shutdown)
-        .await
-        .context("serving")
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(connections.header_timeout);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, remote) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // A connection that failed before it was accepted is the client's; anything
+                    // else (out of file descriptors) passes after a pause, as in `axum::serve`.
+                    if !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionRefused
+                            | std::io::ErrorKind::ConnectionAborted
+                            | std::io::ErrorKind::ConnectionReset
+                    ) {
+                        tracing::warn!("accepting a connection: {e}");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let active = active.clone();
+        let service = hyper::service::service_fn(move |request: axum::http::Request<hyper::body::Incoming>| {
+            let router = active.read().unwrap_or_else(|e| e.into_inner()).clone();
+            let mut request = request.map(axum::body::Body::new);
+            request.extensions_mut().insert(axum::extract::ConnectInfo(remote));
+            router.oneshot(request)
+        });
+        let (io, reading_head) = http::HeadWatch::new(stream);
+        let connection = graceful.watch(builder.serve_connection(hyper_util::rt::TokioIo::new(io), service));
+        let metrics = connections.metrics.clone();
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                // The header read timeout also closes a kept-alive connection that sent nothing
+                // more: only one that had begun a request head was refused.
+                if e.is_timeout() && reading_head.load(std::sync::atomic::Ordering::Relaxed) {
+                    metrics.rejected("header_timeout");
+                }
+                tracing::debug!("connection from {remote}: {e}");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
 }
 
 /// Reads back the jobs of `store` a former server left: the unfinished ones queued again (one
@@ -673,6 +765,14 @@ fn warm_up(
                 worker::run_batch(backend, models, &jobs, &metrics, cache);
                 if let Some((_, e)) = jobs.iter().find_map(|job| job.state().error.clone()) {
                     bail!("warming up {} at {width}x{height} (batch of {batch}): {e}", model.name);
+                }
+                // A batch the device cannot hold would run one job at a time on every request.
+                if metrics.out_of_memory_count() > 0 {
+                    bail!(
+                        "warming up {} at {width}x{height}: a batch of {batch} images runs out of device memory (one at a time they fit): give --max-batch {}",
+                        model.name,
+                        batch - 1
+                    );
                 }
             }
             eprintln!(

@@ -29,6 +29,45 @@ pub struct Metrics {
     rejected: Mutex<BTreeMap<&'static str, u64>>,
     /// Jobs that ended, by the API they came through and how they ended.
     outcomes: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
+    /// Request latencies, by (route, method).
+    requests: Mutex<BTreeMap<(String, &'static str), Histogram>>,
+    /// Jobs that failed because the device ran out of memory.
+    out_of_memory: AtomicU64,
+}
+
+/// The upper bounds (seconds) of the request latency histogram's buckets: from a status read to
+/// a long generation waited for.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+/// A Prometheus histogram: the observations per bucket (not cumulated), their sum and count.
+#[derive(Clone, Default)]
+struct Histogram {
+    buckets: [u64; LATENCY_BUCKETS.len()],
+    sum: f64,
+    count: u64,
+}
+
+/// The `method` label of a request: its method if a standard one (an unknown one is `other`, so
+/// that clients cannot make label values up).
+pub fn method_label(method: &axum::http::Method) -> &'static str {
+    use axum::http::Method;
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        Method::PUT => "PUT",
+        Method::PATCH => "PATCH",
+        Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
+}
+
+/// A label value with `\`, `"` and newlines escaped (the text format's rule).
+fn label_value(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
 /// The limits whose refusals are counted (`kiln_rejected_total{limit=...}`): the flags', the
@@ -38,6 +77,9 @@ pub const LIMITS: &[&str] = &[
     "max_upload_bytes",
     "max_json_depth",
     "max_form_parts",
+    "max_requests_per_client",
+    "header_timeout",
+    "body_timeout",
     "queue",
     "draining",
 ];
@@ -111,6 +153,29 @@ impl Metrics {
             .unwrap_or_else(|e| e.into_inner())
             .entry((api, how))
             .or_default() += 1;
+    }
+
+    /// A request to `route` (the route's path, as `/kiln/v1/jobs/{id}`, or `unmatched`) by
+    /// `method` took `took`, from its head read to its response's head.
+    pub fn request(&self, route: &str, method: &'static str, took: Duration) {
+        let seconds = took.as_secs_f64();
+        let mut requests = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        let histogram = requests.entry((route.to_string(), method)).or_default();
+        if let Some(bucket) = LATENCY_BUCKETS.iter().position(|&le| seconds <= le) {
+            histogram.buckets[bucket] += 1;
+        }
+        histogram.sum += seconds;
+        histogram.count += 1;
+    }
+
+    /// A job failed because the device ran out of memory.
+    pub fn out_of_memory(&self) {
+        self.out_of_memory.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Batches that failed because the device ran out of memory so far.
+    pub fn out_of_memory_count(&self) -> u64 {
+        self.out_of_memory.load(Ordering::Relaxed)
     }
 
     /// The mean seconds a finished job took (what a full queue's `Retry-After` is estimated from).
@@ -205,6 +270,12 @@ impl Metrics {
             &values,
         );
         metric(
+            "kiln_out_of_memory_total",
+            "counter",
+            "Batches that failed because the device ran out of memory (the worker goes on).",
+            &[("", load(&self.out_of_memory))],
+        );
+        metric(
             "kiln_prompt_cache_hits_total",
             "counter",
             "Prompt encodings found in the cache (--prompt-cache-mib).",
@@ -246,6 +317,27 @@ impl Metrics {
             "# HELP kiln_seconds_per_step Mean seconds per denoising step so far.\n# TYPE kiln_seconds_per_step gauge\nkiln_seconds_per_step {}",
             if count > 0 { sum / count as f64 } else { 0.0 }
         );
+        let requests = self.requests.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let _ = writeln!(
+            out,
+            "# HELP kiln_request_duration_seconds Seconds from a request's head read to its response's head, by route and method.\n# TYPE kiln_request_duration_seconds histogram"
+        );
+        for ((route, method), h) in &requests {
+            let labels = format!("route=\"{}\",method=\"{method}\"", label_value(route));
+            let mut cumulated = 0;
+            for (le, n) in LATENCY_BUCKETS.iter().zip(h.buckets) {
+                cumulated += n;
+                let _ = writeln!(
+                    out,
+                    "kiln_request_duration_seconds_bucket{{{labels},le=\"{le}\"}} {cumulated}"
+                );
+            }
+            let _ = writeln!(
+                out,
+                "kiln_request_duration_seconds_bucket{{{labels},le=\"+Inf\"}} {}\nkiln_request_duration_seconds_sum{{{labels}}} {}\nkiln_request_duration_seconds_count{{{labels}}} {}",
+                h.count, h.sum, h.count
+            );
+        }
         out
     }
 }
@@ -286,5 +378,28 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
         assert_eq!(m.mean_job_seconds(), Some(2.0));
+    }
+
+    #[test]
+    fn request_latencies_fill_cumulative_buckets_by_route() {
+        let m = Metrics::default();
+        m.request("/v1/models", "GET", Duration::from_millis(1));
+        m.request("/v1/models", "GET", Duration::from_millis(100));
+        m.request("/v1/models", "GET", Duration::from_secs(1000));
+        m.request("a\"b", "POST", Duration::from_millis(7));
+        let text = m.render(0, 0);
+        let labels = "route=\"/v1/models\",method=\"GET\"";
+        for line in [
+            "# TYPE kiln_request_duration_seconds histogram".to_string(),
+            format!("kiln_request_duration_seconds_bucket{{{labels},le=\"0.005\"}} 1"),
+            format!("kiln_request_duration_seconds_bucket{{{labels},le=\"0.05\"}} 1"),
+            format!("kiln_request_duration_seconds_bucket{{{labels},le=\"0.1\"}} 2"),
+            format!("kiln_request_duration_seconds_bucket{{{labels},le=\"300\"}} 2"),
+            format!("kiln_request_duration_seconds_bucket{{{labels},le=\"+Inf\"}} 3"),
+            format!("kiln_request_duration_seconds_count{{{labels}}} 3"),
+            "kiln_request_duration_seconds_count{route=\"a\\\"b\",method=\"POST\"} 1".to_string(),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
     }
 }

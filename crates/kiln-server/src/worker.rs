@@ -77,11 +77,32 @@ fn with_prompt_encodings(
     Ok(call.with_prompt_encoding(PromptEncoding::batch(&parts)?))
 }
 
-/// What a failed call means for its jobs: (HTTP status, message).
+/// What a failed call means for its jobs: (HTTP status, message). Running out of device memory
+/// says which component did (the pipeline's error names it and what to try) and what to change
+/// in the server's flags or the request.
 fn failure(e: &PipelineError) -> (u16, String) {
     match e {
         PipelineError::InvalidArgument(_) | PipelineError::OverBudget(_) => (400, e.to_string()),
-        e if e.is_out_of_memory() => (500, format!("the device ran out of memory: {e}")),
+        e if e.is_out_of_memory() => {
+            use kiln_pipelines::OffloadMode;
+            let flags = match e {
+                PipelineError::OutOfMemory {
+                    mode: OffloadMode::None,
+                    ..
+                } => "start kiln serve with --offload model (or --offload sequential), or ask for a smaller size or fewer images",
+                PipelineError::OutOfMemory {
+                    mode: OffloadMode::Model,
+                    ..
+                } => "start kiln serve with --offload sequential, or ask for a smaller size or fewer images",
+                _ => "ask for a smaller size or fewer images, or start kiln serve with --dtype bf16",
+            };
+            (
+                500,
+                format!(
+                    "the device ran out of memory: {e}. For this server: {flags}. The worker released the call's memory and serves the next jobs"
+                ),
+            )
+        }
         e => (500, e.to_string()),
     }
 }
@@ -116,10 +137,26 @@ pub fn run_batch(
         })
         .cloned()
         .collect();
-    let Some(first) = batch.first() else { return };
+    if batch.is_empty() {
+        return;
+    }
     for job in &batch {
         job.start();
     }
+    run_started(backend, models, &batch, metrics, cache);
+}
+
+/// Runs the started jobs of `batch` (at least one) as one pipeline call. A batch of several jobs
+/// that runs out of device memory runs again one job at a time (each job's call is the one it
+/// would have had alone) before any of its jobs fails.
+fn run_started(
+    backend: &mut dyn Backend,
+    models: &[ModelInfo],
+    batch: &[Arc<Job>],
+    metrics: &Metrics,
+    cache: Option<CacheUse<'_>>,
+) {
+    let first = &batch[0];
     let model = &models[first.request.model];
     let requests: Vec<_> = batch.iter().map(|j| j.request.clone()).collect();
     // One call for the batch; but a call with input images draws the images' latents from its
@@ -143,7 +180,7 @@ pub fn run_batch(
         metrics.step(last.elapsed());
         last = Instant::now();
         let mut live = false;
-        for job in &batch {
+        for job in batch {
             if job.cancel_requested() {
                 // A cancelled job of a batch ends now; the others go on.
                 job.finish(Status::Cancelled, Vec::new(), None);
@@ -172,9 +209,30 @@ pub fn run_batch(
                 }
             }
         }
-        Ok(all.expect("a call at least"))
+        Ok::<_, PipelineError>(all.expect("a call at least"))
     }));
     let elapsed = started.elapsed();
+    let out_of_memory = matches!(&result, Ok(Err(e)) if e.is_out_of_memory());
+    if out_of_memory {
+        // The pipeline's call has ended (its device work awaited, its offloaded weights and
+        // intermediates released) when it returns its error; the worker goes on.
+        metrics.out_of_memory();
+        if batch.len() > 1 {
+            tracing::warn!(
+                "a batch of {} jobs ran out of device memory: running them one at a time",
+                batch.len()
+            );
+            for job in batch {
+                if job.cancel_requested() {
+                    job.finish(Status::Cancelled, Vec::new(), None);
+                    metrics.job_ended(Status::Cancelled, elapsed, 0);
+                } else {
+                    run_started(backend, models, std::slice::from_ref(job), metrics, cache);
+                }
+            }
+            return;
+        }
+    }
     let outcome = match result {
         Ok(Ok(generated)) => Ok(generated),
         Ok(Err(PipelineError::Interrupted { .. })) => Err(None),
@@ -187,7 +245,7 @@ pub fn run_batch(
     match outcome {
         Ok(generated) => {
             let mut images = generated.images.into_iter();
-            for job in &batch {
+            for job in batch {
                 let n = job.request.seeds.len();
                 let mine: Vec<_> = images.by_ref().take(n).collect();
                 if job.cancel_requested() {
@@ -224,7 +282,7 @@ pub fn run_batch(
             }
         }
         Err(error) => {
-            for job in &batch {
+            for job in batch {
                 let status = match (&error, job.cancel_requested()) {
                     (_, true) | (None, _) => Status::Cancelled,
                     (Some(_), false) => Status::Failed,

@@ -1,6 +1,7 @@
 //! `kiln serve` on the bundled tiny model over loopback: images equal to `kiln generate`'s,
 //! batched images equal to unbatched ones, events, cancellation, a load of concurrent clients,
-//! SIGTERM with jobs in flight, several devices (real clients: `serve_clients.rs`). Every server
+//! SIGTERM with jobs in flight, several devices, slow and greedy clients bounded by the flags
+//! (real clients: `serve_clients.rs`). Every server
 //! listens on an ephemeral loopback port; every wait is bounded.
 
 mod serving;
@@ -418,4 +419,105 @@ fn a_prompt_seen_again_is_a_cache_hit_with_the_same_image_bytes() {
         "{after}"
     );
     assert!(uncached.terminate().success());
+}
+
+/// The flags against slow and greedy clients reach the server: with `--header-timeout 1` a request
+/// head trickled a byte at a time has its connection closed; with `--api-key` and
+/// `--max-requests-per-client 1` a client whose body is late holds its one slot (another request
+/// of it is a 429 with Retry-After naming the flag) until `--body-timeout 1` answers it 408; each
+/// refusal is counted by limit, and the latency histograms name the routes.
+#[test]
+fn slow_and_greedy_clients_are_bounded_by_the_flags() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let served = Served::start(&[
+        "--api-key",
+        "sesame",
+        "--max-requests-per-client",
+        "1",
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+    ]);
+    let addr = served.base.strip_prefix("http://").unwrap().to_string();
+    let with_key = |path: &str| match agent()
+        .get(&served.url(path))
+        .set("Authorization", "Bearer sesame")
+        .call()
+    {
+        Ok(r) => (
+            r.status(),
+            r.header("retry-after").map(str::to_string),
+            r.into_string().unwrap(),
+        ),
+        Err(ureq::Error::Status(code, r)) => (
+            code,
+            r.header("retry-after").map(str::to_string),
+            r.into_string().unwrap(),
+        ),
+        Err(e) => panic!("{path}: {e}"),
+    };
+    // Reads until the server closes `stream` (bounded): what it sent, and when it closed.
+    let until_closed = |stream: &mut TcpStream, trickle: bool| {
+        stream.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        let started = std::time::Instant::now();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the connection is still open"
+            );
+            if trickle && stream.write_all(b"x").is_err() {
+                break;
+            }
+            match stream.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(_) => break,
+            }
+        }
+        (String::from_utf8_lossy(&got).into_owned(), started.elapsed())
+    };
+
+    let mut slow_head = TcpStream::connect(&addr).unwrap();
+    write!(slow_head, "GET /v1/models HTTP/1.1\r\nHost: {addr}\r\n").unwrap();
+    let (got, took) = until_closed(&mut slow_head, true);
+    assert!(got.is_empty() || got.contains("408"), "{got}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+
+    let mut late_body = TcpStream::connect(&addr).unwrap();
+    write!(
+        late_body,
+        "POST /v1/images/generations HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer sesame\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"prompt\""
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let (code, retry, body) = with_key("/v1/models");
+    assert_eq!(code, 429, "{body}");
+    assert!(body.contains("--max-requests-per-client"), "{body}");
+    assert!(retry.is_some());
+    let (got, _) = until_closed(&mut late_body, false);
+    assert!(
+        got.starts_with("HTTP/1.1 408") && got.contains("--body-timeout"),
+        "{got}"
+    );
+    let (code, _, body) = with_key("/v1/models");
+    assert_eq!(code, 200, "{body}");
+
+    let (_, _, text) = with_key("/metrics");
+    for limit in ["header_timeout", "body_timeout", "max_requests_per_client"] {
+        assert_eq!(
+            metric(&text, &format!("kiln_rejected_total{{limit=\"{limit}\"}}")),
+            1,
+            "{text}"
+        );
+    }
+    assert!(
+        text.contains("kiln_request_duration_seconds_count{route=\"/v1/models\",method=\"GET\"} 2"),
+        "{text}"
+    );
+    assert!(served.terminate().success());
 }

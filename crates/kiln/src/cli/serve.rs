@@ -67,6 +67,20 @@ pub struct ServeArgs {
     /// Every route but /health then needs the header `Authorization: Bearer KEY`.
     #[arg(long, value_name = "KEY", help_heading = NETWORK)]
     pub api_key: Option<String>,
+    /// With --api-key: requests one client (one remote address) may have in flight at once, on
+    /// every route but /health; beyond them a request is answered 429 with Retry-After. Behind a
+    /// proxy every client has the proxy's address: raise it, or 0 for no bound.
+    #[arg(long, default_value_t = 4, value_name = "N", help_heading = NETWORK)]
+    pub max_requests_per_client: usize,
+    /// Seconds a client may take to send a request's line and headers (counted from its
+    /// connection or its last response): past them the connection is closed, so that slow
+    /// clients (slowloris) hold no server resources. An idle kept-alive connection closes then too.
+    #[arg(long, default_value_t = 10, value_name = "SECONDS", help_heading = NETWORK)]
+    pub header_timeout: u64,
+    /// Seconds a client may take to send a request's body once its headers are in: past them the
+    /// request is answered 408 and its connection closed, before anything is queued.
+    #[arg(long, default_value_t = 60, value_name = "SECONDS", help_heading = NETWORK)]
+    pub body_timeout: u64,
     /// Listen on a non-loopback --host without an --api-key: anyone who reaches it can use it.
     #[arg(long, help_heading = NETWORK)]
     pub insecure_public: bool,
@@ -208,6 +222,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
             bail!("{flag} must be at least 1");
         }
     }
+    for (flag, seconds) in [
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+    ] {
+        if !(1..=86_400).contains(&seconds) {
+            bail!("{flag} must be 1 to 86400 seconds, got {seconds}");
+        }
+    }
     if !(1..=4096 * 4096).contains(&args.max_input_pixels) {
         bail!("--max-input-pixels must be 1 to 16777216 (4096×4096)");
     }
@@ -283,6 +305,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             queue: args.queue,
             max_json_depth: args.max_json_depth,
             max_form_parts: args.max_form_parts,
+            header_timeout: Duration::from_secs(args.header_timeout),
+            body_timeout: Duration::from_secs(args.body_timeout),
+            max_requests_per_client: args.max_requests_per_client,
         },
         keep_finished: Duration::from_secs(args.keep_images),
         on_shutdown,
