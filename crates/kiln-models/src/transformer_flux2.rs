@@ -28,7 +28,7 @@ use crate::mmdit::{
     gated_residual, guidance_input, modulate, rope_attention, sinusoid, split_heads, times_1000, timestep_frequencies,
     JointStreams, Mlp,
 };
-use crate::transformer_flux::{AttentionMode, GIVEN, RECORD};
+use crate::transformer_flux::{AttentionMode, FirstBlockOutput, GIVEN, RECORD};
 
 fn input_error(op: &'static str, message: String) -> Error {
     Error::Tensor(kiln_tensor::Error::Invalid { op, message })
@@ -541,9 +541,23 @@ impl Flux2Transformer2DModel {
     /// recorded outputs are appended to `recorded`.
     fn blocks_with(
         &self,
-        mut x: Tensor,
+        x: Tensor,
         temb_silu: &Tensor,
         inputs: &CallInputs,
+        mode: AttentionMode<'_>,
+        recorded: &mut Vec<Tensor>,
+    ) -> Result<Tensor> {
+        let ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?;
+        self.blocks_from(0, (x, ctx), (temb_silu, &inputs.rope), mode, recorded)
+    }
+
+    /// [`Self::blocks_with`] from double block `first` on, the image and text streams `(x, ctx)`
+    /// entering it.
+    fn blocks_from(
+        &self,
+        first: usize,
+        (mut x, mut ctx): (Tensor, Tensor),
+        (temb_silu, rope): (&Tensor, &RopeTables),
         mode: AttentionMode<'_>,
         recorded: &mut Vec<Tensor>,
     ) -> Result<Tensor> {
@@ -551,10 +565,8 @@ impl Flux2Transformer2DModel {
         let mod_img = self.double_stream_modulation_img.forward(temb_silu)?;
         let mod_txt = self.double_stream_modulation_txt.forward(temb_silu)?;
         let mod_single = self.single_stream_modulation.forward(temb_silu)?;
-        let rope = &inputs.rope;
-        let mut ctx = self.context_embedder.forward(&inputs.encoder_hidden_states)?;
         let list = &self.transformer_blocks;
-        for i in 0..list.len() {
+        for i in first..list.len() {
             let args = (x, ctx, mod_img.clone(), mod_txt.clone(), rope.clone());
             (ctx, x) = match mode {
                 AttentionMode::Plain => {
@@ -662,6 +674,63 @@ impl Flux2Transformer2DModel {
                 let mode = AttentionMode::Given(attention);
                 let x = m.blocks_with(x, &temb_silu, inputs, mode, &mut Vec::new())?;
                 m.output(&x, &temb_silu)
+            })
+    }
+
+    /// First-Block Cache's first part: the embeddings and the first double block
+    /// (`transformer_blocks.0`, `first_block.head`); its image residual decides whether the rest
+    /// runs.
+    pub fn forward_first_block(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<FirstBlockOutput> {
+        let inputs = self.call_inputs(inputs)?;
+        if self.transformer_blocks.is_empty() {
+            return Err(Error::Config {
+                component: "transformer".into(),
+                message: "First-Block Cache needs at least one double-stream block".into(),
+            });
+        }
+        self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
+            let (x_in, temb_silu) = m.embed_image(inputs)?;
+            let ctx = m.context_embedder.forward(&inputs.encoder_hidden_states)?;
+            let mod_img = m.double_stream_modulation_img.forward(&temb_silu)?;
+            let mod_txt = m.double_stream_modulation_txt.forward(&temb_silu)?;
+            let args = (x_in.clone(), ctx, mod_img, mod_txt, inputs.rope.clone());
+            // A double block returns `(text, image)`.
+            let (text, image) =
+                m.transformer_blocks
+                    .run(&m.compiled, 0, args, |block, (x, ctx, mod_img, mod_txt, rope)| {
+                        block.forward(x, ctx, mod_img, mod_txt, rope)
+                    })?;
+            Ok(FirstBlockOutput {
+                residual: image.sub(&x_in)?,
+                image,
+                text,
+                temb_silu,
+            })
+        })
+    }
+
+    /// First-Block Cache's computed rest: every block after `head`; the prediction and the
+    /// residual over the image tokens, `out[:, −S:] − image stream after the first block`
+    /// (`first_block.rest`). (diffusers' own hook fails here: its tail, the last single block,
+    /// returns the joint sequence; the residual is defined as MagCache's FLUX.2 one is.)
+    pub fn forward_after_first_block(&self, head: &FirstBlockOutput, rope: &RopeTables) -> Result<(Tensor, Tensor)> {
+        let inputs = (head.clone(), rope.clone());
+        self.compiled
+            .whole("first_block.rest", self, inputs, |m, (head, rope)| {
+                let streams = (head.image.clone(), head.text.clone());
+                let shared = (&head.temb_silu, rope);
+                let x = m.blocks_from(1, streams, shared, AttentionMode::Plain, &mut Vec::new())?;
+                Ok((m.output(&x, &head.temb_silu)?, x.sub(&head.image)?))
+            })
+    }
+
+    /// First-Block Cache's cached rest: the first block's image stream plus the residual of the
+    /// last computed call, through `norm_out` and `proj_out` (`first_block.cached`).
+    pub fn forward_from_first_block(&self, head: &FirstBlockOutput, residual: &Tensor) -> Result<Tensor> {
+        let inputs = (head.clone(), residual.clone());
+        self.compiled
+            .whole("first_block.cached", self, inputs, |m, (head, residual)| {
+                m.output(&head.image.add(residual)?, &head.temb_silu)
             })
     }
 

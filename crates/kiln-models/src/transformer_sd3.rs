@@ -20,6 +20,7 @@ use crate::mmdit::{
     gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, HeadNorm, Mlp, QkvProjection, IMAGE_QKV,
     TEXT_QKV,
 };
+use crate::transformer_flux::{AttentionMode, FirstBlockOutput, GIVEN, RECORD};
 
 /// The eps of every LayerNorm and qk RMSNorm of the model.
 const EPS: f64 = 1e-6;
@@ -267,6 +268,23 @@ impl JointTransformerBlock {
 
     /// Returns the new text stream (`None` for a `context_pre_only` block) and image stream.
     fn forward(&self, x: &Tensor, ctx: &Tensor, temb_silu: &Tensor) -> Result<(Option<Tensor>, Tensor)> {
+        let (ctx, x, _) = self.forward_with(x, ctx, temb_silu, None)?;
+        Ok((ctx, x))
+    }
+
+    /// [`Self::forward`] with the attention module's outputs (diffusers' `attn`: the image part
+    /// after `to_out`, the text part after `to_add_out`; a `context_pre_only` block's text part
+    /// is discarded, so none is kept) computed or `given` (a step cache's prediction: then no
+    /// q/k/v and no joint attention run; `attn2`, the norms and the MLPs do). Also returns the
+    /// outputs used.
+    #[allow(clippy::type_complexity)]
+    fn forward_with(
+        &self,
+        x: &Tensor,
+        ctx: &Tensor,
+        temb_silu: &Tensor,
+        given: Option<(&Tensor, Option<&Tensor>)>,
+    ) -> Result<(Option<Tensor>, Tensor, (Tensor, Option<Tensor>))> {
         let ln = LayerNorm::plain(EPS);
         // AdaLayerNormZero: shift, scale, gate (attention), shift, scale, gate (MLP); the
         // dual-attention SD35AdaLayerNormZeroX adds shift, scale, gate of `attn2`, applied to the
@@ -276,29 +294,50 @@ impl JointTransformerBlock {
             .forward(temb_silu)?
             .chunk(if self.attn2.is_some() { 9 } else { 6 }, 1)?;
         let norm_x = ln.forward(x)?;
-        let nx = modulate(&norm_x, &m[0], &m[1])?;
-        let norm_ctx = ln.forward(ctx)?;
         let c = self.norm1_context.forward(temb_silu)?;
-        let (nc, c) = if self.to_add_out.is_none() {
-            // AdaLayerNormContinuous: scale first, then shift.
-            let e = c.chunk(2, 1)?;
-            (modulate(&norm_ctx, &e[1], &e[0])?, None)
-        } else {
-            let c = c.chunk(6, 1)?;
-            (modulate(&norm_ctx, &c[0], &c[1])?, Some(c))
+        let (a_x, a_ctx) = match given {
+            Some((a_x, a_ctx)) => {
+                if a_ctx.is_some() != self.to_add_out.is_some() {
+                    return Err(input_error(format!(
+                        "a step cache gave {} text attention output to a block that {}",
+                        if a_ctx.is_some() { "a" } else { "no" },
+                        if self.to_add_out.is_some() {
+                            "has one"
+                        } else {
+                            "is context_pre_only"
+                        }
+                    )));
+                }
+                (a_x.clone(), a_ctx.cloned())
+            }
+            None => {
+                let nx = modulate(&norm_x, &m[0], &m[1])?;
+                let norm_ctx = ln.forward(ctx)?;
+                let nc = if self.to_add_out.is_none() {
+                    // AdaLayerNormContinuous: scale first, then shift.
+                    let e = c.chunk(2, 1)?;
+                    modulate(&norm_ctx, &e[1], &e[0])?
+                } else {
+                    let c = c.chunk(6, 1)?;
+                    modulate(&norm_ctx, &c[0], &c[1])?
+                };
+                // Joint attention over [image, text].
+                let [q, k, v] = self.image.forward(&nx)?;
+                let [cq, ck, cv] = self.text.forward(&nc)?;
+                let q = Tensor::cat(&[&q, &cq], 2)?;
+                let k = Tensor::cat(&[&k, &ck], 2)?;
+                let v = Tensor::cat(&[&v, &cv], 2)?;
+                let o = attention(&q, &k, &v)?;
+                let parts = o.split_sizes(&[x.dims()[1], ctx.dims()[1]], 1)?;
+                let a_ctx = match &self.to_add_out {
+                    Some(to_add_out) => Some(to_add_out.forward(&parts[1])?),
+                    None => None,
+                };
+                (self.to_out.forward(&parts[0])?, a_ctx)
+            }
         };
 
-        // Joint attention over [image, text].
-        let [q, k, v] = self.image.forward(&nx)?;
-        let [cq, ck, cv] = self.text.forward(&nc)?;
-        let q = Tensor::cat(&[&q, &cq], 2)?;
-        let k = Tensor::cat(&[&k, &ck], 2)?;
-        let v = Tensor::cat(&[&v, &cv], 2)?;
-        let o = attention(&q, &k, &v)?;
-        let parts = o.split_sizes(&[x.dims()[1], ctx.dims()[1]], 1)?;
-        let (o_x, o_ctx) = (&parts[0], &parts[1]);
-
-        let mut x = gated_residual(x, &m[2], &self.to_out.forward(o_x)?)?;
+        let mut x = gated_residual(x, &m[2], &a_x)?;
         if let Some(attn2) = &self.attn2 {
             let nx2 = modulate(&norm_x, &m[6], &m[7])?;
             x = gated_residual(&x, &m[8], &attn2.forward(&nx2)?)?;
@@ -306,15 +345,16 @@ impl JointTransformerBlock {
         let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
         let x = gated_residual(&x, &m[5], &self.ff.forward(&ff_in)?)?;
 
-        let ctx = match (c, &self.to_add_out, &self.ff_context) {
-            (Some(c), Some(to_add_out), Some(ff_context)) => {
-                let ctx = gated_residual(ctx, &c[2], &to_add_out.forward(o_ctx)?)?;
+        let ctx = match (&a_ctx, &self.ff_context) {
+            (Some(a_ctx), Some(ff_context)) => {
+                let c = c.chunk(6, 1)?;
+                let ctx = gated_residual(ctx, &c[2], a_ctx)?;
                 let ff_in = modulate(&ln.forward(&ctx)?, &c[3], &c[4])?;
                 Some(gated_residual(&ctx, &c[5], &ff_context.forward(&ff_in)?)?)
             }
             _ => None,
         };
-        Ok((ctx, x))
+        Ok((ctx, x, (a_x, a_ctx)))
     }
 }
 
@@ -526,7 +566,12 @@ impl SD3Transformer2DModel {
 
     /// `norm_out`, `proj_out` and the unpatchify of the image stream.
     fn output(&self, x: &Tensor, temb_silu: &Tensor, inputs: &CallInputs) -> Result<Tensor> {
-        let [b, _, height, width] = inputs.hidden_states.dims()[..] else {
+        self.output_for(x, temb_silu, &inputs.hidden_states)
+    }
+
+    /// [`Self::output`] for the call whose latents are `latents` (only their shape is read).
+    fn output_for(&self, x: &Tensor, temb_silu: &Tensor, latents: &Tensor) -> Result<Tensor> {
+        let [b, _, height, width] = latents.dims()[..] else {
             unreachable!("check_inputs requires a rank-4 hidden_states")
         };
         let p = self.config.patch_size;
@@ -578,6 +623,169 @@ impl SD3Transformer2DModel {
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
                 m.output(&x.add(residual)?, &temb_silu, inputs)
+            })
+    }
+
+    /// Every block with its attention module run as `mode` says (block `i`'s outputs: the
+    /// image's, then the text's unless the block is `context_pre_only`, see
+    /// [`Self::attention_outputs`]); recorded outputs are appended to `recorded`. No block is
+    /// skipped.
+    fn blocks_with(
+        &self,
+        mut x: Tensor,
+        mut ctx: Tensor,
+        temb_silu: &Tensor,
+        mode: AttentionMode<'_>,
+        recorded: &mut Vec<Tensor>,
+    ) -> Result<Tensor> {
+        let list = &self.transformer_blocks;
+        let mut offset = 0;
+        for (i, stored) in list.iter().enumerate() {
+            let args = (x, ctx.clone(), temb_silu.clone());
+            let (new_ctx, new_x) = match mode {
+                AttentionMode::Plain => list.run(&self.compiled, i, args, |block, (x, ctx, temb)| {
+                    block.forward(x, ctx, temb)
+                })?,
+                AttentionMode::Record => {
+                    let (new_ctx, new_x, (a_x, a_ctx)) =
+                        list.run_variant(&self.compiled, RECORD, i, args, |block, (x, ctx, temb)| {
+                            block.forward_with(x, ctx, temb, None)
+                        })?;
+                    recorded.push(a_x);
+                    recorded.extend(a_ctx);
+                    (new_ctx, new_x)
+                }
+                AttentionMode::Given(given) => {
+                    let text = stored.to_add_out.is_some();
+                    let a = (given[offset].clone(), text.then(|| given[offset + 1].clone()));
+                    offset += 1 + usize::from(text);
+                    let args = (args.0, args.1, args.2, a);
+                    list.run_variant(&self.compiled, GIVEN, i, args, |block, (x, ctx, temb, (a_x, a_ctx))| {
+                        let (ctx, x, _) = block.forward_with(x, ctx, temb, Some((a_x, a_ctx.as_ref())))?;
+                        Ok((ctx, x))
+                    })?
+                }
+            };
+            x = new_x;
+            // After a context_pre_only block (the last) the text stream is no longer used.
+            if let Some(new_ctx) = new_ctx {
+                ctx = new_ctx;
+            }
+        }
+        Ok(x)
+    }
+
+    /// How many attention outputs a step cache on the attention (TaylorSeer) keeps: diffusers'
+    /// `transformer_blocks.{i}.attn` (not `attn2`), the image's and the text's of every block
+    /// but the last (`context_pre_only`: its text part is discarded by the block, so only its
+    /// image part is kept), in block order.
+    pub fn attention_outputs(&self) -> usize {
+        self.transformer_blocks
+            .iter()
+            .map(|b| 1 + usize::from(b.to_add_out.is_some()))
+            .sum()
+    }
+
+    /// A step cache's computed call (TaylorSeer): the prediction and every attention module's
+    /// outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute` when compiled
+    /// whole; each block type's `attention_record` program by blocks).
+    pub fn forward_recording_attention(&self, inputs: &SD3TransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled
+            .whole("attention_cache.compute", self, inputs, |m, inputs| {
+                let (x, ctx, temb_silu) = m.embed(inputs)?;
+                let mut recorded = Vec::with_capacity(m.attention_outputs());
+                let x = m.blocks_with(x, ctx, &temb_silu, AttentionMode::Record, &mut recorded)?;
+                Ok((m.output(&x, &temb_silu, inputs)?, recorded))
+            })
+    }
+
+    /// A step cache's cached call: every block runs with its attention module's outputs taken
+    /// from `attention` (in [`Self::attention_outputs`]' order) instead of computed
+    /// (`attention_cache.given`; each block type's `attention_given` program by blocks).
+    pub fn forward_with_attention(&self, inputs: &SD3TransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
+        crate::transformer_flux::check_attention_outputs(attention.len(), self.attention_outputs())?;
+        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
+        self.compiled
+            .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
+                let (x, ctx, temb_silu) = m.embed(inputs)?;
+                let mode = AttentionMode::Given(attention);
+                let x = m.blocks_with(x, ctx, &temb_silu, mode, &mut Vec::new())?;
+                m.output(&x, &temb_silu, inputs)
+            })
+    }
+
+    /// First-Block Cache's first part: the embeddings and the first block
+    /// (`transformer_blocks.0`, `first_block.head`); its image residual decides whether the
+    /// rest runs.
+    pub fn forward_first_block(&self, inputs: &SD3TransformerInputs<'_>) -> Result<FirstBlockOutput> {
+        let inputs = self.call_inputs(inputs)?;
+        if self.transformer_blocks.len() < 2 {
+            return Err(Error::Config {
+                component: "transformer".into(),
+                message: "First-Block Cache needs at least two joint blocks (the first and the last)".into(),
+            });
+        }
+        self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
+            let (x, ctx, temb_silu) = m.embed(inputs)?;
+            let x_in = x.clone();
+            let (text, image) =
+                m.transformer_blocks
+                    .run(&m.compiled, 0, (x, ctx, temb_silu.clone()), |block, (x, ctx, temb)| {
+                        block.forward(x, ctx, temb)
+                    })?;
+            let text = text.ok_or_else(|| input_error("the first block gave no text stream".into()))?;
+            Ok(FirstBlockOutput {
+                residual: image.sub(&x_in)?,
+                image,
+                text,
+                temb_silu,
+            })
+        })
+    }
+
+    /// First-Block Cache's computed rest: every block after `head` (the last included); the
+    /// prediction and the residual `image stream after the last block − after the first`
+    /// (`first_block.rest`).
+    pub fn forward_after_first_block(
+        &self,
+        head: &FirstBlockOutput,
+        inputs: &SD3TransformerInputs<'_>,
+    ) -> Result<(Tensor, Tensor)> {
+        let args = (head.clone(), inputs.hidden_states.clone());
+        self.compiled
+            .whole("first_block.rest", self, args, |m, (head, latents)| {
+                let mut x = head.image.clone();
+                let mut ctx = head.text.clone();
+                for i in 1..m.transformer_blocks.len() {
+                    let args = (x, ctx.clone(), head.temb_silu.clone());
+                    let (new_ctx, new_x) =
+                        m.transformer_blocks
+                            .run(&m.compiled, i, args, |block, (x, ctx, temb)| {
+                                block.forward(x, ctx, temb)
+                            })?;
+                    x = new_x;
+                    if let Some(new_ctx) = new_ctx {
+                        ctx = new_ctx;
+                    }
+                }
+                Ok((m.output_for(&x, &head.temb_silu, latents)?, x.sub(&head.image)?))
+            })
+    }
+
+    /// First-Block Cache's cached rest: the first block's image stream plus the residual of the
+    /// last computed call, through `norm_out`, `proj_out` and the unpatchify
+    /// (`first_block.cached`).
+    pub fn forward_from_first_block(
+        &self,
+        head: &FirstBlockOutput,
+        residual: &Tensor,
+        inputs: &SD3TransformerInputs<'_>,
+    ) -> Result<Tensor> {
+        let args = (head.clone(), residual.clone(), inputs.hidden_states.clone());
+        self.compiled
+            .whole("first_block.cached", self, args, |m, (head, residual, latents)| {
+                m.output_for(&head.image.add(residual)?, &head.temb_silu, latents)
             })
     }
 

@@ -679,6 +679,59 @@ pub(crate) fn magcache_call(
     Ok(out)
 }
 
+/// One transformer call of `branch` under First-Block Cache: `head` runs the embeddings and the
+/// first block (`residual_of` its image residual, `image out − image in`); the rest runs
+/// (`rest`: the prediction and the residual `image after the last block − after the first`,
+/// kept with the head's residual) unless the head's residual changed by at most `threshold`
+/// (`mean|r − r_prev| / mean|r_prev|`, `r_prev` the last computed call's) — then `cached` gives
+/// the prediction from the head's output and the kept residual.
+pub(crate) fn first_block_call<H>(
+    run: &mut CacheRun,
+    branch: crate::pipeline::Branch,
+    head: impl FnOnce() -> kiln_nn::Result<H>,
+    residual_of: impl Fn(&H) -> &kiln_tensor::Tensor,
+    rest: impl FnOnce(&H) -> kiln_nn::Result<(kiln_tensor::Tensor, kiln_tensor::Tensor)>,
+    cached: impl FnOnce(&H, &kiln_tensor::Tensor) -> kiln_nn::Result<kiln_tensor::Tensor>,
+) -> kiln_nn::Result<kiln_tensor::Tensor> {
+    let CacheConfig::FirstBlock { threshold } = run.config else {
+        return Err(kiln_nn::Error::Config {
+            component: "transformer".into(),
+            message: format!(
+                "internal error: the {} cache is not First-Block Cache",
+                run.config.kind()
+            ),
+        });
+    };
+    let (_, _, state) = run.next(branch);
+    let step = state.step;
+    state.step += 1;
+    let head = head()?;
+    let change = match (&state.head_residual, &state.residual) {
+        (Some(previous), Some(_)) => Some(CacheRun::relative_change(residual_of(&head), previous)?),
+        _ => None,
+    };
+    let compute = change.is_none_or(|d| d > threshold);
+    // The measure and the decision of every call (KILN_LOG=kiln_pipelines::cache=debug).
+    tracing::debug!(
+        "first-block cache: {} call {step}: change {} → {}",
+        match branch {
+            crate::pipeline::Branch::Cond => "cond",
+            crate::pipeline::Branch::Uncond => "uncond",
+        },
+        change.map_or("none".to_string(), |d| d.to_string()),
+        if compute { "computed" } else { "served" }
+    );
+    if let (false, Some(residual)) = (compute, &state.residual) {
+        let out = cached(&head, residual)?;
+        run.served += 1;
+        return Ok(out);
+    }
+    let (out, residual) = rest(&head)?;
+    state.head_residual = Some(residual_of(&head).clone());
+    state.residual = Some(residual);
+    Ok(out)
+}
+
 /// One transformer call of `branch` under a cache of the attention modules' outputs (TaylorSeer,
 /// FasterCache): `compute` runs the model and gives the prediction with every attention output
 /// (in the model's order); on a cached call `given` runs it with the attention outputs predicted

@@ -556,41 +556,28 @@ fn cached_forward(
     run: &mut CacheRun,
     branch: Branch,
 ) -> kiln_nn::Result<Tensor> {
-    let threshold = match &run.config {
-        CacheConfig::MagCache { .. } => {
-            return crate::cache::magcache_call(
-                run,
-                branch,
-                || tr.forward_magcache_compute(inputs),
-                |residual| tr.forward_magcache_skip(inputs, residual),
-            )
-        }
-        CacheConfig::TaylorSeer { .. } | CacheConfig::Faster { .. } => {
-            return crate::cache::attention_cache_call(
-                run,
-                branch,
-                || tr.forward_recording_attention(inputs),
-                |attention| tr.forward_with_attention(inputs, attention),
-            )
-        }
-        CacheConfig::FirstBlock { threshold } => *threshold,
-    };
-    let (_, _, state) = run.next(branch);
-    state.step += 1;
-    let head = tr.forward_first_block(inputs)?;
-    let compute = match (&state.head_residual, &state.residual) {
-        (Some(previous), Some(_)) => CacheRun::relative_change(&head.residual, previous)? > threshold,
-        _ => true,
-    };
-    if let (false, Some(residual)) = (compute, &state.residual) {
-        let out = tr.forward_from_first_block(&head, residual)?;
-        run.served += 1;
-        return Ok(out);
+    match &run.config {
+        CacheConfig::MagCache { .. } => crate::cache::magcache_call(
+            run,
+            branch,
+            || tr.forward_magcache_compute(inputs),
+            |residual| tr.forward_magcache_skip(inputs, residual),
+        ),
+        CacheConfig::TaylorSeer { .. } | CacheConfig::Faster { .. } => crate::cache::attention_cache_call(
+            run,
+            branch,
+            || tr.forward_recording_attention(inputs),
+            |attention| tr.forward_with_attention(inputs, attention),
+        ),
+        CacheConfig::FirstBlock { .. } => crate::cache::first_block_call(
+            run,
+            branch,
+            || tr.forward_first_block(inputs),
+            |head| &head.residual,
+            |head| tr.forward_after_first_block(head, inputs.rope),
+            |head, residual| tr.forward_from_first_block(head, residual),
+        ),
     }
-    let (out, residual) = tr.forward_after_first_block(&head, inputs.rope)?;
-    state.head_residual = Some(head.residual);
-    state.residual = Some(residual);
-    Ok(out)
 }
 
 /// FLUX.1 Kontext's output size: `height × width` (only their aspect ratio counts) rescaled to

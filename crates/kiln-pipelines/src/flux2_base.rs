@@ -43,8 +43,8 @@ pipeline_call! {
         /// own and appended to the image tokens with time id `10 + 10·i`. Without
         /// `height`/`width` the output has the first reference's processed size.
         pub image: Vec<InputImage> = Vec::new(),
-        /// A step cache (MagCache, FasterCache, and on [klein] TaylorSeer; klein's guidance keeps
-        /// one state per branch, FasterCache one for both).
+        /// A step cache (MagCache, First-Block Cache, TaylorSeer, FasterCache); klein's guidance
+        /// keeps one state per branch (FasterCache one for both).
         pub cache: Option<crate::cache::CacheConfig> = None,
     }
 }
@@ -480,7 +480,15 @@ impl Flux2Base {
                                 || tr.forward_magcache_compute(&inputs),
                                 |residual| tr.forward_magcache_skip(&inputs, residual),
                             )?,
-                            // TaylorSeer, FasterCache (check_inputs refuses First-Block Cache).
+                            crate::cache::CacheConfig::FirstBlock { .. } => crate::cache::first_block_call(
+                                run,
+                                branch,
+                                || tr.forward_first_block(&inputs),
+                                |head| &head.residual,
+                                |head| tr.forward_after_first_block(head, rope),
+                                |head, residual| tr.forward_from_first_block(head, residual),
+                            )?,
+                            // TaylorSeer, FasterCache.
                             _ => crate::cache::attention_cache_call(
                                 run,
                                 branch,
@@ -615,30 +623,10 @@ impl Flux2Base {
         cfg: bool,
         warnings: &mut Vec<String>,
     ) -> Result<()> {
-        // What diffusers runs on FLUX.2: First-Block Cache fails on both pipelines (klein: its
-        // tail block returns one joint tensor; dev: no cache context), TaylorSeer needs the cache
-        // context that only Flux2KleinPipeline sets. MagCache and FasterCache need none.
-        match &args.cache {
-            Some(crate::cache::CacheConfig::FirstBlock { .. }) => {
-                return Err(invalid(format!(
-                    "`cache`: first-block does not run on FLUX.2 (diffusers fails on it: on Flux2KleinPipeline \
-                     the last single block returns the joint sequence, Flux2Pipeline sets no cache context); {} \
-                     takes magcache{}",
-                    self.class,
-                    match self.class {
-                        "Flux2Pipeline" => " or faster",
-                        _ => ", taylorseer or faster",
-                    }
-                )))
-            }
-            Some(crate::cache::CacheConfig::TaylorSeer { .. }) if self.class == "Flux2Pipeline" => {
-                return Err(invalid(
-                    "`cache`: taylorseer does not run on Flux2Pipeline (diffusers' pipeline sets no cache context, \
-                     which its hooks need); it takes magcache or faster",
-                ))
-            }
-            _ => {}
-        }
+        // Every cache runs on both FLUX.2 pipelines, one state per CFG branch (FasterCache: one
+        // for both). diffusers 0.42.1 runs only MagCache on Flux2Pipeline and fails on First-Block
+        // Cache on both (README-cache); these run here as their definitions say (First-Block
+        // Cache's residual over the image tokens of the joint sequence, as MagCache's).
         let given = [
             ("prompt_2", args.prompt_2.is_some()),
             ("negative_prompt", args.negative_prompt.is_some()),

@@ -52,8 +52,8 @@ pipeline_call! {
         pub text_encoder_out_layers: Vec<usize> = TextSide::Qwen3.out_layers().to_vec(),
         /// Reference images (`image=`), as FLUX.2 [dev] takes them ([`Flux2Call::image`]).
         pub image: Vec<kiln_image::InputImage> = Vec::new(),
-        /// A step cache (MagCache, TaylorSeer, FasterCache; one state per CFG branch, FasterCache
-        /// one for both).
+        /// A step cache (MagCache, First-Block Cache, TaylorSeer, FasterCache; one state per CFG
+        /// branch, FasterCache one for both).
         pub cache: Option<crate::cache::CacheConfig> = None,
     }
 }

@@ -60,7 +60,8 @@ pipeline_call! {
         pub mask_image: Option<kiln_image::InputImage> = None,
         /// Image-to-image: the share of the steps that run.
         pub strength: f64 = 0.6,
-        /// A step cache (MagCache).
+        /// A step cache (MagCache, First-Block Cache, TaylorSeer; one state: the guidance is one
+        /// batched call).
         pub cache: Option<crate::cache::CacheConfig> = None,
     }
 }
@@ -401,13 +402,7 @@ impl StableDiffusion3Pipeline {
                         skip_layers: skip,
                     };
                     match &cache {
-                        // (One state: SD3 runs its guidance as one batched call.)
-                        Some(run) if skip.is_empty() => crate::cache::magcache_call(
-                            &mut run.borrow_mut(),
-                            crate::pipeline::Branch::Cond,
-                            || tr.forward_magcache_compute(&inputs),
-                            |residual| tr.forward_magcache_skip(&inputs, residual),
-                        ),
+                        Some(run) if skip.is_empty() => cached_forward(tr, &inputs, &mut run.borrow_mut()),
                         _ => tr.forward(&inputs),
                     }
                 };
@@ -493,15 +488,14 @@ impl StableDiffusion3Pipeline {
             }
         }
         // diffusers quirk: the `prompt_3` message shows `prompt_2`.
-        match &args.cache {
-            None | Some(CacheConfig::MagCache { .. }) => {}
-            // diffusers 0.42.1 runs no other hook on SD3 (its transformer sets no cache context).
-            Some(c) => {
-                return Err(invalid(format!(
-                    "`cache`: SD3 takes magcache (diffusers runs no other cache on it), not {}",
-                    c.kind()
-                )))
-            }
+        // diffusers 0.42.1 runs only MagCache on SD3 (no cache context for the others);
+        // First-Block Cache and TaylorSeer run here as defined, with one state.
+        if let Some(CacheConfig::Faster { .. }) = &args.cache {
+            return Err(invalid(
+                "`cache`: faster does not run on SD3 (its guidance is one batched call, which FasterCache's \
+                 non-distilled mode splits, and kiln implements only the guidance-distilled mode); SD3 takes \
+                 magcache, first-block or taylorseer",
+            ));
         }
         if args.cache.is_some() && args.skip_guidance_layers.is_some() {
             return Err(invalid(
@@ -617,5 +611,43 @@ fn sd3_call<'a>(mut c: GenerateCall<'a>, defaults: &CallDefaults, e: Option<Embe
         skip_layer_guidance_start: c.skip_layer_guidance_start.unwrap_or(d.skip_layer_guidance_start),
         skip_layer_guidance_stop: c.skip_layer_guidance_stop.unwrap_or(d.skip_layer_guidance_stop),
         ..StableDiffusion3Call::from_generate(c, defaults, e)
+    }
+}
+
+/// One transformer call under a step cache, with one state for the whole run (SD3 runs its
+/// guidance as one batched `[uncond; cond]` call: one decision, residuals over both halves, as
+/// diffusers' hooks would keep them in their `inference` context): MagCache skips every block on
+/// its planned steps; First-Block Cache runs `transformer_blocks.0` and the rest only when its
+/// image residual changed by more than the threshold (else the rest's last residual is added to
+/// its image output); TaylorSeer predicts every `transformer_blocks.{i}.attn` output (not
+/// `attn2`) on its cached steps.
+fn cached_forward(
+    tr: &SD3Transformer2DModel,
+    inputs: &SD3TransformerInputs<'_>,
+    run: &mut CacheRun,
+) -> kiln_nn::Result<Tensor> {
+    let branch = crate::pipeline::Branch::Cond;
+    match &run.config {
+        CacheConfig::MagCache { .. } => crate::cache::magcache_call(
+            run,
+            branch,
+            || tr.forward_magcache_compute(inputs),
+            |residual| tr.forward_magcache_skip(inputs, residual),
+        ),
+        CacheConfig::FirstBlock { .. } => crate::cache::first_block_call(
+            run,
+            branch,
+            || tr.forward_first_block(inputs),
+            |head| &head.residual,
+            |head| tr.forward_after_first_block(head, inputs),
+            |head, residual| tr.forward_from_first_block(head, residual, inputs),
+        ),
+        // TaylorSeer (check_inputs refuses FasterCache).
+        _ => crate::cache::attention_cache_call(
+            run,
+            branch,
+            || tr.forward_recording_attention(inputs),
+            |attention| tr.forward_with_attention(inputs, attention),
+        ),
     }
 }
