@@ -503,6 +503,8 @@ async fn serve_until_stopped(
             },
             () = &mut shutdown => break,
         };
+        // Small answers go out at once (as `axum::serve`'s listener would with TCP_NODELAY).
+        let _ = stream.set_nodelay(true);
         let active = active.clone();
         let service = hyper::service::service_fn(move |request: axum::http::Request<hyper::body::Incoming>| {
             let router = active.read().unwrap_or_else(|e| e.into_inner()).clone();
