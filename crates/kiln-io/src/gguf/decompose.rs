@@ -6,6 +6,7 @@
 
 use kiln_types::f16;
 
+use super::dequant::{Rounding, ToF16};
 use super::types::GgmlType;
 use crate::error::{IoError, Result};
 
@@ -98,104 +99,122 @@ pub fn decompose(ty: GgmlType, blocks: &[u8]) -> Result<Decomposed> {
         group,
     };
     let per_block = be / group;
+    let (mut q, mut sc, mut of) = ([0i8; 256], [0f32; 16], [0f32; 16]);
     for (k, b) in blocks.chunks_exact(bb).enumerate() {
-        let q = &mut out.q[k * be..(k + 1) * be];
-        let s = &mut out.scale[k * per_block..(k + 1) * per_block];
-        let o = out.offset.as_mut().map(|o| &mut o[k * per_block..(k + 1) * per_block]);
-        block(ty, b, q, s, o);
+        split_block::<ToF16>(ty, b, &mut q[..be], &mut sc[..per_block], &mut of[..per_block]);
+        for (dst, &v) in out.q[k * be..(k + 1) * be].iter_mut().zip(&q[..be]) {
+            *dst = (i16::from(v) + i16::from(QUANT_BIAS)) as u8;
+        }
+        // Exact: the scales and offsets are f16 values already (ToF16 rounded them).
+        for (dst, &v) in out.scale[k * per_block..(k + 1) * per_block].iter_mut().zip(&sc) {
+            *dst = f16::from_f32(v);
+        }
+        if let Some(o) = out.offset.as_mut() {
+            for (dst, &v) in o[k * per_block..(k + 1) * per_block].iter_mut().zip(&of) {
+                *dst = f16::from_f32(v);
+            }
+        }
     }
     Ok(out)
 }
 
-fn half_at(b: &[u8], at: usize) -> f16 {
-    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]]))
+fn half_at(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
-/// `r(a · b)` as f16.
-fn r_mul(a: f16, b: f32) -> f16 {
-    f16::from_f32(a.to_f32() * b)
-}
-
-fn stored(q: i32) -> u8 {
-    (q + i32::from(QUANT_BIAS)) as u8
-}
-
-/// One block: `q` its elements, `s` (and `o`) its groups.
-fn block(ty: GgmlType, b: &[u8], q: &mut [u8], s: &mut [f16], o: Option<&mut [f16]>) {
+/// One block of a quantized `ty` split into its integers `q` (element order), and per group of
+/// [`group_of`] elements its scale `s` and offset `o` (left as is for the types without one),
+/// each rounded by `R` as the arithmetic computes it: element `e` is then
+/// `R(R(s[g] · q[e]) + o[g])` (no `+ o` without an offset), `g = e / group`. Element order follows
+/// ggml's `dequantize_row_*` (which gguf-py and diffusers reproduce).
+pub(super) fn split_block<R: Rounding>(ty: GgmlType, b: &[u8], q: &mut [i8], s: &mut [f32], o: &mut [f32]) {
     match ty {
+        // `d: f16, qs: i8[32]`; `x = d · q`.
         GgmlType::Q8_0 => {
             s[0] = half_at(b, 0);
-            for (j, &v) in b[2..34].iter().enumerate() {
-                q[j] = stored(i32::from(v as i8));
+            for (q, &v) in q.iter_mut().zip(&b[2..34]) {
+                *q = v as i8;
             }
         }
+        // `d, qs[16]` / `d, m, qs[16]`: byte j holds element j (low nibble) and j + 16 (high);
+        // `x = d · (q − 8)` / `x = d · q + m`.
         GgmlType::Q4_0 | GgmlType::Q4_1 => {
             let (start, shift) = if ty == GgmlType::Q4_0 { (2, 8) } else { (4, 0) };
             s[0] = half_at(b, 0);
-            if let Some(o) = o {
+            if ty == GgmlType::Q4_1 {
                 o[0] = half_at(b, 2);
             }
             for (j, &v) in b[start..start + 16].iter().enumerate() {
-                q[j] = stored(i32::from(v & 0x0F) - shift);
-                q[j + 16] = stored(i32::from(v >> 4) - shift);
+                q[j] = ((v & 0x0F) as i8) - shift;
+                q[j + 16] = ((v >> 4) as i8) - shift;
             }
         }
+        // As Q4_0 / Q4_1 with `qh: u32` before `qs`: bit i of `qh` is bit 4 of element i;
+        // `x = d · (q − 16)` / `x = d · q + m`.
         GgmlType::Q5_0 | GgmlType::Q5_1 => {
             let (at, shift) = if ty == GgmlType::Q5_0 { (2, 16) } else { (4, 0) };
             s[0] = half_at(b, 0);
-            if let Some(o) = o {
+            if ty == GgmlType::Q5_1 {
                 o[0] = half_at(b, 2);
             }
             let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
             for (j, &v) in b[at + 4..at + 20].iter().enumerate() {
                 let lo = u32::from(v & 0x0F) | ((qh >> j) & 1) << 4;
                 let hi = u32::from(v >> 4) | ((qh >> (j + 16)) & 1) << 4;
-                q[j] = stored(lo as i32 - shift);
-                q[j + 16] = stored(hi as i32 - shift);
+                q[j] = lo as i8 - shift;
+                q[j + 16] = hi as i8 - shift;
             }
         }
+        // `scales[16], qs[64], d, dmin`: element `128 h + 32 s + l` is the 2-bit field `s` of
+        // `qs[32 h + l]`; group i (16 elements) has scale `d · (scales[i] & 15)` and offset
+        // `−dmin · (scales[i] >> 4)`.
         GgmlType::Q2_K => {
             let (scales, qs) = (&b[0..16], &b[16..80]);
             let (d, dmin) = (half_at(b, 80), half_at(b, 82));
-            let o = o.expect("Q2_K has offsets");
             for (i, &sc) in scales.iter().enumerate() {
-                s[i] = r_mul(d, f32::from(sc & 0x0F));
-                o[i] = -r_mul(dmin, f32::from(sc >> 4));
+                s[i] = R::r(d * f32::from(sc & 0x0F));
+                o[i] = -R::r(dmin * f32::from(sc >> 4));
             }
             for h in 0..2 {
                 for sh in 0..4 {
                     for l in 0..32 {
-                        q[128 * h + 32 * sh + l] = stored(i32::from((qs[32 * h + l] >> (2 * sh)) & 3));
+                        q[128 * h + 32 * sh + l] = ((qs[32 * h + l] >> (2 * sh)) & 3) as i8;
                     }
                 }
             }
         }
+        // `hmask[32], qs[64], scales[12], d`: element `e = 128 h + 32 s + l` has its low 2 bits
+        // from field `s` of `qs[32 h + l]`, minus 4 unless bit `e / 32` of `hmask[l]` is set; the
+        // 16 6-bit scales: low nibbles from `scales[0..8]` (low nibbles first, then high), 2 high
+        // bits from `scales[8..12]` (field `i / 4` of byte `8 + i % 4`), minus 32; `x = (d · sc) · q`.
         GgmlType::Q3_K => {
             let (hmask, qs, sc) = (&b[0..32], &b[32..96], &b[96..108]);
             let d = half_at(b, 108);
             for (i, s) in s.iter_mut().enumerate() {
                 let low = if i < 8 { sc[i] & 0x0F } else { sc[i - 8] >> 4 };
                 let high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
-                *s = r_mul(d, (i32::from(low | high << 4) - 32) as f32);
+                *s = R::r(d * (i32::from(low | high << 4) - 32) as f32);
             }
             for h in 0..2 {
                 for sh in 0..4 {
                     let e0 = 128 * h + 32 * sh;
                     for l in 0..32 {
-                        let low = i32::from((qs[32 * h + l] >> (2 * sh)) & 3);
+                        let low = ((qs[32 * h + l] >> (2 * sh)) & 3) as i8;
                         let set = (hmask[l] >> (e0 / 32)) & 1 == 1;
-                        q[e0 + l] = stored(if set { low } else { low - 4 });
+                        q[e0 + l] = if set { low } else { low - 4 };
                     }
                 }
             }
         }
+        // `d, dmin, scales[12], (qh[32],) qs[128]`: element `64 c + 32 s + l` is nibble `s` of
+        // `qs[32 c + l]` (Q5_K: bit `2c + s` of `qh[l]` its bit 4), in group `2 c + s`;
+        // `x = (d · sc) · q − dmin · m`.
         GgmlType::Q4_K | GgmlType::Q5_K => {
             let (d, dmin) = (half_at(b, 0), half_at(b, 2));
             let (sc, mn) = k_scale_min(&b[4..16]);
-            let o = o.expect("Q4_K and Q5_K have offsets");
             for sub in 0..8 {
-                s[sub] = r_mul(d, f32::from(sc[sub]));
-                o[sub] = -r_mul(dmin, f32::from(mn[sub]));
+                s[sub] = R::r(d * f32::from(sc[sub]));
+                o[sub] = -R::r(dmin * f32::from(mn[sub]));
             }
             let (qh, qs) = match ty {
                 GgmlType::Q5_K => (Some(&b[16..48]), &b[48..176]),
@@ -209,16 +228,19 @@ fn block(ty: GgmlType, b: &[u8], q: &mut [u8], s: &mut [f16], o: Option<&mut [f1
                         if let Some(qh) = qh {
                             v |= ((qh[l] >> sub) & 1) << 4;
                         }
-                        q[32 * sub + l] = stored(i32::from(v));
+                        q[32 * sub + l] = v as i8;
                     }
                 }
             }
         }
+        // `ql[128], qh[64], scales: i8[16], d`: element `128 h + 32 k + l` has the low nibble
+        // `k / 2` of `ql[64 h + 32 (k % 2) + l]` and the 2-bit field `k` of `qh[32 h + l]`,
+        // minus 32; `x = (d · scales[e / 16]) · q`.
         GgmlType::Q6_K => {
             let (ql, qh, scales) = (&b[0..128], &b[128..192], &b[192..208]);
             let d = half_at(b, 208);
             for (s, &v) in s.iter_mut().zip(scales) {
-                *s = r_mul(d, f32::from(v as i8));
+                *s = R::r(d * f32::from(v as i8));
             }
             for h in 0..2 {
                 for k in 0..4 {
@@ -226,12 +248,12 @@ fn block(ty: GgmlType, b: &[u8], q: &mut [u8], s: &mut [f16], o: Option<&mut [f1
                     for l in 0..32 {
                         let low = (ql[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0F;
                         let high = (qh[32 * h + l] >> (2 * k)) & 3;
-                        q[e0 + l] = stored(i32::from(low | high << 4) - 32);
+                        q[e0 + l] = (low | high << 4) as i8 - 32;
                     }
                 }
             }
         }
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => unreachable!("decompose refused unquantized types"),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => unreachable!("only quantized types are split"),
     }
 }
 
