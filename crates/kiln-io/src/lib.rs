@@ -12,8 +12,8 @@
 //! - [`hub`]: turning a folder or an `ORG/NAME` repo id into a folder, offline, through the
 //!   Hugging Face cache.
 //!
-//! The only `unsafe` are the memory-map calls of [`SafetensorsFile::open`] and
-//! [`gguf::GgufFile::open`].
+//! The only `unsafe` are the one memory-map call both readers use and the page advice of
+//! [`SafetensorsFile::release_pages`] and [`SafetensorsFile::release_range`].
 #![deny(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -23,6 +23,7 @@ pub mod gguf;
 pub mod hub;
 mod json;
 pub mod lora;
+mod mapped;
 pub mod model_index;
 pub mod safetensors;
 pub mod single_file;

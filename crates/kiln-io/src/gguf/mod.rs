@@ -17,7 +17,6 @@ mod header;
 mod types;
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -28,6 +27,7 @@ pub use dequant::{dequantize, dequantize_f16};
 pub use types::{ggml_type_name, Arithmetic, GgmlType, SUPPORTED_GGML_TYPES};
 
 use crate::error::{IoError, Result};
+use crate::mapped::Bytes;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -245,20 +245,6 @@ impl GgufTensorInfo {
     }
 }
 
-enum Bytes {
-    Mapped(memmap2::Mmap),
-    Owned(Vec<u8>),
-}
-
-impl Bytes {
-    fn as_slice(&self) -> &[u8] {
-        match self {
-            Bytes::Mapped(map) => map,
-            Bytes::Owned(vec) => vec,
-        }
-    }
-}
-
 /// A validated GGUF file. Tensor data is read only when its bytes are touched.
 pub struct GgufFile {
     path: PathBuf,
@@ -287,19 +273,14 @@ impl GgufFile {
     /// Memory-maps and validates the GGUF file at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| IoError::read(path, e))?;
-        let len = file.metadata().map_err(|e| IoError::read(path, e))?.len();
-        if len < header::FIXED_HEADER_BYTES as u64 {
-            // Too short to be GGUF (and an empty file cannot be mapped): read it for the error.
-            let bytes = std::fs::read(path).map_err(|e| IoError::read(path, e))?;
-            return Self::new(path.to_path_buf(), Bytes::Owned(bytes));
+        match Bytes::map(path, header::FIXED_HEADER_BYTES as u64)? {
+            (Some(bytes), _) => Self::new(path.to_path_buf(), bytes),
+            // Too short to be GGUF: read it for the error.
+            (None, _) => {
+                let bytes = std::fs::read(path).map_err(|e| IoError::read(path, e))?;
+                Self::new(path.to_path_buf(), Bytes::Owned(bytes))
+            }
         }
-        #[allow(unsafe_code)]
-        // SAFETY: the map is read-only and private to this value. Like every mmap-based loader,
-        // kiln relies on model files not being truncated or rewritten while they are open; the
-        // header is validated against the mapped length before any tensor byte is used.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| IoError::read(path, e))?;
-        Self::new(path.to_path_buf(), Bytes::Mapped(map))
     }
 
     /// Validates an in-memory GGUF file; `path` only names it in errors.

@@ -2,7 +2,6 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -10,25 +9,12 @@ use kiln_types::{DType, Shape};
 
 use super::header::{Header, StoredDType, TensorInfo};
 use crate::error::{IoError, Result};
+use crate::mapped::Bytes;
 
 /// The dtypes [`SafetensorsFile::weight`] accepts.
 const WEIGHT_DTYPES: &str = "F32, BF16, F16";
 /// The dtypes [`SafetensorsFile::tensor`] accepts: those with a kiln [`DType`].
 const KILN_DTYPES: &str = "F32, F64, BF16, F16, I64, I32, U32, U8, BOOL";
-
-enum Bytes {
-    Mapped(memmap2::Mmap),
-    Owned(Vec<u8>),
-}
-
-impl Bytes {
-    fn as_slice(&self) -> &[u8] {
-        match self {
-            Bytes::Mapped(map) => map,
-            Bytes::Owned(vec) => vec,
-        }
-    }
-}
 
 /// A validated safetensors file. Tensor data is read only when a view's bytes are touched.
 pub struct SafetensorsFile {
@@ -65,21 +51,13 @@ impl SafetensorsFile {
     /// Memory-maps and validates the file at `path`.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| IoError::read(path, e))?;
-        let len = file.metadata().map_err(|e| IoError::read(path, e))?.len();
-        if len < 8 {
-            // Too short for the length prefix; also avoids mapping an empty file.
-            return Err(IoError::CorruptFile {
+        match Bytes::map(path, 8)? {
+            (Some(bytes), _) => Self::new(path.to_path_buf(), bytes),
+            (None, len) => Err(IoError::CorruptFile {
                 file: path.to_path_buf(),
                 reason: format!("the file is {len} bytes long, shorter than the 8-byte header length"),
-            });
+            }),
         }
-        #[allow(unsafe_code)]
-        // SAFETY: the map is read-only and private to this value. Like every mmap-based loader,
-        // kiln relies on model files not being truncated or rewritten while they are open; the
-        // header is validated against the mapped length before any tensor byte is used.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| IoError::read(path, e))?;
-        Self::new(path.to_path_buf(), Bytes::Mapped(map))
     }
 
     /// Validates an in-memory safetensors file; `path` only names it in errors.
@@ -177,13 +155,20 @@ impl SafetensorsFile {
     /// The stored bytes of tensor `name` whatever its dtype (float8 included), with its header
     /// entry: for converters that decode the dtype themselves.
     pub fn stored(&self, name: &str) -> Result<(&TensorInfo, &[u8])> {
-        let Some(info) = self.header.tensors.get(name) else {
+        let (_, info, data) = self.entry(name)?;
+        Ok((info, data))
+    }
+
+    /// Tensor `name`'s key, header entry and bytes.
+    fn entry(&self, name: &str) -> Result<(&str, &TensorInfo, &[u8])> {
+        let Some((key, info)) = self.header.tensors.get_key_value(name) else {
             return Err(IoError::MissingTensor {
                 name: name.to_string(),
                 file: self.path.clone(),
             });
         };
         let (begin, end) = info.data_offsets;
+        // The header check guaranteed `end <= data length`; `get` keeps this panic-free anyway.
         let data = self
             .bytes
             .as_slice()
@@ -191,9 +176,9 @@ impl SafetensorsFile {
             .ok_or_else(|| IoError::CorruptTensor {
                 file: self.path.clone(),
                 tensor: name.to_string(),
-                reason: "its data lies outside the file".to_string(),
+                reason: "data_offsets run past the end of the file".to_string(),
             })?;
-        Ok((info, data))
+        Ok((key, info, data))
     }
 
     /// The bytes of `tensor.narrow(dim, range.start, range.len())`, row-major; borrowed from the
@@ -208,29 +193,13 @@ impl SafetensorsFile {
         accept: impl Fn(StoredDType) -> Option<DType>,
         supported: &'static str,
     ) -> Result<TensorView<'a>> {
-        let Some((key, info)) = self.header.tensors.get_key_value(name) else {
-            return Err(IoError::MissingTensor {
-                name: name.to_string(),
-                file: self.path.clone(),
-            });
-        };
+        let (key, info, data) = self.entry(name)?;
         let dtype = accept(info.dtype).ok_or_else(|| IoError::UnsupportedDType {
             name: name.to_string(),
             file: self.path.clone(),
             dtype: info.dtype.name(),
             supported,
         })?;
-        let (begin, end) = info.data_offsets;
-        // The header check guaranteed `end <= data length`; `get` keeps this panic-free anyway.
-        let data = self
-            .bytes
-            .as_slice()
-            .get(self.header.data_start + begin..self.header.data_start + end)
-            .ok_or_else(|| IoError::CorruptTensor {
-                file: self.path.clone(),
-                tensor: name.to_string(),
-                reason: "data_offsets run past the end of the file".to_string(),
-            })?;
         Ok(TensorView {
             name: key,
             file: &self.path,
