@@ -223,6 +223,25 @@ fn tiny(dir: &std::path::Path, pipeline: &str, steps: usize, output: &str, extra
 }
 
 /// The calls served from the cache, from `step cache: N of M …`.
+/// `--cache flag` on `pipeline` in each of `modes` (name, its flags): the calls served as `served`
+/// says and the image within a level of `reference` (the eager run's, in `dir`).
+fn same_in_modes(
+    dir: &std::path::Path,
+    (pipeline, steps): (&str, usize),
+    flag: &str,
+    modes: &[(&str, [&str; 2])],
+    served_calls: (usize, usize),
+    reference: &str,
+) {
+    for (mode, flags) in modes {
+        let out = format!("{mode}.png");
+        let extra = [&["--cache", flag][..], &flags[..]].concat();
+        let stderr = tiny(dir, pipeline, steps, &out, &extra, false);
+        assert_eq!(served(&stderr), served_calls, "{pipeline} {mode}");
+        golden::assert_matches_golden(&dir.join(&out), &dir.join(reference));
+    }
+}
+
 fn served(stderr: &str) -> (usize, usize) {
     let line = stderr.lines().find(|l| l.starts_with("step cache:")).unwrap();
     let words: Vec<&str> = line.split_whitespace().collect();
@@ -314,17 +333,12 @@ fn taylorseer_runs_on_sd3_and_flux2_dev() {
         );
         assert_eq!(served(&stderr), (hits, steps), "{pipeline}");
         assert_close_to_uncached(&dir, pipeline, "taylorseer", "eager.png");
-        for (mode, flags) in [
+        let modes = [
             ("full", ["--compile", "full"]),
             ("blocks", ["--compile", "blocks"]),
             ("sequential", ["--offload", "sequential"]),
-        ] {
-            let out = format!("{mode}.png");
-            let extra = [&["--cache", flag.as_str()][..], &flags[..]].concat();
-            let stderr = tiny(&dir, pipeline, steps, &out, &extra, false);
-            assert_eq!(served(&stderr), (hits, steps), "{pipeline} {mode}");
-            golden::assert_matches_golden(&dir.join(&out), &dir.join("eager.png"));
-        }
+        ];
+        same_in_modes(&dir, (pipeline, steps), &flag, &modes, (hits, steps), "eager.png");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -432,16 +446,11 @@ fn first_block_runs_on_sd3_and_flux2() {
         );
         // Compiled whole, and with the blocks streamed: the same decisions and image.
         let flag = format!("first-block:threshold={threshold}");
-        for (mode, flags) in [
+        let modes = [
             ("full", ["--compile", "full"]),
             ("sequential", ["--offload", "sequential"]),
-        ] {
-            let out = format!("{mode}.png");
-            let extra = [&["--cache", flag.as_str()][..], &flags[..]].concat();
-            let stderr = tiny(&dir, pipeline, steps, &out, &extra, false);
-            assert_eq!(served(&stderr), (hits, calls), "{pipeline} {mode}");
-            golden::assert_matches_golden(&dir.join(&out), &dir.join("cached.png"));
-        }
+        ];
+        same_in_modes(&dir, (pipeline, steps), &flag, &modes, (hits, calls), "cached.png");
         // A huge threshold: every call after each branch's first is served.
         let stderr = eager("always.png", 1e9);
         assert_eq!(served(&stderr), (calls - branches, calls), "{pipeline}");
