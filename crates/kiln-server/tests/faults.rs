@@ -143,24 +143,7 @@ fn agent() -> ureq::Agent {
 
 /// (status, JSON body or text, Retry-After).
 fn send(server: &Server, method: &str, path: &str, body: Option<&Value>) -> (u16, Value, Option<String>) {
-    let request = agent().request(method, &format!("{}{path}", server.base));
-    let result = match body {
-        Some(b) => request.send_json(b.clone()),
-        None => request.call(),
-    };
-    let response = match result {
-        Ok(r) => r,
-        Err(ureq::Error::Status(_, r)) => r,
-        Err(e) => panic!("{method} {path}: {e}"),
-    };
-    let status = response.status();
-    let retry = response.header("retry-after").map(str::to_string);
-    let text = response.into_string().unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        retry,
-    )
+    common::send(&server.base, method, path, body.map(Value::to_string).as_deref(), None)
 }
 
 fn get(server: &Server, path: &str) -> (u16, Value) {

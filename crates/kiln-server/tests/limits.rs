@@ -156,29 +156,8 @@ impl Server {
         path: &str,
         body: Option<&Value>,
     ) -> (u16, Value, Option<String>) {
-        // A fresh agent per request: no kept-alive connection is reused after the server closed it.
-        let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(30)).build();
-        let mut request = agent.request(method, &format!("{}{path}", self.base));
-        if let Some(key) = key {
-            request = request.set("Authorization", &format!("Bearer {key}"));
-        }
-        let result = match body {
-            Some(b) => request.send_json(b.clone()),
-            None => request.call(),
-        };
-        let response = match result {
-            Ok(r) => r,
-            Err(ureq::Error::Status(_, r)) => r,
-            Err(e) => panic!("{method} {path}: {e}"),
-        };
-        let status = response.status();
-        let retry = response.header("retry-after").map(str::to_string);
-        let text = response.into_string().unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-            retry,
-        )
+        // A fresh connection per request: none kept alive is reused after the server closed it.
+        common::send(&self.base, method, path, body.map(Value::to_string).as_deref(), key)
     }
 
     fn send(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value, Option<String>) {

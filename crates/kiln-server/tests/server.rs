@@ -168,24 +168,7 @@ fn send(
     body: Option<&str>,
     key: Option<&str>,
 ) -> (u16, Value, Option<String>) {
-    let mut request = agent().request(method, &format!("{}{path}", server.base));
-    if let Some(key) = key {
-        request = request.set("Authorization", &format!("Bearer {key}"));
-    }
-    let result = match body {
-        Some(b) => request.set("Content-Type", "application/json").send_string(b),
-        None => request.call(),
-    };
-    let response = match result {
-        Ok(r) => r,
-        Err(ureq::Error::Status(_, r)) => r,
-        Err(e) => panic!("{method} {path}: {e}"),
-    };
-    let status = response.status();
-    let retry = response.header("retry-after").map(str::to_string);
-    let text = response.into_string().unwrap();
-    let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
-    (status, value, retry)
+    common::send(&server.base, method, path, body, key)
 }
 
 fn get(server: &Server, path: &str) -> (u16, Value) {

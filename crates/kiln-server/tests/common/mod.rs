@@ -27,3 +27,35 @@ pub fn fake_model(name: &str, class: &str, steps: usize) -> ModelInfo {
         device: None,
     }
 }
+
+/// `method path` against the server at `base` (`http://host:port`) with an optional JSON `body` and
+/// API `key`, on a fresh connection: (status, JSON body or the text as a JSON string, Retry-After).
+pub fn send(
+    base: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    key: Option<&str>,
+) -> (u16, serde_json::Value, Option<String>) {
+    let agent = ureq::AgentBuilder::new()
+        .timeout(std::time::Duration::from_secs(60))
+        .build();
+    let mut request = agent.request(method, &format!("{base}{path}"));
+    if let Some(key) = key {
+        request = request.set("Authorization", &format!("Bearer {key}"));
+    }
+    let result = match body {
+        Some(b) => request.set("Content-Type", "application/json").send_string(b),
+        None => request.call(),
+    };
+    let response = match result {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("{method} {path}: {e}"),
+    };
+    let status = response.status();
+    let retry = response.header("retry-after").map(str::to_string);
+    let text = response.into_string().unwrap();
+    let value = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+    (status, value, retry)
+}
