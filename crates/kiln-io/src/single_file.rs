@@ -1,7 +1,8 @@
 //! One model component from one file in its original naming: BFL's FLUX.1 / FLUX.2, Stability's
 //! SD3.5 and Tongyi's Z-Image transformers (`.safetensors`, optionally under
-//! `model.diffusion_model.`; bf16, f16, f32 or float8_e4m3fn) and city96's GGUF files of them, and
-//! llama.cpp's T5 encoder GGUF.
+//! `model.diffusion_model.`; bf16, f16, f32 or float8_e4m3fn) and city96's GGUF files of them,
+//! llama.cpp's T5 encoder GGUF, and CLIP / T5 files (or any component) already in the model's own
+//! names.
 //!
 //! [`open_single_file`] converts the keys as diffusers' `from_single_file` (and transformers'
 //! `gguf_file=`) do — fused q/k/v and FLUX.1's `linear1` split by rows, BFL's (shift, scale)
@@ -11,7 +12,8 @@
 //! What the checkpoint holds: float tensors as stored (float8_e4m3fn widened to bf16, exactly);
 //! GGUF block-quantized tensors decoded as the reference decodes them — diffusers in float16
 //! arithmetic (held as f16: exactly diffusers' values), transformers' T5 in float32 (held as
-//! f32). The decoded weights live in host memory (the quantized form is not kept on the device).
+//! f32) — unless asked to keep a transformer's matrices quantized (see [`open_single_file`]). The
+//! converted checkpoint lives in host memory for as long as the pipeline holds it.
 
 // A target's rows are a list of ranges: one for a whole or split tensor, two for swapped halves.
 #![allow(clippy::single_range_in_vec_init)]
