@@ -480,19 +480,20 @@ fn plan(path: &Path, sources: &[Source], model: SingleFileModel) -> Result<Vec<T
     match try_plan(path, sources, model) {
         Ok(targets) => Ok(targets),
         Err(Unmapped::Error(e)) => Err(e),
-        Err(Unmapped::Tensor(_)) if in_own_names(sources, model) && looks_like(path, sources, model).is_none() => {
-            Ok(sources
-                .iter()
-                .enumerate()
-                .map(|(index, source)| Target {
-                    name: source.name.clone(),
-                    source: index,
-                    rows: vec![0..source.rows()],
-                })
-                .collect())
-        }
         Err(Unmapped::Tensor(key)) => {
-            let hint = match looks_like(path, sources, model) {
+            let other = looks_like(path, sources, model);
+            if other.is_none() && in_own_names(sources, model) {
+                return Ok(sources
+                    .iter()
+                    .enumerate()
+                    .map(|(index, source)| Target {
+                        name: source.name.clone(),
+                        source: index,
+                        rows: vec![0..source.rows()],
+                    })
+                    .collect());
+            }
+            let hint = match other {
                 Some(other) => format!(
                     "the file holds the {} instead; give it to a pipeline of that model",
                     other.name()
