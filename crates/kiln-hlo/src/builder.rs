@@ -128,7 +128,7 @@ impl Builder {
     /// Makes the program a per-device (manually partitioned) SPMD program over `partitions`
     /// devices, as JAX's `shard_map` is: every argument and result is marked
     /// `mhlo.sharding = "{manual}"`, so each device runs the body on its own local values and the
-    /// only communication is the collectives the body emits ([`Builder::all_reduce`]).
+    /// only communication is the collectives the body emits (`collectives.rs`).
     pub fn set_manual_partitions(&mut self, partitions: usize) {
         self.manual_partitions = (partitions > 1).then_some(partitions);
     }

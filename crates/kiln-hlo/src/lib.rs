@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 mod builder;
+mod collectives;
 mod error;
 mod ops;
 

@@ -98,7 +98,7 @@ impl Default for ConvDims {
     }
 }
 
-fn join(v: &[usize]) -> String {
+pub(crate) fn join(v: &[usize]) -> String {
     let mut s = String::new();
     for (i, x) in v.iter().enumerate() {
         if i > 0 {
@@ -110,7 +110,7 @@ fn join(v: &[usize]) -> String {
 }
 
 /// `array<i64: a, b>`, or `array<i64>` when empty (the parser rejects `array<i64: >`).
-fn arr(v: &[usize]) -> String {
+pub(crate) fn arr(v: &[usize]) -> String {
     if v.is_empty() {
         "array<i64>".to_string()
     } else {
@@ -130,7 +130,7 @@ fn join_i64(v: &[i64]) -> String {
     v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")
 }
 
-fn ty(v: &Value) -> String {
+pub(crate) fn ty(v: &Value) -> String {
     tensor_type(&v.shape, v.dtype)
 }
 
@@ -769,30 +769,6 @@ impl Builder {
                 join(&sorted),
                 ty(x),
                 ty(&init)
-            ),
-        ))
-    }
-
-    /// The sum of `x` over every device of a per-device program (`all_reduce` across all
-    /// partitions; identity in a one-device program). Every device gets the same sum.
-    pub fn all_reduce_sum(&mut self, x: &Value) -> Result<Value> {
-        self.check("all_reduce", x)?;
-        let n = self.partitions();
-        if n == 1 {
-            return Ok(x.clone());
-        }
-        let combiner = if x.dtype == DType::Bool { "or" } else { "add" };
-        let scalar = tensor_type(&Shape::scalar(), x.dtype);
-        let devices: Vec<String> = (0..n).map(|d| d.to_string()).collect();
-        let channel = self.next_channel();
-        let t = ty(x);
-        Ok(self.emit(
-            x.shape.clone(),
-            x.dtype,
-            format_args!(
-                "\"stablehlo.all_reduce\"({}) ({{\n      ^bb0(%lhs: {scalar}, %rhs: {scalar}):\n        %sum = stablehlo.{combiner} %lhs, %rhs : {scalar}\n        stablehlo.return %sum : {scalar}\n    }}) {{replica_groups = dense<[[{}]]> : tensor<1x{n}xi64>, channel_handle = #stablehlo.channel_handle<handle = {channel}, type = 1>, use_global_device_ids}} : ({t}) -> {t}",
-                x.name(),
-                devices.join(", "),
             ),
         ))
     }
