@@ -120,7 +120,7 @@ impl DecoderAttention {
     fn forward(&self, x: &Tensor, inputs: &DecoderInputs) -> Result<Tensor> {
         let (b, l) = (x.dims()[0], x.dims()[1]);
         // On a tensor-parallel mesh each device holds 1/N of the query and of the KV heads.
-        let devices = x.device().mesh_size();
+        let devices = x.device().tp_size();
         let (num_heads, num_kv_heads) = (self.num_heads / devices, self.num_kv_heads / devices);
         // Qwen3: `q_norm(q_proj(x).view(b, l, n, hd))` before the heads move forward.
         let heads = |t: Tensor, n: usize, norm: &Option<DecoderRmsNorm>| -> Result<Tensor> {

@@ -83,7 +83,7 @@ impl Weights {
     /// before anything is read: a pattern that names no weight, or a split dimension the mesh size
     /// does not divide, is an error naming the weight, its size and the device count.
     pub fn with_plan(&self, plan: &TpPlan) -> Result<Weights> {
-        let n = self.shared.device.mesh_size();
+        let n = self.shared.device.tp_size();
         let mut view = self.clone();
         if n == 1 || plan.is_empty() {
             return Ok(view);
@@ -134,7 +134,7 @@ impl Weights {
     /// An error naming `what` (a config key such as `num_attention_heads`) when the mesh these
     /// weights load onto has a size that does not divide `value`.
     pub fn check_divides(&self, what: &str, value: usize) -> Result<()> {
-        let n = self.shared.device.mesh_size();
+        let n = self.shared.device.tp_size();
         if value.is_multiple_of(n) {
             return Ok(());
         }
@@ -299,8 +299,8 @@ impl Weights {
         Ok(t)
     }
 
-    /// Loads the planned weight `full` onto the mesh: member `k` gets the `k`-th part of every
-    /// block along `dim`, read from the file alone (contiguous rows in place; strided columns
+    /// Loads the planned weight `full` onto the mesh: each member gets the part of every block
+    /// along `dim` of its tensor-parallel rank, read from the file alone (contiguous rows in place; strided columns
     /// gathered into one host buffer of that slice's size, freed before the next).
     fn load_sharded(
         &self,
@@ -312,16 +312,18 @@ impl Weights {
     ) -> Result<Tensor> {
         let (mesh, memory) = (&self.shared.device, self.shared.memory);
         let members = mesh.members();
-        let n = members.len();
-        let mut shards = Vec::with_capacity(n);
+        let (axes, n) = (mesh.axes(), mesh.tp_size());
+        let mut shards = Vec::with_capacity(members.len());
         for (k, member) in members.iter().enumerate() {
-            let ranges = crate::parallel::shard_ranges(view.shape.dims()[dim], blocks, k, n).map_err(|message| {
-                Error::TensorParallel {
-                    component: self.shared.component.clone(),
-                    devices: n,
-                    message: format!("weight `{full}`: {message}"),
-                }
-            })?;
+            let tp_rank = axes.rank(kiln_tensor::MeshAxis::Tensor, k);
+            let ranges =
+                crate::parallel::shard_ranges(view.shape.dims()[dim], blocks, tp_rank, n).map_err(|message| {
+                    Error::TensorParallel {
+                        component: self.shared.component.clone(),
+                        devices: n,
+                        message: format!("weight `{full}`: {message}"),
+                    }
+                })?;
             let mut parts = Vec::with_capacity(ranges.len());
             for range in ranges {
                 let mut shape = view.shape.dims().to_vec();

@@ -181,14 +181,14 @@ type Split = (usize, Vec<usize>);
 /// has here (a mesh member's slice) and its split.
 pub(crate) type Present = HashMap<(String, String), (Vec<usize>, Option<Split>)>;
 
-/// Checks `adapters` against the weights `present` on `mesh_size` devices before any change: a
+/// Checks `adapters` against the weights `present` split over `tp_size` devices before any change: a
 /// module's shape must be the weight's (else the file is for another model); a module the model
 /// lacks is skipped with a warning (diffusers'), a file none of whose modules it has is an error
 /// (`components`: the pipeline's, for the message).
 pub(crate) fn check_adapters(
     adapters: &[Adapter],
     present: &Present,
-    mesh_size: usize,
+    tp_size: usize,
     components: &[&str],
 ) -> Result<()> {
     for a in adapters {
@@ -206,7 +206,7 @@ pub(crate) fn check_adapters(
             };
             let mut want = vec![m.out_features, m.in_features];
             if let Some((dim, _)) = split {
-                want[*dim] /= mesh_size;
+                want[*dim] /= tp_size;
             }
             if *dims != want {
                 return Err(invalid(format!(
@@ -334,10 +334,11 @@ fn merge(base: &Tensor, parts: &Parts<'_>, split: Option<Split>) -> Result<Tenso
         return merge_on(base, &up, &down, full.as_deref(), [out, rank, inp], device);
     }
     let members = device.members();
-    let n = members.len();
+    let (axes, n) = (device.axes(), device.tp_size());
     let shards = base.shards()?;
-    let mut merged = Vec::with_capacity(n);
-    for (k, (shard, member)) in shards.iter().zip(&members).enumerate() {
+    let mut merged = Vec::with_capacity(members.len());
+    for (member_index, (shard, member)) in shards.iter().zip(&members).enumerate() {
+        let k = axes.rank(kiln_tensor::MeshAxis::Tensor, member_index);
         let (u, d, f, dims) = match &split {
             None => (up.clone(), down.clone(), full.clone(), [out, rank, inp]),
             Some((dim, blocks)) => {

@@ -422,7 +422,7 @@ impl<C: Components> PipelineCore<C> {
             Ok(())
         })?;
         let names: Vec<&str> = self.checkpoints.iter().map(|(n, _)| *n).collect();
-        check_adapters(adapters, &present, device.as_ref().map_or(1, Device::mesh_size), &names)?;
+        check_adapters(adapters, &present, device.as_ref().map_or(1, Device::tp_size), &names)?;
         let merged = &mut self.merged;
         components.each(&mut |component, model| {
             let plan = model.parallel_plan();

@@ -19,6 +19,7 @@ use crate::trace::Trace;
 struct Signature {
     client: usize,
     devices: Vec<usize>,
+    axes: crate::MeshAxes,
     args: Vec<(Shape, DType)>,
 }
 
@@ -101,6 +102,7 @@ impl CompiledFunction {
         let signature = Signature {
             client: Arc::as_ptr(device.client()) as usize,
             devices: device.member_indices().to_vec(),
+            axes: device.axes(),
             args: args.iter().map(|t| (t.shape().clone(), t.dtype())).collect(),
         };
         let cached = self

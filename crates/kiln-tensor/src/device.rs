@@ -9,32 +9,36 @@ use kiln_pjrt::{Client, DeviceSpec, NamedValue, OptionOverride, Platform, Plugin
 
 use crate::error::Result;
 use crate::memory::{device_ledger, DeviceLedger, DeviceMemory};
+use crate::mesh::MeshAxes;
 use crate::tensor::MemoryKind;
 
 struct DeviceInner {
     client: Arc<Client>,
     /// The client's addressable devices this handle runs on: one, or the members of a mesh.
     members: Vec<usize>,
+    /// How the members split weights and tokens.
+    axes: MeshAxes,
     platform: Platform,
     /// One per member.
     ledgers: Vec<Arc<DeviceLedger>>,
 }
 
-/// One addressable device of a PJRT plugin, or a mesh of several of one plugin for tensor
-/// parallelism ([`Device::mesh`]). Cheap to clone.
+/// One addressable device of a PJRT plugin, or a mesh of several of one plugin for tensor and
+/// context parallelism ([`Device::open_mesh_axes`]). Cheap to clone.
 ///
 /// On a mesh every tensor holds one buffer per member device and every op runs as one SPMD
 /// program over all members, each member computing on its own buffer (see `Builder::
 /// set_manual_partitions`): a tensor is *replicated* when every member holds the same value (what
 /// host reads see: they read the first member's buffer) and *sharded* when each holds its slice
 /// ([`Tensor::from_shards`](crate::Tensor::from_shards)); [`Tensor::all_reduce_sum`](crate::Tensor::all_reduce_sum)
-/// turns per-member partial sums into a replicated value.
+/// turns per-member partial sums into a replicated value. A mesh's [`MeshAxes`] say which
+/// members split the weights and which the tokens; collectives run along one axis.
 #[derive(Clone)]
 pub struct Device(Arc<DeviceInner>);
 
 impl PartialEq for Device {
     fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0.client, &other.0.client) && self.0.members == other.0.members
+        Arc::ptr_eq(&self.0.client, &other.0.client) && self.0.members == other.0.members && self.0.axes == other.0.axes
     }
 }
 impl Eq for Device {}
@@ -51,7 +55,11 @@ impl fmt::Display for Device {
             [one] => write!(f, "{}:{one}", self.0.platform),
             many => {
                 let list: Vec<String> = many.iter().map(usize::to_string).collect();
-                write!(f, "{}:[{}]", self.0.platform, list.join(","))
+                write!(f, "{}:[{}]", self.0.platform, list.join(","))?;
+                match self.0.axes.context.is_enabled() {
+                    true => write!(f, " ({})", self.0.axes),
+                    false => Ok(()),
+                }
             }
         }
     }
@@ -236,10 +244,10 @@ impl Device {
     }
 
     fn new(client: Arc<Client>, index: usize, platform: Platform) -> Device {
-        Device::with_members(client, vec![index], platform)
+        Device::with_members(client, vec![index], MeshAxes::default(), platform)
     }
 
-    fn with_members(client: Arc<Client>, members: Vec<usize>, platform: Platform) -> Device {
+    fn with_members(client: Arc<Client>, members: Vec<usize>, axes: MeshAxes, platform: Platform) -> Device {
         let ledgers = members
             .iter()
             .map(|&i| device_ledger(Arc::as_ptr(&client) as usize, i))
@@ -247,6 +255,7 @@ impl Device {
         Device(Arc::new(DeviceInner {
             client,
             members,
+            axes,
             platform,
             ledgers,
         }))
@@ -257,6 +266,13 @@ impl Device {
     /// client with `size` devices is made when the default one has fewer. An error says how many
     /// devices there are when fewer than asked exist.
     pub fn open_mesh(spec: DeviceSpec, size: usize) -> Result<Device> {
+        Device::open_mesh_axes(spec, MeshAxes::tensor_parallel(size))
+    }
+
+    /// [`Device::open_mesh`] for a mesh laid out as `axes` says (`axes.size()` devices): tensor
+    /// parallelism, context parallelism or both.
+    pub fn open_mesh_axes(spec: DeviceSpec, axes: MeshAxes) -> Result<Device> {
+        let size = axes.size();
         if size == 0 {
             return Err(crate::Error::invalid(
                 "mesh",
@@ -288,6 +304,7 @@ impl Device {
         Ok(Device::with_members(
             client,
             (spec.index..needed).collect(),
+            axes,
             location.platform,
         ))
     }
@@ -312,6 +329,16 @@ impl Device {
     /// Whether this is a mesh of several devices.
     pub fn is_mesh(&self) -> bool {
         self.0.members.len() > 1
+    }
+
+    /// How the members split weights and tokens (one tensor-parallel axis for a plain mesh).
+    pub fn axes(&self) -> MeshAxes {
+        self.0.axes
+    }
+
+    /// How many devices split the weights (1 on a single device).
+    pub fn tp_size(&self) -> usize {
+        self.0.axes.tp
     }
 
     /// The client indices of the member devices.

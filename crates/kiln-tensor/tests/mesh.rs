@@ -1,7 +1,7 @@
 //! Tensors on a mesh of CPU devices: replicated and sharded values, eager ops and compiled
 //! functions as SPMD programs, the all-reduce, and the per-device memory count.
 
-use kiln_tensor::{CompiledFunction, DType, Device, DeviceSpec, Result, Tensor};
+use kiln_tensor::{CompiledFunction, ContextParallel, DType, Device, DeviceSpec, MeshAxes, MeshAxis, Result, Tensor};
 
 fn mesh(n: usize) -> Device {
     Device::open_mesh(DeviceSpec::CPU, n).expect("the XLA CPU plugin (pip install xla-cpu-pjrt)")
@@ -165,4 +165,103 @@ fn programs_with_collectives_from_two_threads_do_not_wait_on_each_other() {
             .expect("the two threads' collectives deadlocked");
         assert_eq!(got.len(), 256);
     }
+}
+
+/// A 2 × 2 mesh (tp 2 × ulysses 2) whose member `k` holds `[2, 4]` values `100·k + i`.
+fn per_member_values(axes: MeshAxes) -> (Device, Tensor) {
+    let m = Device::open_mesh_axes(DeviceSpec::CPU, axes).unwrap();
+    let shards: Vec<Tensor> = m
+        .members()
+        .iter()
+        .enumerate()
+        .map(|(k, d)| {
+            let v: Vec<f32> = (0..8).map(|i| (100 * k + i) as f32).collect();
+            Tensor::from_f32(&v, DType::F32, [2, 4], d).unwrap()
+        })
+        .collect();
+    let x = Tensor::from_shards(&shards, &m).unwrap();
+    (m, x)
+}
+
+fn member_values(t: &Tensor) -> Vec<Vec<f32>> {
+    t.shards().unwrap().iter().map(|s| s.to_vec::<f32>().unwrap()).collect()
+}
+
+/// `[2, 4]` values of member `k` as [`per_member_values`] makes them.
+fn of(k: usize) -> Vec<f32> {
+    (0..8).map(|i| (100 * k + i) as f32).collect()
+}
+
+#[test]
+fn collectives_run_along_one_axis_of_a_two_dimensional_mesh_eager_and_compiled() {
+    let axes = MeshAxes {
+        tp: 2,
+        context: ContextParallel { ulysses: 2, ring: 1 },
+    };
+    let (_, x) = per_member_values(axes);
+    let ops = |x: &Tensor| -> Result<Vec<Tensor>> {
+        Ok(vec![
+            x.all_reduce_sum()?,
+            x.all_gather(MeshAxis::Ulysses, 0)?,
+            x.all_to_all(MeshAxis::Ulysses, 1, 0)?,
+            x.rotate_along(MeshAxis::Ulysses)?,
+            x.split_along(MeshAxis::Sequence, 1)?,
+        ])
+    };
+    let f = CompiledFunction::new("mesh.collectives");
+    let compiled = f.call(std::slice::from_ref(&x), |a| ops(&a[0])).unwrap();
+    for (mode, got) in [("eager", ops(&x).unwrap()), ("compiled", compiled)] {
+        // All-reduce over the tensor-parallel pairs {0, 1} and {2, 3}.
+        let sum = |a: usize, b: usize| -> Vec<f32> { of(a).iter().zip(of(b)).map(|(x, y)| x + y).collect() };
+        assert_eq!(
+            member_values(&got[0]),
+            [sum(0, 1), sum(0, 1), sum(2, 3), sum(2, 3)],
+            "{mode}"
+        );
+        // Along ulysses the lines are {0, 2} and {1, 3}.
+        let cat = |a: usize, b: usize| -> Vec<f32> { of(a).into_iter().chain(of(b)).collect() };
+        assert_eq!(
+            member_values(&got[1]),
+            [cat(0, 2), cat(1, 3), cat(0, 2), cat(1, 3)],
+            "{mode}"
+        );
+        assert_eq!(got[1].dims(), [4, 4]);
+        // all_to_all: columns 2r..2r+2 of every line member, stacked in rank order.
+        let cols = |k: usize, r: usize| -> Vec<f32> {
+            of(k).chunks(4).flat_map(|row| row[2 * r..2 * r + 2].to_vec()).collect()
+        };
+        let swap =
+            |line: [usize; 2], r: usize| -> Vec<f32> { cols(line[0], r).into_iter().chain(cols(line[1], r)).collect() };
+        assert_eq!(
+            member_values(&got[2]),
+            [swap([0, 2], 0), swap([1, 3], 0), swap([0, 2], 1), swap([1, 3], 1)],
+            "{mode}"
+        );
+        assert_eq!(got[2].dims(), [4, 2]);
+        assert_eq!(member_values(&got[3]), [of(2), of(3), of(0), of(1)], "{mode}");
+        // The sequence rank of members 0, 1 is 0 and of 2, 3 is 1.
+        assert_eq!(
+            member_values(&got[4]),
+            [cols(0, 0), cols(1, 0), cols(2, 1), cols(3, 1)],
+            "{mode}"
+        );
+    }
+}
+
+#[test]
+fn a_ring_passes_each_value_once_around() {
+    let axes = MeshAxes {
+        tp: 1,
+        context: ContextParallel { ulysses: 1, ring: 4 },
+    };
+    let (_, mut x) = per_member_values(axes);
+    for step in 1..=4 {
+        x = x.rotate_along(MeshAxis::Ring).unwrap();
+        let want: Vec<Vec<f32>> = (0..4).map(|k| of((k + step) % 4)).collect();
+        assert_eq!(member_values(&x), want, "after {step} steps");
+    }
+    // An axis of one member (tp here) changes nothing.
+    assert_eq!(member_values(&x.all_reduce_sum().unwrap()), member_values(&x));
+    let err = x.split_along(MeshAxis::Ring, 0).unwrap_err().to_string();
+    assert!(err.contains("does not split over the 4 devices"), "{err}");
 }

@@ -1,5 +1,6 @@
 //! Tensor ops. Each is written once as builder code (see `emit`), run eagerly through dispatch.
 
+mod collective;
 mod elementwise;
 pub(crate) mod emit;
 mod linalg;

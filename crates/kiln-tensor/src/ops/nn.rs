@@ -7,7 +7,7 @@ use kiln_types::DType;
 use super::emit::{
     broadcast_shapes, broadcast_to, full_like, normalize, normalize_refined, reduce_keep, upcast, x_sigmoid,
 };
-use crate::dispatch::apply1;
+use crate::dispatch::{apply, apply1};
 use crate::error::{Error, Result};
 use crate::lower::{self, cpu::Handler};
 use crate::tensor::Tensor;
@@ -269,31 +269,7 @@ impl Tensor {
         scale: Option<f64>,
     ) -> Result<Tensor> {
         let op = "attention";
-        for t in [q, k, v] {
-            check_float(op, t)?;
-            if t.rank() != 4 || t.dtype() != q.dtype() {
-                return Err(Error::invalid(
-                    op,
-                    format!(
-                        "q, k, v must be [batch, heads, seq, dim] of one dtype; got {} {}, {} {}, {} {}",
-                        q.shape(),
-                        q.dtype(),
-                        k.shape(),
-                        k.dtype(),
-                        v.shape(),
-                        v.dtype()
-                    ),
-                ));
-            }
-        }
-        let (bq, hq, sq, d) = (q.dims()[0], q.dims()[1], q.dims()[2], q.dims()[3]);
-        let sk = k.dims()[2];
-        if k.dims() != [bq, hq, sk, d] || v.dims()[..3] != [bq, hq, sk] {
-            return Err(Error::invalid(
-                op,
-                format!("shapes do not agree: q {}, k {}, v {}", q.shape(), k.shape(), v.shape()),
-            ));
-        }
+        let (bq, hq, sq, d, sk) = attention_dims(op, q, k, v)?;
         let scores_shape = [bq, hq, sq, sk];
         let extra = match mask {
             AttentionMask::Additive(m) => {
@@ -326,14 +302,7 @@ impl Tensor {
         let mut inputs = vec![q, k, v];
         inputs.extend(extra);
         apply1(op, &inputs, |b, p| {
-            let q = if scale == 1.0 {
-                p[0].clone()
-            } else {
-                let qf = upcast(b, &p[0])?;
-                let s = full_like(b, &qf, scale);
-                let qs = b.multiply(&qf, &s)?;
-                b.convert(&qs, dtype)?
-            };
+            let q = scaled_query(b, &p[0], scale)?;
             let chunk = match &lowering {
                 lower::Attention::CpuKernel => {
                     let (k, v) = (p[1].clone(), p[2].clone());
@@ -372,6 +341,28 @@ impl Tensor {
             let out = b.concatenate(&parts, 2)?;
             b.convert(&out, dtype)
         })
+    }
+
+    /// Attention without a mask that also returns each query row's log-sum-exp of the scores:
+    /// `(out, lse)`, out `[B, H, Sq, Dv]` and lse `[B, H, Sq, 1]`, both f32 (the partial results
+    /// ring attention merges). Scaled and computed as [`Tensor::scaled_dot_product_attention`]
+    /// without a platform kernel.
+    pub fn attention_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, scale: Option<f64>) -> Result<(Tensor, Tensor)> {
+        let op = "attention_with_lse";
+        let d = attention_dims(op, q, k, v)?.3;
+        let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+        let mut out = apply(op, &[q, k, v], |b, p| {
+            let q = scaled_query(b, &p[0], scale)?;
+            let scores = attention_scores(b, &q, &p[1])?;
+            let (out, m, s) = softmax_product(b, &scores, &p[2])?;
+            let sb = broadcast_to(b, &s, out.dims())?;
+            let out = b.divide(&out, &sb)?;
+            let log_s = b.log(&s)?;
+            let lse = b.add(&m, &log_s)?;
+            Ok(vec![out, lse])
+        })?;
+        let lse = out.pop().expect("two outputs");
+        Ok((out.pop().expect("two outputs"), lse))
     }
 
     /// Applies a rotary position embedding to `[..., S, D]` with tables `cos`, `sin` of shape
@@ -442,6 +433,47 @@ impl Tensor {
     }
 }
 
+/// Checks heads-first `q`, `k`, `v` and returns (batch, heads, q_len, head_dim, k_len).
+fn attention_dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, usize, usize, usize, usize)> {
+    for t in [q, k, v] {
+        check_float(op, t)?;
+        if t.rank() != 4 || t.dtype() != q.dtype() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "q, k, v must be [batch, heads, seq, dim] of one dtype; got {} {}, {} {}, {} {}",
+                    q.shape(),
+                    q.dtype(),
+                    k.shape(),
+                    k.dtype(),
+                    v.shape(),
+                    v.dtype()
+                ),
+            ));
+        }
+    }
+    let (bq, hq, sq, d) = (q.dims()[0], q.dims()[1], q.dims()[2], q.dims()[3]);
+    let sk = k.dims()[2];
+    if k.dims() != [bq, hq, sk, d] || v.dims()[..3] != [bq, hq, sk] {
+        return Err(Error::invalid(
+            op,
+            format!("shapes do not agree: q {}, k {}, v {}", q.shape(), k.shape(), v.shape()),
+        ));
+    }
+    Ok((bq, hq, sq, d, sk))
+}
+
+/// `q · scale` rounded to its dtype, as attention scales it before the product.
+fn scaled_query(b: &mut Builder, q: &Value, scale: f64) -> kiln_hlo::Result<Value> {
+    if scale == 1.0 {
+        return Ok(q.clone());
+    }
+    let qf = upcast(b, q)?;
+    let s = full_like(b, &qf, scale);
+    let qs = b.multiply(&qf, &s)?;
+    b.convert(&qs, q.dtype())
+}
+
 /// `softmax(q kᵀ + mask) v` for one block of query rows (q already scaled), f32 result.
 /// `causal_start` is the first row's index when the attention is causal.
 fn attention_rows(
@@ -453,13 +485,7 @@ fn attention_rows(
     causal_start: Option<usize>,
 ) -> kiln_hlo::Result<Value> {
     let acc = DType::F32;
-    let qk = DotDims {
-        lhs_batch: vec![0, 1],
-        rhs_batch: vec![0, 1],
-        lhs_contract: vec![3],
-        rhs_contract: vec![3],
-    };
-    let mut scores = b.dot_general(q, k, &qk, acc)?;
+    let mut scores = attention_scores(b, q, k)?;
     let scores_shape = scores.dims().to_vec();
     if let Some(m) = mask {
         let m = b.convert(m, acc)?;
@@ -479,9 +505,29 @@ fn attention_rows(
         let neg = b.splat(f64::NEG_INFINITY, scores_shape.clone(), acc);
         scores = b.select(&keep, &scores, &neg)?;
     }
-    let m = reduce_keep(b, &scores, &[3], ReduceKind::Max, true)?;
-    let m = broadcast_to(b, &m, &scores_shape)?;
-    let e = b.subtract(&scores, &m)?;
+    let (out, _, s) = softmax_product(b, &scores, v)?;
+    let s = broadcast_to(b, &s, out.dims())?;
+    b.divide(&out, &s)
+}
+
+/// `q kᵀ` over heads-first `[B, H, S, D]` operands, f32.
+fn attention_scores(b: &mut Builder, q: &Value, k: &Value) -> kiln_hlo::Result<Value> {
+    let qk = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![3],
+        rhs_contract: vec![3],
+    };
+    b.dot_general(q, k, &qk, DType::F32)
+}
+
+/// The unnormalised `exp(scores − max) v` (f32) with the row maxima and row sums `[.., Sq, 1]`
+/// of the scores' last dimension.
+fn softmax_product(b: &mut Builder, scores: &Value, v: &Value) -> kiln_hlo::Result<(Value, Value, Value)> {
+    let scores_shape = scores.dims().to_vec();
+    let m = reduce_keep(b, scores, &[3], ReduceKind::Max, true)?;
+    let mb = broadcast_to(b, &m, &scores_shape)?;
+    let e = b.subtract(scores, &mb)?;
     let e = b.exp(&e)?;
     // Normalise after the value product, as flash-attention kernels do (torch's CPU kernel too):
     // the unnormalised weights take the input dtype for the second product and the f32 row sums
@@ -494,8 +540,6 @@ fn attention_rows(
         lhs_contract: vec![3],
         rhs_contract: vec![2],
     };
-    let out = b.dot_general(&weights, v, &pv, acc)?;
-    let out_shape = out.dims().to_vec();
-    let s = broadcast_to(b, &s, &out_shape)?;
-    b.divide(&out, &s)
+    let out = b.dot_general(&weights, v, &pv, DType::F32)?;
+    Ok((out, m, s))
 }

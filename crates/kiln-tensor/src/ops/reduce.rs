@@ -39,16 +39,6 @@ impl Tensor {
         })
     }
 
-    /// The sum of the values every member of a mesh holds, given to every member (an all-reduce
-    /// in the tensor's dtype, as torch's tensor-parallel layers do); the tensor itself on a single
-    /// device. Row-parallel layers call it on their partial products.
-    pub fn all_reduce_sum(&self) -> Result<Tensor> {
-        if !self.device().is_mesh() {
-            return Ok(self.clone());
-        }
-        apply1("all_reduce", &[self], |b, p| b.all_reduce_sum(&p[0]))
-    }
-
     /// Sum over `dims` (negative indices count from the end; empty = all dimensions).
     pub fn sum(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         self.reduce_op("sum", dims, keepdim, ReduceKind::Sum)
