@@ -39,6 +39,11 @@ pub enum Error {
         devices: usize,
         message: String,
     },
+    #[error("context parallelism ({context}): {message}")]
+    ContextParallel {
+        context: kiln_tensor::ContextParallel,
+        message: String,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

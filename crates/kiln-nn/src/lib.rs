@@ -7,6 +7,7 @@
 
 mod blocks;
 mod compiled;
+pub mod context_parallel;
 mod error;
 mod layers;
 mod model;
@@ -24,6 +25,7 @@ mod weights;
 pub use blocks::{BlockList, Blocks};
 pub use compiled::Compiled;
 pub use error::{Error, Result};
+pub use kiln_tensor::ContextParallel;
 pub use layers::{Conv2d, Embedding, GroupNorm, LayerNorm, Linear, RmsNorm};
 pub use model::Model;
 pub use module::{CompileMode, Module};

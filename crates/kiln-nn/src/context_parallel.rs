@@ -1,0 +1,127 @@
+//! Context parallelism, as diffusers' `ContextParallelConfig(ring_degree, ulysses_degree)`: on a
+//! mesh with a sequence axis ([`kiln_tensor::MeshAxes`]) a model splits its token sequences
+//! before the blocks ([`split_sequence`]), every token-wise op runs on each device's tokens, and
+//! attention sees the whole sequence ([`attention`]); the output is gathered after the blocks
+//! ([`gather_sequence`]).
+
+use kiln_tensor::{AttentionMask, ContextParallel, MeshAxis, Tensor};
+
+use crate::error::{Error, Result};
+
+fn error(context: ContextParallel, message: String) -> Error {
+    Error::ContextParallel { context, message }
+}
+
+/// Checks that the context-parallel degree of `x`'s device divides every sequence length of
+/// `lengths` (named, e.g. `("text", 512)`); the error names the lengths and the degrees that work.
+pub fn check_sequence_lengths(x: &Tensor, lengths: &[(&str, usize)]) -> Result<()> {
+    let context = x.device().axes().context;
+    let degree = context.degree();
+    if lengths.iter().all(|(_, len)| len.is_multiple_of(degree)) {
+        return Ok(());
+    }
+    let named: Vec<String> = lengths.iter().map(|(what, len)| format!("{what} {len}")).collect();
+    let working: Vec<String> = (1..=lengths.iter().map(|l| l.1).max().unwrap_or(1))
+        .filter(|d| lengths.iter().all(|(_, len)| len.is_multiple_of(*d)))
+        .map(|d| d.to_string())
+        .collect();
+    Err(error(
+        context,
+        format!(
+            "the token sequences ({}) do not split into {degree} equal parts; use a degree that divides \
+             each ({}), or other sizes",
+            named.join(", "),
+            working.join(", ")
+        ),
+    ))
+}
+
+/// This device's tokens of `x` along `dim`: the `r`-th of `degree` equal parts on the device of
+/// sequence rank `r`; `x` itself without context parallelism.
+pub fn split_sequence(x: &Tensor, dim: isize) -> Result<Tensor> {
+    Ok(x.split_along(MeshAxis::Sequence, dim)?)
+}
+
+/// The whole sequence from each device's tokens along `dim` (undoes [`split_sequence`]).
+pub fn gather_sequence(x: &Tensor, dim: isize) -> Result<Tensor> {
+    Ok(x.all_gather(MeshAxis::Sequence, dim)?)
+}
+
+/// Attention without a mask over heads-first `q`, `k`, `v` `[B, H, S, D]`, scaled by
+/// `1/√D`. With context parallelism `S` is this device's part of the sequence and each query
+/// attends to the keys of every device: Ulysses or ring attention, as the device's
+/// [`ContextParallel`] says.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let context = q.device().axes().context;
+    match (context.ulysses, context.ring) {
+        (1, 1) => Ok(Tensor::scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            &AttentionMask::None,
+            None,
+        )?),
+        (_, 1) => ulysses_attention(q, k, v),
+        (1, _) => ring_attention(q, k, v),
+        _ => Err(error(
+            context,
+            "Ulysses and ring attention together (unified sequence parallelism) are not supported yet; \
+             use a ulysses degree or a ring degree alone"
+                .into(),
+        )),
+    }
+}
+
+/// diffusers' `TemplatedUlyssesAttention`: an all-to-all turns sequence-split q, k, v into
+/// head-split ones over the whole sequence, attention runs on this device's heads, and a second
+/// all-to-all turns the output back. The head count must divide by the ulysses degree.
+pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let context = q.device().axes().context;
+    let heads = q.dims()[1];
+    if !heads.is_multiple_of(context.ulysses) {
+        let working: Vec<String> = (1..=heads)
+            .filter(|d| heads.is_multiple_of(*d))
+            .map(|d| d.to_string())
+            .collect();
+        return Err(error(
+            context,
+            format!(
+                "{heads} attention heads (per tensor-parallel device) do not split over {} devices; use a \
+                 ulysses degree that divides them ({}) or a ring degree",
+                context.ulysses,
+                working.join(", ")
+            ),
+        ));
+    }
+    // [B, H, S/n, D] -> [B, H/n, S, D]: heads scattered, tokens gathered in sequence-rank order.
+    let heads_split = |t: &Tensor| t.all_to_all(MeshAxis::Ulysses, 1, 2);
+    let o = Tensor::scaled_dot_product_attention(
+        &heads_split(q)?,
+        &heads_split(k)?,
+        &heads_split(v)?,
+        &AttentionMask::None,
+        None,
+    )?;
+    Ok(o.all_to_all(MeshAxis::Ulysses, 2, 1)?)
+}
+
+/// diffusers' `TemplatedRingAttention`: each device attends its queries to one key/value block at
+/// a time, its own first, then each next device's as the blocks pass around the ring, and merges
+/// the partial outputs by their log-sum-exp in f32:
+/// `out = out − σ(lse_i − lse)·(out − out_i)`, `lse = logaddexp(lse, lse_i)`.
+pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let ring = q.device().axes().context.ring;
+    let (mut k, mut v) = (k.clone(), v.clone());
+    let (mut out, mut lse) = Tensor::attention_with_lse(q, &k, &v, None)?;
+    for _ in 1..ring {
+        k = k.rotate_along(MeshAxis::Ring)?;
+        v = v.rotate_along(MeshAxis::Ring)?;
+        let (out_i, lse_i) = Tensor::attention_with_lse(q, &k, &v, None)?;
+        let weight = lse_i.sub(&lse)?.sigmoid()?;
+        out = out.sub(&weight.mul(&out.sub(&out_i)?)?)?;
+        // logaddexp(a, b) = max(a, b) + log(1 + exp(−|a − b|)) (diffusers' `a − logsigmoid(a − b)`).
+        let spread = lse.sub(&lse_i)?.abs()?.neg()?.exp()?.add_scalar(1.0)?.log()?;
+        lse = lse.maximum(&lse_i)?.add(&spread)?;
+    }
+    Ok(out.to_dtype(q.dtype())?)
+}

@@ -1,0 +1,102 @@
+//! Ulysses and ring attention on CPU virtual devices against attention over the unsplit sequence.
+
+use kiln_nn::context_parallel::{attention, check_sequence_lengths, gather_sequence, split_sequence};
+use kiln_tensor::{AttentionMask, CompiledFunction, ContextParallel, DType, Device, DeviceSpec, MeshAxes, Tensor};
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 1000) as f32 / 250.0 - 2.0)
+        .collect()
+}
+
+fn mesh(ulysses: usize, ring: usize) -> Device {
+    let axes = MeshAxes {
+        tp: 1,
+        context: ContextParallel { ulysses, ring },
+    };
+    Device::open_mesh_axes(DeviceSpec::CPU, axes).unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+const SHAPE: [usize; 4] = [2, 4, 12, 16];
+
+/// q, k, v `[2, 4, 12, 16]` on `device`.
+fn qkv(device: &Device, dtype: DType) -> [Tensor; 3] {
+    let n: usize = SHAPE.iter().product();
+    [1, 2, 3].map(|seed| Tensor::from_f32(&values(n, seed), dtype, SHAPE, device).unwrap())
+}
+
+/// Attention on `device` with the sequence split before and gathered after.
+fn split_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> kiln_nn::Result<Tensor> {
+    let [q, k, v] = [q, k, v].map(|t| split_sequence(t, 2).unwrap());
+    gather_sequence(&attention(&q, &k, &v)?, 2)
+}
+
+#[test]
+fn ulysses_and_ring_attention_match_attention_over_the_whole_sequence() {
+    for dtype in [DType::F32, DType::BF16] {
+        let [q, k, v] = qkv(&Device::cpu().unwrap(), dtype);
+        let want = Tensor::scaled_dot_product_attention(&q, &k, &v, &AttentionMask::None, None)
+            .unwrap()
+            .to_f32_vec()
+            .unwrap();
+        for (ulysses, ring) in [(2, 1), (4, 1), (1, 2), (1, 3)] {
+            let m = mesh(ulysses, ring);
+            let [q, k, v] = qkv(&m, dtype);
+            let eager = split_attention(&q, &k, &v).unwrap();
+            let f = CompiledFunction::new("context_parallel.attention");
+            let compiled = f
+                .call(&[q, k, v], |a| {
+                    Ok::<_, kiln_nn::Error>(vec![split_attention(&a[0], &a[1], &a[2])?])
+                })
+                .unwrap();
+            for (mode, got) in [("eager", eager), ("compiled", compiled[0].clone())] {
+                assert_eq!(got.dtype(), dtype);
+                for (member, shard) in got.shards().unwrap().iter().enumerate() {
+                    let diff = max_diff(&shard.to_f32_vec().unwrap(), &want);
+                    // bf16: one rounding of outputs of magnitude up to 2 (2⁻⁷ relative).
+                    let bound = if dtype == DType::F32 { 2e-6 } else { 1.6e-2 };
+                    eprintln!("{dtype} ulysses {ulysses} ring {ring} {mode} member {member}: max |Δ| {diff:.2e}");
+                    assert!(diff <= bound, "{dtype} ulysses {ulysses} ring {ring} {mode}: {diff}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn each_device_holds_only_its_tokens_once_split() {
+    let m = mesh(1, 3);
+    let n: usize = SHAPE.iter().product();
+    let all = values(n, 7);
+    let x = Tensor::from_f32(&all, DType::F32, SHAPE, &m).unwrap();
+    let part = split_sequence(&x, 2).unwrap();
+    assert_eq!(part.dims(), [2, 4, 4, 16]);
+    let whole = Tensor::from_f32(&all, DType::F32, SHAPE, &Device::cpu().unwrap()).unwrap();
+    for (r, shard) in part.shards().unwrap().iter().enumerate() {
+        let want = whole.narrow(2, 4 * r, 4).unwrap().to_f32_vec().unwrap();
+        assert_eq!(shard.to_f32_vec().unwrap(), want, "member {r}");
+    }
+}
+
+#[test]
+fn lengths_and_head_counts_that_do_not_split_are_errors_naming_what_works() {
+    let m = mesh(2, 1);
+    let x = Tensor::zeros([1, 3, 8, 4], DType::F32, &m).unwrap();
+    check_sequence_lengths(&x, &[("text", 8), ("image", 16)]).unwrap();
+    let err = check_sequence_lengths(&x, &[("text", 7), ("image", 16)])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("ulysses degree 2") && err.contains("text 7") && err.contains("(1)"),
+        "{err}"
+    );
+    let err = attention(&x, &x, &x).unwrap_err().to_string();
+    assert!(err.contains("3 attention heads") && err.contains("(1, 3)"), "{err}");
+    let err = attention(&x, &x, &x).unwrap_err().to_string();
+    assert!(err.contains("ring degree"), "{err}");
+}
