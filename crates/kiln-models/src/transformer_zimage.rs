@@ -46,6 +46,7 @@ use kiln_nn::{
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
 use crate::mmdit::{sinusoid, split_heads, timestep_frequencies, HeadNorm};
+use crate::transformer_flux::{check_attention_outputs, AttentionMode, GIVEN, RECORD};
 
 /// Image tokens and each caption are padded to a multiple of this (`SEQ_MULTI_OF`).
 pub const SEQ_MULTI_OF: usize = 32;
@@ -257,8 +258,8 @@ impl ZImageTransformerBlock {
         rope: &[RopeTables],
         adaln: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let attention = |h: &Tensor| self.attention.forward(h, mask, rope);
-        let Some(modulation) = &self.adaln_modulation else {
+        if self.adaln_modulation.is_none() {
+            let attention = |h: &Tensor| self.attention.forward(h, mask, rope);
             let x = x.add(
                 &self
                     .attention_norm2
@@ -266,23 +267,48 @@ impl ZImageTransformerBlock {
             )?;
             let ff = self.feed_forward.forward(&self.ffn_norm1.forward(&x)?)?;
             return Ok(x.add(&self.ffn_norm2.forward(&ff)?)?);
-        };
+        }
         let adaln = adaln.ok_or_else(|| {
             input_error(
                 "ZImageTransformerBlock",
                 "a modulated block needs the time embedding".to_string(),
             )
         })?;
+        Ok(self.forward_with(x, mask, rope, adaln, None)?.0)
+    }
+
+    /// A modulated block's forward with the attention module's output (after `to_out`)
+    /// computed or `given` (a step cache's prediction; the attention then does not run).
+    /// Returns the new `x` and the attention output used.
+    fn forward_with(
+        &self,
+        x: &Tensor,
+        mask: Option<&Tensor>,
+        rope: &[RopeTables],
+        adaln: &Tensor,
+        given: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let Some(modulation) = &self.adaln_modulation else {
+            return Err(input_error(
+                "ZImageTransformerBlock",
+                "an un-modulated block has no time embedding to take".to_string(),
+            ));
+        };
         // (scale_msa, gate_msa, scale_mlp, gate_mlp), each [B, 1, dim].
         let m = modulation.forward(adaln)?.unsqueeze(1)?.chunk(4, 2)?;
         let (scale_msa, gate_msa) = (m[0].add_scalar(1.0)?, m[1].tanh()?);
         let (scale_mlp, gate_mlp) = (m[2].add_scalar(1.0)?, m[3].tanh()?);
-        let a = attention(&self.attention_norm1.forward(x)?.mul(&scale_msa)?)?;
+        let a = match given {
+            Some(a) => a.clone(),
+            None => self
+                .attention
+                .forward(&self.attention_norm1.forward(x)?.mul(&scale_msa)?, mask, rope)?,
+        };
         let x = x.add(&gate_msa.mul(&self.attention_norm2.forward(&a)?)?)?;
         let ff = self
             .feed_forward
             .forward(&self.ffn_norm1.forward(&x)?.mul(&scale_mlp)?)?;
-        Ok(x.add(&gate_mlp.mul(&self.ffn_norm2.forward(&ff)?)?)?)
+        Ok((x.add(&gate_mlp.mul(&self.ffn_norm2.forward(&ff)?)?)?, a))
     }
 }
 
@@ -469,6 +495,27 @@ impl_tensors!(CallInputs {
     t,
     cap_feats,
     tables
+});
+
+/// What enters `layers`: the unified sequence `[image (+pads); caption (+pads)]` and the time
+/// embedding.
+struct Embedded {
+    unified: Tensor,
+    adaln: Tensor,
+}
+
+/// The first layer's results a First-Block Cache call goes on from: the unified sequence after
+/// it, its residual (`out − in`) and the time embedding.
+#[derive(Clone, Debug)]
+pub struct ZImageFirstBlock {
+    pub unified: Tensor,
+    pub residual: Tensor,
+    pub adaln: Tensor,
+}
+impl_tensors!(ZImageFirstBlock {
+    unified,
+    residual,
+    adaln
 });
 
 /// diffusers `ZImageTransformer2DModel` (basic mode: one image and one caption per item).
@@ -781,15 +828,143 @@ impl ZImageTransformer2DModel {
     /// The flow prediction `[N, in_channels, H, W]` in the model dtype, as diffusers returns it
     /// (the pipeline negates it for the scheduler).
     pub fn forward(&self, inputs: &ZImageInputs<'_>) -> Result<Tensor> {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled
+            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
+    }
+
+    /// A call's inputs, checked, as the programs take them.
+    fn call_inputs(&self, inputs: &ZImageInputs<'_>) -> Result<CallInputs> {
         self.check_inputs(inputs)?;
-        let inputs = CallInputs {
+        Ok(CallInputs {
             x: inputs.x.clone(),
             t: inputs.t.clone(),
             cap_feats: inputs.cap_feats.to_vec(),
             tables: inputs.tables.clone(),
-        };
+        })
+    }
+
+    // Step caches (diffusers' hooks): First-Block Cache and MagCache on `layers` (the block list
+    // diffusers' registry finds; the refiners run on every call), whose hidden states are the
+    // unified sequence `[image; caption]`, residuals over all of it; TaylorSeer and FasterCache
+    // on `layers.{i}.attention` (its output after `to_out`).
+
+    /// MagCache's computed call: the prediction and the residual of `layers`, `unified sequence
+    /// after the last layer − entering the first` (`magcache.compute` when compiled whole).
+    pub fn forward_magcache_compute(&self, inputs: &ZImageInputs<'_>) -> Result<(Tensor, Tensor)> {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
+            let Embedded { unified, adaln } = m.embed(inputs)?;
+            let entering = unified.clone();
+            let unified = m.layers_with(0, unified, (inputs, &adaln), AttentionMode::Plain, &mut Vec::new())?;
+            Ok((m.output(&unified, &adaln, inputs)?, unified.sub(&entering)?))
+        })
+    }
+
+    /// MagCache's skipped call: no layer runs; the unified sequence entering them plus
+    /// `residual`, through the final layer (`magcache.skip`).
+    pub fn forward_magcache_skip(&self, inputs: &ZImageInputs<'_>, residual: &Tensor) -> Result<Tensor> {
+        let inputs = (self.call_inputs(inputs)?, residual.clone());
         self.compiled
-            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
+            .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
+                let Embedded { unified, adaln } = m.embed(inputs)?;
+                m.output(&unified.add(residual)?, &adaln, inputs)
+            })
+    }
+
+    /// How many attention outputs a step cache on the attention (TaylorSeer, FasterCache) keeps:
+    /// one per layer.
+    pub fn attention_outputs(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// A step cache's computed call (TaylorSeer, FasterCache): the prediction and every layer's
+    /// attention output (`attention_cache.compute` when compiled whole).
+    pub fn forward_recording_attention(&self, inputs: &ZImageInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled
+            .whole("attention_cache.compute", self, inputs, |m, inputs| {
+                let Embedded { unified, adaln } = m.embed(inputs)?;
+                let mut recorded = Vec::with_capacity(m.attention_outputs());
+                let unified = m.layers_with(0, unified, (inputs, &adaln), AttentionMode::Record, &mut recorded)?;
+                Ok((m.output(&unified, &adaln, inputs)?, recorded))
+            })
+    }
+
+    /// A step cache's cached call: every layer runs with its attention output taken from
+    /// `attention` instead of computed (`attention_cache.given`).
+    pub fn forward_with_attention(&self, inputs: &ZImageInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
+        check_attention_outputs(attention.len(), self.attention_outputs())?;
+        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
+        self.compiled
+            .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
+                let Embedded { unified, adaln } = m.embed(inputs)?;
+                let mode = AttentionMode::Given(attention);
+                let unified = m.layers_with(0, unified, (inputs, &adaln), mode, &mut Vec::new())?;
+                m.output(&unified, &adaln, inputs)
+            })
+    }
+
+    /// First-Block Cache's first part: everything before `layers` and `layers.0`
+    /// (`first_block.head`); its residual decides whether the other layers run.
+    pub fn forward_first_block(&self, inputs: &ZImageInputs<'_>) -> Result<ZImageFirstBlock> {
+        if self.layers.is_empty() {
+            return Err(Error::Config {
+                component: "transformer".into(),
+                message: "First-Block Cache needs at least one layer (n_layers is 0)".into(),
+            });
+        }
+        let inputs = self.call_inputs(inputs)?;
+        self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
+            let Embedded { unified, adaln } = m.embed(inputs)?;
+            let out = m.layers.run(
+                &m.compiled,
+                0,
+                (
+                    unified.clone(),
+                    inputs.tables.unified_mask.clone(),
+                    inputs.tables.unified.clone(),
+                    adaln.clone(),
+                ),
+                |block, (u, mask, rope, adaln)| block.forward(u, mask.as_ref(), rope, Some(adaln)),
+            )?;
+            Ok(ZImageFirstBlock {
+                residual: out.sub(&unified)?,
+                unified: out,
+                adaln,
+            })
+        })
+    }
+
+    /// First-Block Cache's computed rest: the other layers after `head`; the prediction and the
+    /// residual `after the last layer − after the first` (`first_block.rest`).
+    pub fn forward_after_first_block(
+        &self,
+        inputs: &ZImageInputs<'_>,
+        head: &ZImageFirstBlock,
+    ) -> Result<(Tensor, Tensor)> {
+        let inputs = (self.call_inputs(inputs)?, head.clone());
+        self.compiled
+            .whole("first_block.rest", self, inputs, |m, (inputs, head)| {
+                let plain = AttentionMode::Plain;
+                let unified = m.layers_with(1, head.unified.clone(), (inputs, &head.adaln), plain, &mut Vec::new())?;
+                Ok((m.output(&unified, &head.adaln, inputs)?, unified.sub(&head.unified)?))
+            })
+    }
+
+    /// First-Block Cache's cached rest: the first layer's output plus the residual of the last
+    /// computed call, through the final layer (`first_block.cached`).
+    pub fn forward_from_first_block(
+        &self,
+        inputs: &ZImageInputs<'_>,
+        head: &ZImageFirstBlock,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        let inputs = (self.call_inputs(inputs)?, head.clone(), residual.clone());
+        self.compiled
+            .whole("first_block.cached", self, inputs, |m, (inputs, head, residual)| {
+                m.output(&head.unified.add(residual)?, &head.adaln, inputs)
+            })
     }
 
     /// Shapes of a call against the config and against each other (the tables too).
@@ -880,6 +1055,14 @@ impl ZImageTransformer2DModel {
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
     /// [`kiln_nn::CompileMode::RepeatedBlocks`]).
     fn forward_graph(&self, inputs: &CallInputs) -> Result<Tensor> {
+        let Embedded { unified, adaln } = self.embed(inputs)?;
+        let unified = self.layers_with(0, unified, (inputs, &adaln), AttentionMode::Plain, &mut Vec::new())?;
+        self.output(&unified, &adaln, inputs)
+    }
+
+    /// Everything before `layers`: the time embedding, the refined image tokens and captions, and
+    /// the unified sequence they make.
+    fn embed(&self, inputs: &CallInputs) -> Result<Embedded> {
         let c = &self.config;
         let (dtype, dim, tables) = (self.dtype(), c.dim, &inputs.tables);
         let patch = self.patch_layers.active();
@@ -954,7 +1137,7 @@ impl ZImageTransformer2DModel {
         }
 
         // The unified sequence [image, caption], each item zero-padded to the longest.
-        let mut u = if caps.iter().all(|&pl| pl == p_max) {
+        let unified = if caps.iter().all(|&pl| pl == p_max) {
             Tensor::cat(&[&x, &cap], 1)?
         } else {
             let rows = (0..n)
@@ -965,17 +1148,55 @@ impl ZImageTransformer2DModel {
                 .collect::<kiln_tensor::Result<Vec<_>>>()?;
             Tensor::cat(&rows.iter().collect::<Vec<_>>(), 0)?
         };
-        for i in 0..self.layers.len() {
-            let args = (u, tables.unified_mask.clone(), tables.unified.clone(), adaln.clone());
-            u = self
-                .layers
-                .run(&self.compiled, i, args, |block, (u, mask, rope, adaln)| {
-                    block.forward(u, mask.as_ref(), rope, Some(adaln))
-                })?;
-        }
+        Ok(Embedded { unified, adaln })
+    }
 
-        // Final layer on the image tokens, unpatchified: [N, ht, wt, p, p, C] → [N, C, H, W].
-        let out = patch.final_layer.forward(&u.narrow(1, 0, s_tokens)?, &adaln)?;
+    /// `layers` from `first` on over the unified sequence, their attention modules run as `mode`
+    /// says (layer `i`'s given output is `given[i]`); recorded outputs are appended to `recorded`.
+    fn layers_with(
+        &self,
+        first: usize,
+        mut u: Tensor,
+        (inputs, adaln): (&CallInputs, &Tensor),
+        mode: AttentionMode<'_>,
+        recorded: &mut Vec<Tensor>,
+    ) -> Result<Tensor> {
+        let (list, tables) = (&self.layers, &inputs.tables);
+        for i in first..list.len() {
+            let args = (u, tables.unified_mask.clone(), tables.unified.clone(), adaln.clone());
+            u = match mode {
+                AttentionMode::Plain => list.run(&self.compiled, i, args, |block, (u, mask, rope, adaln)| {
+                    block.forward(u, mask.as_ref(), rope, Some(adaln))
+                })?,
+                AttentionMode::Record => {
+                    let (u, a) =
+                        list.run_variant(&self.compiled, RECORD, i, args, |block, (u, mask, rope, adaln)| {
+                            block.forward_with(u, mask.as_ref(), rope, adaln, None)
+                        })?;
+                    recorded.push(a);
+                    u
+                }
+                AttentionMode::Given(given) => {
+                    let args = (args.0, args.1, args.2, args.3, given[i].clone());
+                    list.run_variant(&self.compiled, GIVEN, i, args, |block, (u, mask, rope, adaln, a)| {
+                        Ok(block.forward_with(u, mask.as_ref(), rope, adaln, Some(a))?.0)
+                    })?
+                }
+            };
+        }
+        Ok(u)
+    }
+
+    /// The final layer on the image tokens of the unified sequence, unpatchified:
+    /// `[N, ht, wt, p, p, C]` → `[N, C, H, W]`.
+    fn output(&self, unified: &Tensor, adaln: &Tensor, inputs: &CallInputs) -> Result<Tensor> {
+        let patch = self.patch_layers.active();
+        let p = patch.patch.0;
+        let &[n, channels, h, w] = inputs.x.dims() else {
+            unreachable!("checked by check_inputs")
+        };
+        let (ht, wt) = (h / p, w / p);
+        let out = patch.final_layer.forward(&unified.narrow(1, 0, ht * wt)?, adaln)?;
         Ok(out
             .reshape([n, ht, wt, p, p, channels])?
             .permute(&[0, 5, 1, 3, 2, 4])?

@@ -762,9 +762,11 @@ call_arguments! {
     /// (default 1048576, 1024²).
     max_area: One<Count>, check checks::at_least_one { group: Group::Draw, value_name: "PIXELS" },
     /// A step cache (diffusers' hooks): first-block, taylorseer, magcache or faster (FasterCache's
-    /// guidance-distilled mode), as diffusers runs them on FLUX.1, FLUX.2 and SD3, with diffusers'
-    /// config fields, e.g. first-block:threshold=0.12 or magcache:threshold=0.06,num_inference_steps=28
-    /// (lists joined with `;`). A server takes an object: {"kind": "first-block", "threshold": 0.12}.
+    /// guidance-distilled mode), as diffusers runs them on FLUX.1, FLUX.2 and SD3 (and on Z-Image),
+    /// with diffusers' config fields, e.g. first-block:threshold=0.12 or
+    /// magcache:threshold=0.06,num_inference_steps=28 (lists joined with `;`);
+    /// magcache:calibrate=true measures the ratios. A server takes an object: {"kind":
+    /// "first-block", "threshold": 0.12}.
     cache: One<Cache> { value_name: "KIND[:FIELD=VALUE,...]" },
     /// A LoRA adapter (`.safetensors`: diffusers/PEFT, kohya, ComfyUI, XLabs or ai-toolkit
     /// names), merged into the weights for this call; repeat it for several. The server names

@@ -34,13 +34,14 @@ pub enum CacheConfig {
         bfloat16_factors: bool,
     },
     /// `MagCacheConfig`: whole calls skipped while the accumulated magnitude-ratio error stays
-    /// under `threshold`.
+    /// under `threshold`; with `calibrate`, every call computed and the ratios measured.
     MagCache {
         threshold: f64,
         max_skip_steps: usize,
         retention_ratio: f64,
         num_inference_steps: usize,
         mag_ratios: Vec<f32>,
+        calibrate: bool,
     },
     /// `FasterCacheConfig` in its guidance-distilled mode: attention outputs approximated from the
     /// last two inside the timestep range, recomputed every `block_skip_range` calls.
@@ -122,6 +123,7 @@ impl CacheConfig {
                 retention_ratio,
                 num_inference_steps,
                 mag_ratios,
+                calibrate,
             } => serde_json::json!({
                 "kind": "magcache",
                 "threshold": threshold,
@@ -129,6 +131,7 @@ impl CacheConfig {
                 "retention_ratio": retention_ratio,
                 "num_inference_steps": num_inference_steps,
                 "mag_ratios": mag_ratios,
+                "calibrate": calibrate,
             }),
             CacheConfig::Faster {
                 block_skip_range,
@@ -186,6 +189,7 @@ impl CacheConfig {
                 mag_ratios: f
                     .numbers("mag_ratios")?
                     .map_or_else(|| FLUX_MAG_RATIOS.to_vec(), |v| v.iter().map(|&x| x as f32).collect()),
+                calibrate: f.flag("calibrate", false)?,
             },
             "faster" => {
                 let range = f
@@ -308,7 +312,12 @@ impl CacheConfig {
                 retention_ratio,
                 num_inference_steps,
                 mag_ratios,
+                calibrate,
             } => {
+                // Calibration never skips.
+                if *calibrate {
+                    return Some(vec![false; steps]);
+                }
                 let ratios = CacheConfig::magcache_ratios(mag_ratios, *num_inference_steps);
                 let retention = (retention_ratio * *num_inference_steps as f64 + 0.5) as usize;
                 let (mut acc_ratio, mut acc_steps, mut acc_err) = (1.0f32, 0usize, 0.0f32);
@@ -497,6 +506,15 @@ mod tests {
     }
 
     #[test]
+    fn magcache_calibration_never_skips() {
+        let config = CacheConfig::parse("magcache:calibrate=true,num_inference_steps=4").unwrap();
+        assert!(matches!(config, CacheConfig::MagCache { calibrate: true, .. }));
+        assert_eq!(config.to_json()["calibrate"], true);
+        assert_eq!(CacheConfig::from_json(&config.to_json()).unwrap(), config);
+        assert_eq!(config.planned_hits(&[0.0; 6]).unwrap(), [false; 6]);
+    }
+
+    #[test]
     fn magcache_ratios_interpolate_with_ties_to_even() {
         let src: Vec<f32> = (0..28).map(|i| i as f32).collect();
         let ten = CacheConfig::magcache_ratios(&src, 10);
@@ -617,6 +635,8 @@ pub(crate) struct BranchState {
     pub head_residual: Option<kiln_tensor::Tensor>,
     /// TaylorSeer: the Taylor factors of the attention outputs.
     pub taylor: TaylorState,
+    /// MagCache's `calibrate`: the magnitude ratio of every call.
+    pub mag_ratios: Vec<f64>,
 }
 
 impl CacheRun {
@@ -644,6 +664,33 @@ impl CacheRun {
         (&self.config, planned, state)
     }
 
+    /// MagCache calibration's ratio: `mean(‖r‖ / (‖r_prev‖ + 1e-8))`, the norms over the last
+    /// axis (each token's), in float32.
+    pub fn magnitude_ratio(r: &kiln_tensor::Tensor, previous: &kiln_tensor::Tensor) -> kiln_nn::Result<f64> {
+        let norms = |t: &kiln_tensor::Tensor| -> kiln_nn::Result<kiln_tensor::Tensor> {
+            Ok(t.to_dtype(kiln_tensor::DType::F32)?
+                .square()?
+                .sum(&[-1], false)?
+                .sqrt()?)
+        };
+        let ratios = norms(r)?.div(&norms(previous)?.add_scalar(1e-8)?)?;
+        let n = ratios.dims().iter().product::<usize>();
+        Ok(ratios.reshape([n])?.mean(&[0], false)?.to_scalar()?)
+    }
+
+    /// What the run reports on the call's output: the calls served from the cache, of all, and
+    /// with MagCache's `calibrate` each state's magnitude ratios.
+    pub fn report(run: Option<std::cell::RefCell<CacheRun>>, out: &mut crate::call::PipelineOutput) {
+        let Some(run) = run.map(std::cell::RefCell::into_inner) else {
+            return;
+        };
+        out.served_from_cache = Some((run.served, run.calls));
+        if let CacheConfig::MagCache { calibrate: true, .. } = run.config {
+            let ratios = run.branches.into_iter().map(|b| b.mag_ratios);
+            out.calibrated_mag_ratios = Some(ratios.filter(|r| !r.is_empty()).collect());
+        }
+    }
+
     /// First-Block Cache's measure: `mean|r − r_prev| / mean|r_prev|`, in float32.
     pub fn relative_change(r: &kiln_tensor::Tensor, previous: &kiln_tensor::Tensor) -> kiln_nn::Result<f64> {
         let mean_abs = |t: &kiln_tensor::Tensor| -> kiln_nn::Result<kiln_tensor::Tensor> {
@@ -661,13 +708,23 @@ impl CacheRun {
 
 /// One transformer call of `branch` under MagCache: `skip` with the block stack's last residual
 /// on the planned steps (no block runs), else `compute` (the prediction and the residual, kept).
+/// With `calibrate` every call computes and its magnitude ratio to the last call is recorded.
 pub(crate) fn magcache_call(
     run: &mut CacheRun,
     branch: crate::pipeline::Branch,
     compute: impl FnOnce() -> kiln_nn::Result<(kiln_tensor::Tensor, kiln_tensor::Tensor)>,
     skip: impl FnOnce(&kiln_tensor::Tensor) -> kiln_nn::Result<kiln_tensor::Tensor>,
 ) -> kiln_nn::Result<kiln_tensor::Tensor> {
-    let (_, planned, state) = run.next(branch);
+    let (config, planned, state) = run.next(branch);
+    let calibrating = match *config {
+        CacheConfig::MagCache {
+            calibrate: true,
+            num_inference_steps,
+            ..
+        } => Some(num_inference_steps),
+        _ => None,
+    };
+    let step = state.step;
     state.step += 1;
     if let (Some(residual), true) = (&state.residual, planned) {
         let out = skip(residual)?;
@@ -675,8 +732,82 @@ pub(crate) fn magcache_call(
         return Ok(out);
     }
     let (out, residual) = compute()?;
+    if let Some(steps) = calibrating {
+        // diffusers' state resets after `num_inference_steps` calls: the next ratio is 1 again.
+        let ratio = match (&state.residual, step % steps) {
+            (Some(previous), 1..) => CacheRun::magnitude_ratio(&residual, previous)?,
+            _ => 1.0,
+        };
+        state.mag_ratios.push(ratio);
+    }
     state.residual = Some(residual);
     Ok(out)
+}
+
+/// A transformer's forward as diffusers' cache hooks change it (see [`cached_call`]), for
+/// inputs `I`.
+pub(crate) trait CachedTransformer<I> {
+    /// First-Block Cache: what the first block's call leaves for the rest.
+    type FirstBlock;
+    /// MagCache's computed call: the prediction and the block stack's residual.
+    fn magcache_compute(&self, inputs: &I) -> kiln_nn::Result<(kiln_tensor::Tensor, kiln_tensor::Tensor)>;
+    /// MagCache's skipped call: no block runs, the residual added to the stack's input.
+    fn magcache_skip(&self, inputs: &I, residual: &kiln_tensor::Tensor) -> kiln_nn::Result<kiln_tensor::Tensor>;
+    /// The prediction and every hooked attention module's outputs.
+    fn recording_attention(&self, inputs: &I) -> kiln_nn::Result<(kiln_tensor::Tensor, Vec<kiln_tensor::Tensor>)>;
+    /// The prediction with the attention modules' outputs given.
+    fn with_attention(&self, inputs: &I, attention: &[kiln_tensor::Tensor]) -> kiln_nn::Result<kiln_tensor::Tensor>;
+    /// The embeddings and the first block.
+    fn first_block(&self, inputs: &I) -> kiln_nn::Result<Self::FirstBlock>;
+    /// The first block's residual, the measure's input.
+    fn first_block_residual(head: &Self::FirstBlock) -> &kiln_tensor::Tensor;
+    /// The other blocks: the prediction and their residual.
+    fn first_block_rest(
+        &self,
+        inputs: &I,
+        head: &Self::FirstBlock,
+    ) -> kiln_nn::Result<(kiln_tensor::Tensor, kiln_tensor::Tensor)>;
+    /// The prediction from the first block's output and the kept residual.
+    fn first_block_served(
+        &self,
+        inputs: &I,
+        head: &Self::FirstBlock,
+        residual: &kiln_tensor::Tensor,
+    ) -> kiln_nn::Result<kiln_tensor::Tensor>;
+}
+
+/// One transformer call of `branch` under the run's cache: MagCache skips every block on its
+/// planned calls; First-Block Cache runs the first block and the rest only when its residual
+/// changed by more than the threshold; TaylorSeer and FasterCache replace the hooked attention
+/// outputs on their cached calls.
+pub(crate) fn cached_call<I, M: CachedTransformer<I>>(
+    model: &M,
+    inputs: &I,
+    run: &mut CacheRun,
+    branch: crate::pipeline::Branch,
+) -> kiln_nn::Result<kiln_tensor::Tensor> {
+    match &run.config {
+        CacheConfig::MagCache { .. } => magcache_call(
+            run,
+            branch,
+            || model.magcache_compute(inputs),
+            |residual| model.magcache_skip(inputs, residual),
+        ),
+        CacheConfig::TaylorSeer { .. } | CacheConfig::Faster { .. } => attention_cache_call(
+            run,
+            branch,
+            || model.recording_attention(inputs),
+            |attention| model.with_attention(inputs, attention),
+        ),
+        CacheConfig::FirstBlock { .. } => first_block_call(
+            run,
+            branch,
+            || model.first_block(inputs),
+            M::first_block_residual,
+            |head| model.first_block_rest(inputs, head),
+            |head, residual| model.first_block_served(inputs, head, residual),
+        ),
+    }
 }
 
 /// One transformer call of `branch` under First-Block Cache: `head` runs the embeddings and the

@@ -63,6 +63,9 @@ pub struct PipelineOutput {
     pub warnings: Vec<String>,
     /// With a step cache: the transformer calls served from it, of all.
     pub served_from_cache: Option<(usize, usize)>,
+    /// MagCache with `calibrate`: the magnitude ratios each cache state measured (one list per
+    /// state: `cond`, then `uncond` when the guidance runs as a second call).
+    pub calibrated_mag_ratios: Option<Vec<Vec<f64>>>,
 }
 
 /// `FlowMatchEulerDiscreteScheduler.step`: `x + dt·v` with the sample upcast to f32 (`dt` an f32
@@ -172,6 +175,7 @@ pub(crate) fn finish_call(
         timings,
         warnings,
         served_from_cache: None,
+        calibrated_mag_ratios: None,
     })
 }
 

@@ -432,10 +432,7 @@ impl FluxPipeline {
             self.decode(l, h, w)
         })?;
         out.timings.image_encoding = image_encoding;
-        out.served_from_cache = cache.map(|c| {
-            let c = c.into_inner();
-            (c.served, c.calls)
-        });
+        CacheRun::report(cache, &mut out);
         Ok(out)
     }
 

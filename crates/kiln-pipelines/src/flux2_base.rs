@@ -514,10 +514,7 @@ impl Flux2Base {
             warnings,
             |l| self.decode(l, gh, gw),
         )?;
-        out.served_from_cache = cache.map(|c| {
-            let c = c.into_inner();
-            (c.served, c.calls)
-        });
+        crate::cache::CacheRun::report(cache, &mut out);
         Ok(out)
     }
 

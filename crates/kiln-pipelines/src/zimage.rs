@@ -9,24 +9,30 @@
 //! transformer call on `[positives; negatives]`, with `cfg_normalization` (the guided
 //! prediction's norm clamped to the positive one's) and `cfg_truncation` (steps with
 //! `t > cfg_truncation` run without guidance); the scheduler gets the negated prediction.
+//!
+//! A step cache (`cache`) hooks the transformer as diffusers' hooks would (see
+//! `ZImageTransformer2DModel`'s cache entry points), with one state: the pipeline sets no
+//! `cache_context`, and the guidance is one batched call.
 
+use std::cell::RefCell;
 use std::time::Instant;
 
 use kiln_io::{AutoencoderKLConfig, Qwen3Config, ZImageTransformerConfig};
 use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::text_decoder::{TextDecoderConfig, TextDecoderModel};
-use kiln_models::transformer_zimage::{ZImageInputs, ZImageTables, ZImageTransformer2DModel};
+use kiln_models::transformer_zimage::{ZImageFirstBlock, ZImageInputs, ZImageTables, ZImageTransformer2DModel};
 use kiln_schedulers::FlowMatchEulerDiscreteSchedulerConfig;
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ChatMessage, Qwen3Tokenizer};
 
 use crate::arguments::GenerateCall;
+use crate::cache::{CacheConfig, CacheRun, CachedTransformer};
 use crate::call::{check_finite, finish_call, mul_scale, pipeline_call, schedule, PipelineOutput};
 use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
 use crate::images::{first_step, image_tensor, one_image};
 use crate::loading::{CallGenerators, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, PipelineCore, PipelineParts, StepInputs};
+use crate::pipeline::{components, pipeline_parts, Branch, PipelineCore, PipelineParts, StepInputs};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
 pipeline_call! {
@@ -47,6 +53,8 @@ pipeline_call! {
         /// With `prompt_embeds` (`[B, L, D]`, padded): each row's tokens.
         pub prompt_lengths: Option<Vec<usize>> = None,
         pub negative_prompt_lengths: Option<Vec<usize>> = None,
+        /// A step cache (First-Block Cache, TaylorSeer, MagCache or FasterCache).
+        pub cache: Option<crate::cache::CacheConfig> = None,
     }
 }
 
@@ -56,7 +64,7 @@ pub static CLASS: PipelineClass = PipelineClass::new("ZImagePipeline", ZImageCal
     Ok(Box::new(ZImagePipeline::from_pretrained(model, options)?))
 })
 .takes(
-    &["cfg_normalization", "cfg_truncation"],
+    &["cfg_normalization", "cfg_truncation", "cache"],
     &["prompt_2", "negative_prompt_2"],
 )
 .encodes(&["prompt"], &["negative_prompt"])
@@ -68,7 +76,7 @@ pub static IMG2IMG_CLASS: PipelineClass =
         Ok(Box::new(ZImagePipeline::from_pretrained(model, options)?))
     })
     .takes(
-        &["cfg_normalization", "cfg_truncation", "image", "strength"],
+        &["cfg_normalization", "cfg_truncation", "image", "strength", "cache"],
         &["prompt_2", "negative_prompt_2"],
     )
     .encodes(&["prompt"], &["negative_prompt"])
@@ -240,6 +248,33 @@ impl ZImagePipeline {
         let (models, device, _finish, [batch, total]) = self.core.start_call(args.nonempty_batch(), n)?;
         let do_cfg = args.guidance_scale > 0.0;
 
+        // 5. Timesteps (first: a step cache's settings are checked against the steps that run).
+        let (h, w) = (2 * (height / multiple), 2 * (width / multiple));
+        let steps = args.sigmas.as_ref().map_or(args.num_inference_steps, Vec::len);
+        if steps == 0 {
+            return Err(invalid("`num_inference_steps` must be at least 1, got 0"));
+        }
+        let sigmas = args
+            .sigmas
+            .clone()
+            .unwrap_or_else(|| torch_linspace_f32(1.0, 1.0 / steps as f32, steps));
+        let seq = (h / 2) * (w / 2);
+        let mu = self.scheduler_config.calculate_shift(seq);
+        let (mut scheduler, mut timesteps) = schedule(&self.scheduler_config, steps, Some(&sigmas), Some(mu))?;
+        // img2img: t_start = int(n − min(n·strength, n)).
+        let t_start = match &image {
+            Some(_) => first_step(steps, args.strength, true)?,
+            None => 0,
+        };
+        let truncation = args.cfg_truncation;
+        if let Some(cache) = &args.cache {
+            let guided: Vec<bool> = timesteps[t_start..]
+                .iter()
+                .map(|&t| guided_step(t, do_cfg, truncation))
+                .collect();
+            check_cache(cache, &guided, truncation)?;
+        }
+
         // 3. Prompts: given embeddings (with their lengths), else the texts.
         let t0 = Instant::now();
         let dtype = self.core.dtype();
@@ -286,20 +321,8 @@ impl ZImagePipeline {
         }
         let text_encoding = t0.elapsed();
 
-        // 4. Latents and 5. timesteps.
-        let (h, w) = (2 * (height / multiple), 2 * (width / multiple));
+        // 4. Latents (the timesteps were made before the text encoding).
         let channels = self.transformer_config.in_channels;
-        let steps = args.sigmas.as_ref().map_or(args.num_inference_steps, Vec::len);
-        if steps == 0 {
-            return Err(invalid("`num_inference_steps` must be at least 1, got 0"));
-        }
-        let sigmas = args
-            .sigmas
-            .clone()
-            .unwrap_or_else(|| torch_linspace_f32(1.0, 1.0 / steps as f32, steps));
-        let seq = (h / 2) * (w / 2);
-        let mu = self.scheduler_config.calculate_shift(seq);
-        let (mut scheduler, mut timesteps) = schedule(&self.scheduler_config, steps, Some(&sigmas), Some(mu))?;
         let shape = [total, channels, h, w];
         let mut generator = CallGenerators::new(args.seed, args.seeds.as_deref());
         let latents = match (args.latents.take(), image) {
@@ -313,10 +336,8 @@ impl ZImagePipeline {
             // Text-to-image draws its latents in f32 whatever the model's dtype (diffusers).
             (None, None) => generator.randn(&shape, DType::F32, device)?,
             (None, Some(img)) => {
-                // img2img: t_start = int(n − min(n·strength, n)); the posterior sample is drawn
-                // before the noise, from the same generator.
-                // (`strength` was checked above, with Z-Image's message.)
-                let t_start = first_step(steps, args.strength, true)?;
+                // img2img: the posterior sample is drawn before the noise, from the same
+                // generator. (`strength` was checked above, with Z-Image's message.)
                 timesteps = timesteps[t_start..].to_vec();
                 scheduler.set_begin_index(t_start);
                 let image_latents = self.encode_image(&img, (height, width), total, &mut generator)?;
@@ -346,13 +367,10 @@ impl ZImagePipeline {
             cfg_tables,
             scale: Tensor::from_f32(&[args.guidance_scale as f32], DType::F32, [], device)?,
         };
-        let truncation = args.cfg_truncation;
         let normalize = args.cfg_normalization;
         let prepare = |_: usize, timestep: f32| -> Result<(String, Tensor)> {
-            // diffusers: `t = (1000 − timestep)/1000` (f32); steps with `t > cfg_truncation` run
-            // without guidance.
             let t = (1000.0 - timestep) / 1000.0;
-            let cfg = do_cfg && !(truncation <= 1.0 && f64::from(t) > truncation);
+            let cfg = guided_step(timestep, do_cfg, truncation);
             let rows = if cfg { 2 * total } else { total };
             let t = Tensor::from_f32(&vec![t; rows], DType::F32, [rows], device)?;
             let variant = match (cfg, normalize) {
@@ -363,19 +381,24 @@ impl ZImagePipeline {
             Ok((variant.to_string(), t))
         };
         let model_dtype = dtype;
-        let denoising = args.denoising(&scheduler, &timesteps, latents);
+        let cache = args.cache.take().map(|c| RefCell::new(CacheRun::new(c, &timesteps)));
+        let mut denoising = args.denoising(&scheduler, &timesteps, latents);
+        denoising.steps_outside_programs = cache.is_some();
+        let cached = cache.as_ref();
         let (latents, step_times) = self.core.denoise(
             ("transformer", &models.transformer),
             denoising,
             &constants,
             prepare,
-            move |tr, s: &StepInputs<ZImageConstants, Tensor>| predict(tr, s, (total, model_dtype, normalize)),
+            move |tr, s: &StepInputs<ZImageConstants, Tensor>| predict(tr, s, (total, model_dtype, normalize), cached),
         )?;
 
         let times = (start, text_encoding, step_times);
-        finish_call(args.output_type, latents, (h * vsf, w * vsf), times, Vec::new(), |l| {
+        let mut out = finish_call(args.output_type, latents, (h * vsf, w * vsf), times, Vec::new(), |l| {
             self.decode(l)
-        })
+        })?;
+        CacheRun::report(cache, &mut out);
+        Ok(out)
     }
 
     /// The input image's latents, `(sample − shift)·scale` of the VAE posterior (its draw from
@@ -428,17 +451,23 @@ kiln_nn::impl_tensors!(ZImageConstants {
 
 /// One step's prediction as the scheduler takes it (negated), f32: the transformer on the latents
 /// (and, with guidance, on `[positives; negatives]`), then `pos + g·(pos − neg)` with the norm
-/// clamp. `s.step` is the time input, one per transformer item.
+/// clamp. `s.step` is the time input, one per transformer item. With a step cache every call
+/// goes through its one state.
 fn predict(
     tr: &ZImageTransformer2DModel,
     s: &StepInputs<ZImageConstants, Tensor>,
     (total, dtype, normalize): (usize, DType, bool),
+    cache: Option<&RefCell<CacheRun>>,
 ) -> kiln_nn::Result<Tensor> {
+    let forward = |inputs: &ZImageInputs<'_>| match cache {
+        None => tr.forward(inputs),
+        Some(run) => crate::cache::cached_call(tr, inputs, &mut run.borrow_mut(), Branch::Cond),
+    };
     let k = &s.constants;
     let x = s.latents.to_dtype(dtype)?;
     let cfg = s.step.dims()[0] == 2 * total;
     if !cfg {
-        let out = tr.forward(&ZImageInputs {
+        let out = forward(&ZImageInputs {
             x: &x,
             t: &s.step,
             cap_feats: &k.positives,
@@ -451,7 +480,7 @@ fn predict(
         message: "internal error: a guided step without its tables".into(),
     })?;
     let caps: Vec<Tensor> = k.positives.iter().chain(&k.negatives).cloned().collect();
-    let out = tr.forward(&ZImageInputs {
+    let out = forward(&ZImageInputs {
         x: &Tensor::cat(&[&x, &x], 0)?,
         t: &s.step,
         cap_feats: &caps,
@@ -479,6 +508,38 @@ fn predict(
     let mut shape = vec![dims[0]];
     shape.extend(std::iter::repeat_n(1, dims.len() - 1));
     Ok(pred.mul(&factor.reshape(shape)?)?.neg()?)
+}
+
+/// Whether the step of scheduler timestep `timestep` runs the guidance: diffusers'
+/// `t = (1000 − timestep)/1000` (f32); steps with `t > cfg_truncation` run without it.
+fn guided_step(timestep: f32, do_cfg: bool, truncation: f64) -> bool {
+    let t = (1000.0 - timestep) / 1000.0;
+    do_cfg && !(truncation <= 1.0 && f64::from(t) > truncation)
+}
+
+/// The step caches Z-Image cannot run as asked (`guided`: whether each step that runs is
+/// guided), refused before any work.
+fn check_cache(cache: &CacheConfig, guided: &[bool], truncation: f64) -> Result<()> {
+    if guided.contains(&true) && matches!(cache, CacheConfig::Faster { .. }) {
+        return Err(invalid(
+            "`cache`: faster does not run on Z-Image with guidance (its guidance is one batched call, which \
+             FasterCache's non-distilled mode splits, and kiln implements only the guidance-distilled mode); \
+             give guidance_scale 0 or another cache kind",
+        ));
+    }
+    // The state holds the guided batch (diffusers' MagCache would warn and add no residual to
+    // the smaller one): refused.
+    if let Some(k) = guided.windows(2).position(|w| w[0] != w[1]) {
+        return Err(invalid(format!(
+            "`cache` with `cfg_truncation` {truncation}: the guidance stops at step {} of {}, which changes the \
+             transformer's batch mid-run while the {} cache's state holds the guided batch; give \
+             cfg_truncation 1 (guidance on every step), guidance_scale 0, or no cache",
+            k + 2,
+            guided.len(),
+            cache.kind()
+        )));
+    }
+    Ok(())
 }
 
 /// `torch.linspace(start, end, steps)` in float32 (torch's CPU kernel: the first half counted
@@ -523,7 +584,9 @@ impl Pipeline for ZImagePipeline {
             Some(e) => (e.prompt_lengths.clone(), e.negative_prompt_lengths.clone()),
             None => (None, None),
         };
+        let cache = c.cache.clone();
         let mut call = ZImageCall::from_generate(c, d, e);
+        call.cache = cache;
         call.cfg_normalization = cfg_normalization.unwrap_or(call.cfg_normalization);
         call.cfg_truncation = cfg_truncation.unwrap_or(call.cfg_truncation);
         call.strength = strength.unwrap_or(call.strength);
@@ -574,6 +637,44 @@ impl Pipeline for ZImagePipeline {
     /// `2^(len(block_out_channels) − 1)`.
     fn vae_scale_factor(&self) -> usize {
         1 << self.vae_config.block_out_channels.len().saturating_sub(1)
+    }
+}
+
+/// diffusers' hooks on `ZImageTransformer2DModel` (see its cache entry points).
+impl<'a> CachedTransformer<ZImageInputs<'a>> for ZImageTransformer2DModel {
+    type FirstBlock = ZImageFirstBlock;
+    fn magcache_compute(&self, inputs: &ZImageInputs<'a>) -> kiln_nn::Result<(Tensor, Tensor)> {
+        self.forward_magcache_compute(inputs)
+    }
+    fn magcache_skip(&self, inputs: &ZImageInputs<'a>, residual: &Tensor) -> kiln_nn::Result<Tensor> {
+        self.forward_magcache_skip(inputs, residual)
+    }
+    fn recording_attention(&self, inputs: &ZImageInputs<'a>) -> kiln_nn::Result<(Tensor, Vec<Tensor>)> {
+        self.forward_recording_attention(inputs)
+    }
+    fn with_attention(&self, inputs: &ZImageInputs<'a>, attention: &[Tensor]) -> kiln_nn::Result<Tensor> {
+        self.forward_with_attention(inputs, attention)
+    }
+    fn first_block(&self, inputs: &ZImageInputs<'a>) -> kiln_nn::Result<ZImageFirstBlock> {
+        self.forward_first_block(inputs)
+    }
+    fn first_block_residual(head: &ZImageFirstBlock) -> &Tensor {
+        &head.residual
+    }
+    fn first_block_rest(
+        &self,
+        inputs: &ZImageInputs<'a>,
+        head: &ZImageFirstBlock,
+    ) -> kiln_nn::Result<(Tensor, Tensor)> {
+        self.forward_after_first_block(inputs, head)
+    }
+    fn first_block_served(
+        &self,
+        inputs: &ZImageInputs<'a>,
+        head: &ZImageFirstBlock,
+        residual: &Tensor,
+    ) -> kiln_nn::Result<Tensor> {
+        self.forward_from_first_block(inputs, head, residual)
     }
 }
 

@@ -104,6 +104,7 @@ impl Pipeline for FakePipeline {
             timings: Timings::default(),
             warnings: Vec::new(),
             served_from_cache: None,
+            calibrated_mag_ratios: None,
         })
     }
 

@@ -400,6 +400,17 @@ fn load_and_call(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
         if let Some((served, calls)) = out.served_from_cache {
             eprintln!("step cache: {served} of {calls} transformer calls served from the cache");
         }
+        // MagCache's calibration, as `--cache magcache:` takes it back (one line per CFG branch).
+        let calibrated = out.calibrated_mag_ratios.as_deref().unwrap_or_default();
+        for (ratios, branch) in calibrated.iter().zip(["cond", "uncond"]) {
+            let label = if calibrated.len() > 1 {
+                format!(" ({branch})")
+            } else {
+                String::new()
+            };
+            let ratios: Vec<String> = ratios.iter().map(|r| format!("{r:?}")).collect();
+            eprintln!("magcache calibration{label}: mag_ratios={}", ratios.join(";"));
+        }
         Ok((out.images, out.size, out.timings))
     })
 }
