@@ -7,7 +7,7 @@
 
 use kiln_nn::module::Named;
 use kiln_nn::{impl_module, Error, LayerNorm, Linear, Module, Result, RmsNorm, RopeTables, Weights};
-use kiln_tensor::{AttentionMask, DType, RopeLayout, Tensor};
+use kiln_tensor::{DType, RopeLayout, Tensor};
 
 /// Where torch's f32 `exp` (MKL's vectorized exp on x86) does not round `get_timestep_embedding`'s
 /// frequencies to the nearest f32: `(half, k, ulps)` = entry `k` of the `half`-long table is
@@ -220,7 +220,8 @@ pub(crate) fn times_1000(v: &Tensor, dtype: DType) -> Result<Tensor> {
 pub(crate) fn rope_attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Tensor> {
     let q = q.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
     let k = k.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
-    let o = Tensor::scaled_dot_product_attention(&q, &k, v, &AttentionMask::None, None)?;
+    // Over the whole sequence when the device splits it (context parallelism).
+    let o = kiln_nn::context_parallel::attention(&q, &k, v)?;
     Ok(o.transpose(1, 2)?.flatten(2, 3)?)
 }
 

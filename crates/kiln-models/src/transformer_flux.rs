@@ -6,8 +6,8 @@
 
 use kiln_io::FluxTransformer2DConfig;
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
-    RopeTables, TpPlan, TpStyle, Weights,
+    context_parallel, impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear,
+    Result, RmsNorm, RopeTables, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{DType, Device, Tensor};
 
@@ -308,6 +308,7 @@ impl FluxTransformer2DModel {
             }
         }
         w.check_divides("num_attention_heads", heads)?;
+        context_parallel::check_heads(w.device(), heads / w.device().tp_size())?;
         let w = &w.with_plan(&Self::tp_plan())?;
         Ok(FluxTransformer2DModel {
             config: config.clone(),
@@ -347,15 +348,32 @@ impl FluxTransformer2DModel {
             .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
     }
 
+    /// The call's tensors; with context parallelism each device's tokens (and their rotary
+    /// tables) only, gathered again by [`Self::output`].
     fn call_inputs(&self, inputs: &FluxTransformerInputs<'_>) -> Result<CallInputs> {
+        let (encoder_hidden_states, hidden_states, rope) =
+            context_parallel::split_text_and_image(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
         Ok(CallInputs {
-            hidden_states: inputs.hidden_states.clone(),
-            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
+            hidden_states,
+            encoder_hidden_states,
             pooled_projections: inputs.pooled_projections.clone(),
             timestep: inputs.timestep.clone(),
-            rope: inputs.rope.clone(),
+            rope,
             guidance: guidance_input(self.config.guidance_embeds, inputs.guidance)?,
         })
+    }
+
+    /// [`Self::call_inputs`] of a step cache's call: refused with context parallelism, where the
+    /// cache's decisions would read one device's tokens only.
+    fn cache_inputs(&self, inputs: &FluxTransformerInputs<'_>, cache: &str) -> Result<CallInputs> {
+        let context = inputs.hidden_states.device().axes().context;
+        if context.is_enabled() {
+            return Err(Error::ContextParallel {
+                context,
+                message: format!("{cache} is not supported with it yet (its decisions would see one device's tokens)"),
+            });
+        }
+        self.call_inputs(inputs)
     }
 
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
@@ -489,19 +507,20 @@ impl FluxTransformer2DModel {
         Ok(h.narrow(1, text_len, h.dims()[1] - text_len)?)
     }
 
-    /// `norm_out` and `proj_out` of the image stream.
+    /// `norm_out` and `proj_out` of the image stream, whose tokens are gathered from every
+    /// device under context parallelism.
     fn output(&self, x: &Tensor, temb_silu: &Tensor) -> Result<Tensor> {
         // AdaLayerNormContinuous: scale first, then shift.
         let e = self.norm_out.forward(temb_silu)?.chunk(2, 1)?;
         let x = modulate(&LayerNorm::plain(1e-6).forward(x)?, &e[1], &e[0])?;
-        self.proj_out.forward(&x)
+        context_parallel::gather_sequence(&self.proj_out.forward(&x)?, 1)
     }
 
     /// MagCache's computed call: the prediction and the residual of the whole block stack,
     /// `image stream after the last block − image stream entering the first` (one program,
     /// `magcache.compute`, when compiled whole).
     pub fn forward_magcache_compute(&self, inputs: &FluxTransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs, "MagCache")?;
         self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
             let x_in = x.clone();
@@ -514,7 +533,7 @@ impl FluxTransformer2DModel {
     /// MagCache's skipped call: no block runs; the image stream entering the first block plus
     /// `residual`, through `norm_out` and `proj_out` (`magcache.skip`).
     pub fn forward_magcache_skip(&self, inputs: &FluxTransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
-        let inputs = (self.call_inputs(inputs)?, residual.clone());
+        let inputs = (self.cache_inputs(inputs, "MagCache")?, residual.clone());
         self.compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -534,7 +553,7 @@ impl FluxTransformer2DModel {
     /// module's outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute` when
     /// compiled whole; each block's `attention_record` program by blocks).
     pub fn forward_recording_attention(&self, inputs: &FluxTransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs, "a step cache on the attention")?;
         self.compiled
             .whole("attention_cache.compute", self, inputs, |m, inputs| {
                 let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
@@ -551,7 +570,10 @@ impl FluxTransformer2DModel {
     /// (`attention_cache.given`; each block's `attention_given` program by blocks).
     pub fn forward_with_attention(&self, inputs: &FluxTransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
         check_attention_outputs(attention.len(), self.attention_outputs())?;
-        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
+        let inputs = (
+            self.cache_inputs(inputs, "a step cache on the attention")?,
+            attention.to_vec(),
+        );
         self.compiled
             .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
                 let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
@@ -566,7 +588,7 @@ impl FluxTransformer2DModel {
     /// First-Block Cache's first part: the embeddings and the first block
     /// (`first_block.head`); its residual decides whether the rest runs.
     pub fn forward_first_block(&self, inputs: &FluxTransformerInputs<'_>) -> Result<FirstBlockOutput> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs, "First-Block Cache")?;
         self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
             let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
             if m.transformer_blocks.is_empty() {

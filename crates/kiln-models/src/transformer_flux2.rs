@@ -419,6 +419,7 @@ impl Flux2Transformer2DModel {
                 )));
             }
         }
+        kiln_nn::context_parallel::refuse(w.device(), "Flux2Transformer2DModel")?;
         w.check_divides("num_attention_heads", heads)?;
         let w = &w.with_plan(&Self::tp_plan(config))?;
         let modulation = |name, sets: usize| Linear::load(&w.pp(name), dim, 3 * sets * dim, false);

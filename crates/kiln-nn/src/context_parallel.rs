@@ -4,9 +4,10 @@
 //! attention sees the whole sequence ([`attention`]); the output is gathered after the blocks
 //! ([`gather_sequence`]).
 
-use kiln_tensor::{AttentionMask, ContextParallel, MeshAxis, Tensor};
+use kiln_tensor::{AttentionMask, ContextParallel, Device, MeshAxis, Tensor};
 
 use crate::error::{Error, Result};
+use crate::rope::RopeTables;
 
 fn error(context: ContextParallel, message: String) -> Error {
     Error::ContextParallel { context, message }
@@ -34,6 +35,64 @@ pub fn check_sequence_lengths(x: &Tensor, lengths: &[(&str, usize)]) -> Result<(
             working.join(", ")
         ),
     ))
+}
+
+/// An error naming the head count and the degrees that work when a model with `heads` attention
+/// heads per device cannot run Ulysses attention on `device` (its ulysses degree must divide
+/// them).
+pub fn check_heads(device: &Device, heads: usize) -> Result<()> {
+    let context = device.axes().context;
+    if heads.is_multiple_of(context.ulysses) {
+        return Ok(());
+    }
+    let working: Vec<String> = (1..=heads)
+        .filter(|d| heads.is_multiple_of(*d))
+        .map(|d| d.to_string())
+        .collect();
+    Err(error(
+        context,
+        format!(
+            "{heads} attention heads (per tensor-parallel device) do not split over {} devices; use a ulysses \
+             degree that divides them ({}) or a ring degree",
+            context.ulysses,
+            working.join(", ")
+        ),
+    ))
+}
+
+/// An error when `device` splits token sequences: `model` does not split its tokens yet, so it
+/// cannot run there.
+pub fn refuse(device: &Device, model: &str) -> Result<()> {
+    let context = device.axes().context;
+    match context.is_enabled() {
+        false => Ok(()),
+        true => Err(error(
+            context,
+            format!("{model} does not split its tokens yet; context parallelism is supported for FLUX.1 only so far"),
+        )),
+    }
+}
+
+/// The text `[B, S_txt, C]` and image `[B, S_img, C]` tokens of a joint-attention model, and the
+/// rotary tables of `[text; image]`, split for this device as diffusers' `_cp_plan` of FLUX does:
+/// each sequence split on its own, so each device holds `[its text; its image]` with their
+/// positions. Each length must divide by the degree (the error names what works).
+pub fn split_text_and_image(text: &Tensor, image: &Tensor, rope: &RopeTables) -> Result<(Tensor, Tensor, RopeTables)> {
+    if !text.device().axes().context.is_enabled() {
+        return Ok((text.clone(), image.clone(), rope.clone()));
+    }
+    let (text_len, image_len) = (text.dims()[1], image.dims()[1]);
+    check_sequence_lengths(text, &[("text tokens", text_len), ("image tokens", image_len)])?;
+    let split_table = |t: &Tensor| -> Result<Tensor> {
+        let parts = t.split_sizes(&[text_len, image_len], 0)?;
+        let (text, image) = (split_sequence(&parts[0], 0)?, split_sequence(&parts[1], 0)?);
+        Ok(Tensor::cat(&[&text, &image], 0)?)
+    };
+    let rope = RopeTables {
+        cos: split_table(&rope.cos)?,
+        sin: split_table(&rope.sin)?,
+    };
+    Ok((split_sequence(text, 1)?, split_sequence(image, 1)?, rope))
 }
 
 /// This device's tokens of `x` along `dim`: the `r`-th of `degree` equal parts on the device of
@@ -76,23 +135,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 /// head-split ones over the whole sequence, attention runs on this device's heads, and a second
 /// all-to-all turns the output back. The head count must divide by the ulysses degree.
 pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let context = q.device().axes().context;
-    let heads = q.dims()[1];
-    if !heads.is_multiple_of(context.ulysses) {
-        let working: Vec<String> = (1..=heads)
-            .filter(|d| heads.is_multiple_of(*d))
-            .map(|d| d.to_string())
-            .collect();
-        return Err(error(
-            context,
-            format!(
-                "{heads} attention heads (per tensor-parallel device) do not split over {} devices; use a \
-                 ulysses degree that divides them ({}) or a ring degree",
-                context.ulysses,
-                working.join(", ")
-            ),
-        ));
-    }
+    check_heads(q.device(), q.dims()[1])?;
     // [B, H, S/n, D] -> [B, H/n, S, D]: heads scattered, tokens gathered in sequence-rank order.
     let heads_split = |t: &Tensor| t.all_to_all(MeshAxis::Ulysses, 1, 2);
     let o = Tensor::scaled_dot_product_attention(

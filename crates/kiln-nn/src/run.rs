@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use kiln_tensor::Device;
+use kiln_tensor::{ContextParallel, Device};
 
 use crate::module::CompileMode;
 
@@ -43,8 +43,10 @@ impl fmt::Display for OffloadMode {
     }
 }
 
-/// The run configuration of a pipeline: device, compile mode and offload mode. The combination
-/// rules live here and nowhere else.
+/// The run configuration of a pipeline: device, compile mode and offload mode. The device may be
+/// a mesh, whose axes say the tensor parallelism ([`Device::tp_size`]) and the context
+/// parallelism ([`RunConfig::context_parallel`]). The combination rules live here and nowhere
+/// else.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RunConfig {
     /// `None` until the pipeline is placed (`to`, `enable_*_offload`, or the first call: the CPU).
@@ -64,14 +66,24 @@ impl RunConfig {
         }
     }
 
-    /// Whether `offload` can run on `device`; the reason when it cannot. Tensor parallelism (a
-    /// mesh) runs without offload and with model offload (each device moves its own slices);
-    /// sequential offload is refused there: its block streaming moves one device's weights.
+    /// How the device splits token sequences (none on a single device).
+    pub fn context_parallel(&self) -> ContextParallel {
+        self.device.as_ref().map(|d| d.axes().context).unwrap_or_default()
+    }
+
+    /// Whether `offload` can run on `device`; the reason when it cannot. A mesh (tensor or
+    /// context parallelism) runs without offload and with model offload (each device moves its
+    /// own weights); sequential offload is refused there: its block streaming moves one device's
+    /// weights.
     pub fn placement_problem(offload: OffloadMode, device: &Device) -> Option<String> {
+        let parallelism = match device.axes().context.is_enabled() {
+            true => "tensor or context parallelism",
+            false => "tensor parallelism",
+        };
         (device.is_mesh() && offload == OffloadMode::Sequential).then(|| {
             format!(
-                "sequential offload is not supported with tensor parallelism ({device}, {} devices): \
-                 use OffloadMode::Model or OffloadMode::None, or no tensor parallelism (a mesh size of 1)",
+                "sequential offload is not supported with {parallelism} ({device}, {} devices): its block \
+                 streaming moves one device's weights; use OffloadMode::Model or OffloadMode::None, or a mesh size of 1",
                 device.mesh_size()
             )
         })

@@ -1,6 +1,9 @@
 //! Ulysses and ring attention on CPU virtual devices against attention over the unsplit sequence.
 
-use kiln_nn::context_parallel::{attention, check_sequence_lengths, gather_sequence, split_sequence};
+use kiln_nn::context_parallel::{
+    attention, check_sequence_lengths, gather_sequence, split_sequence, split_text_and_image,
+};
+use kiln_nn::RopeTables;
 use kiln_tensor::{AttentionMask, CompiledFunction, ContextParallel, DType, Device, DeviceSpec, MeshAxes, Tensor};
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -80,6 +83,38 @@ fn each_device_holds_only_its_tokens_once_split() {
     for (r, shard) in part.shards().unwrap().iter().enumerate() {
         let want = whole.narrow(2, 4 * r, 4).unwrap().to_f32_vec().unwrap();
         assert_eq!(shard.to_f32_vec().unwrap(), want, "member {r}");
+    }
+}
+
+/// What attention gets on each device of a FLUX model: `[its text; its image]` tokens, each
+/// sequence split on its own, with the rotary rows of those positions.
+#[test]
+fn each_device_holds_its_text_and_image_tokens_and_their_positions() {
+    let m = mesh(2, 1);
+    let one = Device::cpu().unwrap();
+    let (text_len, image_len, width) = (4, 6, 3);
+    let tensor = |n: usize, seed: u32, shape: Vec<usize>, d: &Device| {
+        Tensor::from_f32(&values(n, seed), DType::F32, shape, d).unwrap()
+    };
+    let text = |d: &Device| tensor(text_len * width, 1, vec![1, text_len, width], d);
+    let image = |d: &Device| tensor(image_len * width, 2, vec![1, image_len, width], d);
+    let table = |seed, d: &Device| tensor((text_len + image_len) * 2, seed, vec![text_len + image_len, 2], d);
+    let rope = |d: &Device| RopeTables {
+        cos: table(3, d),
+        sin: table(4, d),
+    };
+    let (t, i, r) = split_text_and_image(&text(&m), &image(&m), &rope(&m)).unwrap();
+    let whole_rope = rope(&one);
+    let rows =
+        |x: &Tensor, dim: isize, start: usize, len: usize| x.narrow(dim, start, len).unwrap().to_f32_vec().unwrap();
+    for rank in 0..2 {
+        let shard = |x: &Tensor| x.shards().unwrap()[rank].to_f32_vec().unwrap();
+        assert_eq!(shard(&t), rows(&text(&one), 1, 2 * rank, 2), "text of device {rank}");
+        assert_eq!(shard(&i), rows(&image(&one), 1, 3 * rank, 3), "image of device {rank}");
+        for (got, whole) in [(&r.cos, &whole_rope.cos), (&r.sin, &whole_rope.sin)] {
+            let want: Vec<f32> = [rows(whole, 0, 2 * rank, 2), rows(whole, 0, text_len + 3 * rank, 3)].concat();
+            assert_eq!(shard(got), want, "rotary rows of device {rank}");
+        }
     }
 }
 

@@ -347,6 +347,9 @@ impl DiffusionPipeline for AnyPipeline {
     fn enable_tensor_parallel(&mut self, devices: usize) -> Result<()> {
         self.pipe.enable_tensor_parallel(devices)
     }
+    fn enable_context_parallel(&mut self, context: kiln_tensor::ContextParallel) -> Result<()> {
+        self.pipe.enable_context_parallel(context)
+    }
     fn compile(&mut self, mode: CompileMode) {
         self.pipe.compile(mode)
     }

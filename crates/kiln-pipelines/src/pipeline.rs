@@ -572,6 +572,7 @@ pub trait PipelineParts {
         if let Some(problem) = RunConfig::placement_problem(mode, device) {
             return Err(invalid(problem));
         }
+        check_context_parallel(&core.root, device)?;
         let memory = weights_memory(mode, device)?;
         if mode == OffloadMode::None {
             let stored = core
@@ -611,6 +612,49 @@ pub trait PipelineParts {
     }
 }
 
+/// Places `pipe` on a mesh laid out as `axes` of its platform, from its device's index on (the
+/// CPU plugin when it was not placed yet), keeping the offload mode.
+fn place_on_mesh<P: PipelineParts>(pipe: &mut P, axes: kiln_tensor::MeshAxes) -> Result<()> {
+    let (platform, index) = pipe
+        .core()
+        .run
+        .device
+        .as_ref()
+        .map_or((kiln_tensor::Platform::Cpu, 0), |d| (d.platform(), d.index()));
+    let spec = kiln_tensor::DeviceSpec {
+        platform: Some(platform),
+        index,
+    };
+    let mesh = Device::open_mesh_axes(spec, axes)?;
+    let mode = pipe.core().run.offload;
+    pipe.place(mode, &mesh)
+}
+
+/// The transformers that split their tokens under context parallelism.
+const CONTEXT_PARALLEL_TRANSFORMERS: &[&str] = &["FluxTransformer2DModel"];
+
+/// An error before anything loads when `device` splits token sequences and the transformer of the
+/// folder at `root` does not split its tokens yet.
+fn check_context_parallel(root: &Path, device: &Device) -> Result<()> {
+    let context = device.axes().context;
+    if !context.is_enabled() {
+        return Ok(());
+    }
+    let index = kiln_io::ModelIndex::load(root)?;
+    let class = index
+        .component("transformer")
+        .map_or("no transformer", |c| c.class.as_str());
+    if CONTEXT_PARALLEL_TRANSFORMERS.contains(&class) {
+        return Ok(());
+    }
+    Err(invalid(format!(
+        "context parallelism ({context}) is supported for FLUX.1 only so far ({}); {} has {class}: run it \
+         without context parallelism",
+        CONTEXT_PARALLEL_TRANSFORMERS.join(", "),
+        index.class_name
+    )))
+}
+
 /// What every pipeline offers, as diffusers' `DiffusionPipeline` does: placement, offload,
 /// compilation and what they report.
 pub trait DiffusionPipeline {
@@ -637,6 +681,12 @@ pub trait DiffusionPipeline {
     /// device reading only its slices of every weight its model's plan splits (`to(mesh)` with a
     /// [`Device::open_mesh`] does the same for a mesh of your choice). The offload mode is kept.
     fn enable_tensor_parallel(&mut self, devices: usize) -> Result<()>;
+    /// Context parallelism, diffusers' `enable_parallelism(ContextParallelConfig(ring_degree,
+    /// ulysses_degree))`: the transformer's token sequences split over `context.degree()` times
+    /// the tensor-parallel devices (a mesh laid out as [`kiln_tensor::MeshAxes`] says), loaded
+    /// again as [`DiffusionPipeline::enable_tensor_parallel`] does. Text encoders and the VAE run
+    /// replicated. FLUX.1 only so far; another transformer is an error before anything loads.
+    fn enable_context_parallel(&mut self, context: kiln_tensor::ContextParallel) -> Result<()>;
     /// Compiles every component as `mode` says (`torch.compile` of each model, or
     /// `compile_repeated_blocks`). Programs are compiled on the first call with each size and
     /// kept in memory and on disk.
@@ -679,16 +729,12 @@ impl<P: PipelineParts> DiffusionPipeline for P {
         self.place(mode, device)
     }
     fn enable_tensor_parallel(&mut self, devices: usize) -> Result<()> {
-        let (platform, index) = self
-            .device()
-            .map_or((kiln_tensor::Platform::Cpu, 0), |d| (d.platform(), d.index()));
-        let spec = kiln_tensor::DeviceSpec {
-            platform: Some(platform),
-            index,
-        };
-        let mesh = Device::open_mesh(spec, devices)?;
-        let mode = self.offload_mode();
-        self.place(mode, &mesh)
+        let context = self.run_config().context_parallel();
+        place_on_mesh(self, kiln_tensor::MeshAxes { tp: devices, context })
+    }
+    fn enable_context_parallel(&mut self, context: kiln_tensor::ContextParallel) -> Result<()> {
+        let tp = self.device().map_or(1, Device::tp_size);
+        place_on_mesh(self, kiln_tensor::MeshAxes { tp, context })
     }
     fn compile(&mut self, mode: CompileMode) {
         let core = self.core_mut();

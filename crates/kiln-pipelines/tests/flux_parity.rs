@@ -258,3 +258,59 @@ fn flux1_cases_match_diffusers_on_two_devices() {
         }
     }
 }
+
+fn context_mesh(tp: usize, ulysses: usize, ring: usize) -> kiln_tensor::Device {
+    let axes = kiln_tensor::MeshAxes {
+        tp,
+        context: kiln_tensor::ContextParallel { ulysses, ring },
+    };
+    kiln_tensor::Device::open_mesh_axes(kiln_tensor::DeviceSpec::CPU, axes).unwrap()
+}
+
+/// Context parallelism: every FLUX.1 case with the transformer's text and image tokens split over
+/// two CPU devices (T5, CLIP and the VAE replicated), with Ulysses and with ring attention, and
+/// ring attention beside tensor parallelism on 2 × 2 devices (the oracle's 2 heads leave one per
+/// tensor-parallel device, too few for Ulysses), eager and with each model compiled whole, within
+/// the same tolerances as one device.
+#[test]
+fn flux1_cases_match_diffusers_with_context_parallelism() {
+    for (tp, ulysses, ring) in [(1, 2, 1), (1, 1, 2), (2, 1, 2)] {
+        let mesh = context_mesh(tp, ulysses, ring);
+        for pipeline in ["flux1_schnell", "flux1_dev"] {
+            for case in cases(pipeline) {
+                run_case_on(&case, CompileMode::None, &mesh);
+                run_case_on(&case, CompileMode::Full, &mesh);
+            }
+        }
+    }
+}
+
+/// A token count the degree does not divide is an error naming the counts and the degrees that
+/// work, before the transformer runs; sequential offload is refused up front.
+#[test]
+fn flux1_context_parallelism_refuses_what_it_cannot_split() {
+    let case = &cases("flux1_schnell")[0];
+    let call_json: Value = serde_json::from_str(&std::fs::read_to_string(case.join("call.json")).unwrap()).unwrap();
+    let folder = oracle().join(call_json["pipeline_dir"].as_str().unwrap());
+    let pipe = FluxPipeline::from_pretrained(folder.to_str().unwrap(), &LoadOptions::default()).unwrap();
+    let mesh = context_mesh(1, 1, 2);
+    let mut pipe = pipe.to(&mesh).unwrap();
+    let call = FluxCall {
+        max_sequence_length: 33,
+        num_inference_steps: 1,
+        ..call_from(&call_json["call_kwargs"])
+    };
+    let Err(err) = pipe.call(call) else {
+        panic!("33 text tokens split over 2 devices")
+    };
+    let err = err.to_string();
+    assert!(
+        err.contains("ring degree 2") && err.contains("text tokens 33") && err.contains("(1)"),
+        "{err}"
+    );
+    let err = pipe.enable_sequential_cpu_offload(&mesh).unwrap_err().to_string();
+    assert!(
+        err.contains("sequential offload is not supported with tensor or context parallelism"),
+        "{err}"
+    );
+}
