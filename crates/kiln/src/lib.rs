@@ -36,19 +36,26 @@ pub use kiln_tensor::{
     op_cache_stats, synchronize_all, CompiledFunction, DType, Device, DeviceSpec, OpCacheStats, Platform, Tensor,
 };
 
-/// The device of `--device SPEC --tp N`: the device itself for `N = 1`, else a mesh of `N`
-/// devices of its platform starting at its index (tensor parallelism; the CPU plugin makes as
-/// many devices as asked, which share the machine's cores).
-pub fn open_device(spec: &str, tp: usize) -> anyhow::Result<kiln_tensor::Device> {
+/// The device of `--device SPEC --tp N --ulysses-degree U --ring-degree R`: the device itself
+/// when all are 1, else a mesh of `N·U·R` devices of its platform starting at its index, laid out
+/// as `axes` says (tensor and context parallelism; the CPU plugin makes as many devices as asked,
+/// which share the machine's cores).
+pub fn open_device(spec: &str, axes: kiln_tensor::MeshAxes) -> anyhow::Result<kiln_tensor::Device> {
     use anyhow::Context;
     if let Some(job) = job().filter(|job| job.membership.world_size > 1) {
-        return Err(job.mesh_problem(spec, tp));
+        return Err(job.mesh_problem(spec, axes.tp));
     }
-    if tp == 1 {
+    if axes.size() == 1 {
         return Ok(kiln_tensor::Device::parse(spec)?);
     }
     let parsed: kiln_tensor::DeviceSpec = spec.parse().with_context(|| format!("--device {spec}"))?;
-    kiln_tensor::Device::open_mesh(parsed, tp).with_context(|| format!("--device {spec} --tp {tp}"))
+    let kiln_tensor::ContextParallel { ulysses, ring } = axes.context;
+    kiln_tensor::Device::open_mesh_axes(parsed, axes).with_context(|| {
+        format!(
+            "--device {spec} --tp {} --ulysses-degree {ulysses} --ring-degree {ring}",
+            axes.tp
+        )
+    })
 }
 
 /// The `--compile` value: `none`, `blocks`, `full`, or `auto` — the mode that was fastest end to

@@ -1032,3 +1032,82 @@ fn tensor_parallel_generate_gives_diffusers_images() {
         assert!(!dir.join("bad.png").exists());
     }
 }
+
+/// `--ulysses-degree 2` (eager and by blocks), `--ring-degree 2` (with model offload) and `--tp 2
+/// --ring-degree 2` (compiled whole): FLUX.1
+/// with its tokens split gives diffusers' image; what cannot split is a clear error naming the flag.
+#[test]
+fn context_parallel_generate_gives_diffusers_images() {
+    let dir = temp_dir("cp");
+    let schnell = oracle_pipeline("flux1_schnell");
+    let sd3 = oracle_pipeline("sd3");
+    for (name, flags) in [
+        ("ulysses", &[("--ulysses-degree", "2"), ("--compile", "none")][..]),
+        (
+            "ulysses-blocks",
+            &[("--ulysses-degree", "2"), ("--compile", "blocks")][..],
+        ),
+        ("ring", &[("--ring-degree", "2"), ("--offload", "model")][..]),
+        (
+            "tp-ring",
+            &[("--tp", "2"), ("--ring-degree", "2"), ("--compile", "full")][..],
+        ),
+    ] {
+        let out = format!("flux-{name}.png");
+        let mut args = vec![
+            ("--model", schnell.to_str().unwrap()),
+            ("--prompt", "a photo of a cat"),
+            ("--height", "32"),
+            ("--width", "32"),
+            ("--num-inference-steps", "4"),
+            ("--max-sequence-length", "256"),
+            ("--seed", "0"),
+            ("--output", &out),
+        ];
+        args.extend_from_slice(flags);
+        generate_ok(&dir, &args);
+        assert_matches_golden(&dir.join(&out), &oracle_image("flux1_schnell/basic_square", 0));
+    }
+    for (model, flags, expected) in [
+        (&schnell, vec!["--ulysses-degree", "4"], "2 attention heads"),
+        (
+            &schnell,
+            vec!["--ulysses-degree", "4"],
+            "use a --ulysses-degree that divides them (1, 2)",
+        ),
+        (
+            &schnell,
+            vec!["--ring-degree", "2", "--max-sequence-length", "33"],
+            "text tokens 33",
+        ),
+        (
+            &schnell,
+            vec!["--ring-degree", "2", "--offload", "sequential"],
+            "sequential offload is not supported with tensor or context parallelism",
+        ),
+        (&sd3, vec!["--ulysses-degree", "2"], "supported for FLUX.1 only so far"),
+    ] {
+        let out = kiln()
+            .arg("generate")
+            .args([
+                "--model",
+                model.to_str().unwrap(),
+                "--device",
+                "cpu",
+                "--output",
+                "bad.png",
+            ])
+            .args(["--prompt", "x", "--num-inference-steps", "1"])
+            .args(&flags)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(expected),
+            "{flags:?}: {stderr}"
+        );
+        assert!(!dir.join("bad.png").exists());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

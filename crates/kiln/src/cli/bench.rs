@@ -34,6 +34,12 @@ pub struct BenchArgs {
     /// Tensor parallelism over N devices (as `kiln generate --tp`).
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count)]
     pub tp: usize,
+    /// Context parallelism over N devices by Ulysses attention (as `kiln generate --ulysses-degree`).
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count)]
+    pub ulysses_degree: usize,
+    /// Context parallelism over N devices by ring attention (as `kiln generate --ring-degree`).
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count)]
+    pub ring_degree: usize,
     /// none, blocks, full or auto (as `kiln generate --compile`).
     #[arg(long, default_value = "auto")]
     pub compile: String,
@@ -165,7 +171,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("--runs must be at least 1");
     }
     check(&args)?;
-    let device = crate::open_device(&args.device, args.tp)?;
+    let axes = crate::cli::mesh_axes(args.tp, args.ulysses_degree, args.ring_degree);
+    let device = crate::open_device(&args.device, axes)?;
     let compile = crate::parse_compile_mode(&args.compile)?;
     let offload: OffloadMode = args
         .offload

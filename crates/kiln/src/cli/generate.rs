@@ -49,6 +49,16 @@ pub struct GenerateArgs {
     /// partitioning, not a speed-up).
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count, help_heading = RUN)]
     pub tp: usize,
+    /// Context parallelism (diffusers' ContextParallelConfig ulysses_degree): the transformer's
+    /// text and image tokens split over N devices (times --tp), attention by Ulysses all-to-alls
+    /// (the head count must divide by N). FLUX.1 only so far.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count, help_heading = RUN)]
+    pub ulysses_degree: usize,
+    /// Context parallelism (diffusers' ContextParallelConfig ring_degree): the tokens split over N
+    /// devices (times --tp), attention by ring attention (key/value blocks passed around, any
+    /// head count). FLUX.1 only so far.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count, help_heading = RUN)]
+    pub ring_degree: usize,
     /// How the models run: none (op by op), blocks (one compiled program per repeated block
     /// type), full (each model as one program), or auto (the fastest on the device's platform).
     /// Compiled programs are kept on disk (KILN_CACHE_DIR).
@@ -103,10 +113,17 @@ pub struct Load {
     pub dtype: String,
     pub device: String,
     pub tp: usize,
+    pub ulysses_degree: usize,
+    pub ring_degree: usize,
     pub compile: String,
 }
 
 impl Load {
+    /// How `--tp`, `--ulysses-degree` and `--ring-degree` lay out the mesh.
+    pub fn mesh_axes(&self) -> kiln_tensor::MeshAxes {
+        crate::cli::mesh_axes(self.tp, self.ulysses_degree, self.ring_degree)
+    }
+
     fn of(args: &GenerateArgs) -> Load {
         Load {
             model: args.model.clone(),
@@ -116,6 +133,8 @@ impl Load {
             dtype: args.dtype.clone(),
             device: args.device.clone(),
             tp: args.tp,
+            ulysses_degree: args.ulysses_degree,
+            ring_degree: args.ring_degree,
             compile: args.compile.clone(),
         }
     }
@@ -475,9 +494,9 @@ pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
     recorded.resolve(&class.model_defaults(&root)?);
 
     let device = match &args.from {
-        Some(png) if !given.contains("device") => crate::open_device(&load.device, load.tp)
+        Some(png) if !given.contains("device") => crate::open_device(&load.device, load.mesh_axes())
             .with_context(|| format!("device {} (from {}; pass --device)", load.device, png.display()))?,
-        _ => crate::open_device(&load.device, load.tp)?,
+        _ => crate::open_device(&load.device, load.mesh_axes())?,
     };
     let compile = crate::parse_compile_mode(&load.compile)?;
     let settings = Settings {

@@ -119,7 +119,17 @@ const FLAGS: &[(&str, &str)] = &[
     ("CompileMode::Full", "--compile full"),
     ("a mesh size of 1", "--tp 1"),
     ("the mesh size", "--tp"),
+    ("ulysses degree", "--ulysses-degree"),
+    ("ring degree", "--ring-degree"),
 ];
+
+/// The mesh of `--tp`, `--ulysses-degree` and `--ring-degree`.
+pub fn mesh_axes(tp: usize, ulysses: usize, ring: usize) -> kiln_tensor::MeshAxes {
+    kiln_tensor::MeshAxes {
+        tp,
+        context: kiln_tensor::ContextParallel { ulysses, ring },
+    }
+}
 
 /// `text` with each library term of [`FLAGS`] written as its flag.
 fn with_flags(text: &str) -> String {

@@ -37,6 +37,14 @@ pub struct ServeArgs {
     /// drives each mesh).
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count, help_heading = MODELS)]
     pub tp: usize,
+    /// Context parallelism over N devices by Ulysses attention, per worker (as `kiln generate
+    /// --ulysses-degree`).
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count, help_heading = MODELS)]
+    pub ulysses_degree: usize,
+    /// Context parallelism over N devices by ring attention, per worker (as `kiln generate
+    /// --ring-degree`).
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count, help_heading = MODELS)]
+    pub ring_degree: usize,
     /// How the models run: none, blocks, full or auto (as `kiln generate --compile`).
     #[arg(long, default_value = "auto", help_heading = MODELS)]
     pub compile: String,
@@ -252,7 +260,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let listener = kiln_server::bind(&args.host, args.port, args.api_key.is_some(), args.insecure_public)?;
     let mut devices: Vec<crate::Device> = Vec::new();
     for spec in &args.device {
-        let device = crate::open_device(spec, args.tp)?;
+        let axes = crate::cli::mesh_axes(args.tp, args.ulysses_degree, args.ring_degree);
+        let device = crate::open_device(spec, axes)?;
         if let Some(same) = devices.iter().find(|d| **d == device) {
             bail!("--device {spec} is {same} again: give each device once");
         }

@@ -66,8 +66,10 @@ pub fn read(png: &Path, args: &GenerateArgs, given: &Given) -> Result<FromPng> {
         },
         dtype: pick("dtype", &args.dtype),
         device: pick("device", &args.device),
-        // How many devices ran it is not part of the image: --tp is this run's.
+        // How many devices ran it is not part of the image: the mesh is this run's.
         tp: args.tp,
+        ulysses_degree: args.ulysses_degree,
+        ring_degree: args.ring_degree,
         compile: pick("compile", &args.compile),
     };
     Ok(FromPng {
