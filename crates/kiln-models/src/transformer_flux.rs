@@ -363,16 +363,9 @@ impl FluxTransformer2DModel {
         })
     }
 
-    /// [`Self::call_inputs`] of a step cache's call: refused with context parallelism, where the
-    /// cache's decisions would read one device's tokens only.
+    /// [`Self::call_inputs`] of a step cache's call (see [`refuse_cache`]).
     fn cache_inputs(&self, inputs: &FluxTransformerInputs<'_>, cache: &str) -> Result<CallInputs> {
-        let context = inputs.hidden_states.device().axes().context;
-        if context.is_enabled() {
-            return Err(Error::ContextParallel {
-                context,
-                message: format!("{cache} is not supported with it yet (its decisions would see one device's tokens)"),
-            });
-        }
+        refuse_cache(inputs.hidden_states, cache)?;
         self.call_inputs(inputs)
     }
 
@@ -649,6 +642,15 @@ pub(crate) enum AttentionMode<'a> {
 /// The block programs of [`AttentionMode::Record`] and [`AttentionMode::Given`].
 pub(crate) const RECORD: &str = "attention_record";
 pub(crate) const GIVEN: &str = "attention_given";
+
+/// A step cache refused with context parallelism, where its decisions would read one device's
+/// tokens only.
+pub(crate) fn refuse_cache(x: &Tensor, cache: &str) -> Result<()> {
+    context_parallel::refuse(
+        x.device(),
+        &format!("{cache} (its decisions would see one device's tokens)"),
+    )
+}
 
 /// A step cache's attention outputs must be one per hooked module output.
 pub(crate) fn check_attention_outputs(given: usize, wanted: usize) -> Result<()> {

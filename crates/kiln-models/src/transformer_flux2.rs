@@ -19,8 +19,8 @@
 
 use kiln_io::Flux2TransformerConfig;
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear, Result, RmsNorm,
-    RopeTables, TpPlan, TpStyle, Weights,
+    context_parallel, impl_model, impl_module, impl_tensors, rope_tables, Blocks, Compiled, Error, LayerNorm, Linear,
+    Result, RmsNorm, RopeTables, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{DType, Device, Tensor};
 
@@ -28,7 +28,7 @@ use crate::mmdit::{
     gated_residual, guidance_input, modulate, rope_attention, sinusoid, split_heads, times_1000, timestep_frequencies,
     JointStreams, Mlp,
 };
-use crate::transformer_flux::{AttentionMode, FirstBlockOutput, GIVEN, RECORD};
+use crate::transformer_flux::{refuse_cache, AttentionMode, FirstBlockOutput, GIVEN, RECORD};
 
 fn input_error(op: &'static str, message: String) -> Error {
     Error::Tensor(kiln_tensor::Error::Invalid { op, message })
@@ -419,8 +419,8 @@ impl Flux2Transformer2DModel {
                 )));
             }
         }
-        kiln_nn::context_parallel::refuse(w.device(), "Flux2Transformer2DModel")?;
         w.check_divides("num_attention_heads", heads)?;
+        context_parallel::check_heads(w.device(), heads / w.device().tp_size())?;
         let w = &w.with_plan(&Self::tp_plan(config))?;
         let modulation = |name, sets: usize| Linear::load(&w.pp(name), dim, 3 * sets * dim, false);
         let out = config.patch_size * config.patch_size * config.out_channels();
@@ -505,14 +505,24 @@ impl Flux2Transformer2DModel {
             .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
     }
 
+    /// The call's tensors; with context parallelism each device's tokens (and their rotary
+    /// tables) only, gathered again by [`Self::output`] (diffusers' `_cp_plan`).
     fn call_inputs(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<CallInputs> {
+        let (encoder_hidden_states, hidden_states, rope) =
+            context_parallel::split_text_and_image(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
         Ok(CallInputs {
-            hidden_states: inputs.hidden_states.clone(),
-            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
+            hidden_states,
+            encoder_hidden_states,
             timestep: inputs.timestep.clone(),
-            rope: inputs.rope.clone(),
+            rope,
             guidance: guidance_input(self.config.guidance_embeds, inputs.guidance)?,
         })
+    }
+
+    /// [`Self::call_inputs`] of a step cache's call (see [`refuse_cache`]).
+    fn cache_inputs(&self, inputs: &Flux2TransformerInputs<'_>, cache: &str) -> Result<CallInputs> {
+        refuse_cache(inputs.hidden_states, cache)?;
+        self.call_inputs(inputs)
     }
 
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
@@ -634,12 +644,13 @@ impl Flux2Transformer2DModel {
         Ok(h.narrow(1, text_len, h.dims()[1] - text_len)?)
     }
 
-    /// `norm_out` and `proj_out` of the image stream.
+    /// `norm_out` and `proj_out` of the image stream, whose tokens are gathered from every
+    /// device under context parallelism.
     fn output(&self, x: &Tensor, temb_silu: &Tensor) -> Result<Tensor> {
         // AdaLayerNormContinuous: scale first, then shift.
         let e = self.norm_out.forward(temb_silu)?.chunk(2, 1)?;
         let x = modulate(&LayerNorm::plain(self.config.eps).forward(x)?, &e[1], &e[0])?;
-        self.proj_out.forward(&x)
+        context_parallel::gather_sequence(&self.proj_out.forward(&x)?, 1)
     }
 
     /// How many attention modules' outputs a step cache on the attention (TaylorSeer,
@@ -654,7 +665,7 @@ impl Flux2Transformer2DModel {
     /// A step cache's computed call (TaylorSeer, FasterCache): the prediction and every attention
     /// module's outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute`).
     pub fn forward_recording_attention(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs, "a step cache on the attention")?;
         self.compiled
             .whole("attention_cache.compute", self, inputs, |m, inputs| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -668,7 +679,10 @@ impl Flux2Transformer2DModel {
     /// from `attention` instead of computed (`attention_cache.given`).
     pub fn forward_with_attention(&self, inputs: &Flux2TransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
         crate::transformer_flux::check_attention_outputs(attention.len(), self.attention_outputs())?;
-        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
+        let inputs = (
+            self.cache_inputs(inputs, "a step cache on the attention")?,
+            attention.to_vec(),
+        );
         self.compiled
             .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -682,7 +696,7 @@ impl Flux2Transformer2DModel {
     /// (`transformer_blocks.0`, `first_block.head`); its image residual decides whether the rest
     /// runs.
     pub fn forward_first_block(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<FirstBlockOutput> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs, "First-Block Cache")?;
         if self.transformer_blocks.is_empty() {
             return Err(Error::Config {
                 component: "transformer".into(),
@@ -738,7 +752,7 @@ impl Flux2Transformer2DModel {
     /// MagCache's computed call: the prediction and the residual of the block stack over the
     /// image tokens, `out[:, −S:] − image stream entering the first block` (`magcache.compute`).
     pub fn forward_magcache_compute(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs, "MagCache")?;
         self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let (x_in, temb_silu) = m.embed_image(inputs)?;
             let x = m.blocks(x_in.clone(), &temb_silu, inputs)?;
@@ -749,7 +763,7 @@ impl Flux2Transformer2DModel {
     /// MagCache's skipped call: no block runs; the embedded image stream plus `residual`
     /// (`magcache.skip`).
     pub fn forward_magcache_skip(&self, inputs: &Flux2TransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
-        let inputs = (self.call_inputs(inputs)?, residual.clone());
+        let inputs = (self.cache_inputs(inputs, "MagCache")?, residual.clone());
         self.compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;

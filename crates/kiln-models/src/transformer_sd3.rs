@@ -453,7 +453,10 @@ impl SD3Transformer2DModel {
 
     pub fn load(config: &SD3Transformer2DConfig, w: &Weights) -> Result<Self> {
         check_config(config, w)?;
-        kiln_nn::context_parallel::refuse(w.device(), "SD3Transformer2DModel")?;
+        kiln_nn::context_parallel::refuse(
+            w.device(),
+            "SD3Transformer2DModel (diffusers has no context-parallel plan for it; FLUX.1 and FLUX.2 have)",
+        )?;
         w.check_divides("num_attention_heads", config.num_attention_heads)?;
         let w = &w.with_plan(&Self::tp_plan(config))?;
         let dim = config.inner_dim();

@@ -60,16 +60,13 @@ pub fn check_heads(device: &Device, heads: usize) -> Result<()> {
     ))
 }
 
-/// An error when `device` splits token sequences: `model` does not split its tokens yet, so it
-/// cannot run there.
-pub fn refuse(device: &Device, model: &str) -> Result<()> {
+/// An error when `device` splits token sequences, which `what` (a model, a step cache) cannot
+/// run on yet.
+pub fn refuse(device: &Device, what: &str) -> Result<()> {
     let context = device.axes().context;
     match context.is_enabled() {
         false => Ok(()),
-        true => Err(error(
-            context,
-            format!("{model} does not split its tokens yet; context parallelism is supported for FLUX.1 only so far"),
-        )),
+        true => Err(error(context, format!("{what} is not supported with it yet"))),
     }
 }
 

@@ -631,7 +631,7 @@ fn place_on_mesh<P: PipelineParts>(pipe: &mut P, axes: kiln_tensor::MeshAxes) ->
 }
 
 /// The transformers that split their tokens under context parallelism.
-const CONTEXT_PARALLEL_TRANSFORMERS: &[&str] = &["FluxTransformer2DModel"];
+const CONTEXT_PARALLEL_TRANSFORMERS: &[&str] = &["FluxTransformer2DModel", "Flux2Transformer2DModel"];
 
 /// An error before anything loads when `device` splits token sequences and the transformer of the
 /// folder at `root` does not split its tokens yet.
@@ -648,8 +648,8 @@ fn check_context_parallel(root: &Path, device: &Device) -> Result<()> {
         return Ok(());
     }
     Err(invalid(format!(
-        "context parallelism ({context}) is supported for FLUX.1 only so far ({}); {} has {class}: run it \
-         without context parallelism",
+        "context parallelism ({context}) is supported for FLUX.1 and FLUX.2 only so far ({}); {} has {class}: \
+         run it without context parallelism",
         CONTEXT_PARALLEL_TRANSFORMERS.join(", "),
         index.class_name
     )))
@@ -685,7 +685,7 @@ pub trait DiffusionPipeline {
     /// ulysses_degree))`: the transformer's token sequences split over `context.degree()` times
     /// the tensor-parallel devices (a mesh laid out as [`kiln_tensor::MeshAxes`] says), loaded
     /// again as [`DiffusionPipeline::enable_tensor_parallel`] does. Text encoders and the VAE run
-    /// replicated. FLUX.1 only so far; another transformer is an error before anything loads.
+    /// replicated. FLUX.1 and FLUX.2 only so far; another transformer is an error before anything loads.
     fn enable_context_parallel(&mut self, context: kiln_tensor::ContextParallel) -> Result<()>;
     /// Compiles every component as `mode` says (`torch.compile` of each model, or
     /// `compile_repeated_blocks`). Programs are compiled on the first call with each size and

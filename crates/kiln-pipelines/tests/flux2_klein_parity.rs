@@ -603,3 +603,17 @@ fn arguments_klein_does_not_take_are_named() {
     );
     let _ = std::fs::remove_dir_all(&no_te);
 }
+
+/// Context parallelism: every FLUX.2 [klein] case (distilled, and base with CFG) with the
+/// transformer's text and image tokens split over two CPU devices (Qwen3 and the VAE
+/// replicated), Ulysses and ring, eager and compiled whole, within the one-device tolerances.
+#[test]
+fn flux2_klein_cases_match_diffusers_with_context_parallelism() {
+    for (ulysses, ring) in [(2, 1), (1, 2)] {
+        let mesh = common::context_mesh(1, ulysses, ring);
+        for case in cases() {
+            run_case_on(&case, CompileMode::None, &mesh);
+            run_case_on(&case, CompileMode::Full, &mesh);
+        }
+    }
+}

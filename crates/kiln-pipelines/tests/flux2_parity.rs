@@ -679,3 +679,17 @@ fn a_left_padding_tokenizer_folder_gives_the_same_token_embeddings() {
     assert_close("left-padded prompt_embeds", got, want, 2e-4, 1e-4);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Context parallelism: every FLUX.2 [dev] case with the transformer's text and image tokens split
+/// over two CPU devices (Mistral and the VAE replicated), Ulysses and ring, eager and compiled
+/// whole, within the one-device tolerances.
+#[test]
+fn flux2_dev_cases_match_diffusers_with_context_parallelism() {
+    for (ulysses, ring) in [(2, 1), (1, 2)] {
+        let mesh = common::context_mesh(1, ulysses, ring);
+        for case in cases() {
+            run_case_on(&case, CompileMode::None, &mesh);
+            run_case_on(&case, CompileMode::Full, &mesh);
+        }
+    }
+}

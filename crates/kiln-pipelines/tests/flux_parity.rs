@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 mod common;
 
-use common::{call_from, strings};
+use common::{call_from, context_mesh, strings};
 use kiln_nn::CompileMode;
 use kiln_pipelines::{pack_latents, FluxCall, FluxPipeline, LoadOptions, StepState};
 use kiln_rng::{randn_tensor, TorchGenerator};
@@ -257,14 +257,6 @@ fn flux1_cases_match_diffusers_on_two_devices() {
             run_case_on(&case, CompileMode::Full, &mesh);
         }
     }
-}
-
-fn context_mesh(tp: usize, ulysses: usize, ring: usize) -> kiln_tensor::Device {
-    let axes = kiln_tensor::MeshAxes {
-        tp,
-        context: kiln_tensor::ContextParallel { ulysses, ring },
-    };
-    kiln_tensor::Device::open_mesh_axes(kiln_tensor::DeviceSpec::CPU, axes).unwrap()
 }
 
 /// Context parallelism: every FLUX.1 case with the transformer's text and image tokens split over

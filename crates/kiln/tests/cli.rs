@@ -1085,7 +1085,11 @@ fn context_parallel_generate_gives_diffusers_images() {
             vec!["--ring-degree", "2", "--offload", "sequential"],
             "sequential offload is not supported with tensor or context parallelism",
         ),
-        (&sd3, vec!["--ulysses-degree", "2"], "supported for FLUX.1 only so far"),
+        (
+            &sd3,
+            vec!["--ulysses-degree", "2"],
+            "supported for FLUX.1 and FLUX.2 only so far",
+        ),
     ] {
         let out = kiln()
             .arg("generate")

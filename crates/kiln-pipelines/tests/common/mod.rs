@@ -73,3 +73,12 @@ pub fn call_from(kwargs: &Value) -> FluxCall<'static> {
     }
     call
 }
+
+/// A mesh of `tp × ulysses × ring` CPU devices: weights split over `tp`, tokens over the rest.
+pub fn context_mesh(tp: usize, ulysses: usize, ring: usize) -> kiln_tensor::Device {
+    let axes = kiln_tensor::MeshAxes {
+        tp,
+        context: kiln_tensor::ContextParallel { ulysses, ring },
+    };
+    kiln_tensor::Device::open_mesh_axes(kiln_tensor::DeviceSpec::CPU, axes).unwrap()
+}
