@@ -71,6 +71,42 @@ fn ulysses_and_ring_attention_match_attention_over_the_whole_sequence() {
     }
 }
 
+/// Ulysses and ring beside tensor parallelism (2 × 2 devices): each tensor-parallel device holds
+/// its heads, the sequence axis splits the tokens, and every device gets its heads' attention
+/// over the whole sequence.
+#[test]
+fn context_parallel_attention_beside_tensor_parallelism_matches() {
+    let one = Device::cpu().unwrap();
+    let [q, k, v] = qkv(&one, DType::F32);
+    let want = Tensor::scaled_dot_product_attention(&q, &k, &v, &AttentionMask::None, None).unwrap();
+    for (ulysses, ring) in [(2, 1), (1, 2)] {
+        let axes = MeshAxes {
+            tp: 2,
+            context: ContextParallel { ulysses, ring },
+        };
+        let m = Device::open_mesh_axes(DeviceSpec::CPU, axes).unwrap();
+        let members = m.members();
+        // Member k holds the heads of its tensor-parallel rank k % 2.
+        let heads_of = |t: &Tensor| {
+            let shards: Vec<Tensor> = members
+                .iter()
+                .enumerate()
+                .map(|(k, d)| t.narrow(1, 2 * (k % 2), 2).unwrap().to_device(d).unwrap())
+                .collect();
+            Tensor::from_shards(&shards, &m).unwrap()
+        };
+        let got = split_attention(&heads_of(&q), &heads_of(&k), &heads_of(&v)).unwrap();
+        for (member, shard) in got.shards().unwrap().iter().enumerate() {
+            let want = want.narrow(1, 2 * (member % 2), 2).unwrap().to_f32_vec().unwrap();
+            let diff = max_diff(&shard.to_f32_vec().unwrap(), &want);
+            assert!(
+                diff <= 2e-6,
+                "tp 2 × ulysses {ulysses} × ring {ring}, member {member}: {diff}"
+            );
+        }
+    }
+}
+
 #[test]
 fn each_device_holds_only_its_tokens_once_split() {
     let m = mesh(1, 3);
