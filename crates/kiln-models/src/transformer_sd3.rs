@@ -455,7 +455,8 @@ impl SD3Transformer2DModel {
         check_config(config, w)?;
         kiln_nn::context_parallel::refuse(
             w.device(),
-            "SD3Transformer2DModel (diffusers has no context-parallel plan for it; FLUX.1 and FLUX.2 have)",
+            "SD3Transformer2DModel (diffusers has no context-parallel plan for it, and its joint text of 77 CLIP \
+             plus the T5 tokens is odd for even T5 lengths: it needs padding with a key mask)",
         )?;
         w.check_divides("num_attention_heads", config.num_attention_heads)?;
         let w = &w.with_plan(&Self::tp_plan(config))?;

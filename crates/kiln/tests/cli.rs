@@ -1033,8 +1033,8 @@ fn tensor_parallel_generate_gives_diffusers_images() {
     }
 }
 
-/// `--ulysses-degree 2` (eager and by blocks), `--ring-degree 2` (with model offload) and `--tp 2
-/// --ring-degree 2` (compiled whole): FLUX.1
+/// `--ulysses-degree 2` (eager and by blocks), `--ring-degree 2` (with model offload), `--tp 2
+/// --ring-degree 2` (compiled whole) and, on the bundled model, `--tp 2 --ulysses-degree 2`: FLUX.1
 /// with its tokens split gives diffusers' image; what cannot split is a clear error naming the flag.
 #[test]
 fn context_parallel_generate_gives_diffusers_images() {
@@ -1068,6 +1068,15 @@ fn context_parallel_generate_gives_diffusers_images() {
         generate_ok(&dir, &args);
         assert_matches_golden(&dir.join(&out), &oracle_image("flux1_schnell/basic_square", 0));
     }
+    // The bundled model has 4 heads: 2 per tensor-parallel device, split again by Ulysses.
+    let prompt = ("--prompt", "a red circle on a blue background");
+    generate_ok(&dir, &[prompt, ("--output", "tiny.png")]);
+    let flags = [("--tp", "2"), ("--ulysses-degree", "2"), ("--compile", "full")];
+    generate_ok(
+        &dir,
+        &[&[prompt, ("--output", "tiny-tp-ulysses.png")][..], &flags].concat(),
+    );
+    assert_matches_golden(&dir.join("tiny-tp-ulysses.png"), &dir.join("tiny.png"));
     for (model, flags, expected) in [
         (&schnell, vec!["--ulysses-degree", "4"], "2 attention heads"),
         (
