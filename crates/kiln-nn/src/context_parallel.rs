@@ -105,43 +105,43 @@ pub fn gather_sequence(x: &Tensor, dim: isize) -> Result<Tensor> {
 
 /// Attention without a mask over heads-first `q`, `k`, `v` `[B, H, S, D]`, scaled by
 /// `1/√D`. With context parallelism `S` is this device's part of the sequence and each query
-/// attends to the keys of every device: Ulysses or ring attention, as the device's
-/// [`ContextParallel`] says.
+/// attends to the keys of every device: Ulysses, ring, or both (diffusers' unified attention:
+/// Ulysses within each line of the ulysses axis around ring attention across the ring axis), as
+/// the device's [`ContextParallel`] says.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let context = q.device().axes().context;
     match (context.ulysses, context.ring) {
-        (1, 1) => Ok(Tensor::scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            &AttentionMask::None,
-            None,
-        )?),
-        (_, 1) => ulysses_attention(q, k, v),
+        (1, 1) => plain_attention(q, k, v),
+        (_, 1) => ulysses_attention(q, k, v, plain_attention),
         (1, _) => ring_attention(q, k, v),
-        _ => Err(error(
-            context,
-            "Ulysses and ring attention together (unified sequence parallelism) are not supported yet; \
-             use a ulysses degree or a ring degree alone"
-                .into(),
-        )),
+        _ => ulysses_attention(q, k, v, ring_attention),
     }
 }
 
-/// diffusers' `TemplatedUlyssesAttention`: an all-to-all turns sequence-split q, k, v into
-/// head-split ones over the whole sequence, attention runs on this device's heads, and a second
-/// all-to-all turns the output back. The head count must divide by the ulysses degree.
-pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    check_heads(q.device(), q.dims()[1])?;
-    // [B, H, S/n, D] -> [B, H/n, S, D]: heads scattered, tokens gathered in sequence-rank order.
-    let heads_split = |t: &Tensor| t.all_to_all(MeshAxis::Ulysses, 1, 2);
-    let o = Tensor::scaled_dot_product_attention(
-        &heads_split(q)?,
-        &heads_split(k)?,
-        &heads_split(v)?,
+fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    Ok(Tensor::scaled_dot_product_attention(
+        q,
+        k,
+        v,
         &AttentionMask::None,
         None,
-    )?;
+    )?)
+}
+
+/// diffusers' `TemplatedUlyssesAttention`: an all-to-all turns sequence-split q, k, v into
+/// head-split ones over the tokens of the ulysses line, `inner` attention runs on this device's
+/// heads, and a second all-to-all turns the output back. The head count must divide by the
+/// ulysses degree.
+pub fn ulysses_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    inner: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    check_heads(q.device(), q.dims()[1])?;
+    // [B, H, S/n, D] -> [B, H/n, S, D]: heads scattered, tokens gathered in ulysses-rank order.
+    let heads_split = |t: &Tensor| t.all_to_all(MeshAxis::Ulysses, 1, 2);
+    let o = inner(&heads_split(q)?, &heads_split(k)?, &heads_split(v)?)?;
     Ok(o.all_to_all(MeshAxis::Ulysses, 2, 1)?)
 }
 

@@ -1034,7 +1034,8 @@ fn tensor_parallel_generate_gives_diffusers_images() {
 }
 
 /// `--ulysses-degree 2` (eager and by blocks), `--ring-degree 2` (with model offload), `--tp 2
-/// --ring-degree 2` (compiled whole) and, on the bundled model, `--tp 2 --ulysses-degree 2`: FLUX.1
+/// --ring-degree 2` (compiled whole) and, on the bundled model, `--tp 2 --ulysses-degree 2` and
+/// `--ulysses-degree 2 --ring-degree 2`: FLUX.1
 /// with its tokens split gives diffusers' image; what cannot split is a clear error naming the flag.
 #[test]
 fn context_parallel_generate_gives_diffusers_images() {
@@ -1068,15 +1069,24 @@ fn context_parallel_generate_gives_diffusers_images() {
         generate_ok(&dir, &args);
         assert_matches_golden(&dir.join(&out), &oracle_image("flux1_schnell/basic_square", 0));
     }
-    // The bundled model has 4 heads: 2 per tensor-parallel device, split again by Ulysses.
+    // The bundled model has 4 heads: 2 per tensor-parallel device, split again by Ulysses; or
+    // Ulysses and ring together on 4 devices.
     let prompt = ("--prompt", "a red circle on a blue background");
     generate_ok(&dir, &[prompt, ("--output", "tiny.png")]);
-    let flags = [("--tp", "2"), ("--ulysses-degree", "2"), ("--compile", "full")];
-    generate_ok(
-        &dir,
-        &[&[prompt, ("--output", "tiny-tp-ulysses.png")][..], &flags].concat(),
-    );
-    assert_matches_golden(&dir.join("tiny-tp-ulysses.png"), &dir.join("tiny.png"));
+    for (name, flags) in [
+        (
+            "tp-ulysses",
+            [("--tp", "2"), ("--ulysses-degree", "2"), ("--compile", "full")],
+        ),
+        (
+            "ulysses-ring",
+            [("--ulysses-degree", "2"), ("--ring-degree", "2"), ("--compile", "none")],
+        ),
+    ] {
+        let out = format!("tiny-{name}.png");
+        generate_ok(&dir, &[&[prompt, ("--output", &out)][..], &flags].concat());
+        assert_matches_golden(&dir.join(&out), &dir.join("tiny.png"));
+    }
     for (model, flags, expected) in [
         (&schnell, vec!["--ulysses-degree", "4"], "2 attention heads"),
         (
