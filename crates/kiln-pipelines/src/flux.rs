@@ -6,7 +6,7 @@ use kiln_io::{AutoencoderKLConfig, ClipTextConfig, FluxTransformer2DConfig, T5Co
 use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
-use kiln_models::transformer_flux::{FluxTransformer2DModel, FluxTransformerInputs};
+use kiln_models::transformer_flux::{FirstBlockOutput, FluxTransformer2DModel, FluxTransformerInputs};
 use kiln_schedulers::{flux_default_sigmas, FlowMatchEulerDiscreteSchedulerConfig};
 use kiln_tensor::{Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, PromptTokenizer, T5Tokenizer};
@@ -14,7 +14,7 @@ use std::cell::RefCell;
 use std::time::Instant;
 
 use crate::arguments::GenerateCall;
-use crate::cache::{CacheConfig, CacheRun};
+use crate::cache::{CacheRun, CachedTransformer};
 use crate::call::{
     check_packed_size, check_same_shape, finish_call, pipeline_call, scalar, schedule, starting_latents, texts,
     Encoded, PipelineOutput,
@@ -23,7 +23,7 @@ use crate::encoding::{Embeddings, EncodingSettings};
 use crate::error::{invalid, Result};
 use crate::images::{image_and_mask, image_latents, image_tensor, start_from_image, InpaintBlend};
 use crate::loading::{CallGenerators, LoadOptions, ModelFolder};
-use crate::pipeline::{components, pipeline_parts, Branch, Guided, PipelineCore, PipelineParts};
+use crate::pipeline::{components, pipeline_parts, Guided, PipelineCore, PipelineParts};
 use crate::seam::{CallDefaults, Pipeline, PipelineClass};
 
 pipeline_call! {
@@ -418,7 +418,7 @@ impl FluxPipeline {
                 };
                 let out = match &cache {
                     None => tr.forward(&inputs)?,
-                    Some(run) => cached_forward(tr, &inputs, &mut run.borrow_mut(), branch)?,
+                    Some(run) => crate::cache::cached_call(tr, &inputs, &mut run.borrow_mut(), branch)?,
                 };
                 match condition {
                     Some(_) => Ok(out.narrow(1, 0, latents.dims()[1])?),
@@ -541,39 +541,46 @@ impl Pipeline for FluxPipeline {
     }
 }
 
-/// One transformer call under a step cache, with the state of its `branch` (diffusers' hooks on
-/// `FluxTransformer2DModel`): MagCache skips every block on its planned steps (the stack's last
-/// residual added to the embedded image stream); First-Block Cache runs the first block and the
-/// rest only when the first block's residual changed by more than the threshold since the last
-/// computed call (else the rest's last residual is added to the first block's output);
-/// TaylorSeer and FasterCache replace every attention module's output on their cached calls.
-fn cached_forward(
-    tr: &FluxTransformer2DModel,
-    inputs: &FluxTransformerInputs<'_>,
-    run: &mut CacheRun,
-    branch: Branch,
-) -> kiln_nn::Result<Tensor> {
-    match &run.config {
-        CacheConfig::MagCache { .. } => crate::cache::magcache_call(
-            run,
-            branch,
-            || tr.forward_magcache_compute(inputs),
-            |residual| tr.forward_magcache_skip(inputs, residual),
-        ),
-        CacheConfig::TaylorSeer { .. } | CacheConfig::Faster { .. } => crate::cache::attention_cache_call(
-            run,
-            branch,
-            || tr.forward_recording_attention(inputs),
-            |attention| tr.forward_with_attention(inputs, attention),
-        ),
-        CacheConfig::FirstBlock { .. } => crate::cache::first_block_call(
-            run,
-            branch,
-            || tr.forward_first_block(inputs),
-            |head| &head.residual,
-            |head| tr.forward_after_first_block(head, inputs.rope),
-            |head, residual| tr.forward_from_first_block(head, residual),
-        ),
+/// diffusers' hooks on `FluxTransformer2DModel`: MagCache skips every block on its planned steps
+/// (the stack's last residual added to the embedded image stream); First-Block Cache runs the
+/// first block and the rest only when the first block's residual changed by more than the
+/// threshold since the last computed call (else the rest's last residual is added to the first
+/// block's output); TaylorSeer and FasterCache replace every attention module's output on their
+/// cached calls.
+impl<'a> CachedTransformer<FluxTransformerInputs<'a>> for FluxTransformer2DModel {
+    type FirstBlock = FirstBlockOutput;
+    fn magcache_compute(&self, inputs: &FluxTransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Tensor)> {
+        self.forward_magcache_compute(inputs)
+    }
+    fn magcache_skip(&self, inputs: &FluxTransformerInputs<'a>, residual: &Tensor) -> kiln_nn::Result<Tensor> {
+        self.forward_magcache_skip(inputs, residual)
+    }
+    fn recording_attention(&self, inputs: &FluxTransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Vec<Tensor>)> {
+        self.forward_recording_attention(inputs)
+    }
+    fn with_attention(&self, inputs: &FluxTransformerInputs<'a>, attention: &[Tensor]) -> kiln_nn::Result<Tensor> {
+        self.forward_with_attention(inputs, attention)
+    }
+    fn first_block(&self, inputs: &FluxTransformerInputs<'a>) -> kiln_nn::Result<FirstBlockOutput> {
+        self.forward_first_block(inputs)
+    }
+    fn first_block_residual(head: &FirstBlockOutput) -> &Tensor {
+        &head.residual
+    }
+    fn first_block_rest(
+        &self,
+        inputs: &FluxTransformerInputs<'a>,
+        head: &FirstBlockOutput,
+    ) -> kiln_nn::Result<(Tensor, Tensor)> {
+        self.forward_after_first_block(head, inputs.rope)
+    }
+    fn first_block_served(
+        &self,
+        _: &FluxTransformerInputs<'a>,
+        head: &FirstBlockOutput,
+        residual: &Tensor,
+    ) -> kiln_nn::Result<Tensor> {
+        self.forward_from_first_block(head, residual)
     }
 }
 

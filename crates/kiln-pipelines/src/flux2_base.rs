@@ -11,6 +11,7 @@ use kiln_models::autoencoder_kl_flux2::{pack_latents, AutoencoderKLFlux2};
 use kiln_models::mistral::FLUX2_HIDDEN_STATES;
 use kiln_models::qwen3::FLUX2_KLEIN_HIDDEN_STATES;
 use kiln_models::text_decoder::{TextDecoderArch, TextDecoderConfig, TextDecoderModel};
+use kiln_models::transformer_flux::FirstBlockOutput;
 use kiln_models::transformer_flux2::{Flux2Transformer2DModel, Flux2TransformerInputs};
 use kiln_schedulers::{
     compute_empirical_mu, flux_default_sigmas, FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
@@ -18,6 +19,7 @@ use kiln_schedulers::{
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{Encoded, MistralTokenizer, Qwen3Tokenizer};
 
+use crate::cache::CachedTransformer;
 use crate::call::{check_packed_size, finish_call, pipeline_call, scalar, schedule, starting_latents, PipelineOutput};
 use crate::error::{invalid, Result};
 use crate::loading::{LoadOptions, ModelFolder};
@@ -471,32 +473,7 @@ impl Flux2Base {
                 };
                 let prediction = match &cache {
                     None => tr.forward(&inputs)?,
-                    Some(run) => {
-                        let run = &mut *run.borrow_mut();
-                        match run.config {
-                            crate::cache::CacheConfig::MagCache { .. } => crate::cache::magcache_call(
-                                run,
-                                branch,
-                                || tr.forward_magcache_compute(&inputs),
-                                |residual| tr.forward_magcache_skip(&inputs, residual),
-                            )?,
-                            crate::cache::CacheConfig::FirstBlock { .. } => crate::cache::first_block_call(
-                                run,
-                                branch,
-                                || tr.forward_first_block(&inputs),
-                                |head| &head.residual,
-                                |head| tr.forward_after_first_block(head, rope),
-                                |head, residual| tr.forward_from_first_block(head, residual),
-                            )?,
-                            // TaylorSeer, FasterCache.
-                            _ => crate::cache::attention_cache_call(
-                                run,
-                                branch,
-                                || tr.forward_recording_attention(&inputs),
-                                |attention| tr.forward_with_attention(&inputs, attention),
-                            )?,
-                        }
-                    }
+                    Some(run) => crate::cache::cached_call(tr, &inputs, &mut run.borrow_mut(), branch)?,
                 };
                 match joined {
                     Some(_) => Ok(prediction.narrow(1, 0, seq)?),
@@ -1018,6 +995,46 @@ pub(crate) fn read_references(files: Option<&[crate::arguments::FileRef]>) -> Re
             .map_err(|e| invalid(format!("`image` {}: {e}", f.path)))?;
     }
     Ok(images)
+}
+
+/// diffusers' hooks on `Flux2Transformer2DModel`, as defined (diffusers 0.42.1 runs only MagCache
+/// on FLUX.2 [dev] and fails on First-Block Cache): the tail residual over the joint sequence's
+/// image tokens.
+impl<'a> CachedTransformer<Flux2TransformerInputs<'a>> for Flux2Transformer2DModel {
+    type FirstBlock = FirstBlockOutput;
+    fn magcache_compute(&self, inputs: &Flux2TransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Tensor)> {
+        self.forward_magcache_compute(inputs)
+    }
+    fn magcache_skip(&self, inputs: &Flux2TransformerInputs<'a>, residual: &Tensor) -> kiln_nn::Result<Tensor> {
+        self.forward_magcache_skip(inputs, residual)
+    }
+    fn recording_attention(&self, inputs: &Flux2TransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Vec<Tensor>)> {
+        self.forward_recording_attention(inputs)
+    }
+    fn with_attention(&self, inputs: &Flux2TransformerInputs<'a>, attention: &[Tensor]) -> kiln_nn::Result<Tensor> {
+        self.forward_with_attention(inputs, attention)
+    }
+    fn first_block(&self, inputs: &Flux2TransformerInputs<'a>) -> kiln_nn::Result<FirstBlockOutput> {
+        self.forward_first_block(inputs)
+    }
+    fn first_block_residual(head: &FirstBlockOutput) -> &Tensor {
+        &head.residual
+    }
+    fn first_block_rest(
+        &self,
+        inputs: &Flux2TransformerInputs<'a>,
+        head: &FirstBlockOutput,
+    ) -> kiln_nn::Result<(Tensor, Tensor)> {
+        self.forward_after_first_block(head, inputs.rope)
+    }
+    fn first_block_served(
+        &self,
+        _: &Flux2TransformerInputs<'a>,
+        head: &FirstBlockOutput,
+        residual: &Tensor,
+    ) -> kiln_nn::Result<Tensor> {
+        self.forward_from_first_block(head, residual)
+    }
 }
 
 #[cfg(test)]

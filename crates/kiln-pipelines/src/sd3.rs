@@ -9,6 +9,7 @@ use kiln_io::{AutoencoderKLConfig, ClipTextConfig, SD3Transformer2DConfig, T5Con
 use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::clip::ClipTextModel;
 use kiln_models::t5::T5EncoderModel;
+use kiln_models::transformer_flux::FirstBlockOutput;
 use kiln_models::transformer_sd3::{SD3Transformer2DModel, SD3TransformerInputs};
 use kiln_nn::impl_tensors;
 use kiln_schedulers::FlowMatchEulerDiscreteSchedulerConfig;
@@ -16,7 +17,7 @@ use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ClipTokenizer, T5Tokenizer};
 
 use crate::arguments::GenerateCall;
-use crate::cache::{CacheConfig, CacheRun};
+use crate::cache::{CacheConfig, CacheRun, CachedTransformer};
 use crate::call::{
     check_finite, check_same_shape, finish_call, guided, mul_scale, pipeline_call, scalar, schedule, shown,
     starting_latents, PipelineOutput,
@@ -402,7 +403,9 @@ impl StableDiffusion3Pipeline {
                         skip_layers: skip,
                     };
                     match &cache {
-                        Some(run) if skip.is_empty() => cached_forward(tr, &inputs, &mut run.borrow_mut()),
+                        Some(run) if skip.is_empty() => {
+                            crate::cache::cached_call(tr, &inputs, &mut run.borrow_mut(), crate::pipeline::Branch::Cond)
+                        }
                         _ => tr.forward(&inputs),
                     }
                 };
@@ -611,40 +614,46 @@ fn sd3_call<'a>(mut c: GenerateCall<'a>, defaults: &CallDefaults, e: Option<Embe
     }
 }
 
-/// One transformer call under a step cache, with one state for the whole run (SD3 runs its
+/// diffusers' hooks on `SD3Transformer2DModel`, with one state for the whole run (SD3 runs its
 /// guidance as one batched `[uncond; cond]` call: one decision, residuals over both halves, as
 /// diffusers' hooks would keep them in their `inference` context): MagCache skips every block on
 /// its planned steps; First-Block Cache runs `transformer_blocks.0` and the rest only when its
 /// image residual changed by more than the threshold (else the rest's last residual is added to
 /// its image output); TaylorSeer predicts every `transformer_blocks.{i}.attn` output (not
-/// `attn2`) on its cached steps.
-fn cached_forward(
-    tr: &SD3Transformer2DModel,
-    inputs: &SD3TransformerInputs<'_>,
-    run: &mut CacheRun,
-) -> kiln_nn::Result<Tensor> {
-    let branch = crate::pipeline::Branch::Cond;
-    match &run.config {
-        CacheConfig::MagCache { .. } => crate::cache::magcache_call(
-            run,
-            branch,
-            || tr.forward_magcache_compute(inputs),
-            |residual| tr.forward_magcache_skip(inputs, residual),
-        ),
-        CacheConfig::FirstBlock { .. } => crate::cache::first_block_call(
-            run,
-            branch,
-            || tr.forward_first_block(inputs),
-            |head| &head.residual,
-            |head| tr.forward_after_first_block(head, inputs),
-            |head, residual| tr.forward_from_first_block(head, residual, inputs),
-        ),
-        // TaylorSeer (check_inputs refuses FasterCache).
-        _ => crate::cache::attention_cache_call(
-            run,
-            branch,
-            || tr.forward_recording_attention(inputs),
-            |attention| tr.forward_with_attention(inputs, attention),
-        ),
+/// `attn2`) on its cached steps (check_inputs refuses FasterCache).
+impl<'a> CachedTransformer<SD3TransformerInputs<'a>> for SD3Transformer2DModel {
+    type FirstBlock = FirstBlockOutput;
+    fn magcache_compute(&self, inputs: &SD3TransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Tensor)> {
+        self.forward_magcache_compute(inputs)
+    }
+    fn magcache_skip(&self, inputs: &SD3TransformerInputs<'a>, residual: &Tensor) -> kiln_nn::Result<Tensor> {
+        self.forward_magcache_skip(inputs, residual)
+    }
+    fn recording_attention(&self, inputs: &SD3TransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Vec<Tensor>)> {
+        self.forward_recording_attention(inputs)
+    }
+    fn with_attention(&self, inputs: &SD3TransformerInputs<'a>, attention: &[Tensor]) -> kiln_nn::Result<Tensor> {
+        self.forward_with_attention(inputs, attention)
+    }
+    fn first_block(&self, inputs: &SD3TransformerInputs<'a>) -> kiln_nn::Result<FirstBlockOutput> {
+        self.forward_first_block(inputs)
+    }
+    fn first_block_residual(head: &FirstBlockOutput) -> &Tensor {
+        &head.residual
+    }
+    fn first_block_rest(
+        &self,
+        inputs: &SD3TransformerInputs<'a>,
+        head: &FirstBlockOutput,
+    ) -> kiln_nn::Result<(Tensor, Tensor)> {
+        self.forward_after_first_block(head, inputs)
+    }
+    fn first_block_served(
+        &self,
+        inputs: &SD3TransformerInputs<'a>,
+        head: &FirstBlockOutput,
+        residual: &Tensor,
+    ) -> kiln_nn::Result<Tensor> {
+        self.forward_from_first_block(head, residual, inputs)
     }
 }
