@@ -165,6 +165,23 @@ fn kept_quantized_gives_diffusers_images_in_less_memory() {
             ratio <= 1.15,
             "{name}: kept {kept_bytes} B for {file_bytes} B in the file"
         );
+
+        // `generate` reports each component's weight bytes: the transformer's differ by the same.
+        let transformer_bytes = |keep: &[&str]| {
+            let timings = dir.join(format!("{name}-timings.json"));
+            let (f, t) = (file.display().to_string(), timings.display().to_string());
+            let mut args = vec!["--transformer", &f, "--timings", &t, "--output", "m.png"];
+            args.extend(keep);
+            let (ok, stderr) = run(&dir, &args);
+            assert!(
+                ok && stderr.contains("weights: ") && stderr.contains("transformer "),
+                "{stderr}"
+            );
+            let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&timings).unwrap()).unwrap();
+            json["weight_bytes"]["transformer"].as_u64().unwrap()
+        };
+        let (plain, quantized) = (transformer_bytes(&[]), transformer_bytes(&["--keep-quantized"]));
+        assert_eq!(plain - quantized, saved as u64, "{name}");
     }
 
     // What cannot use quantized weights yet says so before any image.

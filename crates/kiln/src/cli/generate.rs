@@ -235,6 +235,8 @@ struct Generated {
     guidance: Option<f64>,
     /// How the model ran, for the images' records.
     record: RunRecord,
+    /// Each component's weight bytes (per device of a mesh).
+    weight_bytes: Vec<(&'static str, u64)>,
 }
 
 /// The most device memory the call held: kiln's count of the tensors on the device, and the
@@ -284,6 +286,7 @@ fn timed_calls(
                 calls,
                 guidance,
                 record,
+                weight_bytes: Vec::new(),
             });
         }
     }
@@ -412,9 +415,17 @@ fn load_and_call(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
         o.device,
         t_load.elapsed().as_secs_f64()
     );
+    let weight_bytes: Vec<(&'static str, u64)> = crate::DiffusionPipeline::offload_plan(&pipe)
+        .map(|plan| plan.components.iter().map(|c| (c.name, c.weight_bytes)).collect())
+        .unwrap_or_default();
+    let each: Vec<String> = weight_bytes
+        .iter()
+        .map(|(name, bytes)| format!("{name} {:.1} MiB", *bytes as f64 / (1024.0 * 1024.0)))
+        .collect();
+    eprintln!("weights: {}", each.join(", "));
     let guidance = pipe.guidance_scale(&call.generate_call());
     let record = pipe.record().clone();
-    timed_calls(s, (guidance, record), || {
+    let mut generated = timed_calls(s, (guidance, record), || {
         let out = pipe.call(call.generate_call()).map_err(on_the_command_line)?;
         if let Some((served, calls)) = out.served_from_cache {
             eprintln!("step cache: {served} of {calls} transformer calls served from the cache");
@@ -431,7 +442,9 @@ fn load_and_call(call: &CallArgs, s: &Settings<'_>) -> Result<Generated> {
             eprintln!("magcache calibration{label}: mag_ratios={}", ratios.join(";"));
         }
         Ok((out.images, out.size, out.timings))
-    })
+    })?;
+    generated.weight_bytes = weight_bytes;
+    Ok(generated)
 }
 
 pub fn run(args: GenerateArgs, given: &Given) -> Result<()> {
@@ -602,6 +615,7 @@ fn write_timings(
         "height": out.size.0,
         "width": out.size.1,
         "calls": calls,
+        "weight_bytes": out.weight_bytes.iter().map(|(name, b)| (name.to_string(), (*b).into())).collect::<serde_json::Map<_, _>>(),
         "peak_device_bytes": memory.as_ref().and_then(|m| m.peak_bytes_in_use),
         "device_bytes_in_use": memory.as_ref().map(|m| m.bytes_in_use),
         "device_bytes_limit": memory.as_ref().and_then(|m| m.bytes_limit),
