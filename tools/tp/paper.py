@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """On paper, from the published configs: what tensor parallelism gives FLUX.1-dev, SD3.5-large and
 FLUX.2-dev at 1024x1024 — per-device weight bytes (bf16) at TP 1/2/4/8 under kiln's plans, the
-all-reduces per transformer forward and their bytes, and a step-time estimate on H200s and TPU v6e.
+all-reduces per transformer forward and their bytes, and a step-time estimate on H200s and TPU v6e;
+then context parallelism (the sequence split over the devices: Ulysses, ring, and TP x SP mixes) the
+same way: each device computes 1/(tp*sp) of the step; Ulysses moves q, k, v and the output by
+all-to-all each attention layer ((P-1)/P of the device's part of each), ring passes k and v P-1 times
+around, both on the device's share of the heads; TP's all-reduces then carry only the device's tokens.
 
 The plans mirror kiln's (crates/kiln-models: `tp_plan()` of each model): colwise / rowwise /
 packed splits of the attention and MLP projections, everything else replicated. The estimate is
@@ -52,7 +56,7 @@ def flux1_dev():
         p += [linear("proj_mlp", d, mlp, True, "colwise", seq), linear("proj_out", d + mlp, d, True, "packed_rowwise", seq)]
     reduces = [(IMG, d), (FLUX_TXT, d)] * 2 * 19 + [(seq, d)] * 38
     flops = matmul_flops(p) + attention_flops(57, seq, d)
-    return dict(name="FLUX.1-dev transformer", params=p, heads=heads, reduces=reduces, batch=1, flops=flops)
+    return dict(name="FLUX.1-dev transformer", width=d, params=p, heads=heads, reduces=reduces, batch=1, flops=flops)
 
 
 def sd35_large():
@@ -73,7 +77,7 @@ def sd35_large():
         reduces += [(IMG, d), (IMG, d)] + ([] if last else [(txt, d), (txt, d)])
     # classifier-free guidance: both halves in one forward (batch 2)
     flops = 2 * (matmul_flops(p) + attention_flops(layers, IMG + txt, d))
-    return dict(name="SD3.5-large transformer", params=p, heads=heads, reduces=reduces, batch=2, flops=flops)
+    return dict(name="SD3.5-large transformer", width=d, params=p, heads=heads, reduces=reduces, batch=2, flops=flops)
 
 
 def flux2_dev():
@@ -90,7 +94,7 @@ def flux2_dev():
         p += [linear("to_out", d + mlp, d, False, "packed_rowwise", seq)]
     reduces = [(IMG, d), (FLUX_TXT, d)] * 2 * 8 + [(seq, d)] * 48
     flops = matmul_flops(p) + attention_flops(56, seq, d)
-    return dict(name="FLUX.2-dev transformer", params=p, heads=heads, reduces=reduces, batch=1, flops=flops)
+    return dict(name="FLUX.2-dev transformer", width=d, params=p, heads=heads, reduces=reduces, batch=1, flops=flops)
 
 
 def matmul_flops(params):
@@ -158,6 +162,55 @@ def main():
                 comm = 0 if n == 1 else 2 * (n - 1) / n * nbytes / hw["link"]
                 cells.append(f"{compute + comm:.3f} s ({comm * 1e3:.0f} ms comm)")
         print(f"| {m['name']} | {len(m['reduces'])} | {gib(nbytes):.2f} | {m['flops'] / 1e12:.0f} | " + " | ".join(cells) + " |")
+
+    context_parallel(models)
+
+
+def attention_layers(m):
+    """(layers, joint sequence length) of the model's attention."""
+    return {"FLUX.1-dev transformer": (57, IMG + FLUX_TXT), "SD3.5-large transformer": (38, IMG + 77 + 256),
+            "FLUX.2-dev transformer": (56, IMG + FLUX_TXT)}[m["name"]]
+
+
+def context_parallel(models):
+    """Step time on paper with the sequence split (ulysses u, ring r) beside tensor parallelism tp."""
+    mixes = [(1, 2, 1), (1, 4, 1), (1, 8, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 2, 2), (1, 4, 2),
+             (2, 2, 1), (2, 4, 1), (4, 2, 1)]
+    print("\n## Context parallelism at 1024x1024 (bf16): the step on paper\n")
+    print("Per device: weight GiB (TP splits them, the sequence axis does not), GiB sent per step (all-to-all / ring "
+          "passes / TP all-reduces), and the step (compute + communication, no overlap; ring attention can hide its "
+          "passes behind the blocks' compute, so its figure is an upper bound). kiln today: FLUX.1 and FLUX.2 run "
+          "every mix whose head and token counts divide; SD3.5 is refused until padding lands (its 333 text "
+          "tokens divide by no degree).\n")
+    print("| model | tp x ulysses x ring | devices | weight GiB | GiB sent per step | "
+          + " | ".join(f"{hw['name']} s / step (comm ms)" for hw in (H200, V6E)) + " |")
+    print("|---|---|---|---|---|---|---|")
+    for m in models:
+        layers, seq = attention_layers(m)
+        d, batch = m["width"], m["batch"]
+        total = sum(p[1] for p in m["params"]) * BF16
+        split = sum(p[2] for p in m["params"]) * BF16
+        for tp, u, r in mixes:
+            sp = u * r
+            n = tp * sp
+            heads = m["heads"] // tp if m["heads"] % tp == 0 else 0
+            if not heads or heads % u:
+                print(f"| {m['name']} | {tp} x {u} x {r} | {n} | — ({m['heads']} heads) | | | |")
+                continue
+            part = seq / sp * (d / tp) * batch * BF16  # one device's q (or k, v, output) per layer
+            a2a = layers * 4 * part * (u - 1) / u  # Ulysses: q, k, v in, output back
+            # ring: k and v, r-1 times; after Ulysses a device holds u times the tokens and 1/u of the heads
+            ring = layers * 2 * part * (r - 1)
+            reduce = sum(t * w for t, w in m["reduces"]) * batch * BF16 / sp
+            tp_comm = 0 if tp == 1 else 2 * (tp - 1) / tp * reduce
+            sent = a2a + ring + tp_comm
+            cells = []
+            for hw in (H200, V6E):
+                compute = m["flops"] / n / hw["flops"]
+                comm = sent / hw["link"]
+                cells.append(f"{compute + comm:.3f} ({comm * 1e3:.0f})")
+            weights = total - split + split / tp
+            print(f"| {m['name']} | {tp} x {u} x {r} | {n} | {gib(weights):.1f} | {gib(sent):.2f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
