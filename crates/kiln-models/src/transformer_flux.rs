@@ -363,9 +363,13 @@ impl FluxTransformer2DModel {
         })
     }
 
-    /// [`Self::call_inputs`] of a step cache's call (see [`refuse_cache`]).
+    /// [`Self::call_inputs`] of a step cache's call. With context parallelism MagCache, TaylorSeer
+    /// and FasterCache run on each device's tokens (their schedules read no data; what they keep
+    /// is token-wise); First-Block Cache is refused (see [`refuse_cache`]).
     fn cache_inputs(&self, inputs: &FluxTransformerInputs<'_>, cache: &str) -> Result<CallInputs> {
-        refuse_cache(inputs.hidden_states, cache)?;
+        if cache == FIRST_BLOCK_CACHE {
+            refuse_cache(inputs.hidden_states, cache)?;
+        }
         self.call_inputs(inputs)
     }
 
@@ -581,7 +585,7 @@ impl FluxTransformer2DModel {
     /// First-Block Cache's first part: the embeddings and the first block
     /// (`first_block.head`); its residual decides whether the rest runs.
     pub fn forward_first_block(&self, inputs: &FluxTransformerInputs<'_>) -> Result<FirstBlockOutput> {
-        let inputs = self.cache_inputs(inputs, "First-Block Cache")?;
+        let inputs = self.cache_inputs(inputs, FIRST_BLOCK_CACHE)?;
         self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
             let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
             if m.transformer_blocks.is_empty() {
@@ -642,6 +646,9 @@ pub(crate) enum AttentionMode<'a> {
 /// The block programs of [`AttentionMode::Record`] and [`AttentionMode::Given`].
 pub(crate) const RECORD: &str = "attention_record";
 pub(crate) const GIVEN: &str = "attention_given";
+
+/// First-Block Cache's name in errors.
+const FIRST_BLOCK_CACHE: &str = "First-Block Cache";
 
 /// A step cache refused with context parallelism, where its decisions would read one device's
 /// tokens only.

@@ -733,6 +733,10 @@ pub(crate) fn magcache_call(
     }
     let (out, residual) = compute()?;
     if let Some(steps) = calibrating {
+        kiln_nn::context_parallel::refuse(
+            residual.device(),
+            "MagCache's calibrate (its ratios would see one device's tokens)",
+        )?;
         // diffusers' state resets after `num_inference_steps` calls: the next ratio is 1 again.
         let ratio = match (&state.residual, step % steps) {
             (Some(previous), 1..) => CacheRun::magnitude_ratio(&residual, previous)?,

@@ -86,6 +86,47 @@ fn taylorseer_and_faster_give_diffusers_images_and_decisions() {
     check_cases("step-cache-attention", &["taylorseer", "faster"], 4);
 }
 
+/// With context parallelism (FLUX.1 at ulysses 2 and ring 2): MagCache, TaylorSeer and FasterCache
+/// keep token-wise state on each device's tokens and give diffusers' images; First-Block Cache,
+/// whose decision would read one device's tokens, and MagCache's calibration are refused.
+#[test]
+fn caches_run_with_context_parallelism_on_flux1() {
+    let dir = temp_dir("step-cache-cp");
+    let cases: Vec<_> = oracle_cases(&["cache_flux1"])
+        .into_iter()
+        .filter(|c| {
+            call_json(c)["load_extras"]["cache"]["kind"]
+                .as_str()
+                .is_some_and(|k| k != "first-block")
+        })
+        .collect();
+    assert!(cases.len() >= 3, "{cases:?}");
+    for case in &cases {
+        let flag = cache_flag(case);
+        for (tag, split) in [("ulysses", "--ulysses-degree"), ("ring", "--ring-degree")] {
+            check_case(&dir, case, tag, &["--cache", &flag, split, "2"]);
+        }
+        check_case(
+            &dir,
+            case,
+            "ulysses-full",
+            &["--cache", &flag, "--ulysses-degree", "2", "--compile", "full"],
+        );
+    }
+    let case = kiln_fixtures::oracle().join("cases/cache_flux1/first_block_dev");
+    for (cache, expected) in [
+        ("first-block:threshold=0.1", "First-Block Cache"),
+        ("magcache:calibrate=true", "calibrate"),
+    ] {
+        let mut flags = case_flags(&case, "out.png");
+        flags.extend(["--cache", cache, "--ulysses-degree", "2"].map(String::from));
+        let (ok, stderr) = generate(&dir, &flags);
+        assert!(!ok && stderr.contains(expected), "{cache}: {stderr}");
+        assert!(!dir.join("out.png").exists());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn caches_kiln_does_not_run_are_refused_before_any_work() {
     let dir = temp_dir("step-cache-bad");
