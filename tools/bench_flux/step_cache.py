@@ -131,14 +131,14 @@ def busy_s() -> float:
 
 
 def timed(cmd, env=None):
-    """Run `cmd`; (completed process, wall s, foreign CPU s)."""
-    before_self = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """Run `cmd`; (completed process, wall s, foreign CPU s, the largest child's peak RSS MiB so far)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     b0, t0 = busy_s(), time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall, b1 = time.perf_counter() - t0, busy_s()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    own = (after.ru_utime - before_self.ru_utime) + (after.ru_stime - before_self.ru_stime)
-    return out, wall, b1 - b0 - own
+    own = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return out, wall, b1 - b0 - own, after.ru_maxrss / 1024
 
 
 def warmup_spec(spec: str) -> str:
@@ -163,13 +163,13 @@ def run_kiln(args, dtype: str, spec: str, program_cache: str, image: str) -> dic
         warm = [*common, "--num-inference-steps", "4", "--output", f"{tmp}/w.png"]
         if spec:
             warm += ["--cache", warmup_spec(spec)]
-        w, _, _ = timed(warm, env)
+        w, _, _, _ = timed(warm, env)
         if w.returncode:
             return {"error": "warm-up: " + (w.stderr.strip().splitlines() or ["?"])[-1]}
         cmd = [*common, "--num-inference-steps", str(args.steps), "--output", image, "--timings", f"{tmp}/t.json"]
         if spec:
             cmd += ["--cache", spec]
-        out, wall, foreign = timed(cmd, env)
+        out, wall, foreign, _ = timed(cmd, env)
         if out.returncode:
             return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
         t = json.loads(Path(f"{tmp}/t.json").read_text())
@@ -239,7 +239,7 @@ def main():
                            "--steps", str(args.steps), "--guidance", str(args.guidance), "--max-sequence-length",
                            str(args.max_sequence_length), "--dtype", dtype, "--image", image,
                            "--threads", str(args.threads)] + (["--cache", cache] if cache else [])
-                    out, wall, foreign = timed(cmd)
+                    out, wall, foreign, _ = timed(cmd)
                     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
                     r = json.loads(lines[-1]) if out.returncode == 0 and lines else {
                         "error": (out.stderr.strip().splitlines() or ["?"])[-1][:300]}

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -27,22 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def busy_s() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
-
-
-def timed(cmd, env=None):
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    b0, t0 = busy_s(), time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
-    wall, b1 = time.perf_counter() - t0, busy_s()
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    own = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    rss = after.ru_maxrss / 1024
-    return out, wall, b1 - b0 - own, rss
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench_flux"))
+from step_cache import timed  # noqa: E402  (one way of timing a process for both tools)
 
 
 def transformer_file(models: Path, variant: str) -> Path:

@@ -181,7 +181,7 @@ def context_parallel(models):
           "passes / TP all-reduces), and the step (compute + communication, no overlap; ring attention can hide its "
           "passes behind the blocks' compute, so its figure is an upper bound). kiln today: FLUX.1 and FLUX.2 run "
           "every mix whose head and token counts divide; SD3.5 is refused until padding lands (its 333 text "
-          "tokens divide by no degree).\n")
+          "tokens are odd: no even degree divides them).\n")
     print("| model | tp x ulysses x ring | devices | weight GiB | GiB sent per step | "
           + " | ".join(f"{hw['name']} s / step (comm ms)" for hw in (H200, V6E)) + " |")
     print("|---|---|---|---|---|---|---|")
