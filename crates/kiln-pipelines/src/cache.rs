@@ -748,6 +748,32 @@ pub(crate) fn magcache_call(
     Ok(out)
 }
 
+/// The [`CachedTransformer`] methods every transformer forwards to its own `forward_*` methods of
+/// the same names, for inputs `$inputs` and first-block output `$head` (which has `residual`).
+macro_rules! forward_cached_transformer {
+    ($inputs:ty, $head:ty) => {
+        fn magcache_compute(&self, inputs: &$inputs) -> kiln_nn::Result<(Tensor, Tensor)> {
+            self.forward_magcache_compute(inputs)
+        }
+        fn magcache_skip(&self, inputs: &$inputs, residual: &Tensor) -> kiln_nn::Result<Tensor> {
+            self.forward_magcache_skip(inputs, residual)
+        }
+        fn recording_attention(&self, inputs: &$inputs) -> kiln_nn::Result<(Tensor, Vec<Tensor>)> {
+            self.forward_recording_attention(inputs)
+        }
+        fn with_attention(&self, inputs: &$inputs, attention: &[Tensor]) -> kiln_nn::Result<Tensor> {
+            self.forward_with_attention(inputs, attention)
+        }
+        fn first_block(&self, inputs: &$inputs) -> kiln_nn::Result<$head> {
+            self.forward_first_block(inputs)
+        }
+        fn first_block_residual(head: &$head) -> &Tensor {
+            &head.residual
+        }
+    };
+}
+pub(crate) use forward_cached_transformer;
+
 /// A transformer's forward as diffusers' cache hooks change it (see [`cached_call`]), for
 /// inputs `I`.
 pub(crate) trait CachedTransformer<I> {

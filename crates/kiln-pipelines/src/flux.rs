@@ -549,24 +549,7 @@ impl Pipeline for FluxPipeline {
 /// cached calls.
 impl<'a> CachedTransformer<FluxTransformerInputs<'a>> for FluxTransformer2DModel {
     type FirstBlock = FirstBlockOutput;
-    fn magcache_compute(&self, inputs: &FluxTransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Tensor)> {
-        self.forward_magcache_compute(inputs)
-    }
-    fn magcache_skip(&self, inputs: &FluxTransformerInputs<'a>, residual: &Tensor) -> kiln_nn::Result<Tensor> {
-        self.forward_magcache_skip(inputs, residual)
-    }
-    fn recording_attention(&self, inputs: &FluxTransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Vec<Tensor>)> {
-        self.forward_recording_attention(inputs)
-    }
-    fn with_attention(&self, inputs: &FluxTransformerInputs<'a>, attention: &[Tensor]) -> kiln_nn::Result<Tensor> {
-        self.forward_with_attention(inputs, attention)
-    }
-    fn first_block(&self, inputs: &FluxTransformerInputs<'a>) -> kiln_nn::Result<FirstBlockOutput> {
-        self.forward_first_block(inputs)
-    }
-    fn first_block_residual(head: &FirstBlockOutput) -> &Tensor {
-        &head.residual
-    }
+    crate::cache::forward_cached_transformer!(FluxTransformerInputs<'a>, FirstBlockOutput);
     fn first_block_rest(
         &self,
         inputs: &FluxTransformerInputs<'a>,

@@ -1002,24 +1002,7 @@ pub(crate) fn read_references(files: Option<&[crate::arguments::FileRef]>) -> Re
 /// image tokens.
 impl<'a> CachedTransformer<Flux2TransformerInputs<'a>> for Flux2Transformer2DModel {
     type FirstBlock = FirstBlockOutput;
-    fn magcache_compute(&self, inputs: &Flux2TransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Tensor)> {
-        self.forward_magcache_compute(inputs)
-    }
-    fn magcache_skip(&self, inputs: &Flux2TransformerInputs<'a>, residual: &Tensor) -> kiln_nn::Result<Tensor> {
-        self.forward_magcache_skip(inputs, residual)
-    }
-    fn recording_attention(&self, inputs: &Flux2TransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Vec<Tensor>)> {
-        self.forward_recording_attention(inputs)
-    }
-    fn with_attention(&self, inputs: &Flux2TransformerInputs<'a>, attention: &[Tensor]) -> kiln_nn::Result<Tensor> {
-        self.forward_with_attention(inputs, attention)
-    }
-    fn first_block(&self, inputs: &Flux2TransformerInputs<'a>) -> kiln_nn::Result<FirstBlockOutput> {
-        self.forward_first_block(inputs)
-    }
-    fn first_block_residual(head: &FirstBlockOutput) -> &Tensor {
-        &head.residual
-    }
+    crate::cache::forward_cached_transformer!(Flux2TransformerInputs<'a>, FirstBlockOutput);
     fn first_block_rest(
         &self,
         inputs: &Flux2TransformerInputs<'a>,

@@ -623,24 +623,7 @@ fn sd3_call<'a>(mut c: GenerateCall<'a>, defaults: &CallDefaults, e: Option<Embe
 /// `attn2`) on its cached steps (check_inputs refuses FasterCache).
 impl<'a> CachedTransformer<SD3TransformerInputs<'a>> for SD3Transformer2DModel {
     type FirstBlock = FirstBlockOutput;
-    fn magcache_compute(&self, inputs: &SD3TransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Tensor)> {
-        self.forward_magcache_compute(inputs)
-    }
-    fn magcache_skip(&self, inputs: &SD3TransformerInputs<'a>, residual: &Tensor) -> kiln_nn::Result<Tensor> {
-        self.forward_magcache_skip(inputs, residual)
-    }
-    fn recording_attention(&self, inputs: &SD3TransformerInputs<'a>) -> kiln_nn::Result<(Tensor, Vec<Tensor>)> {
-        self.forward_recording_attention(inputs)
-    }
-    fn with_attention(&self, inputs: &SD3TransformerInputs<'a>, attention: &[Tensor]) -> kiln_nn::Result<Tensor> {
-        self.forward_with_attention(inputs, attention)
-    }
-    fn first_block(&self, inputs: &SD3TransformerInputs<'a>) -> kiln_nn::Result<FirstBlockOutput> {
-        self.forward_first_block(inputs)
-    }
-    fn first_block_residual(head: &FirstBlockOutput) -> &Tensor {
-        &head.residual
-    }
+    crate::cache::forward_cached_transformer!(SD3TransformerInputs<'a>, FirstBlockOutput);
     fn first_block_rest(
         &self,
         inputs: &SD3TransformerInputs<'a>,

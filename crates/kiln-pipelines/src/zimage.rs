@@ -643,24 +643,7 @@ impl Pipeline for ZImagePipeline {
 /// diffusers' hooks on `ZImageTransformer2DModel` (see its cache entry points).
 impl<'a> CachedTransformer<ZImageInputs<'a>> for ZImageTransformer2DModel {
     type FirstBlock = ZImageFirstBlock;
-    fn magcache_compute(&self, inputs: &ZImageInputs<'a>) -> kiln_nn::Result<(Tensor, Tensor)> {
-        self.forward_magcache_compute(inputs)
-    }
-    fn magcache_skip(&self, inputs: &ZImageInputs<'a>, residual: &Tensor) -> kiln_nn::Result<Tensor> {
-        self.forward_magcache_skip(inputs, residual)
-    }
-    fn recording_attention(&self, inputs: &ZImageInputs<'a>) -> kiln_nn::Result<(Tensor, Vec<Tensor>)> {
-        self.forward_recording_attention(inputs)
-    }
-    fn with_attention(&self, inputs: &ZImageInputs<'a>, attention: &[Tensor]) -> kiln_nn::Result<Tensor> {
-        self.forward_with_attention(inputs, attention)
-    }
-    fn first_block(&self, inputs: &ZImageInputs<'a>) -> kiln_nn::Result<ZImageFirstBlock> {
-        self.forward_first_block(inputs)
-    }
-    fn first_block_residual(head: &ZImageFirstBlock) -> &Tensor {
-        &head.residual
-    }
+    crate::cache::forward_cached_transformer!(ZImageInputs<'a>, ZImageFirstBlock);
     fn first_block_rest(
         &self,
         inputs: &ZImageInputs<'a>,
