@@ -103,60 +103,121 @@ pub fn gather_sequence(x: &Tensor, dim: isize) -> Result<Tensor> {
     Ok(x.all_gather(MeshAxis::Sequence, dim)?)
 }
 
+/// The length `len` tokens take on the sequence axis of `device`: padded to a multiple of its
+/// context-parallel degree.
+pub fn padded_len(device: &Device, len: usize) -> usize {
+    len.next_multiple_of(device.axes().context.degree())
+}
+
+/// This device's tokens of `x` along `dim` after padding them with zeros to [`padded_len`] (as
+/// diffusers' `ulysses_anything` / `ring_anything` take any length): the padding keys must be
+/// masked in attention ([`key_bias`]) and cut after gathering ([`gather_unpadded`]).
+pub fn split_padded(x: &Tensor, dim: isize) -> Result<Tensor> {
+    let len = x.dim(dim)?;
+    let pad = padded_len(x.device(), len) - len;
+    if pad == 0 {
+        return split_sequence(x, dim);
+    }
+    let mut pads = vec![(0, 0); x.rank()];
+    pads[dim.rem_euclid(x.rank() as isize) as usize] = (0, pad);
+    split_sequence(&x.pad(&pads, 0.0)?, dim)
+}
+
+/// The whole sequence of `len` tokens along `dim` from each device's padded tokens (undoes
+/// [`split_padded`]).
+pub fn gather_unpadded(x: &Tensor, dim: isize, len: usize) -> Result<Tensor> {
+    let whole = gather_sequence(x, dim)?;
+    match whole.dim(dim)? == len {
+        true => Ok(whole),
+        false => Ok(whole.narrow(dim, 0, len)?),
+    }
+}
+
+/// The additive key mask `[1, 1, 1, S]` (f32) of this device's tokens when they are the
+/// [`split_padded`] parts of sequences of `lens` tokens concatenated in that order: 0 at real
+/// tokens, a large negative value at padding. `None` when nothing is padded. The padding value
+/// is finite so that a key block of padding alone (ring attention over very short sequences)
+/// merges with weight 0 instead of NaN.
+pub fn key_bias(device: &Device, lens: &[usize]) -> Result<Option<Tensor>> {
+    if lens.iter().all(|&len| padded_len(device, len) == len) {
+        return Ok(None);
+    }
+    let mut parts = Vec::with_capacity(lens.len());
+    for &len in lens {
+        let padded = padded_len(device, len);
+        let values: Vec<f32> = (0..padded).map(|i| if i < len { 0.0 } else { PADDING_BIAS }).collect();
+        parts.push(split_sequence(&Tensor::from_slice(&values, [padded], device)?, 0)?);
+    }
+    let parts: Vec<&Tensor> = parts.iter().collect();
+    let local = Tensor::cat(&parts, 0)?;
+    let n = local.dims()[0];
+    Ok(Some(local.reshape([1, 1, 1, n])?))
+}
+
+/// A padding key's score bias: exp underflows to exactly 0 beside any real key.
+const PADDING_BIAS: f32 = -1.0e30;
+
 /// Attention without a mask over heads-first `q`, `k`, `v` `[B, H, S, D]`, scaled by
 /// `1/√D`. With context parallelism `S` is this device's part of the sequence and each query
 /// attends to the keys of every device: Ulysses, ring, or both (diffusers' unified attention:
 /// Ulysses within each line of the ulysses axis around ring attention across the ring axis), as
 /// the device's [`ContextParallel`] says.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    masked_attention(q, k, v, None)
+}
+
+/// [`attention`] with this device's keys biased by `key_bias` `[1, 1, 1, S]` ([`key_bias`]: the
+/// padding of sequences the degree does not divide); the bias travels with its keys.
+pub fn masked_attention(q: &Tensor, k: &Tensor, v: &Tensor, key_bias: Option<&Tensor>) -> Result<Tensor> {
     let context = q.device().axes().context;
     match (context.ulysses, context.ring) {
-        (1, 1) => plain_attention(q, k, v),
-        (_, 1) => ulysses_attention(q, k, v, plain_attention),
-        (1, _) => ring_attention(q, k, v),
-        _ => ulysses_attention(q, k, v, ring_attention),
+        (1, 1) => plain_attention(q, k, v, key_bias),
+        (_, 1) => ulysses_attention(q, k, v, key_bias, plain_attention),
+        (1, _) => ring_attention(q, k, v, key_bias),
+        _ => ulysses_attention(q, k, v, key_bias, ring_attention),
     }
 }
 
-fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    Ok(Tensor::scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        &AttentionMask::None,
-        None,
-    )?)
+fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor, key_bias: Option<&Tensor>) -> Result<Tensor> {
+    let mask = match key_bias {
+        Some(bias) => AttentionMask::Additive(bias.clone()),
+        None => AttentionMask::None,
+    };
+    Ok(Tensor::scaled_dot_product_attention(q, k, v, &mask, None)?)
 }
 
 /// diffusers' `TemplatedUlyssesAttention`: an all-to-all turns sequence-split q, k, v into
 /// head-split ones over the tokens of the ulysses line, `inner` attention runs on this device's
-/// heads, and a second all-to-all turns the output back. The head count must divide by the
-/// ulysses degree.
+/// heads (with the line's key bias), and a second all-to-all turns the output back. The head
+/// count must divide by the ulysses degree.
 pub fn ulysses_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    inner: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    key_bias: Option<&Tensor>,
+    inner: impl Fn(&Tensor, &Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor>,
 ) -> Result<Tensor> {
     check_heads(q.device(), q.dims()[1])?;
     // [B, H, S/n, D] -> [B, H/n, S, D]: heads scattered, tokens gathered in ulysses-rank order.
     let heads_split = |t: &Tensor| t.all_to_all(MeshAxis::Ulysses, 1, 2);
-    let o = inner(&heads_split(q)?, &heads_split(k)?, &heads_split(v)?)?;
+    let line_bias = key_bias.map(|b| b.all_gather(MeshAxis::Ulysses, 3)).transpose()?;
+    let o = inner(&heads_split(q)?, &heads_split(k)?, &heads_split(v)?, line_bias.as_ref())?;
     Ok(o.all_to_all(MeshAxis::Ulysses, 2, 1)?)
 }
 
 /// diffusers' `TemplatedRingAttention`: each device attends its queries to one key/value block at
-/// a time, its own first, then each next device's as the blocks pass around the ring, and merges
-/// the partial outputs by their log-sum-exp in f32:
+/// a time, its own first, then each next device's as the blocks (and their key bias) pass around
+/// the ring, and merges the partial outputs by their log-sum-exp in f32:
 /// `out = out − σ(lse_i − lse)·(out − out_i)`, `lse = logaddexp(lse, lse_i)`.
-pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, key_bias: Option<&Tensor>) -> Result<Tensor> {
     let ring = q.device().axes().context.ring;
-    let (mut k, mut v) = (k.clone(), v.clone());
-    let (mut out, mut lse) = Tensor::attention_with_lse(q, &k, &v, None)?;
+    let (mut k, mut v, mut bias) = (k.clone(), v.clone(), key_bias.cloned());
+    let (mut out, mut lse) = Tensor::attention_with_lse(q, &k, &v, bias.as_ref(), None)?;
     for _ in 1..ring {
         k = k.rotate_along(MeshAxis::Ring)?;
         v = v.rotate_along(MeshAxis::Ring)?;
-        let (out_i, lse_i) = Tensor::attention_with_lse(q, &k, &v, None)?;
+        bias = bias.map(|b| b.rotate_along(MeshAxis::Ring)).transpose()?;
+        let (out_i, lse_i) = Tensor::attention_with_lse(q, &k, &v, bias.as_ref(), None)?;
         let weight = lse_i.sub(&lse)?.sigmoid()?;
         out = out.sub(&weight.mul(&out.sub(&out_i)?)?)?;
         // logaddexp(a, b) = max(a, b) + log(1 + exp(−|a − b|)) (diffusers' `a − logsigmoid(a − b)`).

@@ -1,7 +1,8 @@
 //! Ulysses and ring attention on CPU virtual devices against attention over the unsplit sequence.
 
 use kiln_nn::context_parallel::{
-    attention, check_sequence_lengths, gather_sequence, split_sequence, split_text_and_image,
+    attention, check_sequence_lengths, gather_sequence, gather_unpadded, key_bias, masked_attention, split_padded,
+    split_sequence, split_text_and_image,
 };
 use kiln_nn::RopeTables;
 use kiln_tensor::{AttentionMask, CompiledFunction, ContextParallel, DType, Device, DeviceSpec, MeshAxes, Tensor};
@@ -171,4 +172,64 @@ fn lengths_and_head_counts_that_do_not_split_are_errors_naming_what_works() {
         err.contains("3 attention heads") && err.contains("(1, 3) or a ring degree"),
         "{err}"
     );
+}
+
+/// Sequences the degree does not divide: each is padded with zeros and split, the padding keys
+/// are masked (the mask travels with its keys around the ring), and the gathered real tokens get
+/// attention over the unpadded sequences — also where a device holds padding alone.
+#[test]
+fn padded_sequences_with_masked_keys_match_attention_over_the_real_tokens() {
+    let [heads, dim] = [4, 16];
+    let qkv_of = |lens: &[usize], d: &Device| -> Vec<[Tensor; 3]> {
+        lens.iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let n = 2 * heads * len * dim;
+                [1, 2, 3].map(|seed| {
+                    let values = values(n, seed + 10 * i as u32);
+                    Tensor::from_f32(&values, DType::F32, [2, heads, len, dim], d).unwrap()
+                })
+            })
+            .collect()
+    };
+    let one = Device::cpu().unwrap();
+    for lens in [vec![7, 5], vec![1]] {
+        let parts = qkv_of(&lens, &one);
+        let whole = |j: usize| Tensor::cat(&parts.iter().map(|p| &p[j]).collect::<Vec<_>>(), 2).unwrap();
+        let want = Tensor::scaled_dot_product_attention(&whole(0), &whole(1), &whole(2), &AttentionMask::None, None)
+            .unwrap()
+            .to_f32_vec()
+            .unwrap();
+        for (ulysses, ring) in [(2, 1), (1, 2), (1, 3), (4, 1), (2, 2)] {
+            let m = mesh(ulysses, ring);
+            let parts = qkv_of(&lens, &m);
+            let local = |j: usize| {
+                let split: Vec<Tensor> = parts.iter().map(|p| split_padded(&p[j], 2).unwrap()).collect();
+                Tensor::cat(&split.iter().collect::<Vec<_>>(), 2).unwrap()
+            };
+            let bias = key_bias(&m, &lens).unwrap();
+            assert!(bias.is_some(), "{lens:?} at ulysses {ulysses} ring {ring} pads");
+            let out = masked_attention(&local(0), &local(1), &local(2), bias.as_ref()).unwrap();
+            let sizes: Vec<usize> = parts
+                .iter()
+                .map(|p| split_padded(&p[0], 2).unwrap().dims()[2])
+                .collect();
+            let gathered: Vec<Tensor> = out
+                .split_sizes(&sizes, 2)
+                .unwrap()
+                .iter()
+                .zip(&lens)
+                .map(|(o, &len)| gather_unpadded(o, 2, len).unwrap())
+                .collect();
+            let got = Tensor::cat(&gathered.iter().collect::<Vec<_>>(), 2).unwrap();
+            for (member, shard) in got.shards().unwrap().iter().enumerate() {
+                let diff = max_diff(&shard.to_f32_vec().unwrap(), &want);
+                assert!(
+                    diff <= 2e-6,
+                    "{lens:?} ulysses {ulysses} ring {ring} member {member}: {diff}"
+                );
+            }
+        }
+    }
+    assert!(key_bias(&mesh(2, 1), &[8, 6]).unwrap().is_none());
 }

@@ -343,17 +343,47 @@ impl Tensor {
         })
     }
 
-    /// Attention without a mask that also returns each query row's log-sum-exp of the scores:
-    /// `(out, lse)`, out `[B, H, Sq, Dv]` and lse `[B, H, Sq, 1]`, both f32 (the partial results
-    /// ring attention merges). Scaled and computed as [`Tensor::scaled_dot_product_attention`]
-    /// without a platform kernel.
-    pub fn attention_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, scale: Option<f64>) -> Result<(Tensor, Tensor)> {
+    /// Attention that also returns each query row's log-sum-exp of the scores: `(out, lse)`, out
+    /// `[B, H, Sq, Dv]` and lse `[B, H, Sq, 1]`, both f32 (the partial results ring attention
+    /// merges). `mask`, if any, is added to the scores (broadcast to `[B, H, Sq, Sk]`, `-inf` at
+    /// masked keys; every row must keep a key). Scaled and computed as
+    /// [`Tensor::scaled_dot_product_attention`] without a platform kernel.
+    pub fn attention_with_lse(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        scale: Option<f64>,
+    ) -> Result<(Tensor, Tensor)> {
         let op = "attention_with_lse";
-        let d = attention_dims(op, q, k, v)?.3;
+        let (bq, hq, sq, d, sk) = attention_dims(op, q, k, v)?;
+        let scores_shape = [bq, hq, sq, sk];
+        if let Some(m) = mask {
+            if broadcast_shapes(m.dims(), &scores_shape).as_deref() != Some(&scores_shape[..]) {
+                return Err(Error::Broadcast {
+                    op,
+                    lhs: m.shape().clone(),
+                    rhs: scores_shape.to_vec().into(),
+                });
+            }
+            if !m.dtype().is_float() {
+                return Err(Error::invalid(
+                    op,
+                    format!("an additive mask must be float, got {}", m.dtype()),
+                ));
+            }
+        }
         let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
-        let mut out = apply(op, &[q, k, v], |b, p| {
+        let mut inputs = vec![q, k, v];
+        inputs.extend(mask);
+        let mut out = apply(op, &inputs, |b, p| {
             let q = scaled_query(b, &p[0], scale)?;
-            let scores = attention_scores(b, &q, &p[1])?;
+            let mut scores = attention_scores(b, &q, &p[1])?;
+            if let Some(m) = p.get(3) {
+                let m = b.convert(m, DType::F32)?;
+                let m = broadcast_to(b, &m, scores.dims())?;
+                scores = b.add(&scores, &m)?;
+            }
             let (out, m, s) = softmax_product(b, &scores, &p[2])?;
             let sb = broadcast_to(b, &s, out.dims())?;
             let out = b.divide(&out, &sb)?;
