@@ -1,5 +1,5 @@
 //! Tensors on a mesh of CPU devices: replicated and sharded values, eager ops and compiled
-//! functions as SPMD programs, the all-reduce, and the per-device memory count.
+//! functions as SPMD programs, the collectives along each axis, and the per-device memory count.
 
 use kiln_tensor::{CompiledFunction, ContextParallel, DType, Device, DeviceSpec, MeshAxes, MeshAxis, Result, Tensor};
 
@@ -264,4 +264,74 @@ fn a_ring_passes_each_value_once_around() {
     assert_eq!(member_values(&x.all_reduce_sum().unwrap()), member_values(&x));
     let err = x.split_along(MeshAxis::Ring, 0).unwrap_err().to_string();
     assert!(err.contains("does not split over the 4 devices"), "{err}");
+}
+
+/// The sum of [`of`] over `members`, element by element.
+fn sum_of(members: &[usize]) -> Vec<f32> {
+    (0..8).map(|i| members.iter().map(|&k| of(k)[i]).sum()).collect()
+}
+
+#[test]
+fn all_reduce_sums_along_each_axis_of_a_two_by_two_mesh_eager_and_compiled() {
+    // Member k = (ring_rank · ulysses + ulysses_rank) · tp + tp_rank.
+    let layouts = [
+        // ulysses 2 × ring 2: ulysses lines {0, 1}, {2, 3}; ring lines {0, 2}, {1, 3}; the
+        // sequence axis all four; tp has one member.
+        (
+            (1, 2, 2),
+            [
+                (MeshAxis::Ulysses, [vec![0, 1], vec![0, 1], vec![2, 3], vec![2, 3]]),
+                (MeshAxis::Ring, [vec![0, 2], vec![1, 3], vec![0, 2], vec![1, 3]]),
+                (
+                    MeshAxis::Sequence,
+                    [vec![0, 1, 2, 3], vec![0, 1, 2, 3], vec![0, 1, 2, 3], vec![0, 1, 2, 3]],
+                ),
+                (MeshAxis::Tensor, [vec![0], vec![1], vec![2], vec![3]]),
+            ],
+        ),
+        // tp 2 × ulysses 2: the sequence (= ulysses) lines {0, 2}, {1, 3}; tp pairs {0, 1}, {2, 3}.
+        (
+            (2, 2, 1),
+            [
+                (MeshAxis::Sequence, [vec![0, 2], vec![1, 3], vec![0, 2], vec![1, 3]]),
+                (MeshAxis::Ulysses, [vec![0, 2], vec![1, 3], vec![0, 2], vec![1, 3]]),
+                (MeshAxis::Ring, [vec![0], vec![1], vec![2], vec![3]]),
+                (MeshAxis::Tensor, [vec![0, 1], vec![0, 1], vec![2, 3], vec![2, 3]]),
+            ],
+        ),
+        // tp 2 × ring 2: the sequence (= ring) lines {0, 2}, {1, 3}.
+        (
+            (2, 1, 2),
+            [
+                (MeshAxis::Sequence, [vec![0, 2], vec![1, 3], vec![0, 2], vec![1, 3]]),
+                (MeshAxis::Ring, [vec![0, 2], vec![1, 3], vec![0, 2], vec![1, 3]]),
+                (MeshAxis::Ulysses, [vec![0], vec![1], vec![2], vec![3]]),
+                (MeshAxis::Tensor, [vec![0, 1], vec![0, 1], vec![2, 3], vec![2, 3]]),
+            ],
+        ),
+    ];
+    for ((tp, ulysses, ring), expected) in layouts {
+        let axes = MeshAxes {
+            tp,
+            context: ContextParallel { ulysses, ring },
+        };
+        let (_, x) = per_member_values(axes);
+        let ops = |x: &Tensor| -> Result<Vec<Tensor>> {
+            expected.iter().map(|(axis, _)| x.all_reduce_sum_along(*axis)).collect()
+        };
+        let f = CompiledFunction::new("mesh.all_reduce_along");
+        let compiled = f.call(std::slice::from_ref(&x), |a| ops(&a[0])).unwrap();
+        for (mode, got) in [("eager", ops(&x).unwrap()), ("compiled", compiled)] {
+            for ((axis, lines), got) in expected.iter().zip(&got) {
+                let want: Vec<Vec<f32>> = lines.iter().map(|l| sum_of(l)).collect();
+                assert_eq!(member_values(got), want, "{axes} along {axis:?}, {mode}");
+            }
+        }
+        // The tensor-parallel all-reduce is the one along the Tensor axis.
+        assert_eq!(
+            member_values(&x.all_reduce_sum().unwrap()),
+            member_values(&x.all_reduce_sum_along(MeshAxis::Tensor).unwrap()),
+            "{axes}"
+        );
+    }
 }

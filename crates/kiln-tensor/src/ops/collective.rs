@@ -18,9 +18,17 @@ impl Tensor {
 
     /// The sum of the values the members of each tensor-parallel group hold, given to each of
     /// them (an all-reduce in the tensor's dtype, as torch's tensor-parallel layers do).
-    /// Row-parallel layers call it on their partial products.
+    /// Row-parallel layers call it on their partial products. The same as
+    /// [`Tensor::all_reduce_sum_along`] the [`MeshAxis::Tensor`] axis.
     pub fn all_reduce_sum(&self) -> Result<Tensor> {
-        match self.axis_groups(MeshAxis::Tensor) {
+        self.all_reduce_sum_along(MeshAxis::Tensor)
+    }
+
+    /// The sum of the values the members along `axis` hold, given to each of them (an
+    /// all-reduce in the tensor's dtype), e.g. along [`MeshAxis::Sequence`] a sum over every
+    /// device's tokens under context parallelism.
+    pub fn all_reduce_sum_along(&self, axis: MeshAxis) -> Result<Tensor> {
+        match self.axis_groups(axis) {
             None => Ok(self.clone()),
             Some(groups) => apply1("all_reduce", &[self], |b, p| b.all_reduce_sum(&p[0], &groups)),
         }
