@@ -11,10 +11,10 @@
 
 use kiln_io::SD3Transformer2DConfig;
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear, Result, TpPlan, TpStyle,
-    Weights,
+    context_parallel, impl_model, impl_module, impl_tensors, Blocks, Compiled, Conv2d, Error, LayerNorm, Linear,
+    Result, TpPlan, TpStyle, Weights,
 };
-use kiln_tensor::{AttentionMask, Conv2dParams, DType, Tensor};
+use kiln_tensor::{Conv2dParams, DType, Tensor};
 
 use crate::mmdit::{
     gated_residual, modulate, sinusoid, timestep_frequencies, FeedForward, HeadNorm, Mlp, QkvProjection, IMAGE_QKV,
@@ -145,11 +145,23 @@ fn qk_norm_loader(head_dim: usize, qk_norm: bool) -> impl Fn(&Weights) -> Result
     }
 }
 
-/// Softmax attention (scale `1/√head_dim`, no mask, no positions); returns `[B, S, H·head_dim]`.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let o = Tensor::scaled_dot_product_attention(q, k, v, &AttentionMask::None, None)?;
+/// Softmax attention (scale `1/√head_dim`, no positions) over every device's tokens, keys biased
+/// by `key_bias` (the padding of a split sequence); returns `[B, S, H·head_dim]`.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, key_bias: Option<&Tensor>) -> Result<Tensor> {
+    let o = context_parallel::masked_attention(q, k, v, key_bias)?;
     Ok(o.transpose(1, 2)?.flatten(2, 3)?)
 }
+
+/// The key biases of a call whose tokens are split over the sequence axis with padding
+/// ([`context_parallel::key_bias`]): of the joint `[image; text]` attention and of `attn2`
+/// (image only). Both `None` when no sequence was padded.
+#[derive(Clone, Debug, Default)]
+struct KeyBiases {
+    joint: Option<Tensor>,
+    image: Option<Tensor>,
+}
+
+impl_tensors!(KeyBiases { joint, image });
 
 /// `attn2` of a dual-attention block: self-attention over the image tokens only.
 #[derive(Clone, Debug)]
@@ -171,9 +183,9 @@ impl SelfAttention {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, key_bias: Option<&Tensor>) -> Result<Tensor> {
         let [q, k, v] = self.qkv.forward(x)?;
-        self.to_out.forward(&attention(&q, &k, &v)?)
+        self.to_out.forward(&attention(&q, &k, &v, key_bias)?)
     }
 }
 
@@ -267,8 +279,14 @@ impl JointTransformerBlock {
     }
 
     /// Returns the new text stream (`None` for a `context_pre_only` block) and image stream.
-    fn forward(&self, x: &Tensor, ctx: &Tensor, temb_silu: &Tensor) -> Result<(Option<Tensor>, Tensor)> {
-        let (ctx, x, _) = self.forward_with(x, ctx, temb_silu, None)?;
+    fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &Tensor,
+        temb_silu: &Tensor,
+        biases: &KeyBiases,
+    ) -> Result<(Option<Tensor>, Tensor)> {
+        let (ctx, x, _) = self.forward_with(x, ctx, temb_silu, biases, None)?;
         Ok((ctx, x))
     }
 
@@ -283,6 +301,7 @@ impl JointTransformerBlock {
         x: &Tensor,
         ctx: &Tensor,
         temb_silu: &Tensor,
+        biases: &KeyBiases,
         given: Option<(&Tensor, Option<&Tensor>)>,
     ) -> Result<(Option<Tensor>, Tensor, (Tensor, Option<Tensor>))> {
         let ln = LayerNorm::plain(EPS);
@@ -327,7 +346,7 @@ impl JointTransformerBlock {
                 let q = Tensor::cat(&[&q, &cq], 2)?;
                 let k = Tensor::cat(&[&k, &ck], 2)?;
                 let v = Tensor::cat(&[&v, &cv], 2)?;
-                let o = attention(&q, &k, &v)?;
+                let o = attention(&q, &k, &v, biases.joint.as_ref())?;
                 let parts = o.split_sizes(&[x.dims()[1], ctx.dims()[1]], 1)?;
                 let a_ctx = match &self.to_add_out {
                     Some(to_add_out) => Some(to_add_out.forward(&parts[1])?),
@@ -340,7 +359,7 @@ impl JointTransformerBlock {
         let mut x = gated_residual(x, &m[2], &a_x)?;
         if let Some(attn2) = &self.attn2 {
             let nx2 = modulate(&norm_x, &m[6], &m[7])?;
-            x = gated_residual(&x, &m[8], &attn2.forward(&nx2)?)?;
+            x = gated_residual(&x, &m[8], &attn2.forward(&nx2, biases.image.as_ref())?)?;
         }
         let ff_in = modulate(&ln.forward(&x)?, &m[3], &m[4])?;
         let x = gated_residual(&x, &m[5], &self.ff.forward(&ff_in)?)?;
@@ -377,11 +396,14 @@ pub struct SD3TransformerInputs<'a> {
 /// The tensors of one call as the whole forward takes them (a compiled forward's parameters, in
 /// this order).
 #[derive(Clone, Debug)]
+/// With context parallelism `encoder_hidden_states` holds this device's text tokens (padded to
+/// the degree) and `biases` mask the padding; the image tokens are split once embedded.
 struct CallInputs {
     hidden_states: Tensor,
     timestep: Tensor,
     encoder_hidden_states: Tensor,
     pooled_projections: Tensor,
+    biases: KeyBiases,
 }
 
 impl_tensors!(CallInputs {
@@ -389,6 +411,7 @@ impl_tensors!(CallInputs {
     timestep,
     encoder_hidden_states,
     pooled_projections,
+    biases,
 });
 
 /// diffusers `SD3Transformer2DModel`.
@@ -453,12 +476,8 @@ impl SD3Transformer2DModel {
 
     pub fn load(config: &SD3Transformer2DConfig, w: &Weights) -> Result<Self> {
         check_config(config, w)?;
-        kiln_nn::context_parallel::refuse(
-            w.device(),
-            "SD3Transformer2DModel (diffusers has no context-parallel plan for it, and its joint text of 77 CLIP \
-             plus the T5 tokens is odd for even T5 lengths: it needs padding with a key mask)",
-        )?;
         w.check_divides("num_attention_heads", config.num_attention_heads)?;
+        context_parallel::check_heads(w.device(), config.num_attention_heads / w.device().tp_size())?;
         let w = &w.with_plan(&Self::tp_plan(config))?;
         let dim = config.inner_dim();
         let spec = |i| BlockSpec {
@@ -512,12 +531,7 @@ impl SD3Transformer2DModel {
             let list: Vec<String> = skip.iter().map(usize::to_string).collect();
             format!("skip_layers_{}", list.join("_"))
         };
-        let inputs = CallInputs {
-            hidden_states: inputs.hidden_states.clone(),
-            timestep: inputs.timestep.clone(),
-            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
-            pooled_projections: inputs.pooled_projections.clone(),
-        };
+        let inputs = self.tensors(inputs)?;
         self.compiled
             .whole(&program, self, inputs, |m, inputs| m.forward_graph(inputs, &skip))
     }
@@ -527,7 +541,7 @@ impl SD3Transformer2DModel {
     /// range.
     fn forward_graph(&self, inputs: &CallInputs, skip: &[usize]) -> Result<Tensor> {
         let (x, ctx, temb_silu) = self.embed(inputs)?;
-        let x = self.blocks(x, ctx, &temb_silu, skip)?;
+        let x = self.blocks(x, ctx, &temb_silu, &inputs.biases, skip)?;
         self.output(&x, &temb_silu, inputs)
     }
 
@@ -539,9 +553,11 @@ impl SD3Transformer2DModel {
         Ok((x, ctx, temb_silu))
     }
 
-    /// The embedded image stream and `silu(temb)` (all a call that runs no block needs).
+    /// The embedded image stream (this device's tokens with context parallelism) and
+    /// `silu(temb)` (all a call that runs no block needs).
     fn embed_image(&self, inputs: &CallInputs) -> Result<(Tensor, Tensor)> {
         let x = self.pos_embed.forward(&inputs.hidden_states)?; // [B, h·w, D]
+        let x = context_parallel::split_padded(&x, 1)?;
         let temb = self
             .time_text_embed
             .forward(&inputs.timestep, &inputs.pooled_projections)?;
@@ -549,17 +565,24 @@ impl SD3Transformer2DModel {
     }
 
     /// The blocks not in `skip`: the image stream after them.
-    fn blocks(&self, mut x: Tensor, mut ctx: Tensor, temb_silu: &Tensor, skip: &[usize]) -> Result<Tensor> {
+    fn blocks(
+        &self,
+        mut x: Tensor,
+        mut ctx: Tensor,
+        temb_silu: &Tensor,
+        biases: &KeyBiases,
+        skip: &[usize],
+    ) -> Result<Tensor> {
         for i in 0..self.transformer_blocks.len() {
             if skip.binary_search(&i).is_ok() {
                 continue;
             }
-            let args = (x, ctx.clone(), temb_silu.clone());
-            let (new_ctx, new_x) = self
-                .transformer_blocks
-                .run(&self.compiled, i, args, |block, (x, ctx, temb)| {
-                    block.forward(x, ctx, temb)
-                })?;
+            let args = (x, ctx.clone(), temb_silu.clone(), biases.clone());
+            let (new_ctx, new_x) =
+                self.transformer_blocks
+                    .run(&self.compiled, i, args, |block, (x, ctx, temb, biases)| {
+                        block.forward(x, ctx, temb, biases)
+                    })?;
             x = new_x;
             // After a context_pre_only block (the last) the text stream is no longer used.
             if let Some(new_ctx) = new_ctx {
@@ -585,13 +608,47 @@ impl SD3Transformer2DModel {
         let e = self.norm_out.forward(temb_silu)?.chunk(2, 1)?;
         let x = modulate(&LayerNorm::plain(EPS).forward(x)?, &e[1], &e[0])?;
         let x = self.proj_out.forward(&x)?; // [B, h·w, p·p·C]
-                                            // Unpatchify, channel innermost: (b, h, w, p, q, c) → (b, c, h, p, w, q).
+        let x = context_parallel::gather_unpadded(&x, 1, h * w)?;
+        // Unpatchify, channel innermost: (b, h, w, p, q, c) → (b, c, h, p, w, q).
         let c = self.config.out_channels();
         Ok(x.reshape([b, h, w, p, p, c])?
             .permute(&[0, 5, 1, 3, 2, 4])?
             .reshape([b, c, h * p, w * p])?)
     }
 
+    /// The call's tensors: with context parallelism this device's text tokens, padded to the
+    /// degree (77 CLIP + T5 tokens is odd), and the key biases masking the padding of the text and
+    /// image sequences (diffusers has no context-parallel plan for SD3; this is FLUX's, with
+    /// padding).
+    fn tensors(&self, inputs: &SD3TransformerInputs<'_>) -> Result<CallInputs> {
+        Ok(CallInputs {
+            hidden_states: inputs.hidden_states.clone(),
+            timestep: inputs.timestep.clone(),
+            encoder_hidden_states: context_parallel::split_padded(inputs.encoder_hidden_states, 1)?,
+            pooled_projections: inputs.pooled_projections.clone(),
+            biases: self.key_biases(inputs)?,
+        })
+    }
+
+    /// The call's [`KeyBiases`].
+    fn key_biases(&self, inputs: &SD3TransformerInputs<'_>) -> Result<KeyBiases> {
+        let like = inputs.hidden_states;
+        let image_len = self.image_tokens(like);
+        let text_len = inputs.encoder_hidden_states.dims()[1];
+        Ok(KeyBiases {
+            joint: context_parallel::key_bias(like, &[image_len, text_len])?,
+            image: context_parallel::key_bias(like, &[image_len])?,
+        })
+    }
+
+    /// The image tokens of a call on latents `latents` (`[B, C, H, W]`).
+    fn image_tokens(&self, latents: &Tensor) -> usize {
+        let p = self.config.patch_size;
+        (latents.dims()[2] / p) * (latents.dims()[3] / p)
+    }
+
+    /// [`Self::tensors`] of a step cache's call. With context parallelism a cache's state and
+    /// decisions are on each device's image tokens, which must then split without padding.
     fn call_inputs(&self, inputs: &SD3TransformerInputs<'_>) -> Result<CallInputs> {
         self.check_inputs(inputs)?;
         if !inputs.skip_layers.is_empty() {
@@ -600,12 +657,12 @@ impl SD3Transformer2DModel {
                 message: "a step cache with skip-layer guidance is not implemented: leave one out".into(),
             });
         }
-        Ok(CallInputs {
-            hidden_states: inputs.hidden_states.clone(),
-            timestep: inputs.timestep.clone(),
-            encoder_hidden_states: inputs.encoder_hidden_states.clone(),
-            pooled_projections: inputs.pooled_projections.clone(),
-        })
+        let image_len = self.image_tokens(inputs.hidden_states);
+        context_parallel::check_sequence_lengths(
+            inputs.hidden_states,
+            &[("image tokens (with a step cache)", image_len)],
+        )?;
+        self.tensors(inputs)
     }
 
     /// MagCache's computed call: the prediction and the residual of the whole block stack,
@@ -615,7 +672,7 @@ impl SD3Transformer2DModel {
         self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let (x, ctx, temb_silu) = m.embed(inputs)?;
             let x_in = x.clone();
-            let x = m.blocks(x, ctx, &temb_silu, &[])?;
+            let x = m.blocks(x, ctx, &temb_silu, &inputs.biases, &[])?;
             Ok((m.output(&x, &temb_silu, inputs)?, x.sub(&x_in)?))
         })
     }
@@ -640,21 +697,22 @@ impl SD3Transformer2DModel {
         mut x: Tensor,
         mut ctx: Tensor,
         temb_silu: &Tensor,
+        biases: &KeyBiases,
         mode: AttentionMode<'_>,
         recorded: &mut Vec<Tensor>,
     ) -> Result<Tensor> {
         let list = &self.transformer_blocks;
         let mut offset = 0;
         for (i, stored) in list.iter().enumerate() {
-            let args = (x, ctx.clone(), temb_silu.clone());
+            let args = (x, ctx.clone(), temb_silu.clone(), biases.clone());
             let (new_ctx, new_x) = match mode {
-                AttentionMode::Plain => list.run(&self.compiled, i, args, |block, (x, ctx, temb)| {
-                    block.forward(x, ctx, temb)
+                AttentionMode::Plain => list.run(&self.compiled, i, args, |block, (x, ctx, temb, biases)| {
+                    block.forward(x, ctx, temb, biases)
                 })?,
                 AttentionMode::Record => {
                     let (new_ctx, new_x, (a_x, a_ctx)) =
-                        list.run_variant(&self.compiled, RECORD, i, args, |block, (x, ctx, temb)| {
-                            block.forward_with(x, ctx, temb, None)
+                        list.run_variant(&self.compiled, RECORD, i, args, |block, (x, ctx, temb, biases)| {
+                            block.forward_with(x, ctx, temb, biases, None)
                         })?;
                     recorded.push(a_x);
                     recorded.extend(a_ctx);
@@ -664,11 +722,17 @@ impl SD3Transformer2DModel {
                     let text = stored.to_add_out.is_some();
                     let a = (given[offset].clone(), text.then(|| given[offset + 1].clone()));
                     offset += 1 + usize::from(text);
-                    let args = (args.0, args.1, args.2, a);
-                    list.run_variant(&self.compiled, GIVEN, i, args, |block, (x, ctx, temb, (a_x, a_ctx))| {
-                        let (ctx, x, _) = block.forward_with(x, ctx, temb, Some((a_x, a_ctx.as_ref())))?;
-                        Ok((ctx, x))
-                    })?
+                    let args = (args.0, args.1, args.2, args.3, a);
+                    list.run_variant(
+                        &self.compiled,
+                        GIVEN,
+                        i,
+                        args,
+                        |block, (x, ctx, temb, biases, (a_x, a_ctx))| {
+                            let (ctx, x, _) = block.forward_with(x, ctx, temb, biases, Some((a_x, a_ctx.as_ref())))?;
+                            Ok((ctx, x))
+                        },
+                    )?
                 }
             };
             x = new_x;
@@ -700,7 +764,7 @@ impl SD3Transformer2DModel {
             .whole("attention_cache.compute", self, inputs, |m, inputs| {
                 let (x, ctx, temb_silu) = m.embed(inputs)?;
                 let mut recorded = Vec::with_capacity(m.attention_outputs());
-                let x = m.blocks_with(x, ctx, &temb_silu, AttentionMode::Record, &mut recorded)?;
+                let x = m.blocks_with(x, ctx, &temb_silu, &inputs.biases, AttentionMode::Record, &mut recorded)?;
                 Ok((m.output(&x, &temb_silu, inputs)?, recorded))
             })
     }
@@ -715,7 +779,7 @@ impl SD3Transformer2DModel {
             .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
                 let (x, ctx, temb_silu) = m.embed(inputs)?;
                 let mode = AttentionMode::Given(attention);
-                let x = m.blocks_with(x, ctx, &temb_silu, mode, &mut Vec::new())?;
+                let x = m.blocks_with(x, ctx, &temb_silu, &inputs.biases, mode, &mut Vec::new())?;
                 m.output(&x, &temb_silu, inputs)
             })
     }
@@ -724,6 +788,10 @@ impl SD3Transformer2DModel {
     /// (`transformer_blocks.0`, `first_block.head`); its image residual decides whether the
     /// rest runs.
     pub fn forward_first_block(&self, inputs: &SD3TransformerInputs<'_>) -> Result<FirstBlockOutput> {
+        context_parallel::refuse(
+            inputs.hidden_states.device(),
+            "First-Block Cache (its decisions would see one device's tokens)",
+        )?;
         let inputs = self.call_inputs(inputs)?;
         if self.transformer_blocks.len() < 2 {
             return Err(Error::Config {
@@ -734,11 +802,12 @@ impl SD3Transformer2DModel {
         self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
             let (x, ctx, temb_silu) = m.embed(inputs)?;
             let x_in = x.clone();
-            let (text, image) =
-                m.transformer_blocks
-                    .run(&m.compiled, 0, (x, ctx, temb_silu.clone()), |block, (x, ctx, temb)| {
-                        block.forward(x, ctx, temb)
-                    })?;
+            let args = (x, ctx, temb_silu.clone(), inputs.biases.clone());
+            let (text, image) = m
+                .transformer_blocks
+                .run(&m.compiled, 0, args, |block, (x, ctx, temb, biases)| {
+                    block.forward(x, ctx, temb, biases)
+                })?;
             let text = text.ok_or_else(|| input_error("the first block gave no text stream".into()))?;
             Ok(FirstBlockOutput {
                 residual: image.sub(&x_in)?,
@@ -757,17 +826,17 @@ impl SD3Transformer2DModel {
         head: &FirstBlockOutput,
         inputs: &SD3TransformerInputs<'_>,
     ) -> Result<(Tensor, Tensor)> {
-        let args = (head.clone(), inputs.hidden_states.clone());
+        let args = (head.clone(), inputs.hidden_states.clone(), self.key_biases(inputs)?);
         self.compiled
-            .whole("first_block.rest", self, args, |m, (head, latents)| {
+            .whole("first_block.rest", self, args, |m, (head, latents, biases)| {
                 let mut x = head.image.clone();
                 let mut ctx = head.text.clone();
                 for i in 1..m.transformer_blocks.len() {
-                    let args = (x, ctx.clone(), head.temb_silu.clone());
+                    let args = (x, ctx.clone(), head.temb_silu.clone(), biases.clone());
                     let (new_ctx, new_x) =
                         m.transformer_blocks
-                            .run(&m.compiled, i, args, |block, (x, ctx, temb)| {
-                                block.forward(x, ctx, temb)
+                            .run(&m.compiled, i, args, |block, (x, ctx, temb, biases)| {
+                                block.forward(x, ctx, temb, biases)
                             })?;
                     x = new_x;
                     if let Some(new_ctx) = new_ctx {

@@ -4,7 +4,7 @@
 //! attention sees the whole sequence ([`attention`]); the output is gathered after the blocks
 //! ([`gather_sequence`]).
 
-use kiln_tensor::{AttentionMask, ContextParallel, Device, MeshAxis, Tensor};
+use kiln_tensor::{AttentionMask, ContextParallel, DType, Device, MeshAxis, Tensor};
 
 use crate::error::{Error, Result};
 use crate::rope::RopeTables;
@@ -135,18 +135,22 @@ pub fn gather_unpadded(x: &Tensor, dim: isize, len: usize) -> Result<Tensor> {
 
 /// The additive key mask `[1, 1, 1, S]` (f32) of this device's tokens when they are the
 /// [`split_padded`] parts of sequences of `lens` tokens concatenated in that order: 0 at real
-/// tokens, a large negative value at padding. `None` when nothing is padded. The padding value
-/// is finite so that a key block of padding alone (ring attention over very short sequences)
-/// merges with weight 0 instead of NaN.
-pub fn key_bias(device: &Device, lens: &[usize]) -> Result<Option<Tensor>> {
+/// tokens, a large negative value at padding; created where `like` is (on its mesh or in its
+/// trace). `None` when nothing is padded. The padding value is finite so that a key block of
+/// padding alone (ring attention over very short sequences) merges with weight 0, not NaN.
+pub fn key_bias(like: &Tensor, lens: &[usize]) -> Result<Option<Tensor>> {
+    let device = like.device();
     if lens.iter().all(|&len| padded_len(device, len) == len) {
         return Ok(None);
     }
     let mut parts = Vec::with_capacity(lens.len());
     for &len in lens {
-        let padded = padded_len(device, len);
-        let values: Vec<f32> = (0..padded).map(|i| if i < len { 0.0 } else { PADDING_BIAS }).collect();
-        parts.push(split_sequence(&Tensor::from_slice(&values, [padded], device)?, 0)?);
+        // (i − (len − 1)) clamped to [0, 1]: 0 before `len`, 1 from it on.
+        let padding = like
+            .new_arange(padded_len(device, len), DType::F32)?
+            .add_scalar(1.0 - len as f64)?
+            .clamp(0.0, 1.0)?;
+        parts.push(split_sequence(&padding.mul_scalar(PADDING_BIAS)?, 0)?);
     }
     let parts: Vec<&Tensor> = parts.iter().collect();
     let local = Tensor::cat(&parts, 0)?;
@@ -155,7 +159,7 @@ pub fn key_bias(device: &Device, lens: &[usize]) -> Result<Option<Tensor>> {
 }
 
 /// A padding key's score bias: exp underflows to exactly 0 beside any real key.
-const PADDING_BIAS: f32 = -1.0e30;
+const PADDING_BIAS: f64 = -1.0e30;
 
 /// Attention without a mask over heads-first `q`, `k`, `v` `[B, H, S, D]`, scaled by
 /// `1/√D`. With context parallelism `S` is this device's part of the sequence and each query

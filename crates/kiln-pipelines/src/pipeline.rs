@@ -631,7 +631,12 @@ fn place_on_mesh<P: PipelineParts>(pipe: &mut P, axes: kiln_tensor::MeshAxes) ->
 }
 
 /// The transformers that split their tokens under context parallelism.
-const CONTEXT_PARALLEL_TRANSFORMERS: &[&str] = &["FluxTransformer2DModel", "Flux2Transformer2DModel"];
+const CONTEXT_PARALLEL_TRANSFORMERS: &[&str] = &[
+    "FluxTransformer2DModel",
+    "Flux2Transformer2DModel",
+    "SD3Transformer2DModel",
+    "ZImageTransformer2DModel",
+];
 
 /// An error before anything loads when `device` splits token sequences and the transformer of the
 /// folder at `root` does not split its tokens yet.
@@ -648,8 +653,8 @@ fn check_context_parallel(root: &Path, device: &Device) -> Result<()> {
         return Ok(());
     }
     Err(invalid(format!(
-        "context parallelism ({context}) is supported for FLUX.1 and FLUX.2 only so far ({}); {} has {class}: \
-         run it without context parallelism",
+        "context parallelism ({context}) is supported for {} only so far; {} has {class}: run it without \
+         context parallelism",
         CONTEXT_PARALLEL_TRANSFORMERS.join(", "),
         index.class_name
     )))

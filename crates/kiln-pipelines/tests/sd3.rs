@@ -276,6 +276,26 @@ fn sd3_cases_match_diffusers_on_two_devices() {
     }
 }
 
+/// Context parallelism: every SD3 case with the transformer's image and text tokens split over the
+/// sequence axis (T5, both CLIPs and the VAE replicated): Ulysses and ring on two CPU devices and
+/// Ulysses beside tensor parallelism on 2 × 2, eager and compiled whole, within the same
+/// tolerances as one device. The joint text (77 CLIP + T5 tokens) is odd, so it is padded and its
+/// padding keys masked.
+#[test]
+fn sd3_cases_match_diffusers_with_context_parallelism() {
+    for (tp, ulysses, ring) in [(1, 2, 1), (1, 1, 2), (2, 2, 1)] {
+        let axes = kiln_tensor::MeshAxes {
+            tp,
+            context: kiln_tensor::ContextParallel { ulysses, ring },
+        };
+        let mesh = kiln_tensor::Device::open_mesh_axes(kiln_tensor::DeviceSpec::CPU, axes).unwrap();
+        for case in cases() {
+            run_case_on(&case, CompileMode::None, &mesh);
+            run_case_on(&case, CompileMode::Full, &mesh);
+        }
+    }
+}
+
 /// The inputs diffusers rejects (or accepts: 0 steps decodes the noise), with diffusers' messages where it has one (messages embedding a
 /// tensor repr are compared around it). Arguments the typed API cannot express (a prompt that is
 /// not text, callback tensor names) are skipped.

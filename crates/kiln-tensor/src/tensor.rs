@@ -544,6 +544,12 @@ impl Tensor {
         Ok(out.remove(0))
     }
 
+    /// `0, 1, ..., n-1`, created where `self` is (see [`Tensor::new_full`]).
+    pub fn new_arange(&self, n: usize, dtype: DType) -> Result<Tensor> {
+        let mut out = apply_like("arange", self, |b| Ok(vec![b.iota([n], 0, dtype)?]))?;
+        Ok(out.remove(0))
+    }
+
     // ---- reading back ----
 
     /// Waits for the data and copies it to the host as raw little-endian bytes.

@@ -1036,7 +1036,7 @@ fn tensor_parallel_generate_gives_diffusers_images() {
 /// `--ulysses-degree 2` (eager and by blocks), `--ring-degree 2` (with model offload), `--tp 2
 /// --ring-degree 2` (compiled whole) and, on the bundled model, `--tp 2 --ulysses-degree 2` and
 /// `--ulysses-degree 2 --ring-degree 2`: FLUX.1
-/// with its tokens split gives diffusers' image; what cannot split is a clear error naming the flag.
+/// and SD3 with their tokens split give diffusers' images; what cannot split is a clear error naming the flag.
 #[test]
 fn context_parallel_generate_gives_diffusers_images() {
     let dir = temp_dir("cp");
@@ -1068,6 +1068,26 @@ fn context_parallel_generate_gives_diffusers_images() {
         args.extend_from_slice(flags);
         generate_ok(&dir, &args);
         assert_matches_golden(&dir.join(&out), &oracle_image("flux1_schnell/basic_square", 0));
+    }
+    // SD3: its joint text (77 CLIP + 64 T5 tokens) is padded to split; repeated blocks compiled.
+    for (name, flags) in [
+        ("ring-blocks", [("--ring-degree", "2"), ("--compile", "blocks")]),
+        ("ulysses-offload", [("--ulysses-degree", "2"), ("--offload", "model")]),
+    ] {
+        let out = format!("sd3-{name}.png");
+        let args = [
+            ("--model", sd3.to_str().unwrap()),
+            ("--prompt", "a photo of a cat"),
+            ("--height", "32"),
+            ("--width", "32"),
+            ("--num-inference-steps", "4"),
+            ("--guidance-scale", "5"),
+            ("--max-sequence-length", "64"),
+            ("--seed", "0"),
+            ("--output", &out),
+        ];
+        generate_ok(&dir, &[&args[..], &flags].concat());
+        assert_matches_golden(&dir.join(&out), &oracle_image("sd3/cfg_basic", 0));
     }
     // The bundled model has 4 heads: 2 per tensor-parallel device, split again by Ulysses; or
     // Ulysses and ring together on 4 devices.
@@ -1103,11 +1123,6 @@ fn context_parallel_generate_gives_diffusers_images() {
             &schnell,
             vec!["--ring-degree", "2", "--offload", "sequential"],
             "sequential offload is not supported with tensor or context parallelism",
-        ),
-        (
-            &sd3,
-            vec!["--ulysses-degree", "2"],
-            "supported for FLUX.1 and FLUX.2 only so far",
         ),
     ] {
         let out = kiln()
