@@ -179,9 +179,9 @@ def context_parallel(models):
     print("\n## Context parallelism at 1024x1024 (bf16): the step on paper\n")
     print("Per device: weight GiB (TP splits them, the sequence axis does not), GiB sent per step (all-to-all / ring "
           "passes / TP all-reduces), and the step (compute + communication, no overlap; ring attention can hide its "
-          "passes behind the blocks' compute, so its figure is an upper bound). kiln today: FLUX.1 and FLUX.2 run "
-          "every mix whose head and token counts divide; SD3.5 is refused until padding lands (its 333 text "
-          "tokens are odd: no even degree divides them).\n")
+          "passes behind the blocks' compute, so its figure is an upper bound). kiln today: FLUX.1, FLUX.2 and SD3.5 run "
+          "every mix whose head counts divide (SD3.5's 333 text tokens are odd: padded to the degree, the padding "
+          "keys masked).\n")
     print("| model | tp x ulysses x ring | devices | weight GiB | GiB sent per step | "
           + " | ".join(f"{hw['name']} s / step (comm ms)" for hw in (H200, V6E)) + " |")
     print("|---|---|---|---|---|---|---|")
