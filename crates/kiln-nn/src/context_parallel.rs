@@ -92,6 +92,50 @@ pub fn split_text_and_image(text: &Tensor, image: &Tensor, rope: &RopeTables) ->
     Ok((split_sequence(text, 1)?, split_sequence(image, 1)?, rope))
 }
 
+/// A joint-attention model's tokens on this device ([`split_joint_tokens`]).
+#[derive(Clone, Debug)]
+pub struct JointTokens {
+    /// This device's text tokens `[B, S_txt', C]` (padded to the degree).
+    pub text: Tensor,
+    /// This device's image tokens `[B, S_img', C]` (padded to the degree).
+    pub image: Tensor,
+    /// The rotary rows of `[its text; its image]` (padding rows zero).
+    pub rope: RopeTables,
+    /// The key bias of `[its text; its image]` ([`key_bias`]): `None` when nothing is padded.
+    pub key_bias: Option<Tensor>,
+}
+
+/// The text `[B, S_txt, C]` and image `[B, S_img, C]` tokens of a joint-attention model, and the
+/// rotary tables of `[text; image]`, split for this device as diffusers' `_cp_plan` of FLUX does:
+/// each sequence split on its own, so each device holds `[its text; its image]` with their
+/// positions. A length the degree does not divide is padded (as diffusers' `ulysses_anything`),
+/// its padding keys masked by `key_bias` and its image rows cut by [`gather_unpadded`].
+pub fn split_joint_tokens(text: &Tensor, image: &Tensor, rope: &RopeTables) -> Result<JointTokens> {
+    if !text.device().axes().context.is_enabled() {
+        return Ok(JointTokens {
+            text: text.clone(),
+            image: image.clone(),
+            rope: rope.clone(),
+            key_bias: None,
+        });
+    }
+    let (text_len, image_len) = (text.dims()[1], image.dims()[1]);
+    let split_table = |t: &Tensor| -> Result<Tensor> {
+        let parts = t.split_sizes(&[text_len, image_len], 0)?;
+        let (text, image) = (split_padded(&parts[0], 0)?, split_padded(&parts[1], 0)?);
+        Ok(Tensor::cat(&[&text, &image], 0)?)
+    };
+    Ok(JointTokens {
+        text: split_padded(text, 1)?,
+        image: split_padded(image, 1)?,
+        rope: RopeTables {
+            cos: split_table(&rope.cos)?,
+            sin: split_table(&rope.sin)?,
+        },
+        key_bias: key_bias(image, &[text_len, image_len])?,
+    })
+}
+
 /// This device's tokens of `x` along `dim`: the `r`-th of `degree` equal parts on the device of
 /// sequence rank `r`; `x` itself without context parallelism.
 pub fn split_sequence(x: &Tensor, dim: isize) -> Result<Tensor> {

@@ -1,8 +1,8 @@
 //! Ulysses and ring attention on CPU virtual devices against attention over the unsplit sequence.
 
 use kiln_nn::context_parallel::{
-    attention, check_sequence_lengths, gather_sequence, gather_unpadded, key_bias, masked_attention, split_padded,
-    split_sequence, split_text_and_image,
+    attention, check_sequence_lengths, gather_sequence, gather_unpadded, key_bias, masked_attention,
+    split_joint_tokens, split_padded, split_sequence, split_text_and_image,
 };
 use kiln_nn::RopeTables;
 use kiln_tensor::{AttentionMask, CompiledFunction, ContextParallel, DType, Device, DeviceSpec, MeshAxes, Tensor};
@@ -235,4 +235,64 @@ fn padded_sequences_with_masked_keys_match_attention_over_the_real_tokens() {
     assert!(key_bias(&Tensor::zeros([1], DType::F32, &m).unwrap(), &[8, 6])
         .unwrap()
         .is_none());
+}
+
+/// Text and image lengths the degree does not divide: each is padded with zeros on its own, so
+/// each device holds `[its text; its image]` with their rotary rows, and the key bias marks the
+/// padding.
+#[test]
+fn joint_tokens_of_lengths_that_do_not_divide_are_padded_and_masked() {
+    let m = mesh(1, 2);
+    let one = Device::cpu().unwrap();
+    let (text_len, image_len, width) = (3, 5, 2);
+    let tensor = |n: usize, seed: u32, shape: Vec<usize>, d: &Device| {
+        Tensor::from_f32(&values(n, seed), DType::F32, shape, d).unwrap()
+    };
+    let text = |d: &Device| tensor(text_len * width, 1, vec![1, text_len, width], d);
+    let image = |d: &Device| tensor(image_len * width, 2, vec![1, image_len, width], d);
+    let table = |seed, d: &Device| tensor((text_len + image_len) * 2, seed, vec![text_len + image_len, 2], d);
+    let rope = RopeTables {
+        cos: table(3, &m),
+        sin: table(4, &m),
+    };
+    let split = split_joint_tokens(&text(&m), &image(&m), &rope).unwrap();
+    assert_eq!(
+        (split.text.dims(), split.image.dims()),
+        (&[1, 2, 2][..], &[1, 3, 2][..])
+    );
+    let rows = |x: &Tensor, start: usize, len: usize, dim: isize| -> Vec<f32> {
+        let real = x.dim(dim).unwrap().saturating_sub(start).min(len);
+        let mut v = x.narrow(dim, start, real).unwrap().to_f32_vec().unwrap();
+        v.resize(v.len() / real.max(1) * len, 0.0);
+        v
+    };
+    let cos = table(3, &one);
+    let bias = split.key_bias.expect("padded");
+    assert_eq!(bias.dims(), [1, 1, 1, 5]);
+    for rank in 0..2 {
+        let shard = |x: &Tensor| x.shards().unwrap()[rank].to_f32_vec().unwrap();
+        assert_eq!(
+            shard(&split.text),
+            rows(&text(&one), 2 * rank, 2, 1),
+            "text of device {rank}"
+        );
+        assert_eq!(
+            shard(&split.image),
+            rows(&image(&one), 3 * rank, 3, 1),
+            "image of device {rank}"
+        );
+        let text_rows = rows(&cos.narrow(0, 0, text_len).unwrap(), 2 * rank, 2, 0);
+        let image_rows = rows(&cos.narrow(0, text_len, image_len).unwrap(), 3 * rank, 3, 0);
+        assert_eq!(
+            shard(&split.rope.cos),
+            [text_rows, image_rows].concat(),
+            "rotary rows of device {rank}"
+        );
+        let padding: Vec<bool> = shard(&bias).iter().map(|&b| b < -1e29).collect();
+        let want = match rank {
+            0 => [false; 5].to_vec(),
+            _ => vec![false, true, false, false, true],
+        };
+        assert_eq!(padding, want, "key bias of device {rank}");
+    }
 }
