@@ -350,6 +350,12 @@ impl FluxTransformer2DModel {
 
     /// The call's tensors; with context parallelism each device's tokens (and their rotary
     /// tables) only, gathered again by [`Self::output`].
+    ///
+    /// A step cache's calls take them too: what a cache keeps (residuals, attention outputs,
+    /// Taylor factors) is token-wise, so each device keeps its own tokens' share, and the
+    /// prediction is gathered as the plain forward's. The measures that read data (First-Block
+    /// Cache's change, MagCache's calibration ratios) are means over every device's tokens
+    /// (kiln-pipelines' `cache.rs`).
     fn call_inputs(&self, inputs: &FluxTransformerInputs<'_>) -> Result<CallInputs> {
         let (encoder_hidden_states, hidden_states, rope) =
             context_parallel::split_text_and_image(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
@@ -361,16 +367,6 @@ impl FluxTransformer2DModel {
             rope,
             guidance: guidance_input(self.config.guidance_embeds, inputs.guidance)?,
         })
-    }
-
-    /// [`Self::call_inputs`] of a step cache's call. With context parallelism MagCache, TaylorSeer
-    /// and FasterCache run on each device's tokens (their schedules read no data; what they keep
-    /// is token-wise); First-Block Cache is refused (see [`refuse_cache`]).
-    fn cache_inputs(&self, inputs: &FluxTransformerInputs<'_>, cache: &str) -> Result<CallInputs> {
-        if cache == FIRST_BLOCK_CACHE {
-            refuse_cache(inputs.hidden_states, cache)?;
-        }
-        self.call_inputs(inputs)
     }
 
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
@@ -517,7 +513,7 @@ impl FluxTransformer2DModel {
     /// `image stream after the last block − image stream entering the first` (one program,
     /// `magcache.compute`, when compiled whole).
     pub fn forward_magcache_compute(&self, inputs: &FluxTransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
-        let inputs = self.cache_inputs(inputs, "MagCache")?;
+        let inputs = self.call_inputs(inputs)?;
         self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
             let x_in = x.clone();
@@ -530,7 +526,7 @@ impl FluxTransformer2DModel {
     /// MagCache's skipped call: no block runs; the image stream entering the first block plus
     /// `residual`, through `norm_out` and `proj_out` (`magcache.skip`).
     pub fn forward_magcache_skip(&self, inputs: &FluxTransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
-        let inputs = (self.cache_inputs(inputs, "MagCache")?, residual.clone());
+        let inputs = (self.call_inputs(inputs)?, residual.clone());
         self.compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -550,7 +546,7 @@ impl FluxTransformer2DModel {
     /// module's outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute` when
     /// compiled whole; each block's `attention_record` program by blocks).
     pub fn forward_recording_attention(&self, inputs: &FluxTransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
-        let inputs = self.cache_inputs(inputs, "a step cache on the attention")?;
+        let inputs = self.call_inputs(inputs)?;
         self.compiled
             .whole("attention_cache.compute", self, inputs, |m, inputs| {
                 let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
@@ -567,10 +563,7 @@ impl FluxTransformer2DModel {
     /// (`attention_cache.given`; each block's `attention_given` program by blocks).
     pub fn forward_with_attention(&self, inputs: &FluxTransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
         check_attention_outputs(attention.len(), self.attention_outputs())?;
-        let inputs = (
-            self.cache_inputs(inputs, "a step cache on the attention")?,
-            attention.to_vec(),
-        );
+        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
         self.compiled
             .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
                 let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
@@ -585,7 +578,7 @@ impl FluxTransformer2DModel {
     /// First-Block Cache's first part: the embeddings and the first block
     /// (`first_block.head`); its residual decides whether the rest runs.
     pub fn forward_first_block(&self, inputs: &FluxTransformerInputs<'_>) -> Result<FirstBlockOutput> {
-        let inputs = self.cache_inputs(inputs, FIRST_BLOCK_CACHE)?;
+        let inputs = self.call_inputs(inputs)?;
         self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
             let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
             if m.transformer_blocks.is_empty() {
@@ -613,8 +606,10 @@ impl FluxTransformer2DModel {
 
     /// First-Block Cache's computed rest: every other block after `head`; the prediction and the
     /// residual `image stream after the last block − after the first` (`first_block.rest`).
+    /// `rope`: the call's tables ([`FluxTransformerInputs::rope`]), split as the head's tokens
+    /// under context parallelism.
     pub fn forward_after_first_block(&self, head: &FirstBlockOutput, rope: &RopeTables) -> Result<(Tensor, Tensor)> {
-        let inputs = (head.clone(), rope.clone());
+        let inputs = (head.clone(), head_rope(head, rope)?);
         self.compiled
             .whole("first_block.rest", self, inputs, |m, (head, rope)| {
                 let (x, ctx) = m.double_blocks(1, head.image.clone(), head.text.clone(), &head.temb_silu, rope)?;
@@ -647,16 +642,35 @@ pub(crate) enum AttentionMode<'a> {
 pub(crate) const RECORD: &str = "attention_record";
 pub(crate) const GIVEN: &str = "attention_given";
 
-/// First-Block Cache's name in errors.
-const FIRST_BLOCK_CACHE: &str = "First-Block Cache";
-
-/// A step cache refused with context parallelism, where its decisions would read one device's
-/// tokens only.
-pub(crate) fn refuse_cache(x: &Tensor, cache: &str) -> Result<()> {
-    context_parallel::refuse(
-        x.device(),
-        &format!("{cache} (its decisions would see one device's tokens)"),
-    )
+/// The rotary tables of a whole call, `rope` (`[text; image]`), for the tokens of a First-Block
+/// Cache `head`: under context parallelism split as [`context_parallel::split_text_and_image`]
+/// splits them (each device's text, then its image), else `rope` itself.
+pub(crate) fn head_rope(head: &FirstBlockOutput, rope: &RopeTables) -> Result<RopeTables> {
+    let degree = head.image.device().axes().context.degree();
+    if degree == 1 {
+        return Ok(rope.clone());
+    }
+    let (text_len, image_len) = (head.text.dims()[1] * degree, head.image.dims()[1] * degree);
+    let rows = rope.cos.dims()[0];
+    if rows != text_len + image_len {
+        return Err(Error::Config {
+            component: "transformer".into(),
+            message: format!(
+                "First-Block Cache's rest was given rotary tables of {rows} positions; the call has \
+                 {text_len} text and {image_len} image tokens"
+            ),
+        });
+    }
+    let split = |t: &Tensor| -> Result<Tensor> {
+        let parts = t.split_sizes(&[text_len, image_len], 0)?;
+        let text = context_parallel::split_sequence(&parts[0], 0)?;
+        let image = context_parallel::split_sequence(&parts[1], 0)?;
+        Ok(Tensor::cat(&[&text, &image], 0)?)
+    };
+    Ok(RopeTables {
+        cos: split(&rope.cos)?,
+        sin: split(&rope.sin)?,
+    })
 }
 
 /// A step cache's attention outputs must be one per hooked module output.

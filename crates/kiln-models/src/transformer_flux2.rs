@@ -28,7 +28,7 @@ use crate::mmdit::{
     gated_residual, guidance_input, modulate, rope_attention, sinusoid, split_heads, times_1000, timestep_frequencies,
     JointStreams, Mlp,
 };
-use crate::transformer_flux::{refuse_cache, AttentionMode, FirstBlockOutput, GIVEN, RECORD};
+use crate::transformer_flux::{head_rope, AttentionMode, FirstBlockOutput, GIVEN, RECORD};
 
 fn input_error(op: &'static str, message: String) -> Error {
     Error::Tensor(kiln_tensor::Error::Invalid { op, message })
@@ -507,6 +507,12 @@ impl Flux2Transformer2DModel {
 
     /// The call's tensors; with context parallelism each device's tokens (and their rotary
     /// tables) only, gathered again by [`Self::output`] (diffusers' `_cp_plan`).
+    ///
+    /// A step cache's calls take them too: what a cache keeps (residuals over the image tokens,
+    /// attention outputs, Taylor factors) is token-wise, so each device keeps its own tokens'
+    /// share, and the prediction is gathered as the plain forward's. The measures that read data
+    /// (First-Block Cache's change, MagCache's calibration ratios) are means over every device's
+    /// tokens (kiln-pipelines' `cache.rs`).
     fn call_inputs(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<CallInputs> {
         let (encoder_hidden_states, hidden_states, rope) =
             context_parallel::split_text_and_image(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
@@ -517,12 +523,6 @@ impl Flux2Transformer2DModel {
             rope,
             guidance: guidance_input(self.config.guidance_embeds, inputs.guidance)?,
         })
-    }
-
-    /// [`Self::call_inputs`] of a step cache's call (see [`refuse_cache`]).
-    fn cache_inputs(&self, inputs: &Flux2TransformerInputs<'_>, cache: &str) -> Result<CallInputs> {
-        refuse_cache(inputs.hidden_states, cache)?;
-        self.call_inputs(inputs)
     }
 
     /// The forward's ops, each block run through its list (streamed, or compiled on its own in
@@ -665,7 +665,7 @@ impl Flux2Transformer2DModel {
     /// A step cache's computed call (TaylorSeer, FasterCache): the prediction and every attention
     /// module's outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute`).
     pub fn forward_recording_attention(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
-        let inputs = self.cache_inputs(inputs, "a step cache on the attention")?;
+        let inputs = self.call_inputs(inputs)?;
         self.compiled
             .whole("attention_cache.compute", self, inputs, |m, inputs| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -679,10 +679,7 @@ impl Flux2Transformer2DModel {
     /// from `attention` instead of computed (`attention_cache.given`).
     pub fn forward_with_attention(&self, inputs: &Flux2TransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
         crate::transformer_flux::check_attention_outputs(attention.len(), self.attention_outputs())?;
-        let inputs = (
-            self.cache_inputs(inputs, "a step cache on the attention")?,
-            attention.to_vec(),
-        );
+        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
         self.compiled
             .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -696,7 +693,7 @@ impl Flux2Transformer2DModel {
     /// (`transformer_blocks.0`, `first_block.head`); its image residual decides whether the rest
     /// runs.
     pub fn forward_first_block(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<FirstBlockOutput> {
-        let inputs = self.cache_inputs(inputs, "First-Block Cache")?;
+        let inputs = self.call_inputs(inputs)?;
         if self.transformer_blocks.is_empty() {
             return Err(Error::Config {
                 component: "transformer".into(),
@@ -728,8 +725,10 @@ impl Flux2Transformer2DModel {
     /// residual over the image tokens, `out[:, −S:] − image stream after the first block`
     /// (`first_block.rest`). (diffusers' own hook fails here: its tail, the last single block,
     /// returns the joint sequence; the residual is defined as MagCache's FLUX.2 one is.)
+    /// `rope`: the call's tables ([`Flux2TransformerInputs::rope`]), split as the head's tokens
+    /// under context parallelism.
     pub fn forward_after_first_block(&self, head: &FirstBlockOutput, rope: &RopeTables) -> Result<(Tensor, Tensor)> {
-        let inputs = (head.clone(), rope.clone());
+        let inputs = (head.clone(), head_rope(head, rope)?);
         self.compiled
             .whole("first_block.rest", self, inputs, |m, (head, rope)| {
                 let streams = (head.image.clone(), head.text.clone());
@@ -752,7 +751,7 @@ impl Flux2Transformer2DModel {
     /// MagCache's computed call: the prediction and the residual of the block stack over the
     /// image tokens, `out[:, −S:] − image stream entering the first block` (`magcache.compute`).
     pub fn forward_magcache_compute(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
-        let inputs = self.cache_inputs(inputs, "MagCache")?;
+        let inputs = self.call_inputs(inputs)?;
         self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let (x_in, temb_silu) = m.embed_image(inputs)?;
             let x = m.blocks(x_in.clone(), &temb_silu, inputs)?;
@@ -763,7 +762,7 @@ impl Flux2Transformer2DModel {
     /// MagCache's skipped call: no block runs; the embedded image stream plus `residual`
     /// (`magcache.skip`).
     pub fn forward_magcache_skip(&self, inputs: &Flux2TransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
-        let inputs = (self.cache_inputs(inputs, "MagCache")?, residual.clone());
+        let inputs = (self.call_inputs(inputs)?, residual.clone());
         self.compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;

@@ -665,7 +665,8 @@ impl CacheRun {
     }
 
     /// MagCache calibration's ratio: `mean(‖r‖ / (‖r_prev‖ + 1e-8))`, the norms over the last
-    /// axis (each token's), in float32.
+    /// axis (each token's), in float32; the mean over every device's tokens under context
+    /// parallelism (see [`sequence_mean`]).
     pub fn magnitude_ratio(r: &kiln_tensor::Tensor, previous: &kiln_tensor::Tensor) -> kiln_nn::Result<f64> {
         let norms = |t: &kiln_tensor::Tensor| -> kiln_nn::Result<kiln_tensor::Tensor> {
             Ok(t.to_dtype(kiln_tensor::DType::F32)?
@@ -675,7 +676,7 @@ impl CacheRun {
         };
         let ratios = norms(r)?.div(&norms(previous)?.add_scalar(1e-8)?)?;
         let n = ratios.dims().iter().product::<usize>();
-        Ok(ratios.reshape([n])?.mean(&[0], false)?.to_scalar()?)
+        Ok(sequence_mean(&ratios.reshape([n])?)?.to_scalar()?)
     }
 
     /// What the run reports on the call's output: the calls served from the cache, of all, and
@@ -691,19 +692,33 @@ impl CacheRun {
         }
     }
 
-    /// First-Block Cache's measure: `mean|r − r_prev| / mean|r_prev|`, in float32.
+    /// First-Block Cache's measure: `mean|r − r_prev| / mean|r_prev|`, in float32; the means
+    /// over every device's tokens under context parallelism (see [`sequence_mean`]).
     pub fn relative_change(r: &kiln_tensor::Tensor, previous: &kiln_tensor::Tensor) -> kiln_nn::Result<f64> {
         let mean_abs = |t: &kiln_tensor::Tensor| -> kiln_nn::Result<kiln_tensor::Tensor> {
             let n = t.dims().iter().product::<usize>();
-            Ok(t.to_dtype(kiln_tensor::DType::F32)?
-                .reshape([n])?
-                .abs()?
-                .mean(&[0], false)?)
+            sequence_mean(&t.to_dtype(kiln_tensor::DType::F32)?.reshape([n])?.abs()?)
         };
         let diff = mean_abs(&r.sub(previous)?)?;
         let base = mean_abs(previous)?;
         Ok(diff.div(&base)?.to_scalar()?)
     }
+}
+
+/// The mean of the values of `t` (`[n]`, float32), a cache measure's token-wise values: without
+/// context parallelism `t.mean()` (the rounding the oracle's decisions were checked with); with
+/// it, `t` holds this device's share of the whole sequence's values, so the mean is the sum over
+/// the sequence axis' members (an all-reduce, every device then holds the same value) divided by
+/// the count of them all, `n · degree` (the sequences split into equal parts).
+fn sequence_mean(t: &kiln_tensor::Tensor) -> kiln_nn::Result<kiln_tensor::Tensor> {
+    let degree = t.device().axes().context.degree();
+    if degree == 1 {
+        return Ok(t.mean(&[0], false)?);
+    }
+    let count = t.dims()[0] * degree;
+    Ok(t.sum(&[0], false)?
+        .all_reduce_sum_along(kiln_tensor::MeshAxis::Sequence)?
+        .div_scalar(count as f64)?)
 }
 
 /// One transformer call of `branch` under MagCache: `skip` with the block stack's last residual
@@ -733,10 +748,6 @@ pub(crate) fn magcache_call(
     }
     let (out, residual) = compute()?;
     if let Some(steps) = calibrating {
-        kiln_nn::context_parallel::refuse(
-            residual.device(),
-            "MagCache's calibrate (its ratios would see one device's tokens)",
-        )?;
         // diffusers' state resets after `num_inference_steps` calls: the next ratio is 1 again.
         let ratio = match (&state.residual, step % steps) {
             (Some(previous), 1..) => CacheRun::magnitude_ratio(&residual, previous)?,

@@ -2,7 +2,8 @@
 //! Cache, MagCache, TaylorSeer, FasterCache) gives diffusers' image and serves the same calls from the
 //! cache, eager and compiled (whole: the cache decides between the model's programs; by blocks).
 //! Where diffusers runs no hook (TaylorSeer on SD3 and FLUX.2 [dev], First-Block Cache on SD3 and
-//! FLUX.2), kiln's run is checked against its own uncached run and the hooks' formulas.
+//! FLUX.2), kiln's run is checked against its own uncached run and the hooks' formulas. With
+//! context parallelism (FLUX.1, FLUX.2) every cache gives the images and decisions of one device.
 
 mod golden;
 use golden::{call_json, case_flags, check_case, generate, oracle_cases, temp_dir};
@@ -86,44 +87,194 @@ fn taylorseer_and_faster_give_diffusers_images_and_decisions() {
     check_cases("step-cache-attention", &["taylorseer", "faster"], 4);
 }
 
-/// With context parallelism (FLUX.1 at ulysses 2 and ring 2): MagCache, TaylorSeer and FasterCache
-/// keep token-wise state on each device's tokens and give diffusers' images; First-Block Cache,
-/// whose decision would read one device's tokens, and MagCache's calibration are refused.
+/// The two context-parallel runs of a case: Ulysses eager, ring compiled whole.
+const CONTEXT_PARALLEL: [(&str, [&str; 4]); 2] = [
+    ("ulysses", ["--ulysses-degree", "2", "--compile", "none"]),
+    ("ring", ["--ring-degree", "2", "--compile", "full"]),
+];
+
+/// Runs `case` with its cache and `extra` flags: each image is diffusers' and as many calls are
+/// served from the cache as diffusers served.
+fn check_cached_case(dir: &std::path::Path, case: &std::path::Path, tag: &str, extra: &[&str]) {
+    let name = case.file_name().unwrap().to_string_lossy().into_owned();
+    let output = format!("{name}-{tag}.png");
+    let mut flags = case_flags(case, &output);
+    flags.extend(["--cache".to_string(), cache_flag(case)]);
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let (ok, stderr) = generate(dir, &flags);
+    assert!(ok, "{} ({tag}): {stderr}", case.display());
+    let images = golden::case_images(case);
+    for k in 0..images {
+        let file = match images {
+            1 => output.clone(),
+            _ => format!("{name}-{tag}-{k}.png"),
+        };
+        golden::assert_matches_golden(&dir.join(file), &case.join(format!("image_{k}.png")));
+    }
+    let want = format!("step cache: {} of", recorded_hits(case));
+    assert!(stderr.contains(&want), "{} ({tag}): {want}…\n{stderr}", case.display());
+}
+
+/// The ratios `--cache magcache:calibrate=true` printed, one list per cache state.
+fn calibrated(stderr: &str) -> Vec<Vec<f64>> {
+    stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("magcache calibration"))
+        .map(|rest| {
+            let (_, list) = rest.split_once("mag_ratios=").unwrap();
+            list.split(';').map(|r| r.parse().unwrap()).collect()
+        })
+        .collect()
+}
+
+/// MagCache's calibration of `case`'s call with the `split` flags prints the ratios it prints on
+/// one device (each within 1e-5, relative; one list per CFG branch), and its image is the one
+/// device's (every call computes).
+fn calibration_is_unchanged_by_splitting(dir: &std::path::Path, case: &std::path::Path, split: &[&str]) {
+    let steps = call_json(case)["call_kwargs"]["num_inference_steps"].as_u64().unwrap();
+    let flag = format!("magcache:calibrate=true,num_inference_steps={steps}");
+    let run = |output: &str, extra: &[&str]| {
+        let mut flags = case_flags(case, output);
+        flags.extend(["--cache", &flag].iter().chain(extra).map(|s| s.to_string()));
+        let (ok, stderr) = generate(dir, &flags);
+        assert!(
+            ok && stderr.contains("step cache: 0 of"),
+            "{} {extra:?}: {stderr}",
+            case.display()
+        );
+        calibrated(&stderr)
+    };
+    let want = run("calibrated-one.png", &[]);
+    let got = run("calibrated-split.png", split);
+    assert!(
+        !want.is_empty() && want.iter().all(|r| r.len() == steps as usize),
+        "{want:?}"
+    );
+    assert_eq!(got.len(), want.len(), "{} {split:?}", case.display());
+    for (got, want) in got.iter().zip(&want) {
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs(),
+                "{} {split:?}: {got:?} vs one device's {want:?}",
+                case.display()
+            );
+        }
+    }
+    golden::assert_matches_golden(&dir.join("calibrated-split.png"), &dir.join("calibrated-one.png"));
+}
+
+/// With context parallelism (FLUX.1 at ulysses 2, eager, and ring 2, compiled whole): every cache
+/// gives diffusers' images and serves diffusers' calls. What the caches keep is token-wise, on
+/// each device's tokens; First-Block Cache's decision and MagCache's calibration ratios are means
+/// over every device's tokens, as on one device.
 #[test]
 fn caches_run_with_context_parallelism_on_flux1() {
     let dir = temp_dir("step-cache-cp");
-    let cases: Vec<_> = oracle_cases(&["cache_flux1"])
-        .into_iter()
-        .filter(|c| {
+    let cases = oracle_cases(&["cache_flux1"]);
+    let kinds: std::collections::BTreeSet<String> = cases
+        .iter()
+        .map(|c| {
             call_json(c)["load_extras"]["cache"]["kind"]
                 .as_str()
-                .is_some_and(|k| k != "first-block")
+                .unwrap()
+                .to_string()
         })
         .collect();
-    assert!(cases.len() >= 3, "{cases:?}");
+    assert_eq!(
+        kinds.into_iter().collect::<Vec<_>>(),
+        ["faster", "first-block", "magcache", "taylorseer"],
+        "{cases:?}"
+    );
     for case in &cases {
-        let flag = cache_flag(case);
-        for (tag, split) in [("ulysses", "--ulysses-degree"), ("ring", "--ring-degree")] {
-            check_case(&dir, case, tag, &["--cache", &flag, split, "2"]);
+        for (tag, flags) in &CONTEXT_PARALLEL {
+            check_cached_case(&dir, case, tag, flags);
         }
-        check_case(
+    }
+    // Calibration with true CFG (one list per branch).
+    let case = kiln_fixtures::oracle().join("cases/cache_flux1/first_block_dev_true_cfg");
+    calibration_is_unchanged_by_splitting(&dir, &case, &["--ulysses-degree", "2"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With context parallelism on FLUX.2: MagCache ([dev]) and TaylorSeer ([klein] base, one state
+/// per CFG branch) give diffusers' images and serve diffusers' calls at ulysses 2 (eager) and
+/// ring 2 (compiled whole); MagCache's calibration prints one device's ratios. Where no golden
+/// exists (First-Block Cache and FasterCache on [klein] base) the split runs make the decisions
+/// and the image of kiln's run on one device: First-Block Cache's logged changes within 1e-5
+/// (relative), the same calls served.
+#[test]
+fn caches_run_with_context_parallelism_on_flux2() {
+    let dir = temp_dir("step-cache-cp-flux2");
+    let cases = oracle_cases(&["cache_flux2"]);
+    assert!(cases.len() >= 2, "{cases:?}");
+    for case in &cases {
+        for (tag, flags) in &CONTEXT_PARALLEL {
+            check_cached_case(&dir, case, tag, flags);
+        }
+    }
+
+    // First-Block Cache: a threshold between the changes one device measures when every call
+    // computes.
+    let (pipeline, steps) = ("flux2_klein_base", 6);
+    let zero = ["--cache", "first-block:threshold=0", "--compile", "none"];
+    let measured = first_block_decisions(&tiny(&dir, pipeline, steps, "fb-zero.png", &zero, true));
+    let mut changes: Vec<f64> = measured.iter().filter_map(|(_, d, _)| *d).collect();
+    assert_eq!(changes.len(), 2 * steps - 2, "{measured:?}");
+    changes.sort_by(f64::total_cmp);
+    let threshold = (changes[changes.len() / 2] + changes[changes.len() / 2 - 1]) / 2.0;
+    let flag = format!("first-block:threshold={threshold}");
+    let one = tiny(
+        &dir,
+        pipeline,
+        steps,
+        "fb-one.png",
+        &["--cache", &flag, "--compile", "none"],
+        true,
+    );
+    let want = first_block_decisions(&one);
+    let hits = want.iter().filter(|(_, _, hit)| *hit).count();
+    assert!((1..2 * steps).contains(&hits), "{want:?}");
+    for (tag, flags) in &CONTEXT_PARALLEL {
+        let out = format!("fb-{tag}.png");
+        let stderr = tiny(
             &dir,
-            case,
-            "ulysses-full",
-            &["--cache", &flag, "--ulysses-degree", "2", "--compile", "full"],
+            pipeline,
+            steps,
+            &out,
+            &[&["--cache", &flag][..], flags].concat(),
+            true,
         );
+        let got = first_block_decisions(&stderr);
+        assert_eq!(got.len(), want.len(), "{tag}: {stderr}");
+        for (i, ((gb, gd, ghit), (wb, wd, whit))) in got.iter().zip(&want).enumerate() {
+            assert_eq!((gb, ghit), (wb, whit), "{tag} call {i}: {got:?} vs {want:?}");
+            match (gd, wd) {
+                (Some(g), Some(w)) => assert!((g - w).abs() <= 1e-5 * w.abs(), "{tag} call {i}: {g} vs {w}"),
+                _ => assert_eq!(gd, wd, "{tag} call {i}"),
+            }
+        }
+        assert_eq!(served(&stderr), served(&one), "{tag}");
+        golden::assert_matches_golden(&dir.join(&out), &dir.join("fb-one.png"));
     }
-    let case = kiln_fixtures::oracle().join("cases/cache_flux1/first_block_dev");
-    for (cache, expected) in [
-        ("first-block:threshold=0.1", "First-Block Cache"),
-        ("magcache:calibrate=true", "calibrate"),
+
+    // FasterCache (one state for both branches): 9 of 20 calls served, as on one device.
+    let case = kiln_fixtures::oracle().join("cases/cache_flux2/taylorseer_klein_base_cfg");
+    let faster = "faster:spatial_attention_block_skip_range=2,spatial_attention_timestep_skip_range=-1;990,\
+                  is_guidance_distilled=True";
+    for (output, extra) in [
+        ("faster-one.png", &[][..]),
+        ("faster-ring.png", &["--ring-degree", "2"][..]),
     ] {
-        let mut flags = case_flags(&case, "out.png");
-        flags.extend(["--cache", cache, "--ulysses-degree", "2"].map(String::from));
+        let mut flags = case_flags(&case, output);
+        flags.extend(["--cache", faster].iter().chain(extra).map(|s| s.to_string()));
         let (ok, stderr) = generate(&dir, &flags);
-        assert!(!ok && stderr.contains(expected), "{cache}: {stderr}");
-        assert!(!dir.join("out.png").exists());
+        assert!(ok && stderr.contains("step cache: 9 of 20"), "{extra:?}: {stderr}");
     }
+    golden::assert_matches_golden(&dir.join("faster-ring.png"), &dir.join("faster-one.png"));
+
+    let case = kiln_fixtures::oracle().join("cases/cache_flux2/magcache_dev");
+    calibration_is_unchanged_by_splitting(&dir, &case, &["--ring-degree", "2"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
