@@ -278,6 +278,16 @@ fn caches_run_with_context_parallelism_on_flux2() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// SD3 with context parallelism (its step caches need image tokens the degree divides, so the
+/// residual holds no padding): MagCache's calibration prints one device's ratios.
+#[test]
+fn magcache_calibration_with_context_parallelism_on_sd3() {
+    let dir = temp_dir("step-cache-cp-sd3");
+    let case = kiln_fixtures::oracle().join("cases/cache_sd3/magcache_cfg");
+    calibration_is_unchanged_by_splitting(&dir, &case, &["--ring-degree", "2"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn caches_kiln_does_not_run_are_refused_before_any_work() {
     let dir = temp_dir("step-cache-bad");
