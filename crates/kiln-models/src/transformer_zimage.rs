@@ -36,12 +36,24 @@
 //! Tensor-parallel readiness: attention head counts come from the width of each projected
 //! activation (`heads = width / head_dim`), never from `n_heads`, so weights holding a
 //! contiguous share of the heads (and of the SwiGLU units) run unchanged.
+//!
+//! Context parallelism (diffusers has no `_cp_plan` for Z-Image; this is kiln's, in the spirit
+//! of FLUX's): the embedders and both refiners run on the whole, replicated image and caption
+//! streams; the unified sequence is split over the sequence axis right before `layers`
+//! ([`context_parallel::split_padded`]: padded to a multiple of the degree when the degree does
+//! not divide it), with its rotary rows and its key mask (Z-Image's own mask and the padding's
+//! [`context_parallel::key_bias`], one finite additive mask that travels with its keys); the
+//! layers' attention runs over every device's keys
+//! ([`context_parallel::masked_attention`]: Ulysses, ring or both; the heads per tensor-parallel
+//! device must divide by the ulysses degree); the final layer runs on each device's tokens and its
+//! output is gathered before the image tokens are unpatchified. Step caches keep each device's
+//! tokens' share of what they keep.
 
 use kiln_io::ZImageTransformerConfig;
 use kiln_nn::module::{map_child, visit_child};
 use kiln_nn::{
-    impl_model, impl_module, impl_tensors, Blocks, Compiled, Error, LayerNorm, Linear, Module, Result, RopeTables,
-    TpPlan, TpStyle, Weights,
+    context_parallel, impl_model, impl_module, impl_tensors, Blocks, Compiled, Error, LayerNorm, Linear, Module,
+    Result, RopeTables, TpPlan, TpStyle, Weights,
 };
 use kiln_tensor::{AttentionMask, DType, Device, RopeLayout, Tensor};
 
@@ -60,6 +72,10 @@ const QK_NORM_EPS: f64 = 1e-5;
 const FINAL_NORM_EPS: f64 = 1e-6;
 /// The patch sizes `ZImagePipeline` runs (`patch_size=2, f_patch_size=1`, the forward's defaults).
 const PATCH: (usize, usize) = (2, 1);
+/// A masked key's bias in the main layers' mask under context parallelism: finite (as
+/// [`context_parallel::key_bias`]'s), so that exp underflows to exactly 0 beside any real key and
+/// a ring block of masked keys alone merges with weight 0.
+const MASKED_KEY: f64 = -1.0e30;
 
 fn input_error(op: &'static str, message: String) -> Error {
     Error::Tensor(kiln_tensor::Error::Invalid { op, message })
@@ -137,6 +153,10 @@ struct ZImageAttention {
     norm_k: Option<RmsNorm>,
     to_out: Linear,
     head_dim: usize,
+    /// The main layers' attention: with context parallelism its tokens are this device's part
+    /// of the unified sequence and it attends over every device's keys
+    /// ([`context_parallel::masked_attention`]); the refiners' runs on whole streams.
+    sequence_split: bool,
 }
 
 impl_module!(ZImageAttention {
@@ -149,7 +169,7 @@ impl_module!(ZImageAttention {
 });
 
 impl ZImageAttention {
-    fn load(w: &Weights, c: &ZImageTransformerConfig) -> Result<Self> {
+    fn load(w: &Weights, c: &ZImageTransformerConfig, sequence_split: bool) -> Result<Self> {
         let (dim, head_dim) = (c.dim, c.head_dim());
         let inner = head_dim * c.n_heads;
         let norm = |name| -> Result<Option<RmsNorm>> {
@@ -165,21 +185,30 @@ impl ZImageAttention {
             norm_k: norm(Self::norm_k)?,
             to_out: Linear::load(&w.pp(Self::to_out), inner, dim, false)?,
             head_dim,
+            sequence_split,
         })
     }
 
-    /// `x` `[B, S, dim]`, `mask` `[B, 1, 1, S]` additive (0 / −∞) or none.
+    /// `x` `[B, S, dim]`, `mask` `[B or 1, 1, 1, S]` additive or none. In the main layers under
+    /// context parallelism `S` is this device's part of the sequence, and the mask (then finite,
+    /// see [`ZImageTransformer2DModel::call_inputs`]) travels with its keys.
     fn forward(&self, x: &Tensor, mask: Option<&Tensor>, rope: &[RopeTables]) -> Result<Tensor> {
         let q = split_heads(&self.to_q.forward(x)?, self.head_dim, self.norm_q.as_ref())?;
         let k = split_heads(&self.to_k.forward(x)?, self.head_dim, self.norm_k.as_ref())?;
         let v = split_heads(&self.to_v.forward(x)?, self.head_dim, None::<&RmsNorm>)?;
         let q = apply_rope(&q, rope)?;
         let k = apply_rope(&k, rope)?;
-        let mask = match mask {
-            Some(m) => AttentionMask::Additive(m.clone()),
-            None => AttentionMask::None,
+        // Without context parallelism both are the same attention over the whole sequence.
+        let o = match self.sequence_split {
+            true => context_parallel::masked_attention(&q, &k, &v, mask)?,
+            false => {
+                let mask = match mask {
+                    Some(m) => AttentionMask::Additive(m.clone()),
+                    None => AttentionMask::None,
+                };
+                Tensor::scaled_dot_product_attention(&q, &k, &v, &mask, None)?
+            }
         };
-        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, &mask, None)?;
         self.to_out.forward(&o.transpose(1, 2)?.flatten(2, 3)?)
     }
 }
@@ -234,11 +263,12 @@ impl_module!(ZImageTransformerBlock {
 });
 
 impl ZImageTransformerBlock {
-    fn load(w: &Weights, c: &ZImageTransformerConfig, modulation: bool) -> Result<Self> {
+    /// `sequence_split`: a block of the main layers (see [`ZImageAttention::sequence_split`]).
+    fn load(w: &Weights, c: &ZImageTransformerConfig, modulation: bool, sequence_split: bool) -> Result<Self> {
         let (dim, eps) = (c.dim, c.norm_eps);
         let norm = |name| RmsNorm::load(&w.pp(name), dim, eps);
         Ok(ZImageTransformerBlock {
-            attention: ZImageAttention::load(&w.pp(Self::attention), c)?,
+            attention: ZImageAttention::load(&w.pp(Self::attention), c, sequence_split)?,
             feed_forward: FeedForward::load(&w.pp(Self::feed_forward), dim, c.ffn_hidden_dim())?,
             attention_norm1: norm(Self::attention_norm1)?,
             ffn_norm1: norm(Self::ffn_norm1)?,
@@ -497,15 +527,16 @@ impl_tensors!(CallInputs {
     tables
 });
 
-/// What enters `layers`: the unified sequence `[image (+pads); caption (+pads)]` and the time
-/// embedding.
+/// What enters `layers`: the unified sequence `[image (+pads); caption (+pads)]` (this device's
+/// part of it under context parallelism) and the time embedding.
 struct Embedded {
     unified: Tensor,
     adaln: Tensor,
 }
 
 /// The first layer's results a First-Block Cache call goes on from: the unified sequence after
-/// it, its residual (`out − in`) and the time embedding.
+/// it, its residual (`out − in`) and the time embedding (under context parallelism this device's
+/// tokens of the sequence and the residual).
 #[derive(Clone, Debug)]
 pub struct ZImageFirstBlock {
     pub unified: Tensor,
@@ -654,6 +685,7 @@ impl ZImageTransformer2DModel {
             )));
         };
         w.check_divides("n_heads", c.n_heads)?;
+        context_parallel::check_heads(w.device(), c.n_heads / w.device().tp_size())?;
         let w = &w.with_plan(&Self::tp_plan(c))?;
         let pairs = pairs
             .into_iter()
@@ -668,15 +700,17 @@ impl ZImageTransformer2DModel {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let blocks = |name, count, modulation| {
-            Blocks::load(w, name, count, |_, w| ZImageTransformerBlock::load(w, c, modulation))
+        let blocks = |name, count, modulation, split| {
+            Blocks::load(w, name, count, |_, w| {
+                ZImageTransformerBlock::load(w, c, modulation, split)
+            })
         };
         let cap = w.pp(Self::cap_embedder);
         Ok(ZImageTransformer2DModel {
             config: c.clone(),
             patch_layers: AllPatchLayers { pairs, active },
-            noise_refiner: blocks(Self::noise_refiner, c.n_refiner_layers, true)?,
-            context_refiner: blocks(Self::context_refiner, c.n_refiner_layers, false)?,
+            noise_refiner: blocks(Self::noise_refiner, c.n_refiner_layers, true, false)?,
+            context_refiner: blocks(Self::context_refiner, c.n_refiner_layers, false, false)?,
             t_embedder: TimestepEmbedder::load(&w.pp(Self::t_embedder), c.adaln_embed_dim())?,
             cap_embedder: CaptionEmbedder {
                 norm: RmsNorm::load(&cap.pp(CaptionEmbedder::norm), c.cap_feat_dim, c.norm_eps)?,
@@ -684,7 +718,7 @@ impl ZImageTransformer2DModel {
             },
             x_pad_token: w.get(Self::x_pad_token, [1, c.dim])?,
             cap_pad_token: w.get(Self::cap_pad_token, [1, c.dim])?,
-            layers: blocks(Self::layers, c.n_layers, true)?,
+            layers: blocks(Self::layers, c.n_layers, true, true)?,
             compiled: Compiled::new("transformer"),
         })
     }
@@ -833,14 +867,44 @@ impl ZImageTransformer2DModel {
             .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
     }
 
-    /// A call's inputs, checked, as the programs take them.
+    /// A call's inputs, checked, as the programs take them. With context parallelism the main
+    /// layers' tables are this device's: the rows of `unified` (padded with zero rows to the
+    /// [`context_parallel::padded_len`] of the unified sequence, then split as
+    /// [`context_parallel::split_padded`] splits the sequence in [`Self::embed`]), and as
+    /// `unified_mask` the key mask of this device's keys, [`context_parallel::key_bias`] (the
+    /// padding) added to Z-Image's own mask (split the same way, its −∞ made finite so that a
+    /// ring block whose keys are all masked merges with weight 0 instead of NaN).
     fn call_inputs(&self, inputs: &ZImageInputs<'_>) -> Result<CallInputs> {
         self.check_inputs(inputs)?;
+        let mut tables = inputs.tables.clone();
+        let device = inputs.x.device();
+        if device.axes().context.is_enabled() {
+            let len = tables.unified[0].cos.dims()[0];
+            tables.unified = tables
+                .unified
+                .iter()
+                .map(|r| {
+                    Ok(RopeTables {
+                        cos: context_parallel::split_padded(&r.cos, 0)?,
+                        sin: context_parallel::split_padded(&r.sin, 0)?,
+                    })
+                })
+                .collect::<Result<_>>()?;
+            let own = tables
+                .unified_mask
+                .as_ref()
+                .map(|m| context_parallel::split_padded(&m.maximum_scalar(MASKED_KEY)?, 3))
+                .transpose()?;
+            tables.unified_mask = match (own, context_parallel::key_bias(inputs.x, &[len])?) {
+                (Some(own), Some(padding)) => Some(own.add(&padding)?),
+                (own, padding) => own.or(padding),
+            };
+        }
         Ok(CallInputs {
             x: inputs.x.clone(),
             t: inputs.t.clone(),
             cap_feats: inputs.cap_feats.to_vec(),
-            tables: inputs.tables.clone(),
+            tables,
         })
     }
 
@@ -913,6 +977,15 @@ impl ZImageTransformer2DModel {
                 component: "transformer".into(),
                 message: "First-Block Cache needs at least one layer (n_layers is 0)".into(),
             });
+        }
+        // Its residual's mean (the decision) would count the padding of a sequence the degree
+        // does not divide.
+        let len = inputs.tables.unified.first().map_or(0, |r| r.cos.dims()[0]);
+        if context_parallel::padded_len(inputs.x.device(), len) != len {
+            context_parallel::refuse(
+                inputs.x.device(),
+                &format!("First-Block Cache on a unified sequence of {len} tokens the degree does not divide"),
+            )?;
         }
         let inputs = self.call_inputs(inputs)?;
         self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
@@ -1148,6 +1221,8 @@ impl ZImageTransformer2DModel {
                 .collect::<kiln_tensor::Result<Vec<_>>>()?;
             Tensor::cat(&rows.iter().collect::<Vec<_>>(), 0)?
         };
+        // Context parallelism: this device's tokens from here on (gathered by `output`).
+        let unified = context_parallel::split_padded(&unified, 1)?;
         Ok(Embedded { unified, adaln })
     }
 
@@ -1188,7 +1263,9 @@ impl ZImageTransformer2DModel {
     }
 
     /// The final layer on the image tokens of the unified sequence, unpatchified:
-    /// `[N, ht, wt, p, p, C]` → `[N, C, H, W]`.
+    /// `[N, ht, wt, p, p, C]` → `[N, C, H, W]`. With context parallelism the final layer runs on
+    /// this device's tokens and its outputs are gathered from every device (as diffusers' plans
+    /// gather after `proj_out`) before the image tokens are taken.
     fn output(&self, unified: &Tensor, adaln: &Tensor, inputs: &CallInputs) -> Result<Tensor> {
         let patch = self.patch_layers.active();
         let p = patch.patch.0;
@@ -1196,10 +1273,188 @@ impl ZImageTransformer2DModel {
             unreachable!("checked by check_inputs")
         };
         let (ht, wt) = (h / p, w / p);
-        let out = patch.final_layer.forward(&unified.narrow(1, 0, ht * wt)?, adaln)?;
+        let out = match unified.device().axes().context.is_enabled() {
+            false => patch.final_layer.forward(&unified.narrow(1, 0, ht * wt)?, adaln)?,
+            true => {
+                let p_max = inputs.cap_feats.iter().map(|f| padded(f.dims()[0])).max().unwrap_or(0);
+                let len = padded(ht * wt) + p_max;
+                let out = patch.final_layer.forward(unified, adaln)?;
+                context_parallel::gather_unpadded(&out, 1, len)?.narrow(1, 0, ht * wt)?
+            }
+        };
         Ok(out
             .reshape([n, ht, wt, p, p, channels])?
             .permute(&[0, 5, 1, 3, 2, 4])?
             .reshape([n, channels, h, w])?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_io::{load_config, Checkpoint};
+    use kiln_tensor::{ContextParallel, DeviceSpec, MeshAxes, MeshAxis};
+
+    /// The oracle's tiny Z-Image transformer (2 heads) in f32 on `device`.
+    fn load_on(device: &Device) -> ZImageTransformer2DModel {
+        let dir = kiln_testing::oracle().join("pipelines/zimage_turbo/transformer");
+        let config: ZImageTransformerConfig = load_config(dir.join("config.json")).unwrap();
+        let checkpoint = Checkpoint::open_component(&dir, "diffusion_pytorch_model").unwrap();
+        ZImageTransformer2DModel::load(&config, &Weights::new(checkpoint, device, DType::F32, "transformer")).unwrap()
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    /// Latents `[2, 16, 8, 12]` (24 image tokens, padded to 32) and captions of 15 and 72 tokens
+    /// (padded to 32 and 96): unified sequences of 128 tokens, Z-Image's key mask on the first
+    /// item's last 64.
+    struct Call {
+        x: Tensor,
+        t: Tensor,
+        cap_feats: Vec<Tensor>,
+        tables: ZImageTables,
+    }
+
+    const LEN: usize = 128;
+
+    impl Call {
+        fn on(model: &ZImageTransformer2DModel, device: &Device) -> Call {
+            let dim = model.config().cap_feat_dim;
+            let lens = [15, 72];
+            Call {
+                x: Tensor::from_slice(&values(2 * 16 * 8 * 12, 1), [2, 16, 8, 12], device).unwrap(),
+                t: Tensor::from_slice(&[0.25f32, 0.5], [2], device).unwrap(),
+                cap_feats: lens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &l)| Tensor::from_slice(&values(l * dim, 7 + i as u32), [l, dim], device).unwrap())
+                    .collect(),
+                tables: model.tables((8, 12), &lens, device).unwrap(),
+            }
+        }
+
+        fn inputs(&self) -> ZImageInputs<'_> {
+            ZImageInputs {
+                x: &self.x,
+                t: &self.t,
+                cap_feats: &self.cap_feats,
+                tables: &self.tables,
+            }
+        }
+    }
+
+    /// Rows `[start, start + n)` of `[B, rows, width]` values, zero past the last row.
+    fn rows(v: &[f32], (b, total, width): (usize, usize, usize), start: usize, n: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(b * n * width);
+        for item in 0..b {
+            for row in start..start + n {
+                match row < total {
+                    true => out.extend_from_slice(&v[(item * total + row) * width..][..width]),
+                    false => out.extend(std::iter::repeat_n(0.0, width)),
+                }
+            }
+        }
+        out
+    }
+
+    fn assert_near(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        let max = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(max <= 1e-5, "{what}: max |Δ| {max}");
+    }
+
+    /// Under context parallelism the main layers get this device's part of the unified sequence
+    /// only: on each member, the sequence entering `layers`, its rotary rows and its key mask are
+    /// the member's slice (by its rank on the sequence axis) of the one-device ones, padded to
+    /// the degree (ring 3: 128 tokens padded to 129, the padding keys masked besides Z-Image's
+    /// own mask); the forward's output, gathered, is the one-device output on every member.
+    /// First-Block Cache's head splits its tokens as well, and is refused where they are padded.
+    #[test]
+    fn the_layers_see_each_devices_slice_of_the_unified_sequence() {
+        let one = kiln_testing::device();
+        let model = load_on(&one);
+        let call = Call::on(&model, &one);
+        let whole = model.call_inputs(&call.inputs()).unwrap();
+        let unified = model.embed(&whole).unwrap().unified;
+        assert_eq!(unified.dims(), [2, LEN, 24]);
+        let unified = unified.to_f32_vec().unwrap();
+        let mask = whole.tables.unified_mask.as_ref().unwrap().to_f32_vec().unwrap();
+        let width = model.config().head_dim();
+        let cos: Vec<Vec<f32>> = whole
+            .tables
+            .unified
+            .iter()
+            .map(|r| r.cos.to_f32_vec().unwrap())
+            .collect();
+        let want = model.forward(&call.inputs()).unwrap().to_f32_vec().unwrap();
+
+        for (tp, ulysses, ring) in [(1, 2, 1), (1, 1, 3), (2, 1, 2)] {
+            let axes = MeshAxes {
+                tp,
+                context: ContextParallel { ulysses, ring },
+            };
+            let mesh = Device::open_mesh_axes(DeviceSpec::CPU, axes).unwrap();
+            let model = load_on(&mesh);
+            let call = Call::on(&model, &mesh);
+            let split = model.call_inputs(&call.inputs()).unwrap();
+            let local = model.embed(&split).unwrap().unified;
+            let degree = ulysses * ring;
+            let part = LEN.div_ceil(degree);
+            assert_eq!(local.dims(), [2, part, 24], "{axes}");
+            let local_mask = split.tables.unified_mask.as_ref().unwrap();
+            for (m, shard) in local.shards().unwrap().iter().enumerate() {
+                let r = axes.rank(MeshAxis::Sequence, m);
+                let what = format!("{axes} member {m} (sequence rank {r})");
+                let start = r * part;
+                assert_near(
+                    &what,
+                    &shard.to_f32_vec().unwrap(),
+                    &rows(&unified, (2, LEN, 24), start, part),
+                );
+                // One rotary table per item (their captions pad to different lengths).
+                for (item, table) in split.tables.unified.iter().enumerate() {
+                    let got = table.cos.shards().unwrap()[m].to_f32_vec().unwrap();
+                    assert_eq!(
+                        got,
+                        rows(&cos[item], (1, LEN, width), start, part),
+                        "{what} item {item}"
+                    );
+                }
+                let got = local_mask.shards().unwrap()[m].to_f32_vec().unwrap();
+                assert_eq!(got.len(), 2 * part, "{what}");
+                for item in 0..2 {
+                    for j in 0..part {
+                        let (g, bias) = (start + j, got[item * part + j]);
+                        let real = g < LEN && mask[item * LEN + g] == 0.0;
+                        match real {
+                            true => assert_eq!(bias, 0.0, "{what} item {item} key {g}"),
+                            false => assert!(bias.is_finite() && bias <= -1e30, "{what} item {item} key {g}: {bias}"),
+                        }
+                    }
+                }
+            }
+            // First-Block Cache's decision (a mean over the sequence) would count the padding.
+            let head = model.forward_first_block(&call.inputs());
+            match LEN.is_multiple_of(degree) {
+                true => assert_eq!(head.unwrap().unified.dims(), [2, part, 24], "{axes}"),
+                false => {
+                    let err = head.unwrap_err().to_string();
+                    assert!(
+                        err.contains("First-Block Cache on a unified sequence of 128 tokens"),
+                        "{err}"
+                    );
+                }
+            }
+            let out = model.forward(&call.inputs()).unwrap();
+            for (m, shard) in out.shards().unwrap().iter().enumerate() {
+                let got = shard.to_f32_vec().unwrap();
+                let max = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                assert!(max <= 1e-4, "{axes} member {m}: output max |Δ| {max}");
+            }
+        }
     }
 }
