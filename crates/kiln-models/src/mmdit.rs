@@ -216,13 +216,35 @@ pub(crate) fn times_1000(v: &Tensor, dtype: DType) -> Result<Tensor> {
     Ok(v.to_dtype(dtype)?.mul_scalar_f32(1000.0)?.to_dtype(DType::F32)?)
 }
 
+/// Where a FLUX call's `[text; image]` tokens are: their rotary tables and, with context
+/// parallelism over lengths the degree does not divide, the key bias of their padding
+/// ([`kiln_nn::context_parallel::split_joint_tokens`]).
+#[derive(Clone, Debug)]
+pub(crate) struct TokenPositions {
+    pub(crate) rope: RopeTables,
+    pub(crate) key_bias: Option<Tensor>,
+}
+
+kiln_nn::impl_tensors!(TokenPositions { rope, key_bias });
+
 /// Rotary embedding (FLUX's interleaved pairs) then attention; returns `[B, S, H·head_dim]`.
-pub(crate) fn rope_attention(q: &Tensor, k: &Tensor, v: &Tensor, rope: &RopeTables) -> Result<Tensor> {
-    let q = q.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
-    let k = k.apply_rotary_emb(&rope.cos, &rope.sin, RopeLayout::Interleaved)?;
+pub(crate) fn rope_attention(q: &Tensor, k: &Tensor, v: &Tensor, positions: &TokenPositions) -> Result<Tensor> {
+    let RopeTables { cos, sin } = &positions.rope;
+    let q = q.apply_rotary_emb(cos, sin, RopeLayout::Interleaved)?;
+    let k = k.apply_rotary_emb(cos, sin, RopeLayout::Interleaved)?;
     // Over the whole sequence when the device splits it (context parallelism).
-    let o = kiln_nn::context_parallel::attention(&q, &k, v)?;
+    let o = kiln_nn::context_parallel::masked_attention(&q, &k, v, positions.key_bias.as_ref())?;
     Ok(o.transpose(1, 2)?.flatten(2, 3)?)
+}
+
+/// The first `len` tokens of a prediction `[B, S, C]` gathered from padded parts (with context
+/// parallelism over an image the degree does not divide), outside the compiled forward whose
+/// arguments do not show `len`.
+pub(crate) fn unpadded(prediction: Tensor, len: usize) -> Result<Tensor> {
+    match prediction.dims()[1] == len {
+        true => Ok(prediction),
+        false => Ok(prediction.narrow(1, 0, len)?),
+    }
 }
 
 /// FLUX's double-stream block after its modulations, FLUX.1's and FLUX.2's alike: joint attention
@@ -280,7 +302,7 @@ impl<F> JointStreams<F> {
         (x, ctx): (&Tensor, &Tensor),
         (m, c): (&[Tensor], &[Tensor]),
         ln: &LayerNorm,
-        rope: &RopeTables,
+        rope: &TokenPositions,
         given: Option<(&Tensor, &Tensor)>,
         feed_forward: impl Fn(&F, &Tensor) -> Result<Tensor>,
     ) -> Result<(Tensor, Tensor, (Tensor, Tensor))> {
@@ -309,7 +331,7 @@ impl<F> JointStreams<F> {
         (x, ctx): (&Tensor, &Tensor),
         (m, c): (&[Tensor], &[Tensor]),
         ln: &LayerNorm,
-        rope: &RopeTables,
+        rope: &TokenPositions,
     ) -> Result<(Tensor, Tensor)> {
         let nx = modulate(&ln.forward(x)?, &m[0], &m[1])?;
         let nc = modulate(&ln.forward(ctx)?, &c[0], &c[1])?;

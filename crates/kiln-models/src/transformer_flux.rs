@@ -12,8 +12,8 @@ use kiln_nn::{
 use kiln_tensor::{DType, Device, Tensor};
 
 use crate::mmdit::{
-    gated_residual, guidance_input, modulate, rope_attention, sinusoid, times_1000, timestep_frequencies, FeedForward,
-    JointStreams, Mlp, QkvProjection, IMAGE_QKV,
+    gated_residual, guidance_input, modulate, rope_attention, sinusoid, times_1000, timestep_frequencies, unpadded,
+    FeedForward, JointStreams, Mlp, QkvProjection, TokenPositions, IMAGE_QKV,
 };
 
 /// `CombinedTimestep(Guidance)TextProjEmbeddings`.
@@ -90,7 +90,7 @@ impl FluxTransformerBlock {
     }
 
     /// Returns the new (text, image) streams.
-    fn forward(&self, x: &Tensor, ctx: &Tensor, temb_silu: &Tensor, rope: &RopeTables) -> Result<(Tensor, Tensor)> {
+    fn forward(&self, x: &Tensor, ctx: &Tensor, temb_silu: &Tensor, rope: &TokenPositions) -> Result<(Tensor, Tensor)> {
         let (ctx, x, _) = self.forward_with(x, ctx, temb_silu, rope, None)?;
         Ok((ctx, x))
     }
@@ -102,7 +102,7 @@ impl FluxTransformerBlock {
         x: &Tensor,
         ctx: &Tensor,
         temb_silu: &Tensor,
-        rope: &RopeTables,
+        rope: &TokenPositions,
         given: Option<(&Tensor, &Tensor)>,
     ) -> Result<(Tensor, Tensor, (Tensor, Tensor))> {
         let ln = LayerNorm::plain(1e-6);
@@ -140,7 +140,7 @@ impl FluxSingleTransformerBlock {
         })
     }
 
-    fn forward(&self, h: &Tensor, temb_silu: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+    fn forward(&self, h: &Tensor, temb_silu: &Tensor, rope: &TokenPositions) -> Result<Tensor> {
         Ok(self.forward_with(h, temb_silu, rope, None)?.0)
     }
 
@@ -151,7 +151,7 @@ impl FluxSingleTransformerBlock {
         &self,
         h: &Tensor,
         temb_silu: &Tensor,
-        rope: &RopeTables,
+        rope: &TokenPositions,
         given: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         // AdaLayerNormZeroSingle: shift, scale, gate.
@@ -206,7 +206,7 @@ struct CallInputs {
     encoder_hidden_states: Tensor,
     pooled_projections: Tensor,
     timestep: Tensor,
-    rope: RopeTables,
+    rope: TokenPositions,
     guidance: Option<Tensor>,
 }
 
@@ -343,28 +343,52 @@ impl FluxTransformer2DModel {
 
     /// Predicts the flow velocity `[B, S_img, out_channels]`.
     pub fn forward(&self, inputs: &FluxTransformerInputs<'_>) -> Result<Tensor> {
+        let image_len = inputs.hidden_states.dims()[1];
         let inputs = self.call_inputs(inputs)?;
-        self.compiled
-            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
+        let prediction = self
+            .compiled
+            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))?;
+        unpadded(prediction, image_len)
     }
 
     /// The call's tensors; with context parallelism each device's tokens (and their rotary
     /// tables) only, gathered again by [`Self::output`].
     ///
-    /// A step cache's calls take them too: what a cache keeps (residuals, attention outputs,
+    /// Lengths the degree does not divide are padded, their padding keys masked
+    /// ([`context_parallel::split_joint_tokens`]) and the prediction cut by [`Self::forward`].
+    ///
+    /// A step cache's calls take them too ([`Self::cache_inputs`]): what a cache keeps (residuals, attention outputs,
     /// Taylor factors) is token-wise, so each device keeps its own tokens' share, and the
     /// prediction is gathered as the plain forward's. The measures that read data (First-Block
     /// Cache's change, MagCache's calibration ratios) are means over every device's tokens
     /// (kiln-pipelines' `cache.rs`).
+    /// [`Self::call_inputs`] of a step cache's call: under context parallelism its lengths must
+    /// divide by the degree (the measures average every device's tokens, which must hold no
+    /// padding; the error names the degrees that work).
+    fn cache_inputs(&self, inputs: &FluxTransformerInputs<'_>) -> Result<CallInputs> {
+        let lengths = [
+            (
+                "text tokens (with a step cache)",
+                inputs.encoder_hidden_states.dims()[1],
+            ),
+            ("image tokens (with a step cache)", inputs.hidden_states.dims()[1]),
+        ];
+        context_parallel::check_sequence_lengths(inputs.hidden_states, &lengths)?;
+        self.call_inputs(inputs)
+    }
+
     fn call_inputs(&self, inputs: &FluxTransformerInputs<'_>) -> Result<CallInputs> {
-        let (encoder_hidden_states, hidden_states, rope) =
-            context_parallel::split_text_and_image(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
+        let tokens =
+            context_parallel::split_joint_tokens(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
         Ok(CallInputs {
-            hidden_states,
-            encoder_hidden_states,
+            hidden_states: tokens.image,
+            encoder_hidden_states: tokens.text,
             pooled_projections: inputs.pooled_projections.clone(),
             timestep: inputs.timestep.clone(),
-            rope,
+            rope: TokenPositions {
+                rope: tokens.rope,
+                key_bias: tokens.key_bias,
+            },
             guidance: guidance_input(self.config.guidance_embeds, inputs.guidance)?,
         })
     }
@@ -407,7 +431,7 @@ impl FluxTransformer2DModel {
         x: Tensor,
         ctx: Tensor,
         temb_silu: &Tensor,
-        rope: &RopeTables,
+        rope: &TokenPositions,
     ) -> Result<(Tensor, Tensor)> {
         self.double_blocks_with(first, x, ctx, (temb_silu, rope), AttentionMode::Plain, &mut Vec::new())
     }
@@ -419,7 +443,7 @@ impl FluxTransformer2DModel {
         first: usize,
         mut x: Tensor,
         mut ctx: Tensor,
-        (temb_silu, rope): (&Tensor, &RopeTables),
+        (temb_silu, rope): (&Tensor, &TokenPositions),
         mode: AttentionMode<'_>,
         recorded: &mut Vec<Tensor>,
     ) -> Result<(Tensor, Tensor)> {
@@ -458,7 +482,7 @@ impl FluxTransformer2DModel {
     }
 
     /// The single-stream blocks over `[ctx; x]`: the image stream after them.
-    fn single_blocks(&self, x: Tensor, ctx: Tensor, temb_silu: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+    fn single_blocks(&self, x: Tensor, ctx: Tensor, temb_silu: &Tensor, rope: &TokenPositions) -> Result<Tensor> {
         self.single_blocks_with(x, ctx, (temb_silu, rope), AttentionMode::Plain, &mut Vec::new())
     }
 
@@ -468,7 +492,7 @@ impl FluxTransformer2DModel {
         &self,
         x: Tensor,
         ctx: Tensor,
-        (temb_silu, rope): (&Tensor, &RopeTables),
+        (temb_silu, rope): (&Tensor, &TokenPositions),
         mode: AttentionMode<'_>,
         recorded: &mut Vec<Tensor>,
     ) -> Result<Tensor> {
@@ -513,7 +537,7 @@ impl FluxTransformer2DModel {
     /// `image stream after the last block − image stream entering the first` (one program,
     /// `magcache.compute`, when compiled whole).
     pub fn forward_magcache_compute(&self, inputs: &FluxTransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs)?;
         self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
             let x_in = x.clone();
@@ -526,7 +550,7 @@ impl FluxTransformer2DModel {
     /// MagCache's skipped call: no block runs; the image stream entering the first block plus
     /// `residual`, through `norm_out` and `proj_out` (`magcache.skip`).
     pub fn forward_magcache_skip(&self, inputs: &FluxTransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
-        let inputs = (self.call_inputs(inputs)?, residual.clone());
+        let inputs = (self.cache_inputs(inputs)?, residual.clone());
         self.compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -546,7 +570,7 @@ impl FluxTransformer2DModel {
     /// module's outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute` when
     /// compiled whole; each block's `attention_record` program by blocks).
     pub fn forward_recording_attention(&self, inputs: &FluxTransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs)?;
         self.compiled
             .whole("attention_cache.compute", self, inputs, |m, inputs| {
                 let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
@@ -563,7 +587,7 @@ impl FluxTransformer2DModel {
     /// (`attention_cache.given`; each block's `attention_given` program by blocks).
     pub fn forward_with_attention(&self, inputs: &FluxTransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
         check_attention_outputs(attention.len(), self.attention_outputs())?;
-        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
+        let inputs = (self.cache_inputs(inputs)?, attention.to_vec());
         self.compiled
             .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
                 let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
@@ -578,7 +602,7 @@ impl FluxTransformer2DModel {
     /// First-Block Cache's first part: the embeddings and the first block
     /// (`first_block.head`); its residual decides whether the rest runs.
     pub fn forward_first_block(&self, inputs: &FluxTransformerInputs<'_>) -> Result<FirstBlockOutput> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs)?;
         self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
             let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
             if m.transformer_blocks.is_empty() {
@@ -643,12 +667,15 @@ pub(crate) const RECORD: &str = "attention_record";
 pub(crate) const GIVEN: &str = "attention_given";
 
 /// The rotary tables of a whole call, `rope` (`[text; image]`), for the tokens of a First-Block
-/// Cache `head`: under context parallelism split as [`context_parallel::split_text_and_image`]
+/// Cache `head`: under context parallelism split as [`context_parallel::split_joint_tokens`]
 /// splits them (each device's text, then its image), else `rope` itself.
-pub(crate) fn head_rope(head: &FirstBlockOutput, rope: &RopeTables) -> Result<RopeTables> {
+pub(crate) fn head_rope(head: &FirstBlockOutput, rope: &RopeTables) -> Result<TokenPositions> {
     let degree = head.image.device().axes().context.degree();
     if degree == 1 {
-        return Ok(rope.clone());
+        return Ok(TokenPositions {
+            rope: rope.clone(),
+            key_bias: None,
+        });
     }
     let (text_len, image_len) = (head.text.dims()[1] * degree, head.image.dims()[1] * degree);
     let rows = rope.cos.dims()[0];
@@ -667,9 +694,13 @@ pub(crate) fn head_rope(head: &FirstBlockOutput, rope: &RopeTables) -> Result<Ro
         let image = context_parallel::split_sequence(&parts[1], 0)?;
         Ok(Tensor::cat(&[&text, &image], 0)?)
     };
-    Ok(RopeTables {
-        cos: split(&rope.cos)?,
-        sin: split(&rope.sin)?,
+    // A step cache's tokens split without padding (`cache_inputs`): no key bias.
+    Ok(TokenPositions {
+        rope: RopeTables {
+            cos: split(&rope.cos)?,
+            sin: split(&rope.sin)?,
+        },
+        key_bias: None,
     })
 }
 

@@ -26,7 +26,7 @@ use kiln_tensor::{DType, Device, Tensor};
 
 use crate::mmdit::{
     gated_residual, guidance_input, modulate, rope_attention, sinusoid, split_heads, times_1000, timestep_frequencies,
-    JointStreams, Mlp,
+    unpadded, JointStreams, Mlp, TokenPositions,
 };
 use crate::transformer_flux::{head_rope, AttentionMode, FirstBlockOutput, GIVEN, RECORD};
 
@@ -94,7 +94,7 @@ impl Flux2TransformerBlock {
         ctx: &Tensor,
         mod_img: &Tensor,
         mod_txt: &Tensor,
-        rope: &RopeTables,
+        rope: &TokenPositions,
     ) -> Result<(Tensor, Tensor)> {
         let (ctx, x, _) = self.forward_with(x, ctx, (mod_img, mod_txt), rope, None)?;
         Ok((ctx, x))
@@ -107,7 +107,7 @@ impl Flux2TransformerBlock {
         x: &Tensor,
         ctx: &Tensor,
         (mod_img, mod_txt): (&Tensor, &Tensor),
-        rope: &RopeTables,
+        rope: &TokenPositions,
         given: Option<(&Tensor, &Tensor)>,
     ) -> Result<(Tensor, Tensor, (Tensor, Tensor))> {
         let ln = LayerNorm::plain(self.eps);
@@ -155,7 +155,7 @@ impl Flux2SingleTransformerBlock {
     }
 
     /// `modulation`: the shared single-stream modulation `[B, 3D]`.
-    fn forward(&self, h: &Tensor, modulation: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+    fn forward(&self, h: &Tensor, modulation: &Tensor, rope: &TokenPositions) -> Result<Tensor> {
         Ok(self.forward_with(h, modulation, rope, None)?.0)
     }
 
@@ -167,7 +167,7 @@ impl Flux2SingleTransformerBlock {
         &self,
         h: &Tensor,
         modulation: &Tensor,
-        rope: &RopeTables,
+        rope: &TokenPositions,
         given: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
         let m = mod_params(modulation, 1)?;
@@ -183,7 +183,7 @@ impl Flux2SingleTransformerBlock {
     }
 
     /// The attention module on the modulated stream: `to_out(cat(attention, swiglu))`.
-    fn parallel_attention(&self, h: &Tensor, m: &[Tensor], rope: &RopeTables) -> Result<Tensor> {
+    fn parallel_attention(&self, h: &Tensor, m: &[Tensor], rope: &TokenPositions) -> Result<Tensor> {
         let n = modulate(&LayerNorm::plain(self.eps).forward(h)?, &m[0], &m[1])?;
         let p = self.to_qkv_mlp_proj.forward(&n)?;
         // As diffusers' processor: [q | k | v] then [gate | up], in proportion to the widths so
@@ -285,7 +285,7 @@ struct CallInputs {
     hidden_states: Tensor,
     encoder_hidden_states: Tensor,
     timestep: Tensor,
-    rope: RopeTables,
+    rope: TokenPositions,
     guidance: Option<Tensor>,
 }
 
@@ -500,27 +500,51 @@ impl Flux2Transformer2DModel {
 
     /// Predicts the flow velocity `[B, S_img, patch_size²·out_channels]`.
     pub fn forward(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<Tensor> {
+        let image_len = inputs.hidden_states.dims()[1];
         let inputs = self.call_inputs(inputs)?;
-        self.compiled
-            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))
+        let prediction = self
+            .compiled
+            .whole("", self, inputs, |m, inputs| m.forward_graph(inputs))?;
+        unpadded(prediction, image_len)
     }
 
     /// The call's tensors; with context parallelism each device's tokens (and their rotary
     /// tables) only, gathered again by [`Self::output`] (diffusers' `_cp_plan`).
     ///
-    /// A step cache's calls take them too: what a cache keeps (residuals over the image tokens,
+    /// Lengths the degree does not divide are padded, their padding keys masked
+    /// ([`context_parallel::split_joint_tokens`]) and the prediction cut by [`Self::forward`].
+    ///
+    /// A step cache's calls take them too ([`Self::cache_inputs`]): what a cache keeps (residuals over the image tokens,
     /// attention outputs, Taylor factors) is token-wise, so each device keeps its own tokens'
     /// share, and the prediction is gathered as the plain forward's. The measures that read data
     /// (First-Block Cache's change, MagCache's calibration ratios) are means over every device's
     /// tokens (kiln-pipelines' `cache.rs`).
+    /// [`Self::call_inputs`] of a step cache's call: under context parallelism its lengths must
+    /// divide by the degree (the measures average every device's tokens, which must hold no
+    /// padding; the error names the degrees that work).
+    fn cache_inputs(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<CallInputs> {
+        let lengths = [
+            (
+                "text tokens (with a step cache)",
+                inputs.encoder_hidden_states.dims()[1],
+            ),
+            ("image tokens (with a step cache)", inputs.hidden_states.dims()[1]),
+        ];
+        context_parallel::check_sequence_lengths(inputs.hidden_states, &lengths)?;
+        self.call_inputs(inputs)
+    }
+
     fn call_inputs(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<CallInputs> {
-        let (encoder_hidden_states, hidden_states, rope) =
-            context_parallel::split_text_and_image(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
+        let tokens =
+            context_parallel::split_joint_tokens(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
         Ok(CallInputs {
-            hidden_states,
-            encoder_hidden_states,
+            hidden_states: tokens.image,
+            encoder_hidden_states: tokens.text,
             timestep: inputs.timestep.clone(),
-            rope,
+            rope: TokenPositions {
+                rope: tokens.rope,
+                key_bias: tokens.key_bias,
+            },
             guidance: guidance_input(self.config.guidance_embeds, inputs.guidance)?,
         })
     }
@@ -568,7 +592,7 @@ impl Flux2Transformer2DModel {
         &self,
         first: usize,
         (mut x, mut ctx): (Tensor, Tensor),
-        (temb_silu, rope): (&Tensor, &RopeTables),
+        (temb_silu, rope): (&Tensor, &TokenPositions),
         mode: AttentionMode<'_>,
         recorded: &mut Vec<Tensor>,
     ) -> Result<Tensor> {
@@ -665,7 +689,7 @@ impl Flux2Transformer2DModel {
     /// A step cache's computed call (TaylorSeer, FasterCache): the prediction and every attention
     /// module's outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute`).
     pub fn forward_recording_attention(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs)?;
         self.compiled
             .whole("attention_cache.compute", self, inputs, |m, inputs| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -679,7 +703,7 @@ impl Flux2Transformer2DModel {
     /// from `attention` instead of computed (`attention_cache.given`).
     pub fn forward_with_attention(&self, inputs: &Flux2TransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
         crate::transformer_flux::check_attention_outputs(attention.len(), self.attention_outputs())?;
-        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
+        let inputs = (self.cache_inputs(inputs)?, attention.to_vec());
         self.compiled
             .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -693,7 +717,7 @@ impl Flux2Transformer2DModel {
     /// (`transformer_blocks.0`, `first_block.head`); its image residual decides whether the rest
     /// runs.
     pub fn forward_first_block(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<FirstBlockOutput> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs)?;
         if self.transformer_blocks.is_empty() {
             return Err(Error::Config {
                 component: "transformer".into(),
@@ -751,7 +775,7 @@ impl Flux2Transformer2DModel {
     /// MagCache's computed call: the prediction and the residual of the block stack over the
     /// image tokens, `out[:, −S:] − image stream entering the first block` (`magcache.compute`).
     pub fn forward_magcache_compute(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
-        let inputs = self.call_inputs(inputs)?;
+        let inputs = self.cache_inputs(inputs)?;
         self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let (x_in, temb_silu) = m.embed_image(inputs)?;
             let x = m.blocks(x_in.clone(), &temb_silu, inputs)?;
@@ -762,7 +786,7 @@ impl Flux2Transformer2DModel {
     /// MagCache's skipped call: no block runs; the embedded image stream plus `residual`
     /// (`magcache.skip`).
     pub fn forward_magcache_skip(&self, inputs: &Flux2TransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
-        let inputs = (self.call_inputs(inputs)?, residual.clone());
+        let inputs = (self.cache_inputs(inputs)?, residual.clone());
         self.compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -827,7 +851,10 @@ mod tests {
             };
         let full = block(fused.clone(), 3 * dim + 2 * mlp, out.clone(), dim + mlp);
         let ids: Vec<f64> = (0..seq).flat_map(|s| [0.0, s as f64, (s * 2) as f64, 1.0]).collect();
-        let rope = rope_tables(&ids, &[2, 2, 2, 2], 2000.0, &d).unwrap();
+        let rope = TokenPositions {
+            rope: rope_tables(&ids, &[2, 2, 2, 2], 2000.0, &d).unwrap(),
+            key_bias: None,
+        };
         let h = t(values(seq * dim, 5), &[1, seq, dim]);
         let modulation = t(values(3 * dim, 6), &[1, 3 * dim]);
         let whole = full.forward(&h, &modulation, &rope).unwrap().sub(&h).unwrap();

@@ -70,28 +70,6 @@ pub fn refuse(device: &Device, what: &str) -> Result<()> {
     }
 }
 
-/// The text `[B, S_txt, C]` and image `[B, S_img, C]` tokens of a joint-attention model, and the
-/// rotary tables of `[text; image]`, split for this device as diffusers' `_cp_plan` of FLUX does:
-/// each sequence split on its own, so each device holds `[its text; its image]` with their
-/// positions. Each length must divide by the degree (the error names what works).
-pub fn split_text_and_image(text: &Tensor, image: &Tensor, rope: &RopeTables) -> Result<(Tensor, Tensor, RopeTables)> {
-    if !text.device().axes().context.is_enabled() {
-        return Ok((text.clone(), image.clone(), rope.clone()));
-    }
-    let (text_len, image_len) = (text.dims()[1], image.dims()[1]);
-    check_sequence_lengths(text, &[("text tokens", text_len), ("image tokens", image_len)])?;
-    let split_table = |t: &Tensor| -> Result<Tensor> {
-        let parts = t.split_sizes(&[text_len, image_len], 0)?;
-        let (text, image) = (split_sequence(&parts[0], 0)?, split_sequence(&parts[1], 0)?);
-        Ok(Tensor::cat(&[&text, &image], 0)?)
-    };
-    let rope = RopeTables {
-        cos: split_table(&rope.cos)?,
-        sin: split_table(&rope.sin)?,
-    };
-    Ok((split_sequence(text, 1)?, split_sequence(image, 1)?, rope))
-}
-
 /// A joint-attention model's tokens on this device ([`split_joint_tokens`]).
 #[derive(Clone, Debug)]
 pub struct JointTokens {

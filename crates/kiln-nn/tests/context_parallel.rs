@@ -2,7 +2,7 @@
 
 use kiln_nn::context_parallel::{
     attention, check_sequence_lengths, gather_sequence, gather_unpadded, key_bias, masked_attention,
-    split_joint_tokens, split_padded, split_sequence, split_text_and_image,
+    split_joint_tokens, split_padded, split_sequence,
 };
 use kiln_nn::RopeTables;
 use kiln_tensor::{AttentionMask, CompiledFunction, ContextParallel, DType, Device, DeviceSpec, MeshAxes, Tensor};
@@ -140,7 +140,9 @@ fn each_device_holds_its_text_and_image_tokens_and_their_positions() {
         cos: table(3, d),
         sin: table(4, d),
     };
-    let (t, i, r) = split_text_and_image(&text(&m), &image(&m), &rope(&m)).unwrap();
+    let split = split_joint_tokens(&text(&m), &image(&m), &rope(&m)).unwrap();
+    assert!(split.key_bias.is_none());
+    let (t, i, r) = (split.text, split.image, split.rope);
     let whole_rope = rope(&one);
     let rows =
         |x: &Tensor, dim: isize, start: usize, len: usize| x.narrow(dim, start, len).unwrap().to_f32_vec().unwrap();

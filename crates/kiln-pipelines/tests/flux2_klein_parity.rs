@@ -617,3 +617,36 @@ fn flux2_klein_cases_match_diffusers_with_context_parallelism() {
         }
     }
 }
+
+/// Token counts two devices do not divide (33 text tokens, a 3 × 3 grid of image tokens) are
+/// padded and their padding keys masked: the latents of one device, with Ulysses (eager) and ring
+/// (compiled whole).
+#[test]
+fn flux2_klein_context_parallelism_pads_what_the_degree_does_not_divide() {
+    let case = &cases()[0];
+    let json = call_json(case);
+    let model = oracle().join(json["pipeline_dir"].as_str().unwrap());
+    let call = || Flux2KleinCall {
+        max_sequence_length: 33,
+        height: 48,
+        width: 48,
+        num_inference_steps: 2,
+        ..call_from(&json["call_kwargs"], json["seed"].as_u64().unwrap())
+    };
+    let latents = |d: &Device, mode: CompileMode| {
+        let mut pipe = load(&model).to(d).unwrap();
+        pipe.compile(mode);
+        pipe.call(call()).unwrap().latents.to_f32_vec().unwrap()
+    };
+    let want = latents(&kiln_testing::device(), CompileMode::None);
+    for (ulysses, ring, mode) in [(2, 1, CompileMode::None), (1, 2, CompileMode::Full)] {
+        let got = latents(&common::context_mesh(1, ulysses, ring), mode);
+        kiln_testing::assert_close(
+            &format!("ulysses {ulysses} ring {ring} {mode}"),
+            &got,
+            &want,
+            1e-5,
+            1e-4,
+        );
+    }
+}

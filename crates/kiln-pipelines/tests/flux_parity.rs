@@ -277,27 +277,55 @@ fn flux1_cases_match_diffusers_with_context_parallelism() {
     }
 }
 
-/// A token count the degree does not divide is an error naming the counts and the degrees that
-/// work, before the transformer runs; sequential offload is refused up front.
+/// Token counts the degree does not divide (33 text tokens, a 3 × 3 grid of image tokens) are
+/// padded, their padding keys masked and the prediction cut: the latents of one device, eager and
+/// compiled whole, with Ulysses and ring. A step cache there (its measures average every device's
+/// tokens) is an error naming the counts and the degrees that work; sequential offload is refused
+/// up front.
 #[test]
-fn flux1_context_parallelism_refuses_what_it_cannot_split() {
+fn flux1_context_parallelism_pads_what_the_degree_does_not_divide() {
     let case = &cases("flux1_schnell")[0];
     let call_json: Value = serde_json::from_str(&std::fs::read_to_string(case.join("call.json")).unwrap()).unwrap();
     let folder = oracle().join(call_json["pipeline_dir"].as_str().unwrap());
-    let pipe = FluxPipeline::from_pretrained(folder.to_str().unwrap(), &LoadOptions::default()).unwrap();
-    let mesh = context_mesh(1, 1, 2);
-    let mut pipe = pipe.to(&mesh).unwrap();
-    let call = FluxCall {
+    let load = |d: &kiln_tensor::Device| {
+        FluxPipeline::from_pretrained(folder.to_str().unwrap(), &LoadOptions::default())
+            .unwrap()
+            .to(d)
+            .unwrap()
+    };
+    let call = || FluxCall {
         max_sequence_length: 33,
-        num_inference_steps: 1,
+        height: 48,
+        width: 48,
+        num_inference_steps: 2,
         ..call_from(&call_json["call_kwargs"])
     };
-    let Err(err) = pipe.call(call) else {
-        panic!("33 text tokens split over 2 devices")
+    let latents = |out: kiln_pipelines::PipelineOutput| out.latents.to_f32_vec().unwrap();
+    let want = latents(load(&device()).call(call()).unwrap());
+    for (ulysses, ring, mode) in [(2, 1, CompileMode::None), (1, 2, CompileMode::Full)] {
+        let mut pipe = load(&context_mesh(1, ulysses, ring));
+        pipe.compile(mode);
+        let got = latents(pipe.call(call()).unwrap());
+        assert_close(
+            &format!("ulysses {ulysses} ring {ring} {mode}: latents"),
+            &got,
+            &want,
+            1e-5,
+            1e-4,
+        );
+    }
+    let mesh = context_mesh(1, 1, 2);
+    let mut pipe = load(&mesh);
+    let cached = FluxCall {
+        cache: Some(kiln_pipelines::cache::CacheConfig::parse("taylorseer").unwrap()),
+        ..call()
+    };
+    let Err(err) = pipe.call(cached) else {
+        panic!("a step cache over 33 text tokens split over 2 devices")
     };
     let err = err.to_string();
     assert!(
-        err.contains("ring degree 2") && err.contains("text tokens 33") && err.contains("(1)"),
+        err.contains("ring degree 2") && err.contains("text tokens (with a step cache) 33") && err.contains("(1, 3)"),
         "{err}"
     );
     let err = pipe.enable_sequential_cpu_offload(&mesh).unwrap_err().to_string();

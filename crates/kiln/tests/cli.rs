@@ -1116,8 +1116,15 @@ fn context_parallel_generate_gives_diffusers_images() {
         ),
         (
             &schnell,
-            vec!["--ring-degree", "2", "--max-sequence-length", "33"],
-            "text tokens 33",
+            vec![
+                "--ring-degree",
+                "2",
+                "--max-sequence-length",
+                "33",
+                "--cache",
+                "taylorseer",
+            ],
+            "text tokens (with a step cache) 33",
         ),
         (
             &schnell,
