@@ -315,9 +315,99 @@ fn caches_run_with_tensor_parallel_zimage() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Context parallelism (`--ulysses-degree 2` compiled whole, `--ring-degree 2` eager): MagCache,
+/// TaylorSeer and FasterCache keep token-wise state on each device's part of the unified
+/// sequence; each serves the calls it serves on one device, and the image is within a level of
+/// the one-device image.
+#[test]
+fn caches_run_with_context_parallel_zimage() {
+    let dir = temp_dir("zimage-cache-cp");
+    for flag in [
+        format!("magcache:threshold=0.3,max_skip_steps=2,num_inference_steps={STEPS}"),
+        "taylorseer:cache_interval=2,disable_cache_before_step=2,max_order=2".to_string(),
+        "faster:spatial_attention_block_skip_range=3,spatial_attention_timestep_skip_range=-1;990,is_guidance_distilled=True"
+            .to_string(),
+    ] {
+        let one = tiny(&dir, "one.png", &["--cache", &flag], false);
+        assert!(served(&one).0 > 0, "{flag}");
+        for split in [
+            ["--ulysses-degree", "2", "--compile", "full"],
+            ["--ring-degree", "2", "--compile", "none"],
+        ] {
+            let cp = tiny(&dir, "cp.png", &[&["--cache", &flag][..], &split].concat(), false);
+            assert_eq!(served(&cp), served(&one), "{flag} {split:?}");
+            golden::assert_matches_golden(&dir.join("cp.png"), &dir.join("one.png"));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Context parallelism with degrees that divide 32 (the unified sequence, image and captions
+/// padded to multiples of 32, splits without padding): First-Block Cache's changes and MagCache's
+/// calibration ratios, means over every device's tokens, are the one-device ones to float32
+/// rounding; First-Block Cache makes the one-device decisions (its threshold midway between two
+/// measured changes) and every image is within a level of the one-device image.
+#[test]
+fn first_block_and_calibration_with_context_parallel_zimage() {
+    let dir = temp_dir("zimage-cache-cp-means");
+    let g = ["--guidance-scale", "4"];
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs();
+    let splits = [
+        ["--ulysses-degree", "2", "--compile", "none"],
+        ["--ring-degree", "2", "--compile", "full"],
+    ];
+
+    let zero = tiny(
+        &dir,
+        "zero.png",
+        &[&["--cache", "first-block:threshold=0"][..], &g].concat(),
+        true,
+    );
+    let mut changes: Vec<f64> = first_block_decisions(&zero).iter().filter_map(|(d, _)| *d).collect();
+    assert_eq!(changes.len(), STEPS - 1, "{zero}");
+    changes.sort_by(f64::total_cmp);
+    let threshold = (changes[changes.len() / 2] + changes[changes.len() / 2 - 1]) / 2.0;
+    let flag = format!("first-block:threshold={threshold}");
+    let one = tiny(&dir, "one.png", &[&["--cache", &flag][..], &g].concat(), true);
+    let want = first_block_decisions(&one);
+    assert!((1..STEPS).contains(&served(&one).0), "{one}");
+    for split in splits {
+        let cp = tiny(&dir, "cp.png", &[&["--cache", &flag][..], &g, &split].concat(), true);
+        let got = first_block_decisions(&cp);
+        assert_eq!(got.len(), want.len(), "{split:?}: {cp}");
+        for (i, ((d, hit), (w, want_hit))) in got.iter().zip(&want).enumerate() {
+            assert_eq!(hit, want_hit, "{split:?} call {i}: {d:?} vs {w:?}");
+            match (d, w) {
+                (None, None) => {}
+                (Some(d), Some(w)) => assert!(close(*d, *w), "{split:?} call {i}: change {d} vs {w}"),
+                _ => panic!("{split:?} call {i}: {d:?} vs {w:?}"),
+            }
+        }
+        assert_eq!(served(&cp), served(&one), "{split:?}");
+        golden::assert_matches_golden(&dir.join("cp.png"), &dir.join("one.png"));
+    }
+
+    let flag = format!("magcache:calibrate=true,num_inference_steps={STEPS}");
+    let one = calibrated(&tiny(&dir, "one.png", &[&["--cache", &flag][..], &g].concat(), false));
+    assert_eq!(one.len(), 1);
+    for split in splits {
+        let cp = tiny(&dir, "cp.png", &[&["--cache", &flag][..], &g, &split].concat(), false);
+        let got = calibrated(&cp);
+        assert_eq!(got.len(), 1, "{split:?}: {cp}");
+        assert_eq!(got[0].len(), one[0].len(), "{split:?}");
+        for (r, w) in got[0].iter().zip(&one[0]) {
+            assert!(close(*r, *w), "{split:?}: ratios {:?} vs {:?}", got[0], one[0]);
+        }
+        golden::assert_matches_golden(&dir.join("cp.png"), &dir.join("one.png"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// What changes the batch mid-run (`cfg_truncation` stopping the guidance) would leave a cache's
-/// state for another batch, and FasterCache's guidance mode is not implemented: refused before
-/// any work, naming the setting.
+/// state for another batch, FasterCache's guidance mode is not implemented, and with a
+/// context-parallel degree that does not divide 32 First-Block Cache's decision and MagCache's
+/// calibration would count the padding in their means: refused before any work, naming the
+/// setting.
 #[test]
 fn zimage_caches_kiln_cannot_run_are_refused() {
     let dir = temp_dir("zimage-cache-bad");
@@ -347,6 +437,22 @@ fn zimage_caches_kiln_cannot_run_are_refused() {
             "faster:is_guidance_distilled=True,spatial_attention_timestep_skip_range=-1;990",
             &["--guidance-scale", "4"][..],
             "faster does not run on Z-Image with guidance",
+        ),
+        (
+            "first-block:threshold=0.5",
+            &["--ring-degree", "3"][..],
+            "First-Block Cache's decision reads a mean over the unified sequence",
+        ),
+        (
+            "first-block:threshold=0.5",
+            &["--ring-degree", "3"][..],
+            "would pad to a multiple of 3 (the mean would count the padding); use a context-parallel degree \
+             that divides 32",
+        ),
+        (
+            "magcache:calibrate=true,num_inference_steps=4",
+            &["--ulysses-degree", "2", "--ring-degree", "3"][..],
+            "MagCache's calibrate reads a mean",
         ),
     ] {
         let (ok, stderr) = generate(&dir, &base(cache, extra));
