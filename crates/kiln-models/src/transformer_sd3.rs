@@ -788,10 +788,6 @@ impl SD3Transformer2DModel {
     /// (`transformer_blocks.0`, `first_block.head`); its image residual decides whether the
     /// rest runs.
     pub fn forward_first_block(&self, inputs: &SD3TransformerInputs<'_>) -> Result<FirstBlockOutput> {
-        context_parallel::refuse(
-            inputs.hidden_states.device(),
-            "First-Block Cache (its decisions would see one device's tokens)",
-        )?;
         let inputs = self.call_inputs(inputs)?;
         if self.transformer_blocks.len() < 2 {
             return Err(Error::Config {

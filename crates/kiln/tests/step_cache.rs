@@ -115,6 +115,53 @@ fn check_cached_case(dir: &std::path::Path, case: &std::path::Path, tag: &str, e
     assert!(stderr.contains(&want), "{} ({tag}): {want}…\n{stderr}", case.display());
 }
 
+/// First-Block Cache on the tiny `pipeline` (`branches` calls a step), at a threshold between the
+/// changes one device measures when every call computes: under context parallelism each call
+/// measures the same change (within 1e-5), decides the same and gives the same image.
+fn first_block_is_unchanged_by_splitting(dir: &std::path::Path, pipeline: &str, branches: usize) {
+    let steps = 6;
+    let zero = ["--cache", "first-block:threshold=0", "--compile", "none"];
+    let measured = first_block_decisions(&tiny(dir, pipeline, steps, "fb-zero.png", &zero, true));
+    let mut changes: Vec<f64> = measured.iter().filter_map(|(_, d, _)| *d).collect();
+    assert_eq!(changes.len(), branches * (steps - 1), "{measured:?}");
+    changes.sort_by(f64::total_cmp);
+    let threshold = (changes[changes.len() / 2] + changes[changes.len() / 2 - 1]) / 2.0;
+    let flag = format!("first-block:threshold={threshold}");
+    let one = tiny(
+        dir,
+        pipeline,
+        steps,
+        "fb-one.png",
+        &["--cache", &flag, "--compile", "none"],
+        true,
+    );
+    let want = first_block_decisions(&one);
+    let hits = want.iter().filter(|(_, _, hit)| *hit).count();
+    assert!((1..branches * steps).contains(&hits), "{want:?}");
+    for (tag, flags) in &CONTEXT_PARALLEL {
+        let out = format!("fb-{tag}.png");
+        let stderr = tiny(
+            dir,
+            pipeline,
+            steps,
+            &out,
+            &[&["--cache", &flag][..], flags].concat(),
+            true,
+        );
+        let got = first_block_decisions(&stderr);
+        assert_eq!(got.len(), want.len(), "{pipeline} {tag}: {stderr}");
+        for (i, ((gb, gd, ghit), (wb, wd, whit))) in got.iter().zip(&want).enumerate() {
+            assert_eq!((gb, ghit), (wb, whit), "{pipeline} {tag} call {i}: {got:?} vs {want:?}");
+            match (gd, wd) {
+                (Some(g), Some(w)) => assert!((g - w).abs() <= 1e-5 * w.abs(), "{pipeline} {tag} call {i}: {g} vs {w}"),
+                _ => assert_eq!(gd, wd, "{pipeline} {tag} call {i}"),
+            }
+        }
+        assert_eq!(served(&stderr), served(&one), "{pipeline} {tag}");
+        golden::assert_matches_golden(&dir.join(&out), &dir.join("fb-one.png"));
+    }
+}
+
 /// The ratios `--cache magcache:calibrate=true` printed, one list per cache state.
 fn calibrated(stderr: &str) -> Vec<Vec<f64>> {
     stderr
@@ -214,49 +261,7 @@ fn caches_run_with_context_parallelism_on_flux2() {
         }
     }
 
-    // First-Block Cache: a threshold between the changes one device measures when every call
-    // computes.
-    let (pipeline, steps) = ("flux2_klein_base", 6);
-    let zero = ["--cache", "first-block:threshold=0", "--compile", "none"];
-    let measured = first_block_decisions(&tiny(&dir, pipeline, steps, "fb-zero.png", &zero, true));
-    let mut changes: Vec<f64> = measured.iter().filter_map(|(_, d, _)| *d).collect();
-    assert_eq!(changes.len(), 2 * steps - 2, "{measured:?}");
-    changes.sort_by(f64::total_cmp);
-    let threshold = (changes[changes.len() / 2] + changes[changes.len() / 2 - 1]) / 2.0;
-    let flag = format!("first-block:threshold={threshold}");
-    let one = tiny(
-        &dir,
-        pipeline,
-        steps,
-        "fb-one.png",
-        &["--cache", &flag, "--compile", "none"],
-        true,
-    );
-    let want = first_block_decisions(&one);
-    let hits = want.iter().filter(|(_, _, hit)| *hit).count();
-    assert!((1..2 * steps).contains(&hits), "{want:?}");
-    for (tag, flags) in &CONTEXT_PARALLEL {
-        let out = format!("fb-{tag}.png");
-        let stderr = tiny(
-            &dir,
-            pipeline,
-            steps,
-            &out,
-            &[&["--cache", &flag][..], flags].concat(),
-            true,
-        );
-        let got = first_block_decisions(&stderr);
-        assert_eq!(got.len(), want.len(), "{tag}: {stderr}");
-        for (i, ((gb, gd, ghit), (wb, wd, whit))) in got.iter().zip(&want).enumerate() {
-            assert_eq!((gb, ghit), (wb, whit), "{tag} call {i}: {got:?} vs {want:?}");
-            match (gd, wd) {
-                (Some(g), Some(w)) => assert!((g - w).abs() <= 1e-5 * w.abs(), "{tag} call {i}: {g} vs {w}"),
-                _ => assert_eq!(gd, wd, "{tag} call {i}"),
-            }
-        }
-        assert_eq!(served(&stderr), served(&one), "{tag}");
-        golden::assert_matches_golden(&dir.join(&out), &dir.join("fb-one.png"));
-    }
+    first_block_is_unchanged_by_splitting(&dir, "flux2_klein_base", 2);
 
     // FasterCache (one state for both branches): 9 of 20 calls served, as on one device.
     let case = kiln_fixtures::oracle().join("cases/cache_flux2/taylorseer_klein_base_cfg");
@@ -278,13 +283,19 @@ fn caches_run_with_context_parallelism_on_flux2() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// SD3 with context parallelism (its step caches need image tokens the degree divides, so the
-/// residual holds no padding): MagCache's calibration prints one device's ratios.
+/// SD3 with context parallelism (its joint text padded; its step caches need image tokens the
+/// degree divides, so the residual holds no padding): the oracle's MagCache case gives
+/// diffusers' image and decisions, MagCache's calibration prints one device's ratios and
+/// First-Block Cache decides as one device.
 #[test]
-fn magcache_calibration_with_context_parallelism_on_sd3() {
+fn caches_run_with_context_parallelism_on_sd3() {
     let dir = temp_dir("step-cache-cp-sd3");
     let case = kiln_fixtures::oracle().join("cases/cache_sd3/magcache_cfg");
+    for (tag, flags) in &CONTEXT_PARALLEL {
+        check_cached_case(&dir, &case, tag, flags);
+    }
     calibration_is_unchanged_by_splitting(&dir, &case, &["--ring-degree", "2"]);
+    first_block_is_unchanged_by_splitting(&dir, "sd3", 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
