@@ -690,7 +690,7 @@ pub trait DiffusionPipeline {
     /// ulysses_degree))`: the transformer's token sequences split over `context.degree()` times
     /// the tensor-parallel devices (a mesh laid out as [`kiln_tensor::MeshAxes`] says), loaded
     /// again as [`DiffusionPipeline::enable_tensor_parallel`] does. Text encoders and the VAE run
-    /// replicated. FLUX.1 and FLUX.2 only so far; another transformer is an error before anything loads.
+    /// replicated. FLUX.1, FLUX.2, SD3 and Z-Image; another transformer is an error before anything loads.
     fn enable_context_parallel(&mut self, context: kiln_tensor::ContextParallel) -> Result<()>;
     /// Compiles every component as `mode` says (`torch.compile` of each model, or
     /// `compile_repeated_blocks`). Programs are compiled on the first call with each size and

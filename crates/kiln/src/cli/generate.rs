@@ -51,12 +51,12 @@ pub struct GenerateArgs {
     pub tp: usize,
     /// Context parallelism (diffusers' ContextParallelConfig ulysses_degree): the transformer's
     /// text and image tokens split over N devices (times --tp), attention by Ulysses all-to-alls
-    /// (the head count must divide by N). FLUX.1 and FLUX.2 only so far.
+    /// (the head count must divide by N). Any token count (padded).
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count, help_heading = RUN)]
     pub ulysses_degree: usize,
     /// Context parallelism (diffusers' ContextParallelConfig ring_degree): the tokens split over N
     /// devices (times --tp), attention by ring attention (key/value blocks passed around, any
-    /// head count). FLUX.1 and FLUX.2 only so far.
+    /// head count). Any token count (padded).
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::generate::count, help_heading = RUN)]
     pub ring_degree: usize,
     /// How the models run: none (op by op), blocks (one compiled program per repeated block
