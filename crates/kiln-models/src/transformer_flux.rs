@@ -357,26 +357,12 @@ impl FluxTransformer2DModel {
     /// Lengths the degree does not divide are padded, their padding keys masked
     /// ([`context_parallel::split_joint_tokens`]) and the prediction cut by [`Self::forward`].
     ///
-    /// A step cache's calls take them too ([`Self::cache_inputs`]): what a cache keeps (residuals, attention outputs,
-    /// Taylor factors) is token-wise, so each device keeps its own tokens' share, and the
-    /// prediction is gathered as the plain forward's. The measures that read data (First-Block
+    /// A step cache's calls take them too: what a cache keeps (attention outputs, Taylor factors,
+    /// residuals) is token-wise, so each device keeps its own tokens' share, and the prediction
+    /// is gathered and cut as the plain forward's. The measures that read data (First-Block
     /// Cache's change, MagCache's calibration ratios) are means over every device's tokens
-    /// (kiln-pipelines' `cache.rs`).
-    /// [`Self::call_inputs`] of a step cache's call: under context parallelism its lengths must
-    /// divide by the degree (the measures average every device's tokens, which must hold no
-    /// padding; the error names the degrees that work).
-    fn cache_inputs(&self, inputs: &FluxTransformerInputs<'_>) -> Result<CallInputs> {
-        let lengths = [
-            (
-                "text tokens (with a step cache)",
-                inputs.encoder_hidden_states.dims()[1],
-            ),
-            ("image tokens (with a step cache)", inputs.hidden_states.dims()[1]),
-        ];
-        context_parallel::check_sequence_lengths(inputs.hidden_states, &lengths)?;
-        self.call_inputs(inputs)
-    }
-
+    /// (kiln-pipelines' `cache.rs`); where the image is padded, the residuals they read are kept
+    /// whole ([`context_parallel::whole_if_padded`]), so no padding enters them.
     fn call_inputs(&self, inputs: &FluxTransformerInputs<'_>) -> Result<CallInputs> {
         let tokens =
             context_parallel::split_joint_tokens(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
@@ -537,25 +523,34 @@ impl FluxTransformer2DModel {
     /// `image stream after the last block − image stream entering the first` (one program,
     /// `magcache.compute`, when compiled whole).
     pub fn forward_magcache_compute(&self, inputs: &FluxTransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
-        let inputs = self.cache_inputs(inputs)?;
-        self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
+        let image_len = inputs.hidden_states.dims()[1];
+        let inputs = self.call_inputs(inputs)?;
+        let (prediction, residual) = self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
             let x_in = x.clone();
             let (x, ctx) = m.double_blocks(0, x, ctx, &temb_silu, &inputs.rope)?;
             let x = m.single_blocks(x, ctx, &temb_silu, &inputs.rope)?;
             Ok((m.output(&x, &temb_silu)?, x.sub(&x_in)?))
-        })
+        })?;
+        Ok((
+            unpadded(prediction, image_len)?,
+            context_parallel::whole_if_padded(&residual, image_len)?,
+        ))
     }
 
     /// MagCache's skipped call: no block runs; the image stream entering the first block plus
     /// `residual`, through `norm_out` and `proj_out` (`magcache.skip`).
     pub fn forward_magcache_skip(&self, inputs: &FluxTransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
-        let inputs = (self.cache_inputs(inputs)?, residual.clone());
-        self.compiled
+        let image_len = inputs.hidden_states.dims()[1];
+        let residual = context_parallel::device_tokens(residual, image_len)?;
+        let inputs = (self.call_inputs(inputs)?, residual);
+        let prediction = self
+            .compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
                 m.output(&x.add(residual)?, &temb_silu)
-            })
+            })?;
+        unpadded(prediction, image_len)
     }
 
     /// How many attention modules' outputs a step cache on the attention (TaylorSeer,
@@ -570,8 +565,10 @@ impl FluxTransformer2DModel {
     /// module's outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute` when
     /// compiled whole; each block's `attention_record` program by blocks).
     pub fn forward_recording_attention(&self, inputs: &FluxTransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
-        let inputs = self.cache_inputs(inputs)?;
-        self.compiled
+        let image_len = inputs.hidden_states.dims()[1];
+        let inputs = self.call_inputs(inputs)?;
+        let (prediction, recorded) = self
+            .compiled
             .whole("attention_cache.compute", self, inputs, |m, inputs| {
                 let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
                 let mut recorded = Vec::with_capacity(m.attention_outputs());
@@ -579,7 +576,8 @@ impl FluxTransformer2DModel {
                 let (x, ctx) = m.double_blocks_with(0, x, ctx, shared, AttentionMode::Record, &mut recorded)?;
                 let x = m.single_blocks_with(x, ctx, shared, AttentionMode::Record, &mut recorded)?;
                 Ok((m.output(&x, &temb_silu)?, recorded))
-            })
+            })?;
+        Ok((unpadded(prediction, image_len)?, recorded))
     }
 
     /// A step cache's cached call: every block runs with its attention module's outputs taken
@@ -587,8 +585,10 @@ impl FluxTransformer2DModel {
     /// (`attention_cache.given`; each block's `attention_given` program by blocks).
     pub fn forward_with_attention(&self, inputs: &FluxTransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
         check_attention_outputs(attention.len(), self.attention_outputs())?;
-        let inputs = (self.cache_inputs(inputs)?, attention.to_vec());
-        self.compiled
+        let image_len = inputs.hidden_states.dims()[1];
+        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
+        let prediction = self
+            .compiled
             .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
                 let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
                 let shared = (&temb_silu, &inputs.rope);
@@ -596,14 +596,16 @@ impl FluxTransformer2DModel {
                 let (x, ctx) = m.double_blocks_with(0, x, ctx, shared, mode, &mut Vec::new())?;
                 let x = m.single_blocks_with(x, ctx, shared, mode, &mut Vec::new())?;
                 m.output(&x, &temb_silu)
-            })
+            })?;
+        unpadded(prediction, image_len)
     }
 
     /// First-Block Cache's first part: the embeddings and the first block
     /// (`first_block.head`); its residual decides whether the rest runs.
     pub fn forward_first_block(&self, inputs: &FluxTransformerInputs<'_>) -> Result<FirstBlockOutput> {
-        let inputs = self.cache_inputs(inputs)?;
-        self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
+        let image_len = inputs.hidden_states.dims()[1];
+        let inputs = self.call_inputs(inputs)?;
+        let mut head = self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
             let Embedded { x, ctx, temb_silu } = m.embed(inputs)?;
             if m.transformer_blocks.is_empty() {
                 return Err(Error::Config {
@@ -625,31 +627,49 @@ impl FluxTransformer2DModel {
                 text,
                 temb_silu,
             })
-        })
+        })?;
+        // The residual only feeds the decision.
+        head.residual = context_parallel::whole_if_padded(&head.residual, image_len)?;
+        Ok(head)
     }
 
     /// First-Block Cache's computed rest: every other block after `head`; the prediction and the
     /// residual `image stream after the last block − after the first` (`first_block.rest`).
-    /// `rope`: the call's tables ([`FluxTransformerInputs::rope`]), split as the head's tokens
-    /// under context parallelism.
-    pub fn forward_after_first_block(&self, head: &FirstBlockOutput, rope: &RopeTables) -> Result<(Tensor, Tensor)> {
-        let inputs = (head.clone(), head_rope(head, rope)?);
-        self.compiled
-            .whole("first_block.rest", self, inputs, |m, (head, rope)| {
-                let (x, ctx) = m.double_blocks(1, head.image.clone(), head.text.clone(), &head.temb_silu, rope)?;
-                let x = m.single_blocks(x, ctx, &head.temb_silu, rope)?;
-                Ok((m.output(&x, &head.temb_silu)?, x.sub(&head.image)?))
-            })
+    /// `inputs`: the call's (its rotary tables and token counts place the head's tokens).
+    pub fn forward_after_first_block(
+        &self,
+        head: &FirstBlockOutput,
+        inputs: &FluxTransformerInputs<'_>,
+    ) -> Result<(Tensor, Tensor)> {
+        let image_len = inputs.hidden_states.dims()[1];
+        let args = (
+            head.clone(),
+            head_positions(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?,
+        );
+        let (prediction, residual) = self.compiled.whole("first_block.rest", self, args, |m, (head, rope)| {
+            let (x, ctx) = m.double_blocks(1, head.image.clone(), head.text.clone(), &head.temb_silu, rope)?;
+            let x = m.single_blocks(x, ctx, &head.temb_silu, rope)?;
+            Ok((m.output(&x, &head.temb_silu)?, x.sub(&head.image)?))
+        })?;
+        Ok((unpadded(prediction, image_len)?, residual))
     }
 
     /// First-Block Cache's cached rest: the first block's image stream plus the residual of the
-    /// last computed call, through `norm_out` and `proj_out` (`first_block.cached`).
-    pub fn forward_from_first_block(&self, head: &FirstBlockOutput, residual: &Tensor) -> Result<Tensor> {
+    /// last computed call, through `norm_out` and `proj_out` (`first_block.cached`) and cut to
+    /// the call's `image_len` tokens.
+    pub fn forward_from_first_block(
+        &self,
+        head: &FirstBlockOutput,
+        residual: &Tensor,
+        image_len: usize,
+    ) -> Result<Tensor> {
         let inputs = (head.clone(), residual.clone());
-        self.compiled
+        let prediction = self
+            .compiled
             .whole("first_block.cached", self, inputs, |m, (head, residual)| {
                 m.output(&head.image.add(residual)?, &head.temb_silu)
-            })
+            })?;
+        unpadded(prediction, image_len)
     }
 }
 
@@ -666,42 +686,12 @@ pub(crate) enum AttentionMode<'a> {
 pub(crate) const RECORD: &str = "attention_record";
 pub(crate) const GIVEN: &str = "attention_given";
 
-/// The rotary tables of a whole call, `rope` (`[text; image]`), for the tokens of a First-Block
-/// Cache `head`: under context parallelism split as [`context_parallel::split_joint_tokens`]
-/// splits them (each device's text, then its image), else `rope` itself.
-pub(crate) fn head_rope(head: &FirstBlockOutput, rope: &RopeTables) -> Result<TokenPositions> {
-    let degree = head.image.device().axes().context.degree();
-    if degree == 1 {
-        return Ok(TokenPositions {
-            rope: rope.clone(),
-            key_bias: None,
-        });
-    }
-    let (text_len, image_len) = (head.text.dims()[1] * degree, head.image.dims()[1] * degree);
-    let rows = rope.cos.dims()[0];
-    if rows != text_len + image_len {
-        return Err(Error::Config {
-            component: "transformer".into(),
-            message: format!(
-                "First-Block Cache's rest was given rotary tables of {rows} positions; the call has \
-                 {text_len} text and {image_len} image tokens"
-            ),
-        });
-    }
-    let split = |t: &Tensor| -> Result<Tensor> {
-        let parts = t.split_sizes(&[text_len, image_len], 0)?;
-        let text = context_parallel::split_sequence(&parts[0], 0)?;
-        let image = context_parallel::split_sequence(&parts[1], 0)?;
-        Ok(Tensor::cat(&[&text, &image], 0)?)
-    };
-    // A step cache's tokens split without padding (`cache_inputs`): no key bias.
-    Ok(TokenPositions {
-        rope: RopeTables {
-            cos: split(&rope.cos)?,
-            sin: split(&rope.sin)?,
-        },
-        key_bias: None,
-    })
+/// The positions of a call's `text` and `image` tokens (`rope` of `[text; image]`) as
+/// [`context_parallel::split_joint_tokens`] splits them: what First-Block Cache's rest needs for
+/// the head's tokens.
+pub(crate) fn head_positions(text: &Tensor, image: &Tensor, rope: &RopeTables) -> Result<TokenPositions> {
+    let (rope, key_bias) = context_parallel::split_joint_positions(image, (text.dims()[1], image.dims()[1]), rope)?;
+    Ok(TokenPositions { rope, key_bias })
 }
 
 /// A step cache's attention outputs must be one per hooked module output.

@@ -28,7 +28,7 @@ use crate::mmdit::{
     gated_residual, guidance_input, modulate, rope_attention, sinusoid, split_heads, times_1000, timestep_frequencies,
     unpadded, JointStreams, Mlp, TokenPositions,
 };
-use crate::transformer_flux::{head_rope, AttentionMode, FirstBlockOutput, GIVEN, RECORD};
+use crate::transformer_flux::{head_positions, AttentionMode, FirstBlockOutput, GIVEN, RECORD};
 
 fn input_error(op: &'static str, message: String) -> Error {
     Error::Tensor(kiln_tensor::Error::Invalid { op, message })
@@ -514,26 +514,11 @@ impl Flux2Transformer2DModel {
     /// Lengths the degree does not divide are padded, their padding keys masked
     /// ([`context_parallel::split_joint_tokens`]) and the prediction cut by [`Self::forward`].
     ///
-    /// A step cache's calls take them too ([`Self::cache_inputs`]): what a cache keeps (residuals over the image tokens,
+    /// A step cache's calls take them too: what a cache keeps (residuals over the image tokens,
     /// attention outputs, Taylor factors) is token-wise, so each device keeps its own tokens'
     /// share, and the prediction is gathered as the plain forward's. The measures that read data
     /// (First-Block Cache's change, MagCache's calibration ratios) are means over every device's
     /// tokens (kiln-pipelines' `cache.rs`).
-    /// [`Self::call_inputs`] of a step cache's call: under context parallelism its lengths must
-    /// divide by the degree (the measures average every device's tokens, which must hold no
-    /// padding; the error names the degrees that work).
-    fn cache_inputs(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<CallInputs> {
-        let lengths = [
-            (
-                "text tokens (with a step cache)",
-                inputs.encoder_hidden_states.dims()[1],
-            ),
-            ("image tokens (with a step cache)", inputs.hidden_states.dims()[1]),
-        ];
-        context_parallel::check_sequence_lengths(inputs.hidden_states, &lengths)?;
-        self.call_inputs(inputs)
-    }
-
     fn call_inputs(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<CallInputs> {
         let tokens =
             context_parallel::split_joint_tokens(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
@@ -689,42 +674,49 @@ impl Flux2Transformer2DModel {
     /// A step cache's computed call (TaylorSeer, FasterCache): the prediction and every attention
     /// module's outputs, in [`Self::attention_outputs`]' order (`attention_cache.compute`).
     pub fn forward_recording_attention(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<(Tensor, Vec<Tensor>)> {
-        let inputs = self.cache_inputs(inputs)?;
-        self.compiled
+        let image_len = inputs.hidden_states.dims()[1];
+        let inputs = self.call_inputs(inputs)?;
+        let (prediction, recorded) = self
+            .compiled
             .whole("attention_cache.compute", self, inputs, |m, inputs| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
                 let mut recorded = Vec::with_capacity(m.attention_outputs());
                 let x = m.blocks_with(x, &temb_silu, inputs, AttentionMode::Record, &mut recorded)?;
                 Ok((m.output(&x, &temb_silu)?, recorded))
-            })
+            })?;
+        Ok((unpadded(prediction, image_len)?, recorded))
     }
 
     /// A step cache's cached call: every block runs with its attention module's outputs taken
     /// from `attention` instead of computed (`attention_cache.given`).
     pub fn forward_with_attention(&self, inputs: &Flux2TransformerInputs<'_>, attention: &[Tensor]) -> Result<Tensor> {
         crate::transformer_flux::check_attention_outputs(attention.len(), self.attention_outputs())?;
-        let inputs = (self.cache_inputs(inputs)?, attention.to_vec());
-        self.compiled
+        let image_len = inputs.hidden_states.dims()[1];
+        let inputs = (self.call_inputs(inputs)?, attention.to_vec());
+        let prediction = self
+            .compiled
             .whole("attention_cache.given", self, inputs, |m, (inputs, attention)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
                 let mode = AttentionMode::Given(attention);
                 let x = m.blocks_with(x, &temb_silu, inputs, mode, &mut Vec::new())?;
                 m.output(&x, &temb_silu)
-            })
+            })?;
+        unpadded(prediction, image_len)
     }
 
     /// First-Block Cache's first part: the embeddings and the first double block
     /// (`transformer_blocks.0`, `first_block.head`); its image residual decides whether the rest
     /// runs.
     pub fn forward_first_block(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<FirstBlockOutput> {
-        let inputs = self.cache_inputs(inputs)?;
+        let image_len = inputs.hidden_states.dims()[1];
+        let inputs = self.call_inputs(inputs)?;
         if self.transformer_blocks.is_empty() {
             return Err(Error::Config {
                 component: "transformer".into(),
                 message: "First-Block Cache needs at least one double-stream block".into(),
             });
         }
-        self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
+        let mut head = self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
             let (x_in, temb_silu) = m.embed_image(inputs)?;
             let ctx = m.context_embedder.forward(&inputs.encoder_hidden_states)?;
             let mod_img = m.double_stream_modulation_img.forward(&temb_silu)?;
@@ -742,56 +734,85 @@ impl Flux2Transformer2DModel {
                 text,
                 temb_silu,
             })
-        })
+        })?;
+        // The residual only feeds the decision.
+        head.residual = context_parallel::whole_if_padded(&head.residual, image_len)?;
+        Ok(head)
     }
 
     /// First-Block Cache's computed rest: every block after `head`; the prediction and the
     /// residual over the image tokens, `out[:, −S:] − image stream after the first block`
     /// (`first_block.rest`). (diffusers' own hook fails here: its tail, the last single block,
     /// returns the joint sequence; the residual is defined as MagCache's FLUX.2 one is.)
-    /// `rope`: the call's tables ([`Flux2TransformerInputs::rope`]), split as the head's tokens
-    /// under context parallelism.
-    pub fn forward_after_first_block(&self, head: &FirstBlockOutput, rope: &RopeTables) -> Result<(Tensor, Tensor)> {
-        let inputs = (head.clone(), head_rope(head, rope)?);
-        self.compiled
-            .whole("first_block.rest", self, inputs, |m, (head, rope)| {
+    /// `inputs`: the call's (its rotary tables and token counts place the head's tokens).
+    pub fn forward_after_first_block(
+        &self,
+        head: &FirstBlockOutput,
+        inputs: &Flux2TransformerInputs<'_>,
+    ) -> Result<(Tensor, Tensor)> {
+        let image_len = inputs.hidden_states.dims()[1];
+        let positions = head_positions(inputs.encoder_hidden_states, inputs.hidden_states, inputs.rope)?;
+        let (prediction, residual) = self.compiled.whole(
+            "first_block.rest",
+            self,
+            (head.clone(), positions),
+            |m, (head, rope)| {
                 let streams = (head.image.clone(), head.text.clone());
                 let shared = (&head.temb_silu, rope);
                 let x = m.blocks_from(1, streams, shared, AttentionMode::Plain, &mut Vec::new())?;
                 Ok((m.output(&x, &head.temb_silu)?, x.sub(&head.image)?))
-            })
+            },
+        )?;
+        Ok((unpadded(prediction, image_len)?, residual))
     }
 
     /// First-Block Cache's cached rest: the first block's image stream plus the residual of the
-    /// last computed call, through `norm_out` and `proj_out` (`first_block.cached`).
-    pub fn forward_from_first_block(&self, head: &FirstBlockOutput, residual: &Tensor) -> Result<Tensor> {
+    /// last computed call, through `norm_out` and `proj_out` (`first_block.cached`) and cut to
+    /// the call's `image_len` tokens.
+    pub fn forward_from_first_block(
+        &self,
+        head: &FirstBlockOutput,
+        residual: &Tensor,
+        image_len: usize,
+    ) -> Result<Tensor> {
         let inputs = (head.clone(), residual.clone());
-        self.compiled
+        let prediction = self
+            .compiled
             .whole("first_block.cached", self, inputs, |m, (head, residual)| {
                 m.output(&head.image.add(residual)?, &head.temb_silu)
-            })
+            })?;
+        unpadded(prediction, image_len)
     }
 
     /// MagCache's computed call: the prediction and the residual of the block stack over the
     /// image tokens, `out[:, −S:] − image stream entering the first block` (`magcache.compute`).
     pub fn forward_magcache_compute(&self, inputs: &Flux2TransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
-        let inputs = self.cache_inputs(inputs)?;
-        self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
+        let image_len = inputs.hidden_states.dims()[1];
+        let inputs = self.call_inputs(inputs)?;
+        let (prediction, residual) = self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let (x_in, temb_silu) = m.embed_image(inputs)?;
             let x = m.blocks(x_in.clone(), &temb_silu, inputs)?;
             Ok((m.output(&x, &temb_silu)?, x.sub(&x_in)?))
-        })
+        })?;
+        Ok((
+            unpadded(prediction, image_len)?,
+            context_parallel::whole_if_padded(&residual, image_len)?,
+        ))
     }
 
     /// MagCache's skipped call: no block runs; the embedded image stream plus `residual`
     /// (`magcache.skip`).
     pub fn forward_magcache_skip(&self, inputs: &Flux2TransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
-        let inputs = (self.cache_inputs(inputs)?, residual.clone());
-        self.compiled
+        let image_len = inputs.hidden_states.dims()[1];
+        let residual = context_parallel::device_tokens(residual, image_len)?;
+        let inputs = (self.call_inputs(inputs)?, residual);
+        let prediction = self
+            .compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
                 m.output(&x.add(residual)?, &temb_silu)
-            })
+            })?;
+        unpadded(prediction, image_len)
     }
 }
 

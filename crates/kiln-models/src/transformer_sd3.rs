@@ -647,8 +647,9 @@ impl SD3Transformer2DModel {
         (latents.dims()[2] / p) * (latents.dims()[3] / p)
     }
 
-    /// [`Self::tensors`] of a step cache's call. With context parallelism a cache's state and
-    /// decisions are on each device's image tokens, which must then split without padding.
+    /// [`Self::tensors`] of a step cache's call. With context parallelism a cache's state is on
+    /// each device's image tokens; where they are padded, the residuals its means read are kept
+    /// whole ([`context_parallel::whole_if_padded`]).
     fn call_inputs(&self, inputs: &SD3TransformerInputs<'_>) -> Result<CallInputs> {
         self.check_inputs(inputs)?;
         if !inputs.skip_layers.is_empty() {
@@ -657,30 +658,28 @@ impl SD3Transformer2DModel {
                 message: "a step cache with skip-layer guidance is not implemented: leave one out".into(),
             });
         }
-        let image_len = self.image_tokens(inputs.hidden_states);
-        context_parallel::check_sequence_lengths(
-            inputs.hidden_states,
-            &[("image tokens (with a step cache)", image_len)],
-        )?;
         self.tensors(inputs)
     }
 
     /// MagCache's computed call: the prediction and the residual of the whole block stack,
     /// `image stream after the last block − entering the first` (`magcache.compute`).
     pub fn forward_magcache_compute(&self, inputs: &SD3TransformerInputs<'_>) -> Result<(Tensor, Tensor)> {
+        let image_len = self.image_tokens(inputs.hidden_states);
         let inputs = self.call_inputs(inputs)?;
-        self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
+        let (prediction, residual) = self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let (x, ctx, temb_silu) = m.embed(inputs)?;
             let x_in = x.clone();
             let x = m.blocks(x, ctx, &temb_silu, &inputs.biases, &[])?;
             Ok((m.output(&x, &temb_silu, inputs)?, x.sub(&x_in)?))
-        })
+        })?;
+        Ok((prediction, context_parallel::whole_if_padded(&residual, image_len)?))
     }
 
     /// MagCache's skipped call: no block runs; the embedded image stream plus `residual`
     /// (`magcache.skip`).
     pub fn forward_magcache_skip(&self, inputs: &SD3TransformerInputs<'_>, residual: &Tensor) -> Result<Tensor> {
-        let inputs = (self.call_inputs(inputs)?, residual.clone());
+        let residual = context_parallel::device_tokens(residual, self.image_tokens(inputs.hidden_states))?;
+        let inputs = (self.call_inputs(inputs)?, residual);
         self.compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let (x, temb_silu) = m.embed_image(inputs)?;
@@ -788,6 +787,7 @@ impl SD3Transformer2DModel {
     /// (`transformer_blocks.0`, `first_block.head`); its image residual decides whether the
     /// rest runs.
     pub fn forward_first_block(&self, inputs: &SD3TransformerInputs<'_>) -> Result<FirstBlockOutput> {
+        let image_len = self.image_tokens(inputs.hidden_states);
         let inputs = self.call_inputs(inputs)?;
         if self.transformer_blocks.len() < 2 {
             return Err(Error::Config {
@@ -795,7 +795,7 @@ impl SD3Transformer2DModel {
                 message: "First-Block Cache needs at least two joint blocks (the first and the last)".into(),
             });
         }
-        self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
+        let mut head = self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
             let (x, ctx, temb_silu) = m.embed(inputs)?;
             let x_in = x.clone();
             let args = (x, ctx, temb_silu.clone(), inputs.biases.clone());
@@ -811,7 +811,10 @@ impl SD3Transformer2DModel {
                 text,
                 temb_silu,
             })
-        })
+        })?;
+        // The residual only feeds the decision.
+        head.residual = context_parallel::whole_if_padded(&head.residual, image_len)?;
+        Ok(head)
     }
 
     /// First-Block Cache's computed rest: every block after `head` (the last included); the

@@ -89,29 +89,54 @@ pub struct JointTokens {
 /// positions. A length the degree does not divide is padded (as diffusers' `ulysses_anything`),
 /// its padding keys masked by `key_bias` and its image rows cut by [`gather_unpadded`].
 pub fn split_joint_tokens(text: &Tensor, image: &Tensor, rope: &RopeTables) -> Result<JointTokens> {
-    if !text.device().axes().context.is_enabled() {
-        return Ok(JointTokens {
-            text: text.clone(),
-            image: image.clone(),
-            rope: rope.clone(),
-            key_bias: None,
-        });
+    let (rope, key_bias) = split_joint_positions(image, (text.dims()[1], image.dims()[1]), rope)?;
+    Ok(JointTokens {
+        text: split_padded(text, 1)?,
+        image: split_padded(image, 1)?,
+        rope,
+        key_bias,
+    })
+}
+
+/// The rotary rows and key bias of [`split_joint_tokens`] for `text_len` text and `image_len`
+/// image tokens (what a later part of the same call needs without the tokens), created where
+/// `like` is.
+pub fn split_joint_positions(
+    like: &Tensor,
+    (text_len, image_len): (usize, usize),
+    rope: &RopeTables,
+) -> Result<(RopeTables, Option<Tensor>)> {
+    if !like.device().axes().context.is_enabled() {
+        return Ok((rope.clone(), None));
     }
-    let (text_len, image_len) = (text.dims()[1], image.dims()[1]);
     let split_table = |t: &Tensor| -> Result<Tensor> {
         let parts = t.split_sizes(&[text_len, image_len], 0)?;
         let (text, image) = (split_padded(&parts[0], 0)?, split_padded(&parts[1], 0)?);
         Ok(Tensor::cat(&[&text, &image], 0)?)
     };
-    Ok(JointTokens {
-        text: split_padded(text, 1)?,
-        image: split_padded(image, 1)?,
-        rope: RopeTables {
-            cos: split_table(&rope.cos)?,
-            sin: split_table(&rope.sin)?,
-        },
-        key_bias: key_bias(image, &[text_len, image_len])?,
-    })
+    let rope = RopeTables {
+        cos: split_table(&rope.cos)?,
+        sin: split_table(&rope.sin)?,
+    };
+    Ok((rope, key_bias(like, &[text_len, image_len])?))
+}
+
+/// `x`'s tokens (along dim 1) of a sequence of `len`: the whole sequence when this device holds
+/// a padded part of it (gathered, padding cut), else `x` as it is. What a step cache keeps where
+/// padding would enter its means ([`device_tokens`] undoes it).
+pub fn whole_if_padded(x: &Tensor, len: usize) -> Result<Tensor> {
+    match padded_len(x.device(), len) == len {
+        true => Ok(x.clone()),
+        false => gather_unpadded(x, 1, len),
+    }
+}
+
+/// This device's (padded) part of a sequence of `len` tokens kept by [`whole_if_padded`].
+pub fn device_tokens(x: &Tensor, len: usize) -> Result<Tensor> {
+    match padded_len(x.device(), len) == len {
+        true => Ok(x.clone()),
+        false => split_padded(x, 1),
+    }
 }
 
 /// This device's tokens of `x` along `dim`: the `r`-th of `degree` equal parts on the device of

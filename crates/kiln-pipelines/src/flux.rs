@@ -555,15 +555,15 @@ impl<'a> CachedTransformer<FluxTransformerInputs<'a>> for FluxTransformer2DModel
         inputs: &FluxTransformerInputs<'a>,
         head: &FirstBlockOutput,
     ) -> kiln_nn::Result<(Tensor, Tensor)> {
-        self.forward_after_first_block(head, inputs.rope)
+        self.forward_after_first_block(head, inputs)
     }
     fn first_block_served(
         &self,
-        _: &FluxTransformerInputs<'a>,
+        inputs: &FluxTransformerInputs<'a>,
         head: &FirstBlockOutput,
         residual: &Tensor,
     ) -> kiln_nn::Result<Tensor> {
-        self.forward_from_first_block(head, residual)
+        self.forward_from_first_block(head, residual, inputs.hidden_states.dims()[1])
     }
 }
 

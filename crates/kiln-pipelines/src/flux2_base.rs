@@ -1008,15 +1008,15 @@ impl<'a> CachedTransformer<Flux2TransformerInputs<'a>> for Flux2Transformer2DMod
         inputs: &Flux2TransformerInputs<'a>,
         head: &FirstBlockOutput,
     ) -> kiln_nn::Result<(Tensor, Tensor)> {
-        self.forward_after_first_block(head, inputs.rope)
+        self.forward_after_first_block(head, inputs)
     }
     fn first_block_served(
         &self,
-        _: &Flux2TransformerInputs<'a>,
+        inputs: &Flux2TransformerInputs<'a>,
         head: &FirstBlockOutput,
         residual: &Tensor,
     ) -> kiln_nn::Result<Tensor> {
-        self.forward_from_first_block(head, residual)
+        self.forward_from_first_block(head, residual, inputs.hidden_states.dims()[1])
     }
 }
 

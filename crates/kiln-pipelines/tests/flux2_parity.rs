@@ -681,13 +681,13 @@ fn a_left_padding_tokenizer_folder_gives_the_same_token_embeddings() {
 }
 
 /// Context parallelism: every FLUX.2 [dev] case with the transformer's text and image tokens split
-/// over two CPU devices (Mistral and the VAE replicated), Ulysses and ring, and ring beside tensor
-/// parallelism on 2 × 2 devices, eager and compiled whole, within the one-device tolerances.
+/// over two CPU devices (Mistral and the VAE replicated), Ulysses and ring, eager and compiled
+/// whole, within the one-device tolerances.
 #[test]
 fn flux2_dev_cases_match_diffusers_with_context_parallelism() {
-    // The oracle's 2 heads leave one per tensor-parallel device: ring attention beside TP.
-    for (tp, ulysses, ring) in [(1, 2, 1), (1, 1, 2), (2, 1, 2)] {
-        let mesh = common::context_mesh(tp, ulysses, ring);
+    // Not beside tensor parallelism: the oracle's Mistral has one key/value head, which TP cannot split.
+    for (ulysses, ring) in [(2, 1), (1, 2)] {
+        let mesh = common::context_mesh(1, ulysses, ring);
         for case in cases() {
             run_case_on(&case, CompileMode::None, &mesh);
             run_case_on(&case, CompileMode::Full, &mesh);

@@ -430,3 +430,54 @@ fn sd3_cases_match_diffusers_on_four_devices() {
         run_case_on(&case, CompileMode::None, &mesh);
     }
 }
+
+/// An image the degree does not divide (a 9 × 9 grid of image tokens, with the joint text always
+/// padded) gives one device's latents at ring 2, plain and with each step cache (the residuals the
+/// caches' means read kept whole: the same calls served, the same calibration ratios).
+#[test]
+fn sd3_context_parallelism_pads_the_image_tokens_with_step_caches() {
+    let case = oracle().join("cases/sd3/cfg_basic");
+    let call_json: Value = serde_json::from_str(&std::fs::read_to_string(case.join("call.json")).unwrap()).unwrap();
+    let folder = oracle().join(call_json["pipeline_dir"].as_str().unwrap());
+    let load = |d: &kiln_tensor::Device| {
+        StableDiffusion3Pipeline::from_pretrained(folder.to_str().unwrap(), &LoadOptions::default())
+            .unwrap()
+            .to(d)
+            .unwrap()
+    };
+    let axes = kiln_tensor::MeshAxes {
+        tp: 1,
+        context: kiln_tensor::ContextParallel { ulysses: 1, ring: 2 },
+    };
+    let mesh = kiln_tensor::Device::open_mesh_axes(kiln_tensor::DeviceSpec::CPU, axes).unwrap();
+    let (mut one, mut split) = (load(&device()), load(&mesh));
+    for cache in [
+        None,
+        Some("first-block:threshold=1.0"),
+        Some("magcache:calibrate=true"),
+        Some("magcache:threshold=1.0,max_skip_steps=3,retention_ratio=0"),
+    ] {
+        let call = || StableDiffusion3Call {
+            height: 36,
+            width: 36,
+            num_inference_steps: 4,
+            cache: cache.map(|c| kiln_pipelines::cache::CacheConfig::parse(c).unwrap()),
+            ..call_from(&call_json["call_kwargs"])
+        };
+        let (want, got) = (one.call(call()).unwrap(), split.call(call()).unwrap());
+        assert_eq!(got.served_from_cache, want.served_from_cache, "{cache:?}");
+        if cache.is_some_and(|c| !c.contains("calibrate")) {
+            assert!(
+                want.served_from_cache.is_some_and(|(served, _)| served > 0),
+                "{cache:?}: none served"
+            );
+        }
+        let ratios =
+            |o: &kiln_pipelines::PipelineOutput| o.calibrated_mag_ratios.clone().into_iter().flatten().flatten();
+        for (g, w) in ratios(&got).zip(ratios(&want)) {
+            assert!((g - w).abs() <= 1e-5 * w.abs().max(1e-3), "{cache:?}: ratio {g} vs {w}");
+        }
+        let [g, w] = [got, want].map(|o| o.latents.to_f32_vec().unwrap());
+        kiln_testing::assert_close(&format!("{cache:?}"), &g, &w, 1e-5, 1e-4);
+    }
+}

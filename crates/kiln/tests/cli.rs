@@ -1116,18 +1116,6 @@ fn context_parallel_generate_gives_diffusers_images() {
         ),
         (
             &schnell,
-            vec![
-                "--ring-degree",
-                "2",
-                "--max-sequence-length",
-                "33",
-                "--cache",
-                "taylorseer",
-            ],
-            "text tokens (with a step cache) 33",
-        ),
-        (
-            &schnell,
             vec!["--ring-degree", "2", "--offload", "sequential"],
             "sequential offload is not supported with tensor or context parallelism",
         ),
