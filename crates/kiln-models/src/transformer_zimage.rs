@@ -916,19 +916,23 @@ impl ZImageTransformer2DModel {
     /// MagCache's computed call: the prediction and the residual of `layers`, `unified sequence
     /// after the last layer − entering the first` (`magcache.compute` when compiled whole).
     pub fn forward_magcache_compute(&self, inputs: &ZImageInputs<'_>) -> Result<(Tensor, Tensor)> {
+        let len = unified_len(inputs);
         let inputs = self.call_inputs(inputs)?;
-        self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
+        let (prediction, residual) = self.compiled.whole("magcache.compute", self, inputs, |m, inputs| {
             let Embedded { unified, adaln } = m.embed(inputs)?;
             let entering = unified.clone();
             let unified = m.layers_with(0, unified, (inputs, &adaln), AttentionMode::Plain, &mut Vec::new())?;
             Ok((m.output(&unified, &adaln, inputs)?, unified.sub(&entering)?))
-        })
+        })?;
+        // Kept whole where the split pads the sequence, so calibration's mean holds no padding.
+        Ok((prediction, context_parallel::whole_if_padded(&residual, len)?))
     }
 
     /// MagCache's skipped call: no layer runs; the unified sequence entering them plus
     /// `residual`, through the final layer (`magcache.skip`).
     pub fn forward_magcache_skip(&self, inputs: &ZImageInputs<'_>, residual: &Tensor) -> Result<Tensor> {
-        let inputs = (self.call_inputs(inputs)?, residual.clone());
+        let residual = context_parallel::device_tokens(residual, unified_len(inputs))?;
+        let inputs = (self.call_inputs(inputs)?, residual);
         self.compiled
             .whole("magcache.skip", self, inputs, |m, (inputs, residual)| {
                 let Embedded { unified, adaln } = m.embed(inputs)?;
@@ -978,17 +982,9 @@ impl ZImageTransformer2DModel {
                 message: "First-Block Cache needs at least one layer (n_layers is 0)".into(),
             });
         }
-        // Its residual's mean (the decision) would count the padding of a sequence the degree
-        // does not divide.
-        let len = inputs.tables.unified.first().map_or(0, |r| r.cos.dims()[0]);
-        if context_parallel::padded_len(inputs.x.device(), len) != len {
-            context_parallel::refuse(
-                inputs.x.device(),
-                &format!("First-Block Cache on a unified sequence of {len} tokens the degree does not divide"),
-            )?;
-        }
+        let len = unified_len(inputs);
         let inputs = self.call_inputs(inputs)?;
-        self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
+        let mut head = self.compiled.whole("first_block.head", self, inputs, |m, inputs| {
             let Embedded { unified, adaln } = m.embed(inputs)?;
             let out = m.layers.run(
                 &m.compiled,
@@ -1006,7 +1002,11 @@ impl ZImageTransformer2DModel {
                 unified: out,
                 adaln,
             })
-        })
+        })?;
+        // The residual only feeds the decision: whole where the split pads the sequence, so its
+        // mean holds no padding.
+        head.residual = context_parallel::whole_if_padded(&head.residual, len)?;
+        Ok(head)
     }
 
     /// First-Block Cache's computed rest: the other layers after `head`; the prediction and the
@@ -1289,6 +1289,11 @@ impl ZImageTransformer2DModel {
     }
 }
 
+/// The tokens of a call's unified `[image; captions]` sequence (its rotary rows).
+fn unified_len(inputs: &ZImageInputs<'_>) -> usize {
+    inputs.tables.unified.first().map_or(0, |r| r.cos.dims()[0])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1437,18 +1442,12 @@ mod tests {
                     }
                 }
             }
-            // First-Block Cache's decision (a mean over the sequence) would count the padding.
-            let head = model.forward_first_block(&call.inputs());
-            match LEN.is_multiple_of(degree) {
-                true => assert_eq!(head.unwrap().unified.dims(), [2, part, 24], "{axes}"),
-                false => {
-                    let err = head.unwrap_err().to_string();
-                    assert!(
-                        err.contains("First-Block Cache on a unified sequence of 128 tokens"),
-                        "{err}"
-                    );
-                }
-            }
+            // First-Block Cache's head: this device's tokens, and its residual (the decision's
+            // input) whole where the split pads the sequence.
+            let head = model.forward_first_block(&call.inputs()).unwrap();
+            assert_eq!(head.unified.dims(), [2, part, 24], "{axes}");
+            let residual_len = if LEN.is_multiple_of(degree) { part } else { LEN };
+            assert_eq!(head.residual.dims(), [2, residual_len, 24], "{axes}");
             let out = model.forward(&call.inputs()).unwrap();
             for (m, shard) in out.shards().unwrap().iter().enumerate() {
                 let got = shard.to_f32_vec().unwrap();

@@ -16,8 +16,7 @@
 //!
 //! Context parallelism splits the transformer's main layers over the unified sequence (see
 //! `transformer_zimage`); the text encoder and the VAE run replicated. Every step cache runs with
-//! it; First-Block Cache and MagCache's calibration, whose measures are means over the sequence,
-//! only with a degree that divides 32 (see `check_cache`).
+//! it (see `check_cache`).
 
 use std::cell::RefCell;
 use std::time::Instant;
@@ -25,9 +24,7 @@ use std::time::Instant;
 use kiln_io::{AutoencoderKLConfig, Qwen3Config, ZImageTransformerConfig};
 use kiln_models::autoencoder_kl::AutoencoderKL;
 use kiln_models::text_decoder::{TextDecoderConfig, TextDecoderModel};
-use kiln_models::transformer_zimage::{
-    ZImageFirstBlock, ZImageInputs, ZImageTables, ZImageTransformer2DModel, SEQ_MULTI_OF,
-};
+use kiln_models::transformer_zimage::{ZImageFirstBlock, ZImageInputs, ZImageTables, ZImageTransformer2DModel};
 use kiln_schedulers::FlowMatchEulerDiscreteSchedulerConfig;
 use kiln_tensor::{DType, Device, MemoryKind, Tensor};
 use kiln_tokenizers::{ChatMessage, Qwen3Tokenizer};
@@ -279,7 +276,7 @@ impl ZImagePipeline {
                 .iter()
                 .map(|&t| guided_step(t, do_cfg, truncation))
                 .collect();
-            check_cache(cache, &guided, truncation, device)?;
+            check_cache(cache, &guided, truncation)?;
         }
 
         // 3. Prompts: given embeddings (with their lengths), else the texts.
@@ -525,28 +522,14 @@ fn guided_step(timestep: f32, do_cfg: bool, truncation: f64) -> bool {
 }
 
 /// The step caches Z-Image cannot run as asked (`guided`: whether each step that runs is
-/// guided; `device`: where the transformer runs), refused before any work.
+/// guided), refused before any work.
 ///
 /// With context parallelism each device holds its part of the unified sequence: MagCache,
 /// TaylorSeer and FasterCache keep token-wise state on each device's tokens; First-Block Cache's
 /// decision and MagCache's calibration are means over the whole sequence (every device's sums
-/// all-reduced, divided by the whole count), exact when the sequence splits without padding: the
-/// degree must divide [`SEQ_MULTI_OF`] (the image and each caption are padded to multiples of it).
-fn check_cache(cache: &CacheConfig, guided: &[bool], truncation: f64, device: &Device) -> Result<()> {
-    let context = device.axes().context;
-    let reading_means = match cache {
-        CacheConfig::FirstBlock { .. } => Some("First-Block Cache's decision"),
-        CacheConfig::MagCache { calibrate: true, .. } => Some("MagCache's calibrate"),
-        _ => None,
-    };
-    if let (false, Some(what)) = (SEQ_MULTI_OF.is_multiple_of(context.degree()), reading_means) {
-        return Err(invalid(format!(
-            "`cache`: {what} reads a mean over the unified sequence, which context parallelism ({context}) \
-             would pad to a multiple of {} (the mean would count the padding); use a context-parallel \
-             degree that divides {SEQ_MULTI_OF}, or magcache, taylorseer or faster (their state is per token)",
-            context.degree()
-        )));
-    }
+/// all-reduced, divided by the whole count; where the split pads the sequence, the residuals they
+/// read are kept whole, see `transformer_zimage`).
+fn check_cache(cache: &CacheConfig, guided: &[bool], truncation: f64) -> Result<()> {
     if guided.contains(&true) && matches!(cache, CacheConfig::Faster { .. }) {
         return Err(invalid(
             "`cache`: faster does not run on Z-Image with guidance (its guidance is one batched call, which \
