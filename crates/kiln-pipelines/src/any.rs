@@ -62,7 +62,7 @@ impl AnyPipeline {
     /// weights placed on `options.device` with its offload mode, then compiled as its compile
     /// mode; [`AnyPipeline::record`] says how it runs.
     pub fn load(model: &str, options: &RunOptions) -> Result<AnyPipeline> {
-        if options.keep_quantized && options.device.mesh_size() > 1 {
+        if options.keep_quantized && options.device.tp_size() > 1 {
             return Err(crate::error::invalid(
                 "--keep-quantized and --tp cannot be combined yet: tensor parallelism does not split quantized weights; drop one of them",
             ));

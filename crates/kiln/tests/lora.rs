@@ -191,7 +191,8 @@ fn bad_adapters_are_clear_errors_that_write_nothing() {
 }
 
 /// The adapters in every other mode: repeated-block compiles, both offload modes (the merged
-/// weights are what moves and streams) and tensor parallelism (each device merges its slice).
+/// weights are what moves and streams), tensor parallelism (each device merges its slice) and
+/// context parallelism (each device merges the whole weight).
 #[test]
 fn lora_images_are_diffusers_in_every_mode() {
     let dir = temp_dir("modes");
@@ -202,6 +203,7 @@ fn lora_images_are_diffusers_in_every_mode() {
         &["--offload", "sequential"],
         &["--tp", "2"],
         &["--tp", "2", "--compile", "full"],
+        &["--ring-degree", "2"],
     ];
     for case in [
         "lora_flux1/peft_double_single",

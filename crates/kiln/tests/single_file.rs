@@ -91,7 +91,8 @@ fn text_encoders_from_single_files_give_the_folders_image() {
 }
 
 /// `--keep-quantized`: every GGUF transformer case gives diffusers' image with its matrices kept
-/// quantized on the device, eager and compiled, and the weights take that much less memory.
+/// quantized on the device, eager and compiled (and with context parallelism), and the weights
+/// take that much less memory.
 #[test]
 fn kept_quantized_gives_diffusers_images_in_less_memory() {
     let dir = temp_dir("single-file-kept");
@@ -108,6 +109,13 @@ fn kept_quantized_gives_diffusers_images_in_less_memory() {
             "kept-full",
             &["--keep-quantized", "--compile", "full"],
         );
+    }
+    // Context parallelism splits tokens, not weights: kept matrices run on each device whole.
+    for (case, split) in [
+        ("gguf_flux1/q4_k", "--ring-degree"),
+        ("gguf_sd3/q8_0", "--ulysses-degree"),
+    ] {
+        check_case(&dir, &self::case(case), "kept-split", &["--keep-quantized", split, "2"]);
     }
 
     // The device bytes the weights take, each file's transformer decoded to f32 and kept: the
