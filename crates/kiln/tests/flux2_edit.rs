@@ -40,6 +40,8 @@ fn two_references_compiled_by_blocks_or_offloaded_give_diffusers_images() {
     check_case(&dir, &case, "blocks", &["--compile", "blocks"]);
     // The VAE encodes the references before the transformer runs: the offload order holds.
     check_case(&dir, &case, "offload", &["--offload", "model"]);
+    // The references' tokens split with the latents' (context parallelism).
+    check_case(&dir, &case, "ring", &["--ring-degree", "2", "--compile", "full"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -21,7 +21,7 @@ fn every_image_to_image_and_inpainting_case_gives_diffusers_images_eager_and_com
 }
 
 /// FLUX.1 Kontext: the image's tokens beside the latents, its preferred-resolution resize and
-/// `max_area`; eager, compiled whole and by blocks.
+/// `max_area`; eager, compiled whole and by blocks, and with ring attention.
 #[test]
 fn every_kontext_case_gives_diffusers_images() {
     let dir = temp_dir("kontext");
@@ -32,11 +32,13 @@ fn every_kontext_case_gives_diffusers_images() {
         check_case(&dir, case, "full", &["--compile", "full"]);
     }
     check_case(&dir, &cases[0], "blocks", &["--compile", "blocks"]);
+    // The image's tokens split with the latents' (context parallelism).
+    check_case(&dir, &cases[1], "ring", &["--ring-degree", "2"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Repeated-block compiles, both offload modes and `--tp 2`, on an inpainting case of each
-/// family (the inpainting path covers image-to-image's too).
+/// Repeated-block compiles, both offload modes, `--tp 2` and `--ulysses-degree 2`, on an
+/// inpainting case of each family (the inpainting path covers image-to-image's too).
 #[test]
 fn inpainting_gives_diffusers_images_in_every_mode() {
     let dir = temp_dir("images-in-modes");
@@ -46,6 +48,7 @@ fn inpainting_gives_diffusers_images_in_every_mode() {
         ("model", &["--offload", "model"]),
         ("sequential", &["--offload", "sequential"]),
         ("tp", &["--tp", "2"]),
+        ("ulysses", &["--ulysses-degree", "2"]),
     ];
     for case in [
         "flux1_inpaint/schnell_resize_rgb_mask_2images",
