@@ -6,7 +6,7 @@
 //! context parallelism (FLUX.1, FLUX.2) every cache gives the images and decisions of one device.
 
 mod golden;
-use golden::{call_json, case_flags, check_case, generate, oracle_cases, temp_dir};
+use golden::{calibrated, call_json, case_flags, check_case, generate, image_diff, oracle_cases, served, temp_dir};
 
 /// The `--cache` flag of a case (`load_extras.cache`, lists joined with `;`).
 fn cache_flag(case: &std::path::Path) -> String {
@@ -160,18 +160,6 @@ fn first_block_is_unchanged_by_splitting(dir: &std::path::Path, pipeline: &str, 
         assert_eq!(served(&stderr), served(&one), "{pipeline} {tag}");
         golden::assert_matches_golden(&dir.join(&out), &dir.join("fb-one.png"));
     }
-}
-
-/// The ratios `--cache magcache:calibrate=true` printed, one list per cache state.
-fn calibrated(stderr: &str) -> Vec<Vec<f64>> {
-    stderr
-        .lines()
-        .filter_map(|l| l.strip_prefix("magcache calibration"))
-        .map(|rest| {
-            let (_, list) = rest.split_once("mag_ratios=").unwrap();
-            list.split(';').map(|r| r.parse().unwrap()).collect()
-        })
-        .collect()
 }
 
 /// MagCache's calibration of `case`'s call with the `split` flags prints the ratios it prints on
@@ -447,12 +435,6 @@ fn same_in_modes(
     }
 }
 
-fn served(stderr: &str) -> (usize, usize) {
-    let line = stderr.lines().find(|l| l.starts_with("step cache:")).unwrap();
-    let words: Vec<&str> = line.split_whitespace().collect();
-    (words[2].parse().unwrap(), words[4].parse().unwrap())
-}
-
 /// A cached image stays close to the uncached one: its mean |Δ| is under a third of the uncached
 /// image's from the same call with another seed (these tiny random models change a lot between
 /// steps, so an absolute bound says little).
@@ -464,15 +446,6 @@ fn assert_close_to_uncached(dir: &std::path::Path, pipeline: &str, what: &str, c
         max > 0 && mean < other / 3.0,
         "{pipeline} {what}: mean |Δ| {mean:.3}, another seed's {other:.3}"
     );
-}
-
-/// Max and mean |Δ| of two images' values (levels).
-fn image_diff(dir: &std::path::Path, a: &str, b: &str) -> (u8, f64) {
-    let (a, b) = (golden::pixels(&dir.join(a)), golden::pixels(&dir.join(b)));
-    assert_eq!(a.dimensions(), b.dimensions());
-    let diffs: Vec<u8> = a.as_raw().iter().zip(b.as_raw()).map(|(x, y)| x.abs_diff(*y)).collect();
-    let mean = diffs.iter().map(|&d| f64::from(d)).sum::<f64>() / diffs.len() as f64;
-    (diffs.iter().copied().max().unwrap(), mean)
 }
 
 /// TaylorSeer's computed steps (README-cache): `s < before`, or `(s − before − 1) mod interval

@@ -10,7 +10,7 @@
 //! hooks' formulas. One cache state: the pipeline sets no cache context and batches its guidance.
 
 mod golden;
-use golden::{generate, temp_dir, zimage_with_two_kv_heads};
+use golden::{calibrated, generate, image_diff, served, temp_dir, zimage_with_two_kv_heads};
 use std::path::Path;
 
 const STEPS: usize = 8;
@@ -57,22 +57,6 @@ fn references(dir: &Path, guidance: &str) {
     );
     let other = ["--compile", "none", "--guidance-scale", guidance, "--seed", "4"];
     tiny(dir, "other_seed.png", &other, false);
-}
-
-/// `(served, calls)` from `step cache: N of M …`.
-fn served(stderr: &str) -> (usize, usize) {
-    let line = stderr.lines().find(|l| l.starts_with("step cache:")).unwrap();
-    let words: Vec<&str> = line.split_whitespace().collect();
-    (words[2].parse().unwrap(), words[4].parse().unwrap())
-}
-
-/// Max and mean |Δ| of two images' values (levels).
-fn image_diff(dir: &Path, a: &str, b: &str) -> (u8, f64) {
-    let (a, b) = (golden::pixels(&dir.join(a)), golden::pixels(&dir.join(b)));
-    assert_eq!(a.dimensions(), b.dimensions());
-    let diffs: Vec<u8> = a.as_raw().iter().zip(b.as_raw()).map(|(x, y)| x.abs_diff(*y)).collect();
-    let mean = diffs.iter().map(|&d| f64::from(d)).sum::<f64>() / diffs.len() as f64;
-    (diffs.iter().copied().max().unwrap(), mean)
 }
 
 /// A cached image stays close to the uncached one: its mean |Δ| is under a third of another
@@ -453,18 +437,6 @@ fn zimage_caches_kiln_cannot_run_are_refused() {
     );
     assert!(ok, "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// The ratios `--cache magcache:calibrate=true` printed, one list per cache state.
-fn calibrated(stderr: &str) -> Vec<Vec<f64>> {
-    stderr
-        .lines()
-        .filter_map(|l| l.strip_prefix("magcache calibration"))
-        .map(|rest| {
-            let (_, list) = rest.split_once("mag_ratios=").unwrap();
-            list.split(';').map(|r| r.parse().unwrap()).collect()
-        })
-        .collect()
 }
 
 /// diffusers' MagCache calibration (`MagCacheConfig(calibrate=True)`) on two FLUX.1 oracle calls,

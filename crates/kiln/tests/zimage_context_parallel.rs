@@ -6,33 +6,7 @@
 use std::path::Path;
 
 mod golden;
-use golden::{
-    assert_matches_golden, case_flags, case_images, check_case, generate, oracle_cases, temp_dir,
-    zimage_with_two_kv_heads,
-};
-
-/// `case` through `kiln generate` with `extra` flags, its `--model` replaced by `model` if given,
-/// each image within the one-device tolerances of the case's.
-fn check(dir: &Path, case: &Path, tag: &str, model: Option<&Path>, extra: &[&str]) {
-    let name = case.file_name().unwrap().to_string_lossy().into_owned();
-    let output = format!("{name}-{tag}.png");
-    let mut flags = case_flags(case, &output);
-    if let Some(model) = model {
-        let at = flags.iter().position(|f| f == "--model").unwrap() + 1;
-        flags[at] = model.display().to_string();
-    }
-    flags.extend(extra.iter().map(|s| s.to_string()));
-    let (ok, stderr) = generate(dir, &flags);
-    assert!(ok, "{} ({tag}): {stderr}", case.display());
-    let images = case_images(case);
-    for k in 0..images {
-        let file = match images {
-            1 => output.clone(),
-            _ => format!("{name}-{tag}-{k}.png"),
-        };
-        assert_matches_golden(&dir.join(file), &case.join(format!("image_{k}.png")));
-    }
-}
+use golden::{check_case, check_case_on, generate, oracle_cases, temp_dir, zimage_with_two_kv_heads};
 
 /// Every `zimage` and `zimage_img2img` case at ulysses 2, ring 2 and tensor parallelism 2 × ring
 /// 2 (the oracle's 2 heads leave one per tensor-parallel device, too few for Ulysses; that run
@@ -54,7 +28,7 @@ fn every_zimage_case_gives_diffusers_images_with_context_parallelism() {
         for (mesh, model, flags) in meshes {
             for compile in ["none", "full"] {
                 let tag = format!("{mesh}-{compile}");
-                check(&dir, case, &tag, model, &[flags, &["--compile", compile]].concat());
+                check_case_on(&dir, case, model, &tag, &[flags, &["--compile", compile]].concat());
             }
         }
     }

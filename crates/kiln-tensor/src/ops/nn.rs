@@ -272,22 +272,7 @@ impl Tensor {
         let (bq, hq, sq, d, sk) = attention_dims(op, q, k, v)?;
         let scores_shape = [bq, hq, sq, sk];
         let extra = match mask {
-            AttentionMask::Additive(m) => {
-                if broadcast_shapes(m.dims(), &scores_shape).as_deref() != Some(&scores_shape[..]) {
-                    return Err(Error::Broadcast {
-                        op,
-                        lhs: m.shape().clone(),
-                        rhs: scores_shape.to_vec().into(),
-                    });
-                }
-                if !m.dtype().is_float() {
-                    return Err(Error::invalid(
-                        op,
-                        format!("an additive mask must be float, got {}", m.dtype()),
-                    ));
-                }
-                Some(m)
-            }
+            AttentionMask::Additive(m) => Some(check_additive_mask(op, m, &scores_shape)?),
             _ => None,
         };
         let causal = matches!(mask, AttentionMask::Causal);
@@ -359,19 +344,7 @@ impl Tensor {
         let (bq, hq, sq, d, sk) = attention_dims(op, q, k, v)?;
         let scores_shape = [bq, hq, sq, sk];
         if let Some(m) = mask {
-            if broadcast_shapes(m.dims(), &scores_shape).as_deref() != Some(&scores_shape[..]) {
-                return Err(Error::Broadcast {
-                    op,
-                    lhs: m.shape().clone(),
-                    rhs: scores_shape.to_vec().into(),
-                });
-            }
-            if !m.dtype().is_float() {
-                return Err(Error::invalid(
-                    op,
-                    format!("an additive mask must be float, got {}", m.dtype()),
-                ));
-            }
+            check_additive_mask(op, m, &scores_shape)?;
         }
         let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
         let mut inputs = vec![q, k, v];
@@ -494,6 +467,24 @@ fn attention_dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor) -> Resul
 }
 
 /// `q · scale` rounded to its dtype, as attention scales it before the product.
+/// An additive attention mask must be float and broadcast to the scores `[B, H, Sq, Sk]`.
+fn check_additive_mask<'a>(op: &'static str, m: &'a Tensor, scores_shape: &[usize; 4]) -> Result<&'a Tensor> {
+    if broadcast_shapes(m.dims(), scores_shape).as_deref() != Some(&scores_shape[..]) {
+        return Err(Error::Broadcast {
+            op,
+            lhs: m.shape().clone(),
+            rhs: scores_shape.to_vec().into(),
+        });
+    }
+    if !m.dtype().is_float() {
+        return Err(Error::invalid(
+            op,
+            format!("an additive mask must be float, got {}", m.dtype()),
+        ));
+    }
+    Ok(m)
+}
+
 fn scaled_query(b: &mut Builder, q: &Value, scale: f64) -> kiln_hlo::Result<Value> {
     if scale == 1.0 {
         return Ok(q.clone());

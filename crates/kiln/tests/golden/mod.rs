@@ -126,9 +126,18 @@ pub fn case_images(case: &Path) -> usize {
 /// Runs `case` through `kiln generate` with `extra` flags and checks each image against the
 /// case's; `tag` tells the outputs of several runs apart.
 pub fn check_case(dir: &Path, case: &Path, tag: &str, extra: &[&str]) {
+    check_case_on(dir, case, None, tag, extra)
+}
+
+/// [`check_case`] with `model` (when given) in place of the case's pipeline folder.
+pub fn check_case_on(dir: &Path, case: &Path, model: Option<&Path>, tag: &str, extra: &[&str]) {
     let name = case.file_name().unwrap().to_string_lossy().into_owned();
     let output = format!("{name}-{tag}.png");
     let mut flags = case_flags(case, &output);
+    if let Some(model) = model {
+        let at = flags.iter().position(|f| f == "--model").unwrap() + 1;
+        flags[at] = model.display().to_string();
+    }
     flags.extend(extra.iter().map(|s| s.to_string()));
     let (ok, stderr) = generate(dir, &flags);
     assert!(ok, "{} ({tag}): {stderr}", case.display());
@@ -194,4 +203,32 @@ pub fn zimage_with_two_kv_heads(dir: &Path) -> PathBuf {
         .collect();
     safetensors::serialize_to_file(views, None, &model.join("text_encoder/model.safetensors")).unwrap();
     model
+}
+
+/// `(served, calls)` from `kiln generate`'s `step cache: N of M …` line.
+pub fn served(stderr: &str) -> (usize, usize) {
+    let line = stderr.lines().find(|l| l.starts_with("step cache:")).unwrap();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    (words[2].parse().unwrap(), words[4].parse().unwrap())
+}
+
+/// The ratios `--cache magcache:calibrate=true` printed, one list per cache state.
+pub fn calibrated(stderr: &str) -> Vec<Vec<f64>> {
+    stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("magcache calibration"))
+        .map(|rest| {
+            let (_, list) = rest.split_once("mag_ratios=").unwrap();
+            list.split(';').map(|r| r.parse().unwrap()).collect()
+        })
+        .collect()
+}
+
+/// Max and mean |Δ| of two images' values (levels), files `a` and `b` in `dir`.
+pub fn image_diff(dir: &Path, a: &str, b: &str) -> (u8, f64) {
+    let (a, b) = (pixels(&dir.join(a)), pixels(&dir.join(b)));
+    assert_eq!(a.dimensions(), b.dimensions());
+    let diffs: Vec<u8> = a.as_raw().iter().zip(b.as_raw()).map(|(x, y)| x.abs_diff(*y)).collect();
+    let mean = diffs.iter().map(|&d| f64::from(d)).sum::<f64>() / diffs.len() as f64;
+    (diffs.iter().copied().max().unwrap(), mean)
 }
