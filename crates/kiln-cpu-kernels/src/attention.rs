@@ -1,7 +1,8 @@
 //! Attention as a native kernel inside XLA:CPU programs (an XLA FFI custom call).
 //!
 //! XLA:CPU runs attention's two batched products as loops of small matmuls on its slower dot
-//! path; this kernel runs `softmax(q kᵀ) v` per head and block of query rows with a tuned GEMM
+//! path; this kernel runs `softmax(q kᵀ + key bias) v` (the bias, a padding mask, optional) per
+//! head and block of query rows with a tuned GEMM
 //! (faer), the row softmax in between, never materialising more than a block's scores, on all
 //! cores. Numerics follow the plain lowering in kiln-tensor's `ops/nn.rs`: products accumulate in
 //! f32, the unnormalised weights take the input dtype before the value product, the f32 row sums
@@ -32,7 +33,9 @@ const BLOCK_ROWS: usize = 64;
 /// Below this many multiply-adds one thread does the whole call (thread start-up costs more).
 const PARALLEL_MIN_WORK: usize = 1 << 22;
 
-/// The kernel: operands q (already scaled), k, v `[batch, heads, seq, dim]`, one result.
+/// The kernel: operands q (already scaled), k, v `[batch, heads, seq, dim]` and optionally a
+/// key bias `[batch, seq_k]` f32 (added to every head's and query row's scores: a padding mask),
+/// one result.
 pub struct Attention;
 
 impl HostKernel for Attention {
@@ -40,11 +43,15 @@ impl HostKernel for Attention {
 
     fn run(args: &[HostBuffer<'_>], rets: &mut [HostBufferMut<'_>], pool: &HostPool<'_>) -> Result<(), String> {
         let counts = (args.len(), rets.len());
-        let ([q, k, v], [out]) = (args, rets) else {
-            return Err(format!(
-                "expects 3 operands (q, k, v) and 1 result, got {} and {}",
-                counts.0, counts.1
-            ));
+        let (q, k, v, bias, out) = match (args, rets) {
+            ([q, k, v], [out]) => (q, k, v, None, out),
+            ([q, k, v, bias], [out]) => (q, k, v, Some(bias), out),
+            _ => {
+                return Err(format!(
+                    "expects 3 or 4 operands (q, k, v, key bias) and 1 result, got {} and {}",
+                    counts.0, counts.1
+                ))
+            }
         };
         let dtype = q.dtype;
         let four = |dims: &[usize], what: &str| -> Result<[usize; 4], String> {
@@ -65,12 +72,26 @@ impl HostKernel for Attention {
                 dtype, k.dtype, v.dtype, out.dtype
             ));
         }
+        let key_bias: Option<&[f32]> = match bias {
+            None => None,
+            Some(bias) if bias.dtype == DType::F32 && bias.dims == [b, sk] => Some(
+                bytemuck::try_cast_slice(bias.bytes).map_err(|_| "the key bias is not aligned for f32".to_string())?,
+            ),
+            Some(bias) => {
+                return Err(format!(
+                    "the key bias must be [{b}, {sk}] f32, got {:?} {}",
+                    bias.dims, bias.dtype
+                ))
+            }
+        };
         let shape = Shape {
             b: b * h,
+            heads: h,
             sq,
             sk,
             d,
             dv,
+            key_bias,
         };
         let x86 = crate::switches::bf16_products().zip(Avx512::get());
         if let (DType::BF16, Some(x86), Ok(out)) = (dtype, x86, bytemuck::try_cast_slice_mut::<u8, u16>(out.bytes)) {
@@ -84,13 +105,29 @@ impl HostKernel for Attention {
     }
 }
 
-struct Shape {
+struct Shape<'a> {
     /// batch × heads
     b: usize,
+    heads: usize,
     sq: usize,
     sk: usize,
     d: usize,
     dv: usize,
+    /// `[batch, sk]`, added to the scores of every head of its batch item.
+    key_bias: Option<&'a [f32]>,
+}
+
+impl Shape<'_> {
+    /// Adds the key bias of `head` (of `b`) to each of its score rows (`width` apart, the first
+    /// `sk` of each).
+    fn add_key_bias(&self, head: usize, scores: &mut [f32], width: usize) {
+        if let Some(bias) = self.key_bias {
+            let bias = &bias[(head / self.heads) * self.sk..][..self.sk];
+            for row in scores.chunks_exact_mut(width) {
+                row[..self.sk].iter_mut().zip(bias).for_each(|(x, b)| *x += b);
+            }
+        }
+    }
 }
 
 /// The operand as f32 values (a copy for 16-bit inputs, exact).
@@ -156,7 +193,7 @@ fn attention_bf16_products(
         let mut item = items[i].lock().unwrap_or_else(|e| e.into_inner());
         let (head, row0, ref mut chunk) = *item;
         let q = &q[(head * s.sq + row0) * s.d..];
-        BF16_SCRATCH.with_borrow_mut(|scratch| block_bf16(x86, s, q, &packed[head], chunk, scratch));
+        BF16_SCRATCH.with_borrow_mut(|scratch| block_bf16(x86, s, head, q, &packed[head], chunk, scratch));
     });
 }
 
@@ -184,6 +221,7 @@ struct Bf16Scratch {
 fn block_bf16(
     (products, avx): (Bf16Products, Avx512),
     s: &Shape,
+    head: usize,
     q: &[u16],
     kv: &Packed,
     out: &mut [u16],
@@ -203,6 +241,7 @@ fn block_bf16(
     for col in (0..sk_pad).step_by(32) {
         tiles.gemm_32x32(&scratch.q, d_pad, &kv.keys, col, &mut scratch.scores[col..], sk_pad);
     }
+    s.add_key_bias(head, &mut scratch.scores[..rows * sk_pad], sk_pad);
     let mut sums = [0f32; BF16_ROWS];
     let rows_of_scores = scratch.scores.chunks_exact(sk_pad);
     for ((row, weights), sum) in rows_of_scores
@@ -291,6 +330,7 @@ fn block(
         1.0f32,
         Par::Seq,
     );
+    s.add_key_bias(head, scores, s.sk);
     let mut sums = [0f32; BLOCK_ROWS];
     // Without AVX-512, compiled for the CPU's vector width (AVX2/FMA where present) at run time.
     let avx = Avx512::get();

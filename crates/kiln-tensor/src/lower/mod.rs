@@ -17,7 +17,7 @@ use crate::ops::{AttentionMask, Conv2dParams};
 pub(crate) enum Attention {
     /// cuDNN's fused flash attention (CUDA).
     Cudnn(cuda::FusedAttention),
-    /// kiln's native kernel (CPU, no mask), on q already scaled.
+    /// kiln's native kernel (CPU; no mask or a key-only one), on q already scaled.
     CpuKernel,
     /// XLA ops, the queries in blocks of this many rows (CPU: each block's scores stay in cache).
     Chunked(usize),
@@ -38,11 +38,21 @@ pub(crate) fn attention(
     match device.platform() {
         Platform::Cuda => cuda::FusedAttention::plan(cuda::Target::of(device), q, k, v, dtype, additive, causal, scale)
             .map_or(Attention::Plain, Attention::Cudnn),
-        Platform::Cpu if matches!(mask, AttentionMask::None) && cpu::ready(device, cpu::Handler::Attention) => {
+        Platform::Cpu if key_only(mask, q[0], k[2]) && cpu::ready(device, cpu::Handler::Attention) => {
             Attention::CpuKernel
         }
         Platform::Cpu => cpu::query_chunk(q[1], q[2]).map_or(Attention::Plain, Attention::Chunked),
         Platform::Tpu => Attention::Plain,
+    }
+}
+
+/// No mask, or an additive one over the keys only (`[1 or B, 1, 1, Sk]`: a padding mask), which
+/// the CPU kernel takes as its key bias.
+fn key_only(mask: &AttentionMask, batch: usize, keys: usize) -> bool {
+    match mask {
+        AttentionMask::None => true,
+        AttentionMask::Additive(m) => matches!(m.dims(), &[b, 1, 1, s] if (b == 1 || b == batch) && s == keys),
+        AttentionMask::Causal => false,
     }
 }
 

@@ -290,8 +290,14 @@ impl Tensor {
             let q = scaled_query(b, &p[0], scale)?;
             let chunk = match &lowering {
                 lower::Attention::CpuKernel => {
-                    let (k, v) = (p[1].clone(), p[2].clone());
-                    return b.ffi_call(Handler::Attention.target(), &[q, k, v], [bq, hq, sq, dv], dtype);
+                    let mut operands = vec![q, p[1].clone(), p[2].clone()];
+                    if let Some(m) = p.get(3) {
+                        // The key bias `[B, Sk]` f32 (`lower::attention` took only key-only masks).
+                        let m = b.convert(m, DType::F32)?;
+                        let m = b.reshape(&m, vec![m.dims()[0], sk])?;
+                        operands.push(b.broadcast_in_dim(&m, vec![bq, sk], &[0, 1])?);
+                    }
+                    return b.ffi_call(Handler::Attention.target(), &operands, [bq, hq, sq, dv], dtype);
                 }
                 lower::Attention::Chunked(chunk) => *chunk,
                 lower::Attention::Cudnn(_) | lower::Attention::Plain => {
