@@ -72,10 +72,6 @@ const QK_NORM_EPS: f64 = 1e-5;
 const FINAL_NORM_EPS: f64 = 1e-6;
 /// The patch sizes `ZImagePipeline` runs (`patch_size=2, f_patch_size=1`, the forward's defaults).
 const PATCH: (usize, usize) = (2, 1);
-/// A masked key's bias in the main layers' mask under context parallelism: finite (as
-/// [`context_parallel::key_bias`]'s), so that exp underflows to exactly 0 beside any real key and
-/// a ring block of masked keys alone merges with weight 0.
-const MASKED_KEY: f64 = -1.0e30;
 
 fn input_error(op: &'static str, message: String) -> Error {
     Error::Tensor(kiln_tensor::Error::Invalid { op, message })
@@ -877,9 +873,8 @@ impl ZImageTransformer2DModel {
     fn call_inputs(&self, inputs: &ZImageInputs<'_>) -> Result<CallInputs> {
         self.check_inputs(inputs)?;
         let mut tables = inputs.tables.clone();
-        let device = inputs.x.device();
-        if device.axes().context.is_enabled() {
-            let len = tables.unified[0].cos.dims()[0];
+        if inputs.x.device().axes().context.is_enabled() {
+            let len = unified_len(inputs);
             tables.unified = tables
                 .unified
                 .iter()
@@ -893,7 +888,7 @@ impl ZImageTransformer2DModel {
             let own = tables
                 .unified_mask
                 .as_ref()
-                .map(|m| context_parallel::split_padded(&m.maximum_scalar(MASKED_KEY)?, 3))
+                .map(|m| context_parallel::split_padded(&m.maximum_scalar(context_parallel::PADDING_BIAS)?, 3))
                 .transpose()?;
             tables.unified_mask = match (own, context_parallel::key_bias(inputs.x, &[len])?) {
                 (Some(own), Some(padding)) => Some(own.add(&padding)?),

@@ -13,30 +13,6 @@ fn error(context: ContextParallel, message: String) -> Error {
     Error::ContextParallel { context, message }
 }
 
-/// Checks that the context-parallel degree of `x`'s device divides every sequence length of
-/// `lengths` (named, e.g. `("text", 512)`); the error names the lengths and the degrees that work.
-pub fn check_sequence_lengths(x: &Tensor, lengths: &[(&str, usize)]) -> Result<()> {
-    let context = x.device().axes().context;
-    let degree = context.degree();
-    if lengths.iter().all(|(_, len)| len.is_multiple_of(degree)) {
-        return Ok(());
-    }
-    let named: Vec<String> = lengths.iter().map(|(what, len)| format!("{what} {len}")).collect();
-    let working: Vec<String> = (1..=lengths.iter().map(|l| l.1).max().unwrap_or(1))
-        .filter(|d| lengths.iter().all(|(_, len)| len.is_multiple_of(*d)))
-        .map(|d| d.to_string())
-        .collect();
-    Err(error(
-        context,
-        format!(
-            "the token sequences ({}) do not split into {degree} equal parts; use a degree that divides \
-             each ({}), or other sizes",
-            named.join(", "),
-            working.join(", ")
-        ),
-    ))
-}
-
 /// An error naming the head count and the degrees that work when a model with `heads` attention
 /// heads per device cannot run Ulysses attention on `device` (its ulysses degree must divide
 /// them).
@@ -58,16 +34,6 @@ pub fn check_heads(device: &Device, heads: usize) -> Result<()> {
             working.join(", ")
         ),
     ))
-}
-
-/// An error when `device` splits token sequences, which `what` (a model, a step cache) cannot
-/// run on yet.
-pub fn refuse(device: &Device, what: &str) -> Result<()> {
-    let context = device.axes().context;
-    match context.is_enabled() {
-        false => Ok(()),
-        true => Err(error(context, format!("{what} is not supported with it yet"))),
-    }
 }
 
 /// A joint-attention model's tokens on this device ([`split_joint_tokens`]).
@@ -205,8 +171,10 @@ pub fn key_bias(like: &Tensor, lens: &[usize]) -> Result<Option<Tensor>> {
     Ok(Some(local.reshape([1, 1, 1, n])?))
 }
 
-/// A padding key's score bias: exp underflows to exactly 0 beside any real key.
-const PADDING_BIAS: f64 = -1.0e30;
+/// A masked key's score bias: its weight beside any real key is 0 (XLA's exp underflows) or
+/// below 2e-38 (the CPU kernel's exp stops at −87), nothing at f32 precision; finite, so that a
+/// ring block of masked keys alone merges with weight 0 instead of NaN.
+pub const PADDING_BIAS: f64 = -1.0e30;
 
 /// Attention without a mask over heads-first `q`, `k`, `v` `[B, H, S, D]`, scaled by
 /// `1/√D`. With context parallelism `S` is this device's part of the sequence and each query

@@ -707,9 +707,11 @@ impl CacheRun {
 
 /// The mean of the values of `t` (`[n]`, float32), a cache measure's token-wise values: without
 /// context parallelism `t.mean()` (the rounding the oracle's decisions were checked with); with
-/// it, `t` holds this device's share of the whole sequence's values, so the mean is the sum over
-/// the sequence axis' members (an all-reduce, every device then holds the same value) divided by
-/// the count of them all, `n · degree` (the sequences split into equal parts).
+/// it, the sum over the sequence axis' members (an all-reduce, every device then holds the same
+/// value) divided by `n · degree`. That is the mean both when `t` holds this device's equal share
+/// of the sequence and when it holds the whole sequence on every device (the models keep the
+/// residuals these measures read whole where the split pads the sequence,
+/// `context_parallel::whole_if_padded`: the all-reduce then adds `degree` equal copies).
 fn sequence_mean(t: &kiln_tensor::Tensor) -> kiln_nn::Result<kiln_tensor::Tensor> {
     let degree = t.device().axes().context.degree();
     if degree == 1 {
